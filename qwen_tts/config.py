@@ -151,7 +151,9 @@ class SpeakerEncoderConfig:
     def from_dict(cls, d: dict[str, Any]) -> SpeakerEncoderConfig:
         # Released checkpoints carry only enc_dim and sample_rate; the rest are the class defaults.
         tuples = ("enc_channels", "enc_kernel_sizes", "enc_dilations")
-        kw = {k: (tuple(int(x) for x in v) if k in tuples else v) for k, v in d.items() if k in cls.__dataclass_fields__}
+        kw = {
+            k: (tuple(int(x) for x in v) if k in tuples else v) for k, v in d.items() if k in cls.__dataclass_fields__
+        }
         if "enc_dim" not in kw:
             raise ConfigError("speaker_encoder_config: missing required key 'enc_dim'")
         return cls(**kw)

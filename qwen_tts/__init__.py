@@ -1,0 +1,1 @@
+"""Qwen3-TTS-12Hz: our PyTorch implementation, engine interface and voice profiles."""

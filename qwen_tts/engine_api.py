@@ -1,0 +1,215 @@
+"""The one engine interface that the server, the batch CLI and the benchmarks use.
+
+An engine turns (x-vector, text, options) into a stream of float32 PCM chunks at 24 kHz. Nothing above this
+interface knows which implementation (native PyTorch or vLLM-Omni) runs.
+
+    handle = engine.submit(SynthesisRequest(text=..., xvector=...))
+    async for chunk in handle:      # np.ndarray float32, mono, 24 kHz
+        ...
+    handle.stats.finish_reason      # eos | budget | cancelled | error
+    engine.cancel(handle)           # stops the request's work at the next step
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+import torch
+
+SAMPLE_RATE = 24000
+FRAME_SAMPLES = 1920  # 12.5 Hz codec frames
+FRAME_SECONDS = FRAME_SAMPLES / SAMPLE_RATE
+
+
+class FinishReason(str, Enum):
+    EOS = "eos"  # the model emitted end-of-speech
+    BUDGET = "budget"  # the frame budget (from text length, capped by max_frames) ran out
+    CANCELLED = "cancelled"  # the client or caller cancelled
+    ERROR = "error"  # the request failed; others are unaffected
+
+
+class EngineError(Exception):
+    """Base class of errors an engine raises at submission."""
+
+
+class QueueFullError(EngineError):
+    """Admission refused: all slots busy and the wait queue is full."""
+
+
+class EngineNotReadyError(EngineError):
+    """The engine is not started, is draining, or has died."""
+
+
+class RequestFailedError(EngineError):
+    """Raised from a handle's iteration when the request failed inside the engine."""
+
+
+@dataclass
+class SynthesisRequest:
+    """One synthesis job. Defaults follow the checkpoints' generation_config.json."""
+
+    text: str
+    xvector: torch.Tensor  # (D,) float32; D = talker hidden size
+    language: str = "auto"
+    non_streaming_text: bool = True  # all text in the prefill (better pacing); False feeds one token per step
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    cp_temperature: float = 0.9
+    cp_top_k: int = 50
+    cp_top_p: float = 1.0
+    greedy: bool = False  # argmax for codebook 0 and the residual codebooks (official do_sample=False)
+    seed: int | None = None  # None: a random seed is drawn at submission
+    max_frames: int | None = None  # hard cap; the engine also derives a budget from the text length
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Frames of end-of-speech masking at the start (official min_new_tokens=2); benchmarks raise it to fix lengths.
+    min_frames: int = 2
+
+
+@dataclass
+class RequestStats:
+    request_id: str
+    submitted_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None  # prefill began
+    first_audio_at: float | None = None
+    finished_at: float | None = None
+    frames: int = 0
+    samples: int = 0
+    frame_budget: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.started_at is None else self.started_at - self.submitted_at
+
+    @property
+    def time_to_first_audio(self) -> float | None:
+        return None if self.first_audio_at is None else self.first_audio_at - self.submitted_at
+
+    @property
+    def audio_seconds(self) -> float:
+        return self.samples / SAMPLE_RATE
+
+    @property
+    def wall_time(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.submitted_at
+
+    def as_dict(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "queue_time": self.queue_time,
+            "time_to_first_audio": self.time_to_first_audio,
+            "wall_time": self.wall_time,
+            "frames": self.frames,
+            "audio_seconds": self.audio_seconds,
+            "frame_budget": self.frame_budget,
+            "finish_reason": self.finish_reason.value if self.finish_reason else None,
+            "error": self.error,
+        }
+
+
+_DONE = object()
+
+
+class RequestHandle:
+    """Async iterator over a request's audio chunks. Created by `Engine.submit`.
+
+    The engine pushes chunks from its own thread or task with `put_threadsafe`; the consumer iterates in its
+    event loop. Iteration ends after the last chunk; a failed request raises RequestFailedError.
+    """
+
+    def __init__(self, request: SynthesisRequest, loop: asyncio.AbstractEventLoop | None = None):
+        self.request = request
+        self.request_id = request.request_id
+        self.stats = RequestStats(request.request_id)
+        self._loop = loop or asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._finished = False
+
+    # --- producer side (engine) -------------------------------------------------------------
+    def put_threadsafe(self, chunk: np.ndarray) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
+
+    def finish_threadsafe(self, reason: FinishReason, error: str | None = None) -> None:
+        self.stats.finish_reason = reason
+        self.stats.error = error
+        self.stats.finished_at = time.monotonic()
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, _DONE)
+
+    # --- consumer side ------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def __aiter__(self) -> AsyncIterator[np.ndarray]:
+        return self
+
+    async def __anext__(self) -> np.ndarray:
+        if self._finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _DONE:
+            self._finished = True
+            if self.stats.finish_reason is FinishReason.ERROR:
+                raise RequestFailedError(self.stats.error or "request failed")
+            raise StopAsyncIteration
+        return item
+
+    async def collect(self) -> np.ndarray:
+        """Wait for the whole utterance and return it as one float32 array."""
+        chunks = [c async for c in self]
+        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+
+
+class Engine(ABC):
+    """Async engine interface (native PyTorch or vLLM-Omni)."""
+
+    sample_rate: int = SAMPLE_RATE
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Load, warm up, and begin serving. `ready` is True afterwards."""
+
+    @abstractmethod
+    async def stop(self, drain_timeout: float = 0.0) -> None:
+        """Stop accepting; let in-flight work finish for up to `drain_timeout` s, cancel the rest."""
+
+    @abstractmethod
+    def submit(self, request: SynthesisRequest) -> RequestHandle:
+        """Queue a request. Raises QueueFullError, EngineNotReadyError, or ValueError for bad options."""
+
+    @abstractmethod
+    def cancel(self, handle: RequestHandle) -> None:
+        """Cancel a request; its work stops at the next engine step. Idempotent."""
+
+    @property
+    @abstractmethod
+    def ready(self) -> bool:
+        """Loaded, warmed up, and accepting work."""
+
+    @property
+    @abstractmethod
+    def xvector_dim(self) -> int:
+        """Width of the x-vectors this engine's model takes."""
+
+    @property
+    @abstractmethod
+    def languages(self) -> list[str]:
+        """Accepted language names, lower case, including 'auto'."""
+
+    @property
+    def num_running(self) -> int:
+        return 0
+
+    @property
+    def num_waiting(self) -> int:
+        return 0
