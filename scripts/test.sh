@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up (first run only), then lint and run the whole test suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+exec .venv/bin/python -m pytest "$@"
