@@ -72,6 +72,7 @@ class SynthesisRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # Frames of end-of-speech masking at the start (official min_new_tokens=2); benchmarks raise it to fix lengths.
     min_frames: int = 2
+    return_codes: bool = False  # keep the generated codes on the handle (tests, parity, debugging)
 
 
 @dataclass
@@ -134,6 +135,7 @@ class RequestHandle:
         self._loop = loop or asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._finished = False
+        self.codes: list[torch.Tensor] = []  # (t, 16) per decoded chunk when request.return_codes
 
     # --- producer side (engine) -------------------------------------------------------------
     def put_threadsafe(self, chunk: np.ndarray) -> None:
