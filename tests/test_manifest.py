@@ -1,0 +1,176 @@
+"""The batch manifest: its two shapes, defaults, seeds, and every refusal reported at once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tts_tools.manifest import (
+    ManifestError,
+    check_items,
+    derive_seed,
+    parse_manifest,
+    read_manifest,
+    resolve_output,
+)
+
+
+def problems_of(data, **kw) -> list[str]:
+    with pytest.raises(ManifestError) as e:
+        parse_manifest(data, **kw)
+    return e.value.problems
+
+
+def test_plain_list_gives_items_with_default_output_names():
+    items = parse_manifest([{"id": "a1", "speaker_id": "alice", "text": "Hello."}])
+    assert len(items) == 1
+    assert items[0].output == "a1.wav"
+    assert items[0].language == "auto"
+    assert items[0].seed is None
+    assert items[0].options == {}
+
+
+def test_defaults_apply_and_items_override_them():
+    data = {
+        "defaults": {"speaker_id": "alice", "language": "English", "format": "flac", "options": {"temperature": 0.7}},
+        "items": [
+            {"id": "a", "text": "One."},
+            {"id": "b", "text": "Two.", "speaker_id": "bob", "format": "mp3", "options": {"top_k": 10}},
+        ],
+    }
+    a, b = parse_manifest(data)
+    assert (a.speaker_id, a.language, a.format, a.output) == ("alice", "english", "flac", "a.flac")
+    assert a.options == {"temperature": 0.7}
+    assert (b.speaker_id, b.format, b.output) == ("bob", "mp3", "b.mp3")
+    assert b.options == {"temperature": 0.7, "top_k": 10}
+
+
+def test_format_flag_is_the_default_for_items_without_format():
+    (item,) = parse_manifest([{"id": "x", "speaker_id": "s", "text": "t"}], default_format="ogg")
+    assert item.output == "x.ogg"
+
+
+def test_base_seed_derives_stable_per_item_seeds_and_explicit_seed_wins():
+    data = [{"id": "a", "speaker_id": "s", "text": "t"}, {"id": "b", "speaker_id": "s", "text": "t", "seed": 5}]
+    a, b = parse_manifest(data, base_seed=123)
+    assert a.seed == derive_seed(123, "a")
+    assert b.seed == 5
+    # Reordering the manifest must not change an item's seed (resume and partial reruns rely on it).
+    _, a2 = parse_manifest(list(reversed(data)), base_seed=123)
+    assert a2.seed == a.seed
+    assert derive_seed(123, "a") != derive_seed(124, "a")
+    assert derive_seed(123, "a") != derive_seed(123, "b")
+
+
+def test_nested_output_path_is_accepted_when_extension_matches():
+    (item,) = parse_manifest([{"id": "x", "speaker_id": "s", "text": "t", "output": "ch1/line_001.wav"}])
+    assert item.output == "ch1/line_001.wav"
+
+
+def test_every_problem_is_reported_at_once():
+    data = [
+        {"id": "ok", "speaker_id": "s", "text": "fine"},
+        {"id": "e1", "speaker_id": "s", "text": "   "},
+        {"id": "ok", "speaker_id": "s", "text": "dup"},
+        {"id": "../evil", "speaker_id": "s", "text": "t"},
+        {"id": "o1", "speaker_id": "s", "text": "t", "output": "../escape.wav"},
+        {"id": "o2", "speaker_id": "s", "text": "t", "output": "/abs/path.wav"},
+        {"id": "o3", "speaker_id": "s", "text": "t", "output": "x.flac"},
+        {"id": "f1", "speaker_id": "s", "text": "t", "format": "aiff"},
+        {"id": "k1", "speaker_id": "s", "text": "t", "options": {"temprature": 1.0}},
+        {"id": "k2", "speaker_id": "s", "text": "t", "options": {"top_p": 1.5, "top_k": True}},
+        {"id": "s1", "text": "no speaker"},
+        {"id": "x1", "speaker_id": "s", "text": "t", "speaker": "typo"},
+        {"id": "n1", "speaker_id": "s", "text": "t", "seed": -1},
+        "not an object",
+    ]
+    problems = problems_of(data)
+    joined = "\n".join(problems)
+    assert len(problems) == 14, joined
+    assert "'text' is empty" in joined
+    assert "duplicate id (first used by item 0)" in joined
+    assert "'id' must be a name" in joined
+    assert "unsafe output name '../escape.wav'" in joined
+    assert "unsafe output name '/abs/path.wav'" in joined
+    assert "does not end in .wav" in joined
+    assert "format 'aiff' is not one of" in joined
+    assert "unknown option 'temprature'" in joined
+    assert "option 'top_p' must be a number in (0, 1]" in joined
+    assert "option 'top_k' must be an integer >= 0, got True" in joined
+    assert "'speaker_id' is missing" in joined
+    assert "unknown key(s) ['speaker']" in joined
+    assert "'seed' must be an integer >= 0" in joined
+    assert "item 13: must be an object" in joined
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ([], "no items"),
+        ({"items": "x"}, "expected a list of items"),
+        (42, "expected a list of items"),
+    ],
+)
+def test_malformed_manifest_shapes_are_refused(data, message):
+    assert any(message in p for p in problems_of(data))
+
+
+def test_unknown_top_level_and_default_keys_are_refused():
+    data = {"items": [{"id": "a", "speaker_id": "s", "text": "t"}], "default": {}, "defaults": {"text": "x"}}
+    joined = "\n".join(problems_of(data))
+    assert "unknown top-level key(s) ['default']" in joined
+    assert "defaults: unknown key(s) ['text']" in joined
+
+
+def test_invalid_json_is_one_line_with_its_position(tmp_path: Path):
+    p = tmp_path / "m.json"
+    p.write_text('[{"id": "a",}]')
+    with pytest.raises(ManifestError) as e:
+        read_manifest(p)
+    (line,) = e.value.problems
+    assert "invalid JSON at line 1 column" in line
+
+
+def test_missing_manifest_file_is_reported(tmp_path: Path):
+    with pytest.raises(ManifestError) as e:
+        read_manifest(tmp_path / "nope.json")
+    assert "cannot read" in e.value.problems[0]
+
+
+def test_read_manifest_round_trips_a_file(tmp_path: Path):
+    p = tmp_path / "m.json"
+    p.write_text(json.dumps({"items": [{"id": "a", "speaker_id": "s", "text": "héllo"}]}), encoding="utf-8")
+    (item,) = read_manifest(p)
+    assert item.text == "héllo"
+
+
+def test_check_items_reports_unknown_speakers_languages_and_case_clashes(tmp_path: Path):
+    items = parse_manifest(
+        [
+            {"id": "a", "speaker_id": "alice", "text": "t", "language": "english"},
+            {"id": "b", "speaker_id": "carol", "text": "t"},
+            {"id": "c", "speaker_id": "alice", "text": "t", "language": "klingon"},
+            {"id": "d", "speaker_id": "alice", "text": "t", "output": "A.wav"},
+        ]
+    )
+    problems = check_items(items, output_dir=tmp_path, speakers={"alice"}, languages=["auto", "english"])
+    joined = "\n".join(problems)
+    assert len(problems) == 3, joined
+    assert "unknown speaker_id 'carol'" in joined
+    assert "unknown language 'klingon'" in joined
+    assert "output 'A.wav' is also the output of item 'a'" in joined
+
+
+def test_output_through_a_symlink_that_leaves_the_output_dir_is_refused(tmp_path: Path):
+    out = tmp_path / "out"
+    out.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / "link").symlink_to(elsewhere, target_is_directory=True)
+    assert resolve_output(out, "link/x.wav") is None
+    assert resolve_output(out, "sub/x.wav") == (out / "sub" / "x.wav").resolve()
+    items = parse_manifest([{"id": "a", "speaker_id": "s", "text": "t", "output": "link/a.wav"}])
+    (problem,) = check_items(items, output_dir=out, speakers={"s"})
+    assert "resolves outside the output directory" in problem

@@ -1,0 +1,1 @@
+"""Command-line tools over the engine and the voice profile format: voice extraction and batch synthesis."""

@@ -1,0 +1,252 @@
+"""The batch manifest: a JSON list of synthesis items, parsed and validated as a whole before any work starts.
+
+Format (docs/tools.md): either a list of items or `{"defaults": {...}, "items": [...]}`. An item has `id` (also the
+default output file stem), `speaker_id`, `text`, and optionally `language`, `seed`, `format`, `output` (a relative
+path under the output directory) and `options` (sampling settings of `qwen_tts.engine_api.SynthesisRequest`).
+Every problem is collected, so a user fixes a manifest in one pass instead of one error per run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# One path component of an output name; ids use the same alphabet because they become file stems.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+MAX_OUTPUT_DEPTH = 4
+AUDIO_FORMATS = ("wav", "flac", "ogg", "mp3")
+
+ITEM_KEYS = frozenset({"id", "speaker_id", "text", "language", "seed", "format", "output", "options"})
+DEFAULT_KEYS = frozenset({"speaker_id", "language", "format", "options"})
+
+# name -> (type, check, description); bool is tested before int because bool is a subclass of int in Python.
+_NUMBER = (int, float)
+OPTION_RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
+    "temperature": (_NUMBER, lambda v: v > 0, "a number > 0"),
+    "top_k": ((int,), lambda v: v >= 0, "an integer >= 0"),
+    "top_p": (_NUMBER, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "repetition_penalty": (_NUMBER, lambda v: v > 0, "a number > 0"),
+    "cp_temperature": (_NUMBER, lambda v: v > 0, "a number > 0"),
+    "cp_top_k": ((int,), lambda v: v >= 0, "an integer >= 0"),
+    "cp_top_p": (_NUMBER, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "greedy": ((bool,), lambda v: True, "true or false"),
+    "non_streaming_text": ((bool,), lambda v: True, "true or false"),
+    "max_frames": ((int,), lambda v: v >= 1, "an integer >= 1"),
+    "min_frames": ((int,), lambda v: v >= 0, "an integer >= 0"),
+}
+
+
+class ManifestError(ValueError):
+    """The manifest cannot be used; `problems` lists every reason, one line each."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__(f"{len(problems)} problem(s) in the manifest")
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class ManifestItem:
+    id: str
+    speaker_id: str
+    text: str
+    output: str  # relative to the output directory, '/'-separated
+    format: str = "wav"
+    language: str = "auto"
+    seed: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    index: int = 0  # position in the manifest, for messages
+
+
+def derive_seed(base_seed: int, item_id: str) -> int:
+    """A per-item seed from the run's base seed and the item id: stable under reordering and --resume."""
+    digest = hashlib.sha256(f"{base_seed}:{item_id}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def _is_name(s: str) -> bool:
+    return bool(NAME_PATTERN.fullmatch(s))
+
+
+def _check_options(opts: Any, where: str, problems: list[str]) -> dict[str, Any]:
+    if not isinstance(opts, dict):
+        problems.append(f"{where}: 'options' must be an object")
+        return {}
+    for key, value in opts.items():
+        rule = OPTION_RULES.get(key)
+        if rule is None:
+            problems.append(f"{where}: unknown option {key!r} (known: {', '.join(sorted(OPTION_RULES))})")
+            continue
+        types, ok, desc = rule
+        is_bool = isinstance(value, bool)
+        if (is_bool and bool not in types) or not isinstance(value, types) or not ok(value):
+            problems.append(f"{where}: option {key!r} must be {desc}, got {value!r}")
+    return dict(opts)
+
+
+def _output_path(item_id: str, fmt: str, output: Any, where: str, problems: list[str]) -> str | None:
+    if output is None:
+        return f"{item_id}.{fmt}"
+    if not isinstance(output, str) or not output:
+        problems.append(f"{where}: 'output' must be a non-empty relative path")
+        return None
+    parts = output.split("/")
+    if len(parts) > MAX_OUTPUT_DEPTH or not all(_is_name(p) for p in parts):
+        problems.append(
+            f"{where}: unsafe output name {output!r} (up to {MAX_OUTPUT_DEPTH} '/'-separated parts, "
+            "each letters, digits, '_', '.', '-', starting with a letter or digit)"
+        )
+        return None
+    if not output.lower().endswith(f".{fmt}"):
+        problems.append(f"{where}: output {output!r} does not end in .{fmt} (the item's format)")
+        return None
+    return output
+
+
+def parse_manifest(data: Any, *, default_format: str = "wav", base_seed: int | None = None) -> list[ManifestItem]:
+    """Turn decoded JSON into items; raises ManifestError listing every structural problem."""
+    problems: list[str] = []
+    defaults: dict[str, Any] = {}
+    if isinstance(data, dict):
+        unknown = set(data) - {"items", "defaults"}
+        if unknown:
+            problems.append(f"manifest: unknown top-level key(s) {sorted(unknown)} (expected 'items', 'defaults')")
+        raw_defaults = data.get("defaults", {})
+        if not isinstance(raw_defaults, dict):
+            problems.append("manifest: 'defaults' must be an object")
+        else:
+            bad = set(raw_defaults) - DEFAULT_KEYS
+            if bad:
+                problems.append(f"defaults: unknown key(s) {sorted(bad)} (allowed: {sorted(DEFAULT_KEYS)})")
+            defaults = {k: v for k, v in raw_defaults.items() if k in DEFAULT_KEYS}
+        raw_items = data.get("items")
+    else:
+        raw_items = data
+    if not isinstance(raw_items, list):
+        raise ManifestError([*problems, "manifest: expected a list of items or an object with an 'items' list"])
+    if not raw_items:
+        raise ManifestError([*problems, "manifest: no items"])
+    if "options" in defaults:
+        defaults["options"] = _check_options(defaults["options"], "defaults", problems)
+
+    items: list[ManifestItem] = []
+    seen_ids: dict[str, int] = {}
+    for i, raw in enumerate(raw_items):
+        where = f"item {i}"
+        if not isinstance(raw, dict):
+            problems.append(f"{where}: must be an object")
+            continue
+        item_id = raw.get("id")
+        if isinstance(item_id, str):
+            where = f"item {i} ({item_id!r})"
+        n_before = len(problems)
+        unknown = set(raw) - ITEM_KEYS
+        if unknown:
+            problems.append(f"{where}: unknown key(s) {sorted(unknown)} (allowed: {sorted(ITEM_KEYS)})")
+        if not isinstance(item_id, str) or not _is_name(item_id):
+            problems.append(f"{where}: 'id' must be a name of letters, digits, '_', '.', '-' (got {item_id!r})")
+        elif item_id in seen_ids:
+            problems.append(f"{where}: duplicate id (first used by item {seen_ids[item_id]})")
+        else:
+            seen_ids[item_id] = i
+        merged = {**defaults, **raw}
+        speaker = merged.get("speaker_id")
+        if not isinstance(speaker, str) or not speaker:
+            problems.append(f"{where}: 'speaker_id' is missing")
+        text = raw.get("text")
+        if not isinstance(text, str) or not text.strip():
+            problems.append(f"{where}: 'text' is empty")
+        language = merged.get("language", "auto")
+        if not isinstance(language, str) or not language:
+            problems.append(f"{where}: 'language' must be a non-empty string")
+        fmt = merged.get("format", default_format)
+        if fmt not in AUDIO_FORMATS:
+            problems.append(f"{where}: format {fmt!r} is not one of {', '.join(AUDIO_FORMATS)}")
+        seed = raw.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            problems.append(f"{where}: 'seed' must be an integer >= 0, got {seed!r}")
+        options = {**defaults.get("options", {}), **_check_options(raw.get("options", {}), where, problems)}
+        output = (
+            _output_path(item_id, fmt, raw.get("output"), where, problems)
+            if isinstance(item_id, str) and fmt in AUDIO_FORMATS
+            else None
+        )
+        if len(problems) > n_before:
+            continue
+        if seed is None and base_seed is not None:
+            seed = derive_seed(base_seed, item_id)
+        items.append(
+            ManifestItem(
+                id=item_id,
+                speaker_id=speaker,
+                text=text,
+                output=output,
+                format=fmt,
+                language=language.lower(),
+                seed=seed,
+                options=options,
+                index=i,
+            )
+        )
+    if problems:
+        raise ManifestError(problems)
+    return items
+
+
+def read_manifest(path: str | Path, *, default_format: str = "wav", base_seed: int | None = None) -> list[ManifestItem]:
+    """Read and parse a manifest file; unreadable or malformed JSON becomes a one-line ManifestError."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ManifestError([f"{path}: cannot read ({e.strerror or e})"]) from None
+    except UnicodeDecodeError:
+        raise ManifestError([f"{path}: not UTF-8 text"]) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ManifestError([f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"]) from None
+    return parse_manifest(data, default_format=default_format, base_seed=base_seed)
+
+
+def resolve_output(output_dir: Path, output: str) -> Path | None:
+    """The absolute output path, or None when it resolves (through symlinks too) outside `output_dir`."""
+    root = output_dir.resolve()
+    target = (root / output).resolve()
+    if os.path.commonpath([root, target]) != str(root) or target == root:
+        return None
+    return target
+
+
+def check_items(
+    items: list[ManifestItem],
+    *,
+    output_dir: Path,
+    speakers: Collection[str],
+    languages: Collection[str] | None = None,
+) -> list[str]:
+    """Problems that need the outside world: unknown speakers and languages, clashing or escaping outputs."""
+    problems: list[str] = []
+    claimed: dict[str, str] = {}
+    for item in items:
+        where = f"item {item.index} ({item.id!r})"
+        if item.speaker_id not in speakers:
+            problems.append(f"{where}: unknown speaker_id {item.speaker_id!r}")
+        if languages is not None and item.language not in languages:
+            problems.append(f"{where}: unknown language {item.language!r} (known: {', '.join(sorted(languages))})")
+        target = resolve_output(output_dir, item.output)
+        if target is None:
+            problems.append(f"{where}: output {item.output!r} resolves outside the output directory")
+            continue
+        # Case-folded so that two names cannot silently share one file on case-insensitive filesystems.
+        key = str(target).casefold()
+        if key in claimed:
+            problems.append(f"{where}: output {item.output!r} is also the output of item {claimed[key]!r}")
+        else:
+            claimed[key] = item.id
+    return problems
