@@ -1,0 +1,200 @@
+"""Code2Wav: whole decode, exact streaming (any chunking, batched rows at different positions), causality, keys."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from qwen_tts.codec_decoder import Code2Wav, Code2WavStream
+from qwen_tts.config import Code2WavConfig
+
+
+def tiny_config(**overrides) -> Code2WavConfig:
+    kw = dict(
+        codebook_size=32,
+        codebook_dim=16,
+        latent_dim=24,
+        decoder_dim=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        sliding_window=4,
+        layer_scale_initial_scale=0.01,
+        max_position_embeddings=8000,
+        num_quantizers=4,
+        upsample_rates=(4, 3),
+        upsampling_ratios=(2, 2),
+    )
+    kw.update(overrides)
+    return Code2WavConfig(**kw)
+
+
+def variance_preserving_init(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Weights with std 1/sqrt(fan_in) and O(1) scales, so every layer matters and the output is not clamped."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "weight" and p.dim() >= 2:
+                fan_in = p.shape[1] * (p.shape[2] if p.dim() == 3 else 1)
+                if isinstance(model.get_submodule(name.rsplit(".", 2)[0]), nn.ConvTranspose1d):
+                    fan_in = p.shape[0] * p.shape[2] // 2  # stride r overlaps 2 taps per output sample
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
+            elif leaf in ("bias",):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif leaf in ("alpha", "beta"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            elif leaf in ("scale", "gamma"):
+                p.copy_(0.5 + 0.1 * torch.randn(p.shape, generator=g))
+            elif leaf == "embedding_sum":
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif leaf == "cluster_usage":
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            else:  # norm weights
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+        # Damp the residual branches so activations stay O(1) through the 3 residual units of each block.
+        for name, p in model.named_parameters():
+            if name.endswith("conv2.conv.weight"):
+                p.mul_(0.3)
+        model.decoder[-1].conv.weight.mul_(0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model() -> Code2Wav:
+    return variance_preserving_init(Code2Wav(tiny_config())).eval()
+
+
+def random_codes(cfg: Code2WavConfig, b: int, t: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.codebook_size, (b, cfg.num_quantizers, t), generator=g)
+
+
+def stream_decode(model: Code2Wav, codes: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    stream = model.new_stream(codes.shape[0])
+    out, s = [], 0
+    for n in chunks:
+        out.append(model.decode_chunk(codes[..., s : s + n], stream))
+        s += n
+    assert s == codes.shape[-1]
+    return torch.cat(out, dim=-1)
+
+
+def test_output_length_is_frames_times_upsample_and_not_clamped(model):
+    codes = random_codes(model.cfg, 2, 11)
+    with torch.no_grad():
+        wav = model(codes)
+    assert wav.shape == (2, 11 * model.cfg.total_upsample) == (2, 11 * 48)
+    assert wav.dtype == torch.float32
+    assert wav.abs().max() <= 1.0
+    # The init must give a live signal that mostly stays inside the clamp, or the stream test proves little.
+    assert 0.02 < wav.abs().mean() < 0.8
+    assert (wav.abs() == 1.0).float().mean() < 0.05
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [[1] * 20, [1, 3, 12, 4], [7, 13], [20], [2, 1, 1, 5, 11]],
+    ids=["ones", "1-3-12-4", "7-13", "whole", "mixed"],
+)
+def test_stream_equals_whole_decode(model, chunks):
+    # 20 frames > 3 layers x window 4: the exact result needs the per-layer K/V state, not just a frame context.
+    codes = random_codes(model.cfg, 2, 20)
+    with torch.no_grad():
+        whole = model(codes)
+        streamed = stream_decode(model, codes, chunks)
+    torch.testing.assert_close(streamed, whole)
+
+
+def test_long_sequence_uses_blocked_attention_exactly(model):
+    # Longer than the 128-query attention block, so the whole decode splits its queries.
+    codes = random_codes(model.cfg, 1, 300, seed=3)
+    with torch.no_grad():
+        whole = model(codes)
+        streamed = stream_decode(model, codes, [150, 1, 149])
+    torch.testing.assert_close(streamed, whole)
+
+
+def test_batched_streams_at_different_positions(model):
+    cfg = model.cfg
+    a, b = random_codes(cfg, 1, 15, seed=4), random_codes(cfg, 1, 15, seed=5)
+    with torch.no_grad():
+        ref_a, ref_b = model(a), model(b)
+        sa, sb = model.new_stream(), model.new_stream()
+        pieces_a = [model.decode_chunk(a[..., :5], sa)]  # row a is 5 frames ahead of row b
+        s = Code2WavStream.cat([sa, sb])
+        assert s.position.tolist() == [5, 0]
+        both = model.decode_chunk(torch.cat([a[..., 5:9], b[..., 0:4]]), s)
+        pieces_a.append(both[:1])
+        pieces_b = [both[1:]]
+        sa, sb = s.split()
+        pieces_a.append(model.decode_chunk(a[..., 9:], sa))
+        s = Code2WavStream.cat([sb])
+        pieces_b.append(model.decode_chunk(b[..., 4:], s))
+    torch.testing.assert_close(torch.cat(pieces_a, -1), ref_a)
+    torch.testing.assert_close(torch.cat(pieces_b, -1), ref_b)
+
+
+def test_batched_whole_decode_equals_per_row(model):
+    codes = random_codes(model.cfg, 3, 9, seed=6)
+    with torch.no_grad():
+        batched = model(codes)
+        rows = torch.cat([model(codes[i : i + 1]) for i in range(3)])
+    torch.testing.assert_close(batched, rows)
+
+
+def test_causal_later_frame_does_not_change_earlier_samples(model):
+    codes = random_codes(model.cfg, 1, 12, seed=7)
+    changed = codes.clone()
+    changed[:, :, 8] = (changed[:, :, 8] + 1) % model.cfg.codebook_size
+    up = model.cfg.total_upsample
+    with torch.no_grad():
+        w0, w1 = model(codes), model(changed)
+    assert torch.equal(w0[:, : 8 * up], w1[:, : 8 * up])
+    assert not torch.allclose(w0[:, 8 * up :], w1[:, 8 * up :])
+
+
+def test_empty_chunk_returns_no_samples_and_keeps_state(model):
+    stream = model.new_stream(2)
+    codes = random_codes(model.cfg, 2, 0)
+    assert model.decode_chunk(codes, stream).shape == (2, 0)
+    assert stream.position.tolist() == [0, 0]
+
+
+def test_rejects_wrong_number_of_codebooks(model):
+    with pytest.raises(ValueError, match="codes must be"):
+        model(torch.zeros(1, 3, 5, dtype=torch.long))
+
+
+def test_state_dict_keys_mirror_checkpoint_names():
+    keys = set(Code2Wav(tiny_config(num_hidden_layers=1)).state_dict())
+    expected_some = {
+        "quantizer.rvq_first.input_proj.weight",
+        "quantizer.rvq_first.output_proj.weight",
+        "quantizer.rvq_first.vq.layers.0._codebook.embedding_sum",
+        "quantizer.rvq_rest.vq.layers.2._codebook.cluster_usage",
+        "pre_conv.conv.weight",
+        "pre_transformer.input_proj.bias",
+        "pre_transformer.layers.0.self_attn.q_proj.weight",
+        "pre_transformer.layers.0.mlp.gate_proj.weight",
+        "pre_transformer.layers.0.self_attn_layer_scale.scale",
+        "pre_transformer.norm.weight",
+        "pre_transformer.output_proj.weight",
+        "upsample.1.0.conv.weight",
+        "upsample.1.1.dwconv.conv.weight",
+        "upsample.1.1.gamma",
+        "decoder.0.conv.weight",
+        "decoder.1.block.0.alpha",
+        "decoder.2.block.1.conv.bias",
+        "decoder.2.block.4.conv1.conv.weight",
+        "decoder.3.beta",
+        "decoder.4.conv.weight",
+    }
+    assert expected_some <= keys
+    assert not any("inv_freq" in k for k in keys)
