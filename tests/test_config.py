@@ -1,0 +1,115 @@
+"""inference_config: the seed's variables and defaults, list parsing, and one-line errors for bad values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from inference_config import SettingsError, load_settings, unknown_env_vars
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("TTS_"):
+            monkeypatch.delenv(key)
+
+
+def test_defaults_match_the_seed_and_serve_the_demo() -> None:
+    s = load_settings()
+    assert s.model_path == "demo"
+    assert s.port == 8090
+    assert s.max_concurrent == 16
+    assert s.profiles_dir == Path("voice_profiles")
+    assert s.stage_config == Path("stage_config_optimized.yaml")
+    assert s.device == "auto"
+    assert s.backend == "native"
+    assert (s.temperature, s.top_k, s.max_new_tokens) == (0.9, 50, 2048)
+    assert s.max_text_chars == 4096
+    assert s.api_keys == [] and s.cors_origins == []
+
+
+def test_environment_overrides_every_seed_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {
+        "TTS_MODEL_PATH": "/models/qwen",
+        "TTS_STAGE_CONFIG": "other.yaml",
+        "TTS_PROFILES_DIR": "voices",
+        "TTS_DEVICE": "CUDA:1",
+        "TTS_HOST": "127.0.0.1",
+        "TTS_PORT": "9000",
+        "TTS_MAX_CONCURRENT": "4",
+        "TTS_STAGE_INIT_TIMEOUT": "30",
+        "TTS_TEMPERATURE": "0.5",
+        "TTS_TOP_K": "20",
+        "TTS_MAX_NEW_TOKENS": "300",
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    s = load_settings()
+    assert s.model_path == "/models/qwen"
+    assert s.stage_config == Path("other.yaml")
+    assert s.profiles_dir == Path("voices")
+    assert s.device == "cuda:1"
+    assert (s.host, s.port, s.max_concurrent, s.stage_init_timeout) == ("127.0.0.1", 9000, 4, 30.0)
+    assert (s.temperature, s.top_k, s.max_new_tokens) == (0.5, 20, 300)
+
+
+def test_lists_accept_commas_or_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TTS_API_KEYS", "key-one-123, key-two-456")
+    monkeypatch.setenv("TTS_CORS_ORIGINS", '["https://a.example", "http://localhost:3000"]')
+    s = load_settings()
+    assert [k.get_secret_value() for k in s.api_keys] == ["key-one-123", "key-two-456"]
+    assert s.cors_origins == ["https://a.example", "http://localhost:3000"]
+    # Secrets never appear in the public view.
+    assert s.public_dict()["api_keys"] == 2
+    assert "key-one" not in repr(s)
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "expected"),
+    [
+        ("TTS_PORT", "abc", "TTS_PORT='abc': Input should be a valid integer"),
+        ("TTS_PORT", "70000", "TTS_PORT='70000': Input should be less than or equal to 65535"),
+        ("TTS_MAX_CONCURRENT", "0", "TTS_MAX_CONCURRENT='0': Input should be greater than or equal to 1"),
+        ("TTS_DEVICE", "gpu", "TTS_DEVICE='gpu': must be auto, cpu, cuda, cuda:N or mps"),
+        ("TTS_BACKEND", "onnx", "TTS_BACKEND='onnx': Input should be 'native', 'vllm-omni' or 'fake'"),
+        ("TTS_TEMPERATURE", "-1", "TTS_TEMPERATURE='-1': Input should be greater than or equal to 0"),
+        ("TTS_CORS_ORIGINS", "*", "'*' is not allowed"),
+        ("TTS_CORS_ORIGINS", "example.com", "is not an origin"),
+        ("TTS_API_KEYS", "short", "TTS_API_KEYS: each API key must be at least 8 characters"),
+        ("TTS_LOG_LEVEL", "loud", "TTS_LOG_LEVEL='loud'"),
+        ("TTS_MODEL_PATH", "  ", "TTS_MODEL_PATH='  ': must not be empty"),
+    ],
+)
+def test_bad_value_fails_with_one_line_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str, expected: str
+) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("invalid configuration: ")
+    assert expected in message
+
+
+def test_secret_values_are_not_echoed_in_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TTS_API_KEYS", "good-key-123,tiny")
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert "good-key" not in str(info.value) and "tiny" not in str(info.value)
+
+
+def test_inconsistent_chunk_sizes_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TTS_FIRST_CHUNK_FRAMES", "20")
+    monkeypatch.setenv("TTS_CHUNK_FRAMES", "10")
+    with pytest.raises(SettingsError, match="TTS_FIRST_CHUNK_FRAMES must not exceed TTS_CHUNK_FRAMES"):
+        load_settings()
+
+
+def test_unknown_tts_variables_are_reported() -> None:
+    env = {"TTS_MAX_CONCURENT": "4", "TTS_PORT": "1", "HOME": "/root"}
+    assert unknown_env_vars(env) == ["TTS_MAX_CONCURENT"]
