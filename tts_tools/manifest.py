@@ -110,6 +110,16 @@ def _output_path(item_id: str, fmt: str, output: Any, where: str, problems: list
 
 def parse_manifest(data: Any, *, default_format: str = "wav", base_seed: int | None = None) -> list[ManifestItem]:
     """Turn decoded JSON into items; raises ManifestError listing every structural problem."""
+    items, problems = collect_items(data, default_format=default_format, base_seed=base_seed)
+    if problems:
+        raise ManifestError(problems)
+    return items
+
+
+def collect_items(
+    data: Any, *, default_format: str = "wav", base_seed: int | None = None
+) -> tuple[list[ManifestItem], list[str]]:
+    """The usable items and the problems of the others, so later checks can still run on the usable ones."""
     problems: list[str] = []
     defaults: dict[str, Any] = {}
     if isinstance(data, dict):
@@ -128,9 +138,9 @@ def parse_manifest(data: Any, *, default_format: str = "wav", base_seed: int | N
     else:
         raw_items = data
     if not isinstance(raw_items, list):
-        raise ManifestError([*problems, "manifest: expected a list of items or an object with an 'items' list"])
+        return [], [*problems, "manifest: expected a list of items or an object with an 'items' list"]
     if not raw_items:
-        raise ManifestError([*problems, "manifest: no items"])
+        return [], [*problems, "manifest: no items"]
     if "options" in defaults:
         defaults["options"] = _check_options(defaults["options"], "defaults", problems)
 
@@ -193,13 +203,11 @@ def parse_manifest(data: Any, *, default_format: str = "wav", base_seed: int | N
                 index=i,
             )
         )
-    if problems:
-        raise ManifestError(problems)
-    return items
+    return items, problems
 
 
-def read_manifest(path: str | Path, *, default_format: str = "wav", base_seed: int | None = None) -> list[ManifestItem]:
-    """Read and parse a manifest file; unreadable or malformed JSON becomes a one-line ManifestError."""
+def load_json(path: str | Path) -> Any:
+    """Decode a manifest file; unreadable or malformed JSON becomes a one-line ManifestError."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -208,10 +216,14 @@ def read_manifest(path: str | Path, *, default_format: str = "wav", base_seed: i
     except UnicodeDecodeError:
         raise ManifestError([f"{path}: not UTF-8 text"]) from None
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise ManifestError([f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}"]) from None
-    return parse_manifest(data, default_format=default_format, base_seed=base_seed)
+
+
+def read_manifest(path: str | Path, *, default_format: str = "wav", base_seed: int | None = None) -> list[ManifestItem]:
+    """Read and parse a manifest file; raises ManifestError listing every problem."""
+    return parse_manifest(load_json(path), default_format=default_format, base_seed=base_seed)
 
 
 def resolve_output(output_dir: Path, output: str) -> Path | None:

@@ -1,0 +1,361 @@
+"""batch_inference.py: whole-manifest validation, concurrent runs, atomic outputs, resume, failure isolation.
+
+Failure paths use a small deterministic fake engine (sine chunks, an injectable failure); the end-to-end tests at
+the bottom run the real native engine on the tiny random checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from qwen_tts.engine_api import (
+    FRAME_SAMPLES,
+    SAMPLE_RATE,
+    Engine,
+    FinishReason,
+    RequestHandle,
+    SynthesisRequest,
+)
+from qwen_tts.profiles import VoiceProfile, save_profile
+from tts_tools import batch
+from tts_tools.manifest import derive_seed
+
+REPO = Path(__file__).resolve().parent.parent
+DIM = 16
+FAIL_MARK = "FAIL"
+
+
+def fake_frames(text: str) -> int:
+    return 3 + len(text) // 5
+
+
+class FakeEngine(Engine):
+    """Deterministic stand-in: `fake_frames(text)` frames of a seed-dependent sine; FAIL in the text fails it."""
+
+    def __init__(self, dim: int = DIM):
+        self.dim = dim
+        self.started = False
+        self.stopped = False
+        self.submitted: list[SynthesisRequest] = []
+        self.max_live = 0
+        self._live = 0
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def stop(self, drain_timeout: float = 0.0) -> None:
+        self.stopped = True
+
+    def submit(self, request: SynthesisRequest) -> RequestHandle:
+        assert self.started and not self.stopped
+        assert request.xvector.shape == (self.dim,)
+        self.submitted.append(request)
+        handle = RequestHandle(request)
+        if request.seed is None:
+            request.seed = 4242
+        asyncio.get_running_loop().create_task(self._produce(handle))
+        return handle
+
+    async def _produce(self, handle: RequestHandle) -> None:
+        self._live += 1
+        self.max_live = max(self.max_live, self._live)
+        req = handle.request
+        frames = fake_frames(req.text)
+        handle.stats.frame_budget = 100
+        t = np.arange(FRAME_SAMPLES, dtype=np.float32) / SAMPLE_RATE
+        freq = 200.0 + (req.seed or 0) % 300
+        for i in range(frames):
+            await asyncio.sleep(0)
+            if FAIL_MARK in req.text and i == 1:
+                self._live -= 1
+                handle.finish_threadsafe(FinishReason.ERROR, "injected failure")
+                return
+            chunk = 0.3 * np.sin(2 * math.pi * freq * (t + i * FRAME_SAMPLES / SAMPLE_RATE)).astype(np.float32)
+            handle.stats.frames += 1
+            handle.stats.samples += chunk.size
+            handle.put_threadsafe(chunk)
+        self._live -= 1
+        handle.finish_threadsafe(FinishReason.EOS)
+
+    def cancel(self, handle: RequestHandle) -> None:
+        pass
+
+    @property
+    def ready(self) -> bool:
+        return self.started and not self.stopped
+
+    @property
+    def xvector_dim(self) -> int:
+        return self.dim
+
+    @property
+    def languages(self) -> list[str]:
+        return ["auto", "english", "german"]
+
+
+def make_voice(profiles: Path, name: str, dim: int = DIM, seed: int = 0) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    return save_profile(profiles / f"{name}.safetensors", VoiceProfile(torch.randn(dim, generator=g), model="test"))
+
+
+@pytest.fixture()
+def workdir(tmp_path: Path) -> Path:
+    make_voice(tmp_path / "voices", "alice", seed=1)
+    make_voice(tmp_path / "voices", "bob", seed=2)
+    return tmp_path
+
+
+def write_manifest(path: Path, data) -> Path:
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+def run_fake(workdir: Path, manifest, *extra: str, engine: FakeEngine | None = None) -> tuple[int, FakeEngine]:
+    engine = engine or FakeEngine()
+    m = write_manifest(workdir / "manifest.json", manifest)
+    argv = ["--manifest", str(m), "--profiles-dir", str(workdir / "voices"), "--output-dir", str(workdir / "out")]
+    return batch.main([*argv, "--no-progress", *extra], engine=engine), engine
+
+
+MIXED = {
+    "defaults": {"language": "english"},
+    "items": [
+        {"id": "a1", "speaker_id": "alice", "text": "Hello there, this is Alice."},
+        {"id": "b1", "speaker_id": "bob", "text": "Bob speaks here.", "format": "flac", "seed": 7},
+        {"id": "b2", "speaker_id": "bob", "text": "This one will FAIL halfway."},
+        {"id": "a2", "speaker_id": "alice", "text": "Short.", "output": "nested/dir/a2.ogg", "format": "ogg"},
+        {"id": "a3", "speaker_id": "alice", "text": "An mp3 item.", "format": "mp3", "language": "German"},
+    ],
+}
+
+
+def read_summary(workdir: Path) -> dict:
+    return json.loads((workdir / "out" / "summary.json").read_text())
+
+
+def test_failed_item_is_reported_and_the_others_are_written(workdir: Path, capsys):
+    rc, engine = run_fake(workdir, MIXED, "--seed", "11")
+    assert rc == 1
+    assert engine.started and engine.stopped
+    out = workdir / "out"
+    for name, fmt, text in [
+        ("a1.wav", "WAV", MIXED["items"][0]["text"]),
+        ("b1.flac", "FLAC", MIXED["items"][1]["text"]),
+        ("nested/dir/a2.ogg", "OGG", MIXED["items"][3]["text"]),
+        ("a3.mp3", "MP3", MIXED["items"][4]["text"]),
+    ]:
+        info = sf.info(str(out / name))
+        assert info.format == fmt
+        assert info.samplerate == SAMPLE_RATE
+        want = fake_frames(text) * FRAME_SAMPLES / SAMPLE_RATE
+        # mp3 pads with encoder delay; the lossless formats are exact.
+        assert info.duration == pytest.approx(want, abs=0.06 if fmt == "MP3" else 1e-9)
+    assert not (out / "b2.wav").exists()
+    assert not list(out.rglob("*.tmp")), "temp files must not be left behind"
+
+    summary = read_summary(workdir)
+    assert summary["totals"] == {
+        **summary["totals"],
+        "items": 5,
+        "ok": 4,
+        "failed": 1,
+        "skipped": 0,
+    }
+    items = {r["id"]: r for r in summary["items"]}
+    assert [r["id"] for r in summary["items"]] == ["a1", "b1", "b2", "a2", "a3"]
+    assert items["b2"]["status"] == "failed"
+    assert "injected failure" in items["b2"]["error"]
+    assert items["a1"]["frames"] == fake_frames(MIXED["items"][0]["text"])
+    assert items["a1"]["duration"] == pytest.approx(items["a1"]["frames"] * FRAME_SAMPLES / SAMPLE_RATE)
+    assert items["a1"]["finish_reason"] == "eos"
+    assert items["a1"]["wall_time"] is not None and items["a1"]["wall_time"] >= 0
+    assert items["b1"]["seed"] == 7
+    assert items["a1"]["seed"] == derive_seed(11, "a1")
+    assert {r.language for r in engine.submitted} == {"english", "german"}
+    err = capsys.readouterr().err
+    assert "error: item 'b2': RequestFailedError: injected failure" in err
+    assert "4 ok, 1 failed, 0 skipped" in err
+
+
+def test_resume_skips_finished_items_and_runs_the_rest(workdir: Path):
+    rc, _ = run_fake(workdir, MIXED)
+    assert rc == 1
+    first = {r["id"]: r for r in read_summary(workdir)["items"]}
+    a1_bytes = (workdir / "out" / "a1.wav").read_bytes()
+    fixed = json.loads(json.dumps(MIXED))
+    fixed["items"][2]["text"] = "This one now succeeds."
+    rc, engine = run_fake(workdir, fixed, "--resume")
+    assert rc == 0
+    assert [r.text for r in engine.submitted] == ["This one now succeeds."]
+    summary = read_summary(workdir)
+    items = {r["id"]: r for r in summary["items"]}
+    assert summary["totals"]["ok"] == 1 and summary["totals"]["skipped"] == 4 and summary["totals"]["failed"] == 0
+    assert items["b2"]["status"] == "ok"
+    assert items["a1"]["status"] == "skipped"
+    # Stats of skipped items are carried over from the earlier summary.
+    assert items["a1"]["frames"] == first["a1"]["frames"]
+    assert items["a1"]["duration"] == pytest.approx(first["a1"]["duration"], abs=1e-4)
+    assert (workdir / "out" / "a1.wav").read_bytes() == a1_bytes
+
+
+def test_resume_with_everything_done_does_not_start_the_engine(workdir: Path):
+    items = [{"id": "x", "speaker_id": "alice", "text": "Hi there."}]
+    assert run_fake(workdir, items)[0] == 0
+    rc, engine = run_fake(workdir, items, "--resume")
+    assert rc == 0
+    assert not engine.started
+    assert read_summary(workdir)["totals"]["skipped"] == 1
+
+
+def test_without_resume_finished_items_are_redone(workdir: Path):
+    items = [{"id": "x", "speaker_id": "alice", "text": "Hi there."}]
+    run_fake(workdir, items)
+    rc, engine = run_fake(workdir, items)
+    assert rc == 0 and len(engine.submitted) == 1
+
+
+def test_resume_redoes_an_output_that_is_not_a_readable_audio_file(workdir: Path):
+    items = [{"id": "x", "speaker_id": "alice", "text": "Hi there."}]
+    (workdir / "out").mkdir()
+    (workdir / "out" / "x.wav").write_bytes(b"garbage")
+    rc, engine = run_fake(workdir, items, "--resume")
+    assert rc == 0 and len(engine.submitted) == 1
+    assert sf.info(str(workdir / "out" / "x.wav")).frames > 0
+
+
+def test_concurrency_limits_items_in_flight(workdir: Path):
+    items = [{"id": f"i{k}", "speaker_id": "alice", "text": "Some words to say " * 3} for k in range(10)]
+    rc, engine = run_fake(workdir, items, "--concurrency", "3")
+    assert rc == 0
+    assert engine.max_live == 3
+    assert len(list((workdir / "out").glob("*.wav"))) == 10
+
+
+def test_item_options_reach_the_engine_request(workdir: Path):
+    items = [
+        {"id": "x", "speaker_id": "alice", "text": "Hi.", "options": {"temperature": 0.5, "top_k": 3, "greedy": True}}
+    ]
+    rc, engine = run_fake(workdir, items)
+    assert rc == 0
+    (req,) = engine.submitted
+    assert (req.temperature, req.top_k, req.greedy) == (0.5, 3, True)
+    assert torch.equal(req.xvector, batch.load_profile(workdir / "voices" / "alice.safetensors").x_vector)
+
+
+def test_invalid_manifest_reports_every_problem_and_runs_nothing(workdir: Path, capsys):
+    bad = [
+        {"id": "ok", "speaker_id": "alice", "text": "fine"},
+        {"id": "u1", "speaker_id": "carol", "text": "unknown speaker"},
+        {"id": "u2", "speaker_id": "../alice", "text": "sneaky speaker id"},
+        {"id": "e1", "speaker_id": "alice", "text": ""},
+        {"id": "ok", "speaker_id": "alice", "text": "duplicate id"},
+        {"id": "d1", "speaker_id": "alice", "text": "t", "output": "ok.wav"},
+        {"id": "s1", "speaker_id": "alice", "text": "t", "output": "../../etc/x.wav"},
+        {"id": "l1", "speaker_id": "alice", "text": "t", "language": "klingon"},
+    ]
+    rc, engine = run_fake(workdir, bad)
+    assert rc == 1
+    assert not engine.started
+    assert not (workdir / "out").exists()
+    err = capsys.readouterr().err
+    assert "unknown speaker_id 'carol'" in err
+    assert "unknown speaker_id '../alice'" in err
+    assert "'text' is empty" in err
+    assert "duplicate id" in err
+    assert "output 'ok.wav' is also the output of item 'ok'" in err
+    assert "unsafe output name '../../etc/x.wav'" in err
+    assert "unknown language 'klingon'" in err
+    assert "error: 7 problem(s) in the manifest or voices; nothing was run" in err
+    assert "Traceback" not in err
+
+
+def test_output_dir_escape_through_symlink_is_refused(workdir: Path, capsys):
+    (workdir / "out").mkdir()
+    (workdir / "elsewhere").mkdir()
+    (workdir / "out" / "link").symlink_to(workdir / "elsewhere", target_is_directory=True)
+    rc, engine = run_fake(workdir, [{"id": "x", "speaker_id": "alice", "text": "t", "output": "link/x.wav"}])
+    assert rc == 1 and not engine.started
+    assert "resolves outside the output directory" in capsys.readouterr().err
+
+
+def test_profile_of_another_width_is_refused_before_running(workdir: Path, capsys):
+    make_voice(workdir / "voices", "wide", dim=2 * DIM)
+    rc, engine = run_fake(workdir, [{"id": "x", "speaker_id": "wide", "text": "t"}])
+    assert rc == 1 and not engine.started
+    assert f"x_vector has width {2 * DIM}, the loaded model needs {DIM}" in capsys.readouterr().err
+
+
+def test_corrupt_profile_is_refused_with_its_name(workdir: Path, capsys):
+    (workdir / "voices" / "broken.safetensors").write_bytes(b"\x00" * 64)
+    rc, _ = run_fake(workdir, [{"id": "x", "speaker_id": "broken", "text": "t"}])
+    assert rc == 1
+    assert "voice 'broken'" in capsys.readouterr().err
+
+
+def test_malformed_json_is_one_clear_line(workdir: Path, capsys):
+    m = workdir / "manifest.json"
+    m.write_text("{not json")
+    rc = batch.main(["--manifest", str(m), "--no-progress"], engine=FakeEngine())
+    assert rc == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2
+    assert "invalid JSON at line 1" in err[0]
+
+
+def test_engine_without_audio_fails_that_item_only(workdir: Path):
+    class Silent(FakeEngine):
+        async def _produce(self, handle):
+            if "mute" in handle.request.text:
+                handle.finish_threadsafe(FinishReason.EOS)
+            else:
+                await super()._produce(handle)
+
+    items = [
+        {"id": "m", "speaker_id": "alice", "text": "mute me"},
+        {"id": "n", "speaker_id": "alice", "text": "normal text"},
+    ]
+    rc, _ = run_fake(workdir, items, engine=Silent())
+    assert rc == 1
+    res = {r["id"]: r for r in read_summary(workdir)["items"]}
+    assert res["m"]["status"] == "failed" and "no audio" in res["m"]["error"]
+    assert res["n"]["status"] == "ok"
+
+
+def test_failed_write_leaves_no_partial_file(tmp_path: Path, monkeypatch):
+    def boom(path, *a, **k):
+        Path(path).write_bytes(b"partial")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(batch.sf, "write", boom)
+    with pytest.raises(RuntimeError):
+        batch.write_audio_atomic(tmp_path / "x.wav", np.zeros(100, np.float32), "wav")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_flags_are_one_line_errors(workdir: Path, capsys):
+    rc, _ = run_fake(workdir, [{"id": "x", "speaker_id": "alice", "text": "t"}], "--concurrency", "0")
+    assert rc == 1
+    assert capsys.readouterr().err.strip() == "error: --concurrency must be >= 1, got 0"
+    rc, _ = run_fake(workdir, [{"id": "x", "speaker_id": "alice", "text": "t"}], "--stage-configs-path", "nope.yaml")
+    assert rc == 1
+    assert "--stage-configs-path nope.yaml: no such file" in capsys.readouterr().err
+
+
+def test_help_runs_as_a_script():
+    r = subprocess.run(
+        [sys.executable, "batch_inference.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0
+    for flag in ("--manifest", "--profiles-dir", "--output-dir", "--model", "--stage-configs-path", "--resume"):
+        assert flag in r.stdout
+    assert "not available in this build" in r.stdout

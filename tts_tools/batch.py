@@ -1,0 +1,436 @@
+"""Offline batch synthesis: a manifest of (voice, text) items -> audio files plus a summary JSON.
+
+Items run concurrently through the same `qwen_tts.engine_api.Engine` the server uses (continuous batching in the
+native engine). The whole manifest and every voice profile are checked before the model loads; each output is
+written atomically, so `--resume` can trust any file it finds; one failed item never stops the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import soundfile as sf
+import torch
+from tqdm import tqdm
+
+from qwen_tts.engine_api import SAMPLE_RATE, Engine, QueueFullError, SynthesisRequest
+from qwen_tts.profiles import ProfileError, is_valid_speaker_id, load_profile
+
+from .common import CliError, resolve_model
+from .manifest import AUDIO_FORMATS, ManifestError, ManifestItem, check_items, collect_items, load_json, resolve_output
+
+# soundfile (libsndfile) container and sample encoding per output format.
+SOUNDFILE_FORMATS = {
+    "wav": ("WAV", "PCM_16"),
+    "flac": ("FLAC", "PCM_16"),
+    "ogg": ("OGG", "VORBIS"),
+    "mp3": ("MP3", "MPEG_LAYER_III"),
+}
+BACKENDS = ("native", "vllm-omni")
+SUMMARY_NAME = "summary.json"
+PROFILE_SUFFIX = ".safetensors"
+QUEUE_FULL_RETRY_S = 0.05
+
+
+@dataclass
+class BatchOptions:
+    manifest: Path
+    profiles_dir: Path = Path("voice_profiles")
+    output_dir: Path = Path("batch_output")
+    model: str = "demo"
+    device: str = "auto"
+    dtype: str | None = None
+    backend: str = "native"
+    stage_configs_path: Path | None = None
+    concurrency: int = 8
+    format: str = "wav"
+    seed: int | None = None
+    resume: bool = False
+    summary_path: Path | None = None  # default: <output_dir>/summary.json
+    progress: bool = True
+
+
+@dataclass
+class ItemResult:
+    id: str
+    output: str
+    speaker_id: str
+    status: str  # ok | failed | skipped (finished by an earlier run)
+    seed: int | None = None
+    duration: float | None = None  # audio seconds in the file
+    frames: int | None = None
+    finish_reason: str | None = None
+    wall_time: float | None = None
+    time_to_first_audio: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class BatchPlan:
+    items: list[ManifestItem]
+    voices: dict[str, torch.Tensor]
+    targets: dict[str, Path]  # item id -> absolute output path
+    skipped: list[ItemResult] = field(default_factory=list)
+
+    @property
+    def todo(self) -> list[ManifestItem]:
+        done = {r.id for r in self.skipped}
+        return [it for it in self.items if it.id not in done]
+
+
+def _load_voices(
+    speaker_ids: set[str], profiles_dir: Path, xvector_dim: int
+) -> tuple[dict[str, torch.Tensor], set[str], list[str]]:
+    """(usable voices, ids that have a profile file, problems); a wrong-width profile is a problem, not a skip."""
+    voices: dict[str, torch.Tensor] = {}
+    present: set[str] = set()
+    problems = []
+    root = profiles_dir.resolve()
+    for sid in sorted(speaker_ids):
+        if not is_valid_speaker_id(sid):
+            continue  # reported once per item by check_items as an unknown speaker
+        path = (root / f"{sid}{PROFILE_SUFFIX}").resolve()
+        if os.path.commonpath([root, path]) != str(root) or not path.is_file():
+            continue
+        present.add(sid)
+        try:
+            voices[sid] = load_profile(path, expected_dim=xvector_dim).x_vector
+        except ProfileError as e:
+            problems.append(f"voice {sid!r} ({profiles_dir / (sid + PROFILE_SUFFIX)}): {e}")
+    return voices, present, problems
+
+
+def _finished_output(path: Path) -> float | None:
+    """Audio seconds of a complete earlier output, or None. Outputs are renamed into place only when whole."""
+    try:
+        info = sf.info(str(path))
+    except (sf.LibsndfileError, RuntimeError, OSError):
+        return None
+    return info.frames / info.samplerate if info.frames > 0 else None
+
+
+def _previous_results(summary_path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        data = json.loads(summary_path.read_text(encoding="utf-8"))
+        return {r["id"]: r for r in data.get("items", []) if r.get("status") in ("ok", "skipped")}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return {}
+
+
+def plan_batch(opts: BatchOptions, *, xvector_dim: int, languages: Sequence[str] | None) -> BatchPlan:
+    """Validate the manifest and voices as a whole; raises ManifestError with every problem found."""
+    items, problems = collect_items(load_json(opts.manifest), default_format=opts.format, base_seed=opts.seed)
+    voices, present, voice_problems = _load_voices({it.speaker_id for it in items}, opts.profiles_dir, xvector_dim)
+    problems += check_items(items, output_dir=opts.output_dir, speakers=present, languages=languages)
+    problems += voice_problems
+    if problems:
+        raise ManifestError(problems)
+    targets = {it.id: resolve_output(opts.output_dir, it.output) for it in items}
+    plan = BatchPlan(items=items, voices=voices, targets=targets)
+    if opts.resume:
+        previous = _previous_results(opts.summary_path or opts.output_dir / SUMMARY_NAME)
+        for it in items:
+            seconds = _finished_output(targets[it.id])
+            if seconds is None:
+                continue
+            old = previous.get(it.id, {})
+            plan.skipped.append(
+                ItemResult(
+                    id=it.id,
+                    output=it.output,
+                    speaker_id=it.speaker_id,
+                    status="skipped",
+                    seed=it.seed,
+                    duration=round(seconds, 4),
+                    frames=old.get("frames"),
+                    finish_reason=old.get("finish_reason"),
+                    wall_time=old.get("wall_time"),
+                )
+            )
+    return plan
+
+
+def write_audio_atomic(path: Path, audio: np.ndarray, fmt: str) -> None:
+    """Encode into a temp file beside the target, then rename: a reader never sees a partial file."""
+    container, subtype = SOUNDFILE_FORMATS[fmt]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        sf.write(tmp, np.clip(audio, -1.0, 1.0), SAMPLE_RATE, subtype=subtype, format=container)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _request(item: ManifestItem, xvector: torch.Tensor) -> SynthesisRequest:
+    return SynthesisRequest(
+        text=item.text,
+        xvector=xvector,
+        language=item.language,
+        seed=item.seed,
+        request_id=f"batch-{item.id}",
+        **item.options,
+    )
+
+
+async def _submit(engine: Engine, req: SynthesisRequest):
+    # Concurrency is capped below the engine's capacity, but another caller may share the engine: wait, don't fail.
+    while True:
+        try:
+            return engine.submit(req)
+        except QueueFullError:
+            await asyncio.sleep(QUEUE_FULL_RETRY_S)
+
+
+async def _run_item(engine: Engine, plan: BatchPlan, item: ManifestItem) -> ItemResult:
+    result = ItemResult(id=item.id, output=item.output, speaker_id=item.speaker_id, status="failed", seed=item.seed)
+    handle = None
+    try:
+        handle = await _submit(engine, _request(item, plan.voices[item.speaker_id]))
+        audio = await handle.collect()
+        if audio.size == 0:
+            raise RuntimeError("the engine returned no audio")
+        await asyncio.to_thread(write_audio_atomic, plan.targets[item.id], audio, item.format)
+        result.status = "ok"
+        result.duration = round(audio.shape[0] / SAMPLE_RATE, 4)
+    except Exception as e:  # one bad item is reported and the batch goes on
+        result.error = f"{type(e).__name__}: {e}"
+    if handle is not None:
+        st = handle.stats
+        result.frames = st.frames
+        result.finish_reason = st.finish_reason.value if st.finish_reason else None
+        result.wall_time = None if st.wall_time is None else round(st.wall_time, 4)
+        ttfa = st.time_to_first_audio
+        result.time_to_first_audio = None if ttfa is None else round(ttfa, 4)
+        if result.seed is None:
+            result.seed = handle.request.seed  # the engine drew one: record it so the item can be reproduced
+    return result
+
+
+async def run_plan(engine: Engine, plan: BatchPlan, *, concurrency: int, progress: bool = True) -> list[ItemResult]:
+    """Run every item not yet done, at most `concurrency` at a time, with a progress bar; results in manifest order."""
+    todo = plan.todo
+    sem = asyncio.Semaphore(concurrency)
+    audio_s = 0.0
+    t0 = time.monotonic()
+    bar = tqdm(total=len(plan.items), initial=len(plan.items) - len(todo), unit="item", file=sys.stderr)
+    bar.disable = bar.disable or not progress
+
+    async def one(item: ManifestItem) -> ItemResult:
+        nonlocal audio_s
+        async with sem:
+            r = await _run_item(engine, plan, item)
+        if r.error:
+            tqdm.write(f"error: item {item.id!r}: {r.error}", file=sys.stderr)
+        audio_s += r.duration or 0.0
+        elapsed = max(time.monotonic() - t0, 1e-9)
+        bar.set_postfix_str(f"audio={audio_s:.1f}s, {audio_s / elapsed:.2f} audio-s/s")
+        bar.update(1)
+        return r
+
+    try:
+        done = await asyncio.gather(*(one(it) for it in todo))
+    finally:
+        bar.close()
+    by_id = {r.id: r for r in [*plan.skipped, *done]}
+    return [by_id[it.id] for it in plan.items]
+
+
+def summarize(opts: BatchOptions, results: list[ItemResult], *, started_at: str, wall_time: float) -> dict[str, Any]:
+    ran = [r for r in results if r.status != "skipped"]
+    audio = sum(r.duration or 0.0 for r in ran if r.status == "ok")
+    return {
+        "manifest": str(opts.manifest),
+        "model": opts.model,
+        "backend": opts.backend,
+        "started_at": started_at,
+        "wall_time": round(wall_time, 3),
+        "totals": {
+            "items": len(results),
+            "ok": sum(r.status == "ok" for r in results),
+            "failed": sum(r.status == "failed" for r in results),
+            "skipped": sum(r.status == "skipped" for r in results),
+            "audio_seconds": round(audio, 3),
+            "audio_seconds_per_second": round(audio / wall_time, 3) if wall_time > 0 else None,
+        },
+        "items": [asdict(r) for r in results],
+    }
+
+
+def _model_facts(opts: BatchOptions) -> tuple[Path, int, list[str]]:
+    """Checkpoint folder, x-vector width and languages, from config.json alone (before loading any weights)."""
+    from qwen_tts.config import ModelConfig
+
+    path = resolve_model(opts.model)
+    try:
+        cfg = ModelConfig.from_pretrained(path)
+    except Exception as e:
+        raise CliError(f"--model {opts.model!r}: {e}") from None
+    return path, cfg.xvector_dim, cfg.languages
+
+
+def _create_engine(opts: BatchOptions, model_path: Path) -> Engine:
+    from qwen_tts.engine import EngineConfig, create_engine
+
+    config = EngineConfig(
+        model_path=str(model_path),
+        device=opts.device,
+        dtype=opts.dtype,
+        max_slots=opts.concurrency,
+        max_queue=opts.concurrency,
+    )
+    try:
+        return create_engine(config, backend=opts.backend)
+    except ValueError as e:  # e.g. the vLLM-Omni backend in a build without it
+        raise CliError(str(e)) from None
+
+
+def run_batch(opts: BatchOptions, engine: Engine | None = None) -> dict[str, Any]:
+    """Validate, run and summarize a batch; returns the summary (also written to disk).
+
+    `engine` (not started) replaces the one built from `opts.model`; its `xvector_dim` and `languages` must be
+    readable before `start()`. Raises ManifestError (every problem) or CliError (one line) on bad input.
+    """
+    if opts.concurrency < 1:
+        raise CliError(f"--concurrency must be >= 1, got {opts.concurrency}")
+    if opts.format not in AUDIO_FORMATS:
+        raise CliError(f"--format must be one of {', '.join(AUDIO_FORMATS)}")
+    if opts.backend not in BACKENDS:
+        raise CliError(f"--backend must be one of {', '.join(BACKENDS)}")
+    if opts.stage_configs_path is not None and not opts.stage_configs_path.is_file():
+        raise CliError(f"--stage-configs-path {opts.stage_configs_path}: no such file")
+    if engine is None:
+        model_path, xvector_dim, languages = _model_facts(opts)
+    else:
+        model_path, xvector_dim, languages = None, engine.xvector_dim, engine.languages
+    plan = plan_batch(opts, xvector_dim=xvector_dim, languages=languages)
+    summary_path = opts.summary_path or opts.output_dir / SUMMARY_NAME
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    t0 = time.monotonic()
+    if plan.todo:
+        engine = engine or _create_engine(opts, model_path)
+        results = asyncio.run(_serve(engine, plan, opts))
+    else:
+        results = [*plan.skipped]
+    summary = summarize(opts, results, started_at=started_at, wall_time=time.monotonic() - t0)
+    write_json_atomic(summary_path, summary)
+    return summary
+
+
+async def _serve(engine: Engine, plan: BatchPlan, opts: BatchOptions) -> list[ItemResult]:
+    await engine.start()
+    try:
+        return await run_plan(engine, plan, concurrency=opts.concurrency, progress=opts.progress)
+    finally:
+        await engine.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="batch_inference.py",
+        description=(
+            "Synthesize every item of a JSON manifest with enrolled voices, concurrently, through the same "
+            "engine as the server. The whole manifest is checked first and every problem is listed at once."
+        ),
+        epilog=(
+            'Manifest: a list of items, or {"defaults": {...}, "items": [...]}; an item has id, speaker_id, '
+            "text and optionally language, seed, format, output, options (see docs/tools.md). "
+            f"A summary JSON is written to <output-dir>/{SUMMARY_NAME}. "
+            "Exit status: 0 all items written, 1 bad input or any item failed."
+        ),
+    )
+    p.add_argument("--manifest", required=True, type=Path, help="manifest JSON file")
+    p.add_argument("--profiles-dir", type=Path, default=Path("voice_profiles"), help="voice profiles folder")
+    p.add_argument("--output-dir", type=Path, default=Path("batch_output"), help="where audio files go")
+    p.add_argument("--model", default="demo", help="checkpoint folder, hub id in the local HF cache, or 'demo'")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="engine implementation (default: native; vllm-omni when --stage-configs-path is given). "
+        "The vLLM-Omni backend is not available in this build.",
+    )
+    p.add_argument(
+        "--stage-configs-path",
+        type=Path,
+        default=None,
+        help="stage config YAML for the vLLM-Omni backend (implies --backend vllm-omni; "
+        "that backend is not available in this build yet)",
+    )
+    p.add_argument("--concurrency", type=int, default=8, help="items in flight at once (default: 8)")
+    p.add_argument("--format", choices=AUDIO_FORMATS, default="wav", help="format of items without one (default wav)")
+    p.add_argument("--seed", type=int, default=None, help="base seed: items without a seed get one derived from it")
+    p.add_argument("--resume", action="store_true", help="skip items whose output file already exists")
+    p.add_argument("--summary", type=Path, default=None, help=f"summary path (default: <output-dir>/{SUMMARY_NAME})")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> BatchOptions:
+    backend = args.backend or ("vllm-omni" if args.stage_configs_path else "native")
+    return BatchOptions(
+        manifest=args.manifest,
+        profiles_dir=args.profiles_dir,
+        output_dir=args.output_dir,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        backend=backend,
+        stage_configs_path=args.stage_configs_path,
+        concurrency=args.concurrency,
+        format=args.format,
+        seed=args.seed,
+        resume=args.resume,
+        summary_path=args.summary,
+        progress=not args.no_progress,
+    )
+
+
+def main(argv: Sequence[str] | None = None, engine: Engine | None = None) -> int:
+    opts = options_from_args(build_parser().parse_args(argv))
+    try:
+        summary = run_batch(opts, engine)
+    except ManifestError as e:
+        for line in e.problems:
+            print(f"error: {line}", file=sys.stderr)
+        print(f"error: {len(e.problems)} problem(s) in the manifest or voices; nothing was run", file=sys.stderr)
+        return 1
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    t = summary["totals"]
+    line = (
+        f"{t['ok']} ok, {t['failed']} failed, {t['skipped']} skipped; {t['audio_seconds']:.1f} s of audio "
+        f"in {summary['wall_time']:.1f} s; summary: {opts.summary_path or opts.output_dir / SUMMARY_NAME}"
+    )
+    print(line, file=sys.stderr if t["failed"] else sys.stdout)
+    return 1 if t["failed"] else 0
