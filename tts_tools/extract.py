@@ -1,0 +1,306 @@
+"""Voice enrollment: reference clips -> speaker x-vector profiles (`voice_profiles/<name>.safetensors`).
+
+Runs only the ECAPA-TDNN speaker encoder (qwen-tts 0.1.1 `extract_speaker_embedding`, reimplemented in
+`qwen_tts.speaker_encoder`), loaded alone from the checkpoint. Profiles use the shared format of
+`qwen_tts.profiles`, which the server's embedding cache reads; that format records the model and the x-vector
+width, so a profile made with one model size is refused by a server running the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from qwen_tts.profiles import VoiceProfile, is_valid_speaker_id, save_profile, sha256_file
+
+from .common import CliError, model_label, resolve_device, resolve_model
+
+SAMPLE_RATE = 24000
+AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".oga", ".mp3")
+LIST_SEPARATOR = "|"
+PROFILE_SUFFIX = ".safetensors"
+
+MIN_SECONDS, MAX_SECONDS = 1.0, 60.0  # refused outside
+RECOMMENDED_SECONDS = (5.0, 30.0)  # warned outside: too little speech gives an unstable voice, more adds nothing
+SILENCE_RMS_DBFS = -50.0  # quieter than this is room noise, not speech
+SILENCE_PEAK = 1e-3  # -60 dBFS peak: nothing audible anywhere in the clip
+CLIP_LEVEL = 0.999  # |x| at or above this counts as clipped (int16 full scale is 0.99997)
+MAX_CLIPPED_FRACTION = 0.01  # speech peaks touch full scale briefly; 1% of all samples on the rail is distortion
+
+
+class ClipRefused(ValueError):
+    """A reference clip is unusable; the message is one line naming the file and the measured value."""
+
+
+@dataclass(frozen=True)
+class ClipJob:
+    audio: Path
+    name: str
+    ref_text: str = ""
+
+
+@dataclass
+class ClipLevels:
+    seconds: float
+    rms_dbfs: float
+    peak: float
+    clipped_fraction: float
+    warnings: list[str] = field(default_factory=list)
+
+
+def _dbfs(x: float) -> float:
+    return 20.0 * float(np.log10(max(x, 1e-12)))
+
+
+def check_clip(samples: np.ndarray, sample_rate: int, mono: np.ndarray, label: str) -> ClipLevels:
+    """Duration and level checks. `samples` is the file as read (N, C); `mono` is what the encoder will see."""
+    seconds = samples.shape[0] / sample_rate
+    if seconds < MIN_SECONDS:
+        raise ClipRefused(f"{label}: too short ({seconds:.2f} s; a reference clip needs at least {MIN_SECONDS:g} s)")
+    if seconds > MAX_SECONDS:
+        raise ClipRefused(f"{label}: too long ({seconds:.1f} s; the limit is {MAX_SECONDS:g} s, trim it to 5-30 s)")
+    # Clipping is measured on the file's own samples: resampling smears flat tops and hides them.
+    clipped = float(np.mean(np.abs(samples) >= CLIP_LEVEL)) if samples.size else 0.0
+    rms = float(np.sqrt(np.mean(np.square(mono, dtype=np.float64)))) if mono.size else 0.0
+    peak = float(np.max(np.abs(mono))) if mono.size else 0.0
+    levels = ClipLevels(seconds=seconds, rms_dbfs=_dbfs(rms), peak=peak, clipped_fraction=clipped)
+    if levels.rms_dbfs < SILENCE_RMS_DBFS or peak < SILENCE_PEAK:
+        raise ClipRefused(
+            f"{label}: silent or nearly (RMS {levels.rms_dbfs:.1f} dBFS, peak {_dbfs(peak):.1f} dBFS; "
+            f"need RMS above {SILENCE_RMS_DBFS:g} dBFS)"
+        )
+    if clipped > MAX_CLIPPED_FRACTION:
+        raise ClipRefused(
+            f"{label}: heavily clipped ({clipped:.1%} of samples at full scale; the limit is "
+            f"{MAX_CLIPPED_FRACTION:.0%}) - record again at a lower level"
+        )
+    lo, hi = RECOMMENDED_SECONDS
+    if not lo <= seconds <= hi:
+        levels.warnings.append(f"{label}: {seconds:.1f} s is outside the recommended {lo:g}-{hi:g} s")
+    return levels
+
+
+def load_clip(path: Path) -> tuple[np.ndarray, int, np.ndarray]:
+    """(samples (N, C) as read, their rate, mono float32 at 24 kHz)."""
+    from qwen_tts.audio import load_audio, resample, to_mono
+
+    try:
+        samples, sr = load_audio(path)
+    except Exception as e:  # soundfile raises several types; the user needs the reason, not a traceback
+        raise ClipRefused(f"{path}: cannot read audio ({e})") from None
+    mono = resample(to_mono(samples), sr, SAMPLE_RATE) if samples.size else np.zeros(0, np.float32)
+    return samples, sr, np.ascontiguousarray(mono, dtype=np.float32)
+
+
+def _jobs_from_list(list_file: Path) -> list[ClipJob]:
+    """`audio_path|name|ref_text` per line (name and text optional); relative paths are from the list's folder."""
+    jobs = []
+    try:
+        lines = list_file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"{list_file}: cannot read the list file ({e})") from None
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = [p.strip() for p in line.split(LIST_SEPARATOR, 2)]
+        audio = Path(parts[0])
+        if not audio.is_absolute():
+            audio = list_file.parent / audio
+        name = parts[1] if len(parts) > 1 and parts[1] else audio.stem
+        jobs.append(ClipJob(audio, name, parts[2] if len(parts) > 2 else ""))
+    return jobs
+
+
+def _jobs_from_dir(folder: Path) -> list[ClipJob]:
+    """Every audio file in the folder (not recursive); `<stem>.txt` beside a clip is its reference text."""
+    jobs = []
+    for audio in sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in AUDIO_EXTENSIONS):
+        sidecar = audio.with_suffix(".txt")
+        ref_text = sidecar.read_text(encoding="utf-8").strip() if sidecar.is_file() else ""
+        jobs.append(ClipJob(audio, audio.stem, ref_text))
+    return jobs
+
+
+def collect_jobs(sources: Sequence[str | Path], output_name: str | None = None, ref_text: str = "") -> list[ClipJob]:
+    """Expand files, folders and list files into clip jobs. Raises CliError on unusable sources."""
+    jobs: list[ClipJob] = []
+    single = len(sources) == 1
+    for src in map(Path, sources):
+        if src.is_dir():
+            found = _jobs_from_dir(src)
+            if not found:
+                raise CliError(f"{src}: no audio files ({', '.join(AUDIO_EXTENSIONS)}) in this folder")
+            jobs += found
+            single = False
+        elif src.is_file() and src.suffix.lower() in AUDIO_EXTENSIONS:
+            jobs.append(ClipJob(src, src.stem, ref_text))
+        elif src.is_file():
+            jobs += _jobs_from_list(src)
+            single = False
+        else:
+            raise CliError(f"{src}: no such file or folder")
+    if not jobs:
+        raise CliError("no reference clips given")
+    if output_name is not None or ref_text:
+        if not single or len(jobs) != 1:
+            raise CliError(
+                "--output-name and --ref-text apply to one clip; with several, names come from the file stems "
+                "(or the list file) and texts from <stem>.txt files (or the list file)"
+            )
+        jobs[0] = ClipJob(jobs[0].audio, output_name or jobs[0].name, ref_text)
+    return jobs
+
+
+def plan_problems(jobs: Sequence[ClipJob], output_dir: Path, force: bool) -> list[str]:
+    """Every reason not to start: bad or duplicate names, existing profiles without --force."""
+    problems = []
+    seen: dict[str, Path] = {}
+    for job in jobs:
+        if not is_valid_speaker_id(job.name):
+            problems.append(
+                f"{job.audio}: {job.name!r} is not a valid voice name (letters, digits, '_', '.', '-', "
+                "up to 64, starting with a letter or digit); pass --output-name or rename the file"
+            )
+            continue
+        target = output_dir / f"{job.name}{PROFILE_SUFFIX}"
+        if target.exists() and not force:
+            problems.append(f"{target} exists (use --force to overwrite)")
+        # Case-folded: on a case-insensitive filesystem 'Ann' and 'ann' would be one file.
+        key = job.name.casefold()
+        if key in seen:
+            problems.append(f"{job.audio}: voice name {job.name!r} is also used by {seen[key]}")
+        else:
+            seen[key] = job.audio
+    return problems
+
+
+@torch.inference_mode()
+def embed_clip(encoder: torch.nn.Module, mono24k: np.ndarray, device: torch.device) -> torch.Tensor:
+    """The clip's x-vector as a float32 (D,) CPU tensor."""
+    x = encoder.embed(torch.from_numpy(mono24k).to(device))
+    return x.detach().to("cpu", torch.float32).reshape(-1)
+
+
+@dataclass
+class ClipResult:
+    job: ClipJob
+    profile: Path | None = None
+    error: str | None = None
+    levels: ClipLevels | None = None
+
+
+def extract_voices(
+    jobs: Sequence[ClipJob],
+    *,
+    model: str,
+    output_dir: str | Path = "voice_profiles",
+    device: str = "auto",
+    force: bool = False,
+    progress: bool = True,
+) -> list[ClipResult]:
+    """Enroll every clip; a refused clip is reported in its result and the others go on."""
+    output_dir = Path(output_dir)
+    problems = plan_problems(jobs, output_dir, force)
+    if problems:
+        raise CliError("\n".join(problems))
+    from qwen_tts.loading import load_speaker_encoder
+
+    model_path = resolve_model(model)
+    dev = resolve_device(device)
+    try:
+        encoder, cfg = load_speaker_encoder(model_path, device=str(dev))
+    except Exception as e:  # a wrong folder or a checkpoint without a speaker encoder: one line, no traceback
+        raise CliError(f"cannot load the speaker encoder from {model!r}: {e}") from None
+    encoder.eval()
+    label = model_label(model, model_path, cfg)
+
+    results = []
+    bar = tqdm(jobs, desc="voices", unit="clip", disable=not progress or len(jobs) < 2, file=sys.stderr)
+    for job in bar:
+        bar.set_postfix_str(job.name)
+        result = ClipResult(job)
+        results.append(result)
+        try:
+            samples, sr, mono = load_clip(job.audio)
+            result.levels = check_clip(samples, sr, mono, str(job.audio))
+            for w in result.levels.warnings:
+                tqdm.write(f"warning: {w}", file=sys.stderr)
+            x = embed_clip(encoder, mono, dev)
+            if x.shape[0] != cfg.xvector_dim:
+                raise ClipRefused(f"{job.audio}: encoder gave width {x.shape[0]}, the model needs {cfg.xvector_dim}")
+            profile = VoiceProfile(
+                x_vector=x,
+                model=label,
+                source_sha256=sha256_file(job.audio),
+                source_seconds=result.levels.seconds,
+                ref_text=job.ref_text,
+            )
+            result.profile = save_profile(output_dir / f"{job.name}{PROFILE_SUFFIX}", profile, overwrite=force)
+        except (ClipRefused, FileExistsError) as e:
+            result.error = str(e)
+        except Exception as e:  # keep going with the other clips; name the clip and the failure
+            result.error = f"{job.audio}: failed ({type(e).__name__}: {e})"
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="extract_speaker_embedding.py",
+        description=(
+            "Enroll voices: compute the speaker x-vector of reference clips (wav/flac/ogg/mp3, any rate and "
+            "channel count; 5-30 s of clean speech is best) and write voice profiles that the server and "
+            "batch_inference.py load by name. Only the speaker encoder is loaded from the checkpoint."
+        ),
+        epilog=(
+            "Several clips: pass a folder (every audio file; <stem>.txt beside a clip is its reference text) or "
+            f"a list file with lines 'audio_path{LIST_SEPARATOR}name{LIST_SEPARATOR}ref_text' (name and text "
+            "optional). Exit status: 0 all written, 1 any clip refused or failed or bad arguments."
+        ),
+    )
+    p.add_argument("--model", default="demo", help="checkpoint folder, hub id in the local HF cache, or 'demo'")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    p.add_argument(
+        "--ref-audio", required=True, nargs="+", metavar="PATH", help="audio file(s), folder(s) or list file(s)"
+    )
+    p.add_argument("--ref-text", default="", help="transcript of the clip (metadata for a later in-context mode)")
+    p.add_argument("--output-name", default=None, help="voice name for a single clip (default: the file stem)")
+    p.add_argument("--output-dir", default="voice_profiles", help="where profiles go (default: voice_profiles)")
+    p.add_argument("--force", action="store_true", help="overwrite existing profiles")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        jobs = collect_jobs(args.ref_audio, args.output_name, args.ref_text)
+        results = extract_voices(
+            jobs,
+            model=args.model,
+            output_dir=args.output_dir,
+            device=args.device,
+            force=args.force,
+            progress=not args.no_progress,
+        )
+    except CliError as e:
+        for line in str(e).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        return 1
+    failed = 0
+    for r in results:
+        if r.error:
+            failed += 1
+            print(f"error: {r.error}", file=sys.stderr)
+        else:
+            print(f"wrote {r.profile} ({r.levels.seconds:.1f} s of audio, {r.levels.rms_dbfs:.1f} dBFS RMS)")
+    if failed:
+        print(f"error: {failed} of {len(results)} clip(s) not enrolled", file=sys.stderr)
+    return 1 if failed else 0
