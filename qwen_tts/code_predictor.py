@@ -1,0 +1,84 @@
+"""The code predictor ("sub-talker"): residual codebooks 1..15 of one frame from the talker's hidden state.
+
+Reimplements qwen-tts 0.1.1 MQ `Qwen3TTSTalkerCodePredictorModelForConditionalGeneration` and the per-frame
+`code_predictor.generate(...)` call in `Qwen3TTSTalkerForConditionalGeneration.forward`: a fresh cache per frame,
+a 2-token prefill [h, C(cb0)] at positions 0-1 and then one step per code, with `lm_head[j]` predicting cb_{j+1} and
+`codec_embedding[j]` (talker width) embedding cb_{j+1} for the next step. Inputs pass `small_to_mtp_projection`
+(a Linear with bias when the talker is wider, e.g. 1.7B; an Identity with no tensors when equal, e.g. 0.6B).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import LongTensor, Tensor, nn
+
+from qwen_tts.config import CodePredictorConfig
+from qwen_tts.layers import DecoderStack, KVCache
+
+
+class CodePredictorModel(DecoderStack):
+    """`code_predictor.model`: decoder layers plus one embedding table per residual codebook."""
+
+    def __init__(self, cfg: CodePredictorConfig, talker_hidden: int) -> None:
+        super().__init__(cfg)
+        self.codec_embedding = nn.ModuleList(
+            nn.Embedding(cfg.vocab_size, talker_hidden) for _ in range(cfg.num_code_groups - 1)
+        )
+
+
+class CodePredictor(nn.Module):
+    def __init__(self, cfg: CodePredictorConfig, talker_hidden: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.num_residual = cfg.num_code_groups - 1
+        self.model = CodePredictorModel(cfg, talker_hidden)
+        self.lm_head = nn.ModuleList(
+            nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) for _ in range(self.num_residual)
+        )
+        if talker_hidden != cfg.hidden_size:
+            self.small_to_mtp_projection: nn.Module = nn.Linear(talker_hidden, cfg.hidden_size, bias=True)
+        else:
+            self.small_to_mtp_projection = nn.Identity()
+        # Scratch cache reused across frames (not module state); grown by reserve().
+        self._cache: KVCache | None = None
+        self._slot_ids: Tensor | None = None
+        self._positions: Tensor | None = None
+
+    def reserve(self, batch: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        """Allocate the per-frame scratch cache for up to `batch` rows (the engine calls this once up front)."""
+        w = self.lm_head[0].weight
+        device, dtype = torch.device(device) if device is not None else w.device, dtype or w.dtype
+        c = self._cache
+        if c is not None and c.slots >= batch and c.k.device == device and c.k.dtype == dtype:
+            return
+        self._cache = self.model.new_cache(batch, self.num_residual + 1, device, dtype)
+        self._slot_ids = torch.arange(batch, device=device)
+        self._positions = torch.arange(self.num_residual + 1, device=device)[None]
+
+    def forward(
+        self, h: Tensor, cb0_embed: Tensor, sample: Callable[[int, Tensor], LongTensor]
+    ) -> tuple[LongTensor, Tensor]:
+        """h, cb0_embed (B, H_talker) -> codes (B, 15), embed_sum (B, H_talker).
+
+        `sample(j, logits_j)` picks cb_{j+1} from logits (B, vocab). embed_sum = sum_j codec_embedding[j](cb_{j+1}),
+        the residual part of the next talker input.
+        """
+        B = h.shape[0]
+        self.reserve(B, h.device, h.dtype)
+        cache, slots = self._cache, self._slot_ids[:B]
+        pos = self._positions.expand(B, -1)  # (B, 16)
+        x = self.small_to_mtp_projection(torch.stack((h, cb0_embed), dim=1))  # (B, 2, H_cp)
+        hidden = self.model(x, pos[:, :2], cache, slots, kv_len=2)[:, -1]
+        codes = []
+        embed_sum = None
+        for j in range(self.num_residual):
+            code = sample(j, self.lm_head[j](hidden))
+            emb = self.model.codec_embedding[j](code)
+            embed_sum = emb if embed_sum is None else embed_sum + emb
+            codes.append(code)
+            if j + 1 < self.num_residual:  # the last code is not fed back
+                x = self.small_to_mtp_projection(emb[:, None])
+                hidden = self.model(x, pos[:, j + 2 : j + 3], cache, slots, kv_len=j + 3)[:, -1]
+        return torch.stack(codes, dim=1), embed_sum

@@ -1,0 +1,101 @@
+"""Talker prefill for x-vector voice cloning (no ICL), in both text modes.
+
+Reimplements the x-vector branch of qwen-tts 0.1.1 MQ `Qwen3TTSForConditionalGeneration.generate` (reference doc 2.3).
+With P = text_projection(text_embedding(.)), C = codec_embedding, codec = C(prefix) ++ xvector ++ C([pad, bos]) where
+prefix = [think, think_bos, lang, think_eos] or, for "auto", [nothink, think_bos, think_eos]:
+
+    role     P(<|im_start|> assistant \\n)
+    control  [tpad * (n-2), tbos] + codec[:-1]                          (n = len(codec))
+    streaming:      P(text[0]) + C(bos);   trailing = P(text[1:]) ++ teos, then tpad
+    non-streaming:  (P(text) ++ teos) + C(pad), then tpad + C(bos);  trailing = tpad only
+
+Text projections are computed in the same groups as the official code (role, [bos, eos, pad], first/rest of the text
+or the whole text) so the float rounding of each row matches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qwen_tts.config import ModelConfig
+from qwen_tts.talker import Talker
+
+
+@dataclass
+class Prompt:
+    prefill: Tensor  # (L, H) input embeddings of the prefill
+    trailing: Tensor  # (N, H) text-track embeddings added to decode steps 0..N-1; (0, H) in non-streaming mode
+    pad: Tensor  # (H,) tpad, added to every decode step after `trailing` runs out
+
+
+def supported_languages(cfg: ModelConfig) -> list[str]:
+    """ "auto" plus the checkpoint's languages; dialects are excluded, as the official wrapper does."""
+    return ["auto", *sorted(k for k in cfg.talker.codec_language_id if "dialect" not in k)]
+
+
+def normalize_language(cfg: ModelConfig, language: str | None) -> str:
+    """Case-insensitive language name; None or "auto" -> "auto"; unknown -> ValueError listing the allowed names."""
+    if language is None:
+        return "auto"
+    name = str(language).strip().lower()
+    allowed = supported_languages(cfg)
+    if name not in allowed:
+        raise ValueError(f"unsupported language {language!r}; allowed: {', '.join(allowed)}")
+    return name
+
+
+def build_prompt(
+    cfg: ModelConfig,
+    talker: Talker,
+    text_ids: list[int],
+    role_ids: list[int],
+    xvector: Tensor,
+    language: str,
+    non_streaming: bool,
+) -> Prompt:
+    """Prefill embeddings (L, H), trailing text track and tpad for one request (module dtype and device)."""
+    if not text_ids:
+        raise ValueError("text_ids is empty: the prompt needs at least one text token")
+    if len(role_ids) != 3:
+        raise ValueError(f"role_ids must be the 3 ids of '<|im_start|>assistant\\n', got {len(role_ids)}")
+    tc = cfg.talker
+    language = normalize_language(cfg, language)
+    w = talker.codec_head.weight
+    dev = w.device
+
+    def ids(values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long, device=dev)
+
+    if xvector.shape != (tc.hidden_size,):
+        raise ValueError(f"x-vector must have shape ({tc.hidden_size},), got {tuple(xvector.shape)}")
+    tbos, teos, tpad = talker.embed_text(ids([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]))
+    if language == "auto":
+        prefix = [tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id]
+    else:
+        prefix = [tc.codec_think_id, tc.codec_think_bos_id, tc.codec_language_id[language], tc.codec_think_eos_id]
+    codec = torch.cat(
+        (
+            talker.embed_codec(ids(prefix)),
+            xvector.to(device=dev, dtype=w.dtype)[None],
+            talker.embed_codec(ids([tc.codec_pad_id, tc.codec_bos_id])),
+        )
+    )  # (n, H)
+    n = codec.shape[0]
+    control = torch.cat((tpad.expand(n - 2, -1), tbos[None])) + codec[:-1]
+    role = talker.embed_text(ids(role_ids))
+    bos_codec = codec[-1:]
+
+    if non_streaming:
+        m = len(text_ids)
+        text = torch.cat((talker.embed_text(ids(text_ids)), teos[None]))  # (m+1, H)
+        text = text + talker.embed_codec(ids([tc.codec_pad_id] * (m + 1)))
+        prefill = torch.cat((role, control, text, tpad[None] + bos_codec))
+        trailing = tpad.new_zeros((0, tpad.shape[0]))
+    else:
+        prefill = torch.cat((role, control, talker.embed_text(ids(text_ids[:1])) + bos_codec))
+        rest = talker.embed_text(ids(text_ids[1:])) if len(text_ids) > 1 else tpad.new_zeros((0, tpad.shape[0]))
+        trailing = torch.cat((rest, teos[None]))
+    return Prompt(prefill=prefill, trailing=trailing, pad=tpad)

@@ -1,0 +1,123 @@
+"""Batched, batch-invariant token sampling with per-row settings.
+
+Reimplements the HF transformers 4.57.3 logits pipeline that qwen-tts 0.1.1 MQ `generate` configures for the talker
+(`RepetitionPenaltyLogitsProcessor`, `SuppressTokensLogitsProcessor`, `MinNewTokensLengthLogitsProcessor`, then when
+sampling `TemperatureLogitsWarper`, `TopKLogitsWarper`, `TopPLogitsWarper`) and for the code predictor (warpers only).
+As in HF, logits are processed in float32, processors apply in greedy mode too, and warpers only when sampling.
+
+Randomness is counter-based: a vectorised integer hash of (seed, counter, vocab index) gives each logit its own
+uniform, turned into Gumbel noise; the sample is argmax(filtered logits + noise), distributed as softmax(filtered).
+A row's draw depends only on its logits, seed and counter (never on other rows or on a torch.Generator), there is
+no host sync, and everything is fixed-shape, so it captures into CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import BoolTensor, LongTensor, Tensor
+
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31 keep every product of a 32-bit value below 2**63, so int64 never overflows.
+_M1 = 0x7FEB352D
+_M2 = 0x2C1B3C6D
+_M3 = 0x297A2D39
+_GOLDEN = 0x9E3779B9
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit avalanche hash on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * _M1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _M2) & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * _M3) & _MASK32
+    return x ^ (x >> 15)
+
+
+def uniform_noise(seeds: LongTensor, counters: LongTensor, vocab: int) -> Tensor:
+    """Uniforms in (0, 1), float32 (B, vocab), a pure function of (seed, counter, vocab index)."""
+    seeds = seeds.long()[:, None]
+    counters = counters.long()[:, None]
+    idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None]
+    h = _mix32(((idx * _GOLDEN) & _MASK32) ^ (counters & _MASK32))
+    h = _mix32(h ^ ((counters >> 32) & _MASK32))
+    h = _mix32(h ^ (seeds & _MASK32))
+    h = _mix32(h ^ ((seeds >> 32) & _MASK32))
+    # 24 bits fit a float32 mantissa exactly; +0.5 keeps the value strictly inside (0, 1).
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_noise(seeds: LongTensor, counters: LongTensor, vocab: int) -> Tensor:
+    return -torch.log(-torch.log(uniform_noise(seeds, counters, vocab)))
+
+
+def apply_repetition_penalty(logits: Tensor, seen: BoolTensor, penalty: Tensor) -> Tensor:
+    """HF rule on ids marked in `seen` (B, V): score / p if score > 0 else score * p, once per distinct id."""
+    p = penalty.to(logits.dtype)[:, None]
+    penalized = torch.where(logits < 0, logits * p, logits / p)
+    return torch.where(seen, penalized, logits)
+
+
+def mark_seen(seen: BoolTensor, ids: LongTensor) -> BoolTensor:
+    """Record the ids just generated (B,) in `seen` (B, V), in place."""
+    return seen.scatter_(1, ids[:, None], True)
+
+
+def suppress_mask(vocab_size: int, codebook_size: int, eos_id: int, device: torch.device | str | None = None) -> Tensor:
+    """(V,) bool: the talker's suppressed ids, every control id (>= codebook_size) except EOS."""
+    mask = torch.arange(vocab_size, device=device) >= codebook_size
+    mask[eos_id] = False
+    return mask
+
+
+def suppress(logits: Tensor, mask: BoolTensor) -> Tensor:
+    """Set logits of ids where `mask` (V,) or (B, V) is True to -inf."""
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def mask_eos(logits: Tensor, eos_id: int, active: BoolTensor) -> Tensor:
+    """Min-length rule: EOS gets -inf in rows where `active` (B,), e.g. `steps < min_new_tokens`."""
+    col = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    col[eos_id] = True
+    return logits.masked_fill(active[:, None] & col, float("-inf"))
+
+
+def filter_logits(logits: Tensor, temperature: Tensor, top_k: LongTensor, top_p: Tensor) -> Tensor:
+    """HF warper order and semantics with per-row settings (B,); dropped ids become -inf.
+
+    temperature divides; top-k keeps ids >= the k-th largest (ties kept; k <= 0 disables); top-p sorts ascending
+    and drops ids whose cumulative probability is <= 1 - top_p, always keeping the largest (top_p >= 1 disables).
+    """
+    neg_inf = float("-inf")
+    vocab = logits.shape[-1]
+    logits = logits / temperature.to(logits.dtype)[:, None]
+
+    k = top_k.long().clamp(1, vocab)
+    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+    logits = logits.masked_fill((logits < kth) & (top_k > 0)[:, None], neg_inf)
+
+    sorted_logits, order = logits.sort(dim=-1)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cum <= (1 - top_p.to(cum.dtype))[:, None]
+    drop_sorted[:, -1] = False
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop & (top_p < 1)[:, None], neg_inf)
+
+
+def sample(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: LongTensor,
+    top_p: Tensor,
+    greedy: BoolTensor,
+    seeds: LongTensor,
+    counters: LongTensor,
+) -> LongTensor:
+    """One id per row (B,). Greedy rows (or temperature <= 0) take the argmax of the unwarped logits."""
+    logits = logits.float()
+    greedy = greedy | (temperature <= 0)
+    t = torch.where(greedy, torch.ones_like(temperature, dtype=torch.float32), temperature.float())
+    filtered = filter_logits(logits, t, top_k, top_p)
+    drawn = (filtered + gumbel_noise(seeds, counters, logits.shape[-1])).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)
