@@ -1,0 +1,82 @@
+"""The FastAPI app factory. A lifespan owns the runtime (engine + voices) unless one is handed in."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
+
+from inference_config import ServerSettings, load_settings
+from qwen_tts.engine_api import Engine
+
+from .errors import install_error_handlers
+from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
+from .routes import PUBLIC_PATHS, ROUTES, router
+from .runtime import Runtime
+
+EXPOSED_HEADERS = [
+    "X-Request-Id",
+    "X-Audio-Duration",
+    "X-Latency",
+    "X-Sample-Rate",
+    "X-Finish-Reason",
+    "X-Audio-Format",
+    "X-Time-To-First-Audio",
+    "Retry-After",
+]
+
+
+def create_app(
+    settings: ServerSettings | None = None,
+    *,
+    runtime: Runtime | None = None,
+    engine: Engine | None = None,
+) -> FastAPI:
+    """Build the app. With `runtime` the caller owns the engine's lifecycle; otherwise the lifespan starts
+    one from `settings` (or `engine`, for tests) and stops it, draining for TTS_DRAIN_TIMEOUT, on shutdown."""
+    if settings is None:
+        settings = runtime.settings if runtime is not None else load_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned: Runtime | None = None
+        if app.state.runtime is None:
+            owned = app.state.runtime = await Runtime.start(settings, engine=engine)
+        try:
+            yield
+        finally:
+            if owned is not None:
+                await owned.stop(drain_timeout=settings.drain_timeout)
+
+    app = FastAPI(
+        title="Qwen3-TTS voice-cloning server",
+        version="0.1.0",
+        summary="Text + voice id -> speech, for Qwen3-TTS-12Hz Base checkpoints.",
+        lifespan=lifespan,
+    )
+    app.state.runtime = runtime
+    install_error_handlers(app)
+    app.include_router(router)
+
+    def count_response(route: str, status: int) -> None:
+        rt: Runtime | None = app.state.runtime
+        if rt is not None:
+            rt.metrics.requests.labels(route, str(status)).inc()
+
+    # add_middleware wraps: the last added is the outermost.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    keys = [k.get_secret_value() for k in settings.api_keys]
+    app.add_middleware(ApiKeyMiddleware, keys=keys, public=PUBLIC_PATHS)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+            expose_headers=EXPOSED_HEADERS,
+            max_age=600,
+        )
+    app.add_middleware(RequestContextMiddleware, on_response=count_response, routes=ROUTES)
+    return app

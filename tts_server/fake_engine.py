@@ -1,0 +1,184 @@
+"""A deterministic stand-in engine: sine-tone chunks with controllable pacing and failures.
+
+It implements `qwen_tts.engine_api.Engine` on the event loop (no model, no thread), so HTTP-level behaviour
+(admission, timeouts, cancellation, failure mapping) can be tested exactly and quickly. `TTS_BACKEND=fake`
+serves it, for load-testing the HTTP layer without a model. Text markers drive failures:
+`[fail]` fails before any audio, `[fail-mid]` after the first chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import torch
+
+from qwen_tts.engine_api import (
+    FRAME_SAMPLES,
+    SAMPLE_RATE,
+    Engine,
+    EngineNotReadyError,
+    FinishReason,
+    QueueFullError,
+    RequestHandle,
+    SynthesisRequest,
+)
+
+DEFAULT_LANGUAGES = ("auto", "chinese", "english", "french", "german", "japanese", "korean", "spanish")
+
+
+class FakeEngine(Engine):
+    """Frames per request = min(cap, frames_per_char * len(text)); each frame is FRAME_SAMPLES of a tone."""
+
+    def __init__(
+        self,
+        xvector_dim: int = 16,
+        max_slots: int = 4,
+        max_queue: int = 8,
+        max_frames: int = 2048,
+        frames_per_char: float = 1.0,
+        frame_delay: float = 0.0,
+        first_chunk_frames: int = 3,
+        chunk_frames: int = 12,
+        start_delay: float = 0.0,
+        languages: tuple[str, ...] = DEFAULT_LANGUAGES,
+    ):
+        self._dim = xvector_dim
+        self.max_slots = max_slots
+        self.max_queue = max_queue
+        self.max_frames = max_frames
+        self.frames_per_char = frames_per_char
+        self.frame_delay = frame_delay
+        self.first_chunk_frames = first_chunk_frames
+        self.chunk_frames = chunk_frames
+        self.start_delay = start_delay
+        self._languages = list(languages)
+        self.device = torch.device("cpu")
+        self.model_info = {"name": "fake", "xvector_dim": xvector_dim, "device": "cpu", "dtype": "float32"}
+        self._ready = False
+        self._accepting = False
+        self._slots: asyncio.Semaphore | None = None
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._running = 0
+        self._waiting = 0
+        self.submitted: list[SynthesisRequest] = []
+        self.cancelled: list[str] = []
+
+    async def start(self) -> None:
+        if self.start_delay:
+            await asyncio.sleep(self.start_delay)
+        self._slots = asyncio.Semaphore(self.max_slots)
+        self._accepting = True
+        self._ready = True
+
+    async def stop(self, drain_timeout: float = 0.0) -> None:
+        self._accepting = False
+        self._ready = False
+        tasks = list(self._tasks.values())
+        if tasks and drain_timeout > 0:
+            await asyncio.wait(tasks, timeout=drain_timeout)
+        for task in self._tasks.values():
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks.values()))
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def xvector_dim(self) -> int:
+        return self._dim
+
+    @property
+    def languages(self) -> list[str]:
+        return self._languages
+
+    @property
+    def num_running(self) -> int:
+        return self._running
+
+    @property
+    def num_waiting(self) -> int:
+        return self._waiting
+
+    def frames_for(self, request: SynthesisRequest) -> int:
+        cap = self.max_frames if request.max_frames is None else min(request.max_frames, self.max_frames)
+        return max(1, min(cap, int(self.frames_per_char * len(request.text))))
+
+    def submit(self, request: SynthesisRequest) -> RequestHandle:
+        if not self._accepting:
+            raise EngineNotReadyError("engine is not accepting requests")
+        if request.language.lower() not in self._languages:
+            raise ValueError(f"unsupported language {request.language!r}")
+        if request.xvector.shape != (self._dim,):
+            raise ValueError(f"xvector must have shape ({self._dim},), got {tuple(request.xvector.shape)}")
+        if not request.text.strip():
+            raise ValueError("text is empty")
+        if self._running + self._waiting >= self.max_slots + self.max_queue:
+            raise QueueFullError(f"{self._waiting} requests waiting (limit {self.max_queue})")
+        handle = RequestHandle(request)
+        handle.stats.frame_budget = self.frames_for(request)
+        handle._cancel_requested = False  # type: ignore[attr-defined]
+        self.submitted.append(request)
+        self._waiting += 1
+        self._tasks[request.request_id] = asyncio.get_running_loop().create_task(self._serve(handle))
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        if not getattr(handle, "_cancel_requested", True):
+            handle._cancel_requested = True  # type: ignore[attr-defined]
+            self.cancelled.append(handle.request_id)
+
+    def tone(self, request: SynthesisRequest, start_frame: int, frames: int) -> np.ndarray:
+        """The samples of frames [start_frame, start_frame + frames) of `request`: one continuous tone."""
+        freq = 110.0 + 10.0 * ((request.seed or 0) % 40)
+        n = np.arange(start_frame * FRAME_SAMPLES, (start_frame + frames) * FRAME_SAMPLES)
+        return (0.3 * np.sin(2 * np.pi * freq * n / SAMPLE_RATE)).astype(np.float32)
+
+    async def _serve(self, handle: RequestHandle) -> None:
+        req = handle.request
+        assert self._slots is not None
+        waiting = True
+        try:
+            async with self._slots:
+                self._waiting -= 1
+                waiting = False
+                self._running += 1
+                try:
+                    await self._generate(handle)
+                finally:
+                    self._running -= 1
+        except asyncio.CancelledError:
+            handle.finish_threadsafe(FinishReason.CANCELLED)
+        finally:
+            if waiting:
+                self._waiting -= 1
+            self._tasks.pop(req.request_id, None)
+
+    async def _generate(self, handle: RequestHandle) -> None:
+        req, stats = handle.request, handle.stats
+        stats.started_at = time.monotonic()
+        if "[fail]" in req.text:
+            handle.finish_threadsafe(FinishReason.ERROR, "simulated failure")
+            return
+        total, done = stats.frame_budget, 0
+        while done < total:
+            if handle._cancel_requested:  # type: ignore[attr-defined]
+                handle.finish_threadsafe(FinishReason.CANCELLED)
+                return
+            n = min(self.first_chunk_frames if done == 0 else self.chunk_frames, total - done)
+            if self.frame_delay:
+                await asyncio.sleep(self.frame_delay * n)
+            chunk = self.tone(req, done, n)
+            done += n
+            stats.frames = done
+            stats.samples += chunk.shape[0]
+            if stats.first_audio_at is None:
+                stats.first_audio_at = time.monotonic()
+            handle.put_threadsafe(chunk)
+            if "[fail-mid]" in req.text:
+                handle.finish_threadsafe(FinishReason.ERROR, "simulated failure")
+                return
+        handle.finish_threadsafe(FinishReason.BUDGET if total == self.max_frames else FinishReason.EOS)

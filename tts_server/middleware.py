@@ -1,0 +1,165 @@
+"""Pure-ASGI middleware: request ids and access accounting, API keys, body size limit, stream aborts.
+
+Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect messages pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import secrets
+import time
+import uuid
+from collections.abc import Callable, Iterable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import ApiError, PayloadTooLarge, Unauthorized, error_body
+
+logger = logging.getLogger("tts_server.access")
+
+_CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+class StreamAborted(Exception):
+    """Raised inside a streaming body to end the connection without a clean end of stream (so the client
+    knows its audio is incomplete)."""
+
+
+async def send_error(send: Send, exc: ApiError, request_id: str) -> None:
+    import json
+
+    body = json.dumps(error_body(exc.status, exc.message, exc.type, exc.code, exc.param, request_id)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in exc.headers.items()]
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequestContextMiddleware:
+    """Outermost layer: assigns the request id (echoes a safe client X-Request-Id), adds it to every response,
+    counts responses by route and status, logs one access line, and turns StreamAborted into a cut
+    connection instead of an 'unhandled exception' traceback."""
+
+    def __init__(self, app: ASGIApp, on_response: Callable[[str, int], None], routes: Iterable[str]):
+        self.app = app
+        self.on_response = on_response
+        self.routes = set(routes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers", [])).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _CLIENT_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        started = time.monotonic()
+        state = scope.setdefault("state", {})
+        state["request_id"], state["received_at"] = request_id, started
+        status = 0
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                headers.append((b"x-request-id", request_id.encode()))
+                message["headers"] = headers
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except StreamAborted as e:
+            logger.warning("request %s: stream aborted: %s", request_id, e)
+        finally:
+            path = scope.get("path", "")
+            route = path if path in self.routes else "other"
+            self.on_response(route, status or 499)
+            logger.info(
+                '%s "%s %s" %s %.3fs',
+                request_id,
+                scope.get("method", ""),
+                path if route != "other" else path[:80],
+                status or "-",
+                time.monotonic() - started,
+            )
+
+
+class ApiKeyMiddleware:
+    """Bearer API keys, compared as SHA-256 digests in constant time; `public` paths and CORS preflight pass."""
+
+    def __init__(self, app: ASGIApp, keys: list[str], public: Iterable[str]):
+        self.app = app
+        self.digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+        self.public = set(public)
+
+    def _authorized(self, header: str) -> bool:
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return False
+        given = hashlib.sha256(token.strip().encode()).digest()
+        # Compare against every key (no early exit) so timing does not tell which one is close.
+        ok = False
+        for digest in self.digests:
+            ok |= secrets.compare_digest(given, digest)
+        return ok
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.digests or scope.get("path") in self.public:
+            await self.app(scope, receive, send)
+            return
+        if scope.get("method") == "OPTIONS":  # CORS preflight carries no credentials
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1")
+        if self._authorized(header):
+            await self.app(scope, receive, send)
+            return
+        message = "missing API key (send 'Authorization: Bearer <key>')" if not header else "invalid API key"
+        error = Unauthorized(message, headers={"WWW-Authenticate": "Bearer"})
+        await send_error(send, error, scope.get("state", {}).get("request_id", ""))
+
+
+class BodyLimitMiddleware:
+    """Reads the whole request body up front (our bodies are small JSON) and answers 413 past `max_bytes`,
+    before any route code runs; then replays it, and passes later messages (disconnects) through."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        request_id = scope.get("state", {}).get("request_id", "")
+        too_large = PayloadTooLarge(f"request body is larger than the limit of {self.max_bytes} bytes")
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None:
+            try:
+                if int(declared) > self.max_bytes:
+                    await send_error(send, too_large, request_id)
+                    return
+            except ValueError:
+                pass
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body: nothing to answer
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await send_error(send, too_large, request_id)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,328 @@
+"""HTTP routes: /synthesize, /synthesize/stream, /v1/audio/speech, /speakers, /health, /ready, /metrics.
+
+Bodies are parsed here (not by FastAPI) so that malformed JSON, wrong types and unknown fields all get the
+same error shape, whatever the content type the client sent.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+import anyio
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
+
+from qwen_tts.engine_api import SAMPLE_RATE, RequestFailedError
+
+from .audio_encoding import FORMATS, StreamEncoder, encode, get_format
+from .errors import BadRequest, InvalidField, NotReady, RequestTimeout, validation_error
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .middleware import StreamAborted
+from .runtime import Runtime
+from .schemas import SpeechRequest, StreamRequest, SynthesizeRequest, allowed_fields
+from .synthesis import ClientDisconnected, Job, Options, check_limits, collect, first_chunk, rest, submit
+
+logger = logging.getLogger("tts_server")
+
+router = APIRouter()
+M = TypeVar("M", bound=BaseModel)
+
+PUBLIC_PATHS = ("/health", "/ready", "/metrics")
+ROUTES = (
+    "/synthesize",
+    "/synthesize/stream",
+    "/v1/audio/speech",
+    "/v1/models",
+    "/speakers",
+    *PUBLIC_PATHS,
+)
+# nginx's code for "client closed the request": logged and counted, never seen by a client.
+CLIENT_CLOSED = 499
+
+
+def runtime_of(request: Request) -> Runtime:
+    runtime = getattr(request.app.state, "runtime", None)
+    if runtime is None:
+        raise NotReady("server is starting; retry later", headers={"Retry-After": "1"})
+    return runtime
+
+
+def _rid(request: Request) -> str:
+    return request.state.request_id
+
+
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    raw = await request.body()
+    if not raw.strip():
+        raise BadRequest("request body is empty; send a JSON object", code="empty_body")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise validation_error(e, allowed_fields(model)) from None
+
+
+def _options(body: SynthesizeRequest | StreamRequest | SpeechRequest) -> Options:
+    return Options(
+        speaker_id=body.speaker_id,
+        text=body.text,
+        language=body.language,
+        max_new_tokens=body.max_new_tokens,
+        temperature=body.temperature,
+        top_k=body.top_k,
+        seed=body.seed,
+    )
+
+
+def _audio_headers(job: Job, request: Request, pcm: np.ndarray) -> dict[str, str]:
+    received = request.scope.get("state", {}).get("received_at", job.received_at)
+    return {
+        "X-Audio-Duration": f"{pcm.shape[0] / SAMPLE_RATE:.3f}",
+        "X-Latency": f"{time.monotonic() - received:.3f}",
+        "X-Sample-Rate": str(SAMPLE_RATE),
+        "X-Finish-Reason": job.handle.stats.finish_reason.value if job.handle.stats.finish_reason else "",
+    }
+
+
+class JobStreamingResponse(StreamingResponse):
+    """A streaming response that owns its job: whatever ends the stream (completion, failure, client gone),
+    the job is closed, which cancels the engine request if it is still running."""
+
+    def __init__(self, job: Job, content: AsyncIterator[bytes], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.job = job
+        job.outcome = "streaming"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.job.outcome == "streaming":
+                self.job.outcome = "disconnected"
+            self.job.close()
+
+
+async def _encoded_stream(job: Job, first: np.ndarray | None, encoder: StreamEncoder) -> AsyncIterator[bytes]:
+    try:
+        if first is not None:
+            yield encoder.feed(first)
+            async for chunk in rest(job):
+                data = encoder.feed(chunk)
+                if data:
+                    yield data
+        tail = encoder.close()
+        if tail:
+            yield tail
+        job.outcome = "ok"
+    except RequestFailedError as e:
+        job.outcome = "error"
+        logger.error("request %s failed in the engine mid-stream: %s", job.request_id, e)
+        raise StreamAborted("engine failure") from None
+    except RequestTimeout:
+        job.outcome = "timeout"
+        raise StreamAborted("request timeout") from None
+
+
+async def _start_stream(request: Request, job: Job) -> np.ndarray | Response | None:
+    """Wait for the first chunk; on any failure close the job here (no response owns it yet)."""
+    try:
+        return await first_chunk(job, request.receive)
+    except ClientDisconnected:
+        job.close()
+        return Response(status_code=CLIENT_CLOSED)
+    except BaseException:
+        job.close()
+        raise
+
+
+async def _whole_file(request: Request, job: Job, fmt: str) -> Response:
+    try:
+        pcm = await collect(job, request.receive)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        job.close()
+    audio_format = get_format(fmt)
+    data = await anyio.to_thread.run_sync(encode, pcm, audio_format, SAMPLE_RATE)
+    return Response(data, media_type=audio_format.media_type, headers=_audio_headers(job, request, pcm))
+
+
+# --- the seed's API ---------------------------------------------------------------------------------
+@router.post("/synthesize", openapi_extra=_body_schema(SynthesizeRequest), response_class=Response)
+async def synthesize(request: Request) -> Response:
+    """The whole utterance as one file (wav by default)."""
+    runtime = runtime_of(request)
+    body = await parse_body(request, SynthesizeRequest)
+    opts = check_limits(runtime, _options(body))
+    if body.response_format not in FORMATS:
+        raise InvalidField(
+            f"response_format: {body.response_format!r} is not available in this build", param="response_format"
+        )
+    job = submit(runtime, opts, _rid(request))
+    return await _whole_file(request, job, body.response_format)
+
+
+@router.post("/synthesize/stream", openapi_extra=_body_schema(StreamRequest), response_class=StreamingResponse)
+async def synthesize_stream(request: Request) -> Response:
+    """Chunked raw audio as it is decoded: float32 LE mono 24 kHz by default."""
+    runtime = runtime_of(request)
+    body = await parse_body(request, StreamRequest)
+    opts = check_limits(runtime, _options(body))
+    job = submit(runtime, opts, _rid(request))
+    first = await _start_stream(request, job)
+    if isinstance(first, Response):
+        return first
+    encoder = StreamEncoder(body.response_format, SAMPLE_RATE)
+    headers = {
+        "X-Sample-Rate": str(SAMPLE_RATE),
+        "X-Audio-Format": body.response_format,
+        "X-Time-To-First-Audio": f"{job.handle.stats.time_to_first_audio or 0.0:.3f}",
+        "Cache-Control": "no-store",
+    }
+    return JobStreamingResponse(
+        job, _encoded_stream(job, first, encoder), media_type=encoder.format.media_type, headers=headers
+    )
+
+
+# --- OpenAI-compatible ----------------------------------------------------------------------------------
+def _sse_event(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+async def _sse_stream(
+    job: Job, first: np.ndarray | None, encoder: StreamEncoder, whole: bool, text: str
+) -> AsyncIterator[bytes]:
+    """OpenAI speech SSE: `speech.audio.delta` events with base64 audio, then `speech.audio.done`.
+    With `whole` (FLAC) the one delta is the complete file."""
+
+    def delta(data: bytes) -> bytes:
+        return _sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+
+    async def chunks() -> AsyncIterator[np.ndarray]:
+        if first is not None:
+            yield first
+            async for chunk in rest(job):
+                yield chunk
+
+    try:
+        if whole:
+            parts = [c async for c in chunks()]
+            pcm = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+            yield delta(await anyio.to_thread.run_sync(encode, pcm, encoder.format, SAMPLE_RATE))
+        else:
+            async for chunk in chunks():
+                data = encoder.feed(chunk)
+                if data:
+                    yield delta(data)
+            tail = encoder.close()
+            if tail:
+                yield delta(tail)
+        frames = job.handle.stats.frames
+        # input_tokens counts characters: the text tokenizer's count is the engine's business.
+        usage = {"input_tokens": len(text), "output_tokens": frames, "total_tokens": len(text) + frames}
+        yield _sse_event({"type": "speech.audio.done", "usage": usage})
+        job.outcome = "ok"
+    except (RequestFailedError, RequestTimeout) as e:
+        job.outcome = "timeout" if isinstance(e, RequestTimeout) else "error"
+        logger.error("request %s ended mid-stream: %s", job.request_id, job.outcome)
+        message = "request timed out" if job.outcome == "timeout" else f"synthesis failed (request id {job.request_id})"
+        yield _sse_event({"type": "error", "error": {"message": message, "code": job.outcome}})
+
+
+@router.post("/v1/audio/speech", openapi_extra=_body_schema(SpeechRequest), response_class=StreamingResponse)
+async def openai_speech(request: Request) -> Response:
+    """OpenAI `audio.speech.create`: `voice` is a speaker id; audio streams as it is generated."""
+    runtime = runtime_of(request)
+    body = await parse_body(request, SpeechRequest)
+    opts = check_limits(runtime, _options(body), text_field="input")
+    if body.response_format not in FORMATS:
+        raise InvalidField(
+            f"response_format: {body.response_format!r} is not supported by this server "
+            f"(use one of: {', '.join(f for f in ('mp3', 'opus', 'flac', 'wav', 'pcm') if f in FORMATS)})",
+            param="response_format",
+            code="unsupported_format",
+        )
+    job = submit(runtime, opts, _rid(request))
+    # FLAC cannot state its length up front and many decoders refuse a FLAC stream without it: send it whole.
+    whole = body.response_format == "flac"
+    if whole and body.stream_format == "audio":
+        return await _whole_file(request, job, "flac")
+    first = await _start_stream(request, job)
+    if isinstance(first, Response):
+        return first
+    encoder = StreamEncoder(body.response_format, SAMPLE_RATE)
+    headers = {"X-Sample-Rate": str(SAMPLE_RATE), "Cache-Control": "no-store"}
+    if body.stream_format == "sse":
+        content = _sse_stream(job, first, encoder, whole, body.input)
+        return JobStreamingResponse(job, content, media_type="text/event-stream", headers=headers)
+    content = _encoded_stream(job, first, encoder)
+    return JobStreamingResponse(job, content, media_type=encoder.format.media_type, headers=headers)
+
+
+@router.get("/v1/models")
+async def openai_models(request: Request) -> dict[str, Any]:
+    runtime = runtime_of(request)
+    model = {"id": runtime.settings.served_model_name, "object": "model", "created": 0, "owned_by": "qwen3-tts-server"}
+    return {"object": "list", "data": [model]}
+
+
+# --- voices and operations ------------------------------------------------------------------------------
+@router.get("/speakers")
+async def speakers(request: Request) -> dict[str, Any]:
+    """Usable voices now in the profiles directory, with width and source file."""
+    runtime = runtime_of(request)
+    found = await anyio.to_thread.run_sync(runtime.voices.list_speakers)
+    return {"speakers": [s.as_dict() for s in found], "count": len(found)}
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """Liveness: 200 while the process can serve or is draining; 503 if the engine has died."""
+    runtime: Runtime | None = getattr(request.app.state, "runtime", None)
+    if runtime is None:
+        return JSONResponse({"status": "starting", "ready": False})
+    status = "draining" if runtime.draining else ("ok" if runtime.alive else "engine_dead")
+    body = {
+        "status": status,
+        "ready": runtime.ready,
+        "model": runtime.public_model_info(),
+        "backend": runtime.settings.backend,
+        "speakers": len(runtime.voices),
+        "running": runtime.engine.num_running,
+        "waiting": runtime.engine.num_waiting,
+        "admitted": runtime.admission.active,
+        "uptime_s": round(time.monotonic() - runtime.started_at, 1),
+    }
+    return JSONResponse(body, status_code=200 if runtime.alive else 503)
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: 200 when the engine is loaded and warm and the server is not draining, else 503."""
+    runtime: Runtime | None = getattr(request.app.state, "runtime", None)
+    if runtime is not None and runtime.ready:
+        return JSONResponse({"status": "ready"})
+    if runtime is None:
+        status = "starting"
+    elif runtime.draining:
+        status = "draining"
+    else:
+        status = "engine_not_ready"
+    return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": "1"})
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(request: Request) -> Response:
+    runtime = runtime_of(request)
+    return Response(runtime.metrics.render(), media_type=METRICS_CONTENT_TYPE)

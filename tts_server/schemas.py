@@ -1,0 +1,91 @@
+"""Request bodies: strict pydantic models (unknown fields and type coercions are refused, with the field named).
+
+Static bounds live here; limits that are settings (text length, frame cap) are checked by `check_limits`
+so the message names the configured limit.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_SEED = 2**32 - 1
+
+
+class _Strict(BaseModel):
+    # strict: "0.5" is not a float and 1 is not a string; forbid: a misspelt option is an error, not ignored.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _SynthesisOptions(_Strict):
+    language: str = Field("Auto", min_length=1, max_length=32, description="A language name or 'Auto'.")
+    max_new_tokens: int | None = Field(
+        None, ge=1, description="Cap on generated codec frames (12.5 per second); at most TTS_MAX_NEW_TOKENS."
+    )
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 selects greedy decoding.")
+    top_k: int | None = Field(None, ge=1, le=4096)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed + same request = same audio.")
+
+
+class SynthesizeRequest(_SynthesisOptions):
+    """POST /synthesize: one whole audio file."""
+
+    speaker_id: str = Field(min_length=1, max_length=64)
+    text: str = Field(min_length=1)
+    response_format: Literal["wav", "pcm", "mp3", "flac", "opus"] = Field(
+        "wav", description="pcm is raw signed 16-bit little-endian mono at 24 kHz."
+    )
+
+
+class StreamRequest(_SynthesisOptions):
+    """POST /synthesize/stream: raw samples as they are decoded."""
+
+    speaker_id: str = Field(min_length=1, max_length=64)
+    text: str = Field(min_length=1)
+    response_format: Literal["f32le", "pcm", "wav"] = Field(
+        "f32le", description="f32le: float32 LE (default); pcm: int16 LE; wav: int16 with a streaming header."
+    )
+
+
+class VoiceRef(_Strict):
+    id: str = Field(min_length=1, max_length=64)
+
+
+class SpeechRequest(_SynthesisOptions):
+    """POST /v1/audio/speech (OpenAI-compatible); our sampling options are accepted as extensions."""
+
+    model: str = Field(min_length=1, max_length=256, description="Accepted and reported; one model is served.")
+    input: str = Field(min_length=1)
+    voice: str | VoiceRef = Field(description="A speaker id (a voice profile in TTS_PROFILES_DIR).")
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    stream_format: Literal["audio", "sse"] = "audio"
+    instructions: str | None = Field(None, max_length=4096)
+
+    @field_validator("speed")
+    @classmethod
+    def _speed(cls, value: float) -> float:
+        # Qwen3-TTS has no rate control, and resampling would shift the pitch: refuse rather than pretend.
+        if abs(value - 1.0) > 1e-6:
+            raise ValueError("only 1.0 is supported (the model has no speaking-rate control)")
+        return value
+
+    @field_validator("instructions")
+    @classmethod
+    def _instructions(cls, value: str | None) -> str | None:
+        if value and value.strip():
+            raise ValueError("not supported by Base (voice-clone) checkpoints; leave it empty")
+        return value
+
+    @property
+    def speaker_id(self) -> str:
+        return self.voice if isinstance(self.voice, str) else self.voice.id
+
+    @property
+    def text(self) -> str:
+        return self.input
+
+
+def allowed_fields(model: type[BaseModel]) -> list[str]:
+    return list(model.model_fields)

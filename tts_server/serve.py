@@ -1,0 +1,96 @@
+"""`python inference_server.py`: read the settings, start the runtime, serve with uvicorn, drain on SIGTERM.
+
+The runtime starts before uvicorn so that any startup failure is one clear log line and a non-zero exit
+(uvicorn's lifespan would print a traceback). SIGTERM flips readiness to 503, stops accepting connections,
+lets in-flight requests finish for up to TTS_DRAIN_TIMEOUT, cancels the rest, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from types import FrameType
+
+import uvicorn
+
+from inference_config import ENV_PREFIX, ServerSettings, SettingsError, load_settings
+
+from .app import create_app
+from .runtime import Runtime, StartupError
+
+logger = logging.getLogger("tts_server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server that marks the runtime as draining the moment a shutdown signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, runtime: Runtime):
+        super().__init__(config)
+        self.runtime = runtime
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.runtime.begin_drain()
+        super().handle_exit(sig, frame)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+async def serve(settings: ServerSettings) -> int:
+    try:
+        runtime = await Runtime.start(settings)
+    except StartupError as e:
+        logger.error("startup failed: %s", e)
+        return 1
+    app = create_app(settings, runtime=runtime)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,  # our logging.basicConfig handles uvicorn's loggers too
+        log_level=settings.log_level,
+        access_log=False,  # RequestContextMiddleware logs one line per request, with its id
+        timeout_graceful_shutdown=settings.drain_timeout,
+        loop="asyncio",
+    )
+    server = DrainingServer(config, runtime)
+    try:
+        await server.serve()
+    finally:
+        await runtime.stop(drain_timeout=0.0)  # uvicorn has already waited for in-flight requests
+    return 0 if server.started else 1
+
+
+def _ignore(sig: int, frame: FrameType | None) -> None:
+    """uvicorn re-raises the shutdown signal after its graceful exit; absorbing it makes the exit code 0."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    fields = ", ".join(ENV_PREFIX + name.upper() for name in ServerSettings.model_fields)
+    parser = argparse.ArgumentParser(
+        prog="inference_server.py",
+        description="Qwen3-TTS voice-cloning HTTP server. Configured by environment variables: " + fields,
+        epilog="See docs/api.md. With no TTS_MODEL_PATH the built-in tiny demo checkpoint is served.",
+    )
+    parser.parse_args(argv)
+    try:
+        settings = load_settings()
+    except SettingsError as e:
+        print(e, file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _ignore)
+    try:
+        return asyncio.run(serve(settings))
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,133 @@
+"""Helpers for testing the server: an in-process app over any engine, and a real `inference_server.py`
+process on a free loopback port (always killed on exit)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from fastapi import FastAPI
+
+from inference_config import ServerSettings, load_settings
+from qwen_tts.engine_api import Engine
+from qwen_tts.profiles import VoiceProfile, save_profile
+
+from .app import create_app
+from .runtime import Runtime
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_voice(profiles_dir: Path, speaker_id: str, dim: int, seed: int = 0) -> Path:
+    x = torch.randn(dim, generator=torch.Generator().manual_seed(seed))
+    path = Path(profiles_dir) / f"{speaker_id}.safetensors"
+    return save_profile(path, VoiceProfile(x_vector=x, model="test"), overwrite=True)
+
+
+def clean_settings(**overrides: Any) -> ServerSettings:
+    """Settings from defaults and `overrides` only, whatever TTS_* variables the test runner has."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("TTS_")}
+    try:
+        return load_settings(**overrides)
+    finally:
+        os.environ.update(saved)
+
+
+@dataclass
+class InProcess:
+    app: FastAPI
+    runtime: Runtime
+    client: httpx.AsyncClient
+
+
+@contextlib.asynccontextmanager
+async def in_process(engine: Engine, **overrides: Any) -> AsyncIterator[InProcess]:
+    """Start `engine` behind the app and yield an httpx client that talks to it through ASGI."""
+    settings = clean_settings(**overrides)
+    runtime = await Runtime.start(settings, engine=engine)
+    app = create_app(settings, runtime=runtime)
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=30) as client:
+            yield InProcess(app, runtime, client)
+    finally:
+        await runtime.stop()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python inference_server.py` on 127.0.0.1:<free port>; stdout+stderr go to `log_path`."""
+
+    def __init__(self, env: dict[str, str], log_path: Path, startup_timeout: float = 120.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path)
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("TTS_")}
+        full_env.update({"TTS_HOST": "127.0.0.1", "TTS_PORT": str(self.port), "PYTHONUNBUFFERED": "1"})
+        full_env.update(env)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115  (closed in stop)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO_ROOT / "inference_server.py")],
+            cwd=REPO_ROOT,
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            self._wait_ready(startup_timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during startup:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready within {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then wait for the exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._log.close()
+
+
+@contextlib.contextmanager
+def server_process(env: dict[str, str], log_path: Path, startup_timeout: float = 120.0) -> Iterator[ServerProcess]:
+    server = ServerProcess(env, log_path, startup_timeout)
+    try:
+        yield server
+    finally:
+        server.kill()
