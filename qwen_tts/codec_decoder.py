@@ -302,7 +302,12 @@ class Attention(nn.Module):
         self.slot = -1  # index into Code2WavStream.keys/values, assigned by Code2Wav
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, q_pos: Tensor, k_pos: Tensor, stream: Code2WavStream | None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        blocks: list[tuple[int, int, int, int, Tensor]],
+        stream: Code2WavStream | None,
     ) -> Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -318,16 +323,10 @@ class Attention(nn.Module):
         if self.n_kv != self.n_heads:
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        # Key index j + lead belongs to query j; query j sees keys (j + lead - window, j + lead].
-        lead = k.shape[2] - t
-        outs = []
-        for s in range(0, t, _ATTN_BLOCK):
-            e = min(s + _ATTN_BLOCK, t)
-            k0 = max(0, s + lead - self.window + 1)
-            mask = _window_mask(q_pos[:, s:e], k_pos[:, k0 : e + lead], self.window)
-            outs.append(
-                F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, k0 : e + lead], v[:, :, k0 : e + lead], mask)
-            )
+        outs = [
+            F.scaled_dot_product_attention(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], mask)
+            for q0, q1, k0, k1, mask in blocks
+        ]
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
@@ -370,9 +369,16 @@ class PreTransformer(nn.Module):
         k_pos = start[:, None] + torch.arange(-lead, t, device=x.device)  # (B, lead + T)
         freqs = q_pos[:, None, :, None].float() * self.inv_freq  # (B, 1, T, D/2)
         cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+        # Query blocks with their key ranges and masks, shared by all layers. Key index j + lead belongs to
+        # query j, and query j sees keys (j + lead - window, j + lead].
+        blocks = []
+        for q0 in range(0, t, _ATTN_BLOCK):
+            q1 = min(q0 + _ATTN_BLOCK, t)
+            k0, k1 = max(0, q0 + lead - self.window + 1), q1 + lead
+            blocks.append((q0, q1, k0, k1, _window_mask(q_pos[:, q0:q1], k_pos[:, k0:k1], self.window)))
         h = self.input_proj(x)
         for layer in self.layers:
-            h = layer(h, cos, sin, q_pos, k_pos, stream)
+            h = layer(h, cos, sin, blocks, stream)
         return self.output_proj(self.norm(h))
 
 
