@@ -177,8 +177,8 @@ def _tokenizer_config(specials: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def _write_generated_tokenizer(root: Path, full_ids: bool) -> dict[str, int]:
-    """Write vocab.json, merges.txt, tokenizer_config.json; return the special-token ids."""
+def generated_tokenizer(full_ids: bool) -> tuple[dict[str, int], list[tuple[str, str]], dict[str, int]]:
+    """(vocab, merges, special-token ids) of the generated tokenizer; full_ids puts specials at official ids."""
     vocab, merges = small_bpe()
     if full_ids:
         # HF's fast tokenizer (what the official processor uses, built from these files) numbers added tokens
@@ -191,6 +191,13 @@ def _write_generated_tokenizer(root: Path, full_ids: bool) -> dict[str, int]:
         specials.update({f"<|extra_{i}|>": i for i in range(first, max(taken) + 1) if i not in taken})
     else:
         specials = {tok: len(vocab) + k for k, tok in enumerate(OFFICIAL_SPECIAL_IDS)}
+    return vocab, merges, specials
+
+
+def write_text_tokenizer(root: str | Path, full_ids: bool) -> dict[str, int]:
+    """Write vocab.json, merges.txt, tokenizer_config.json of the generated tokenizer; return its ids."""
+    root = Path(root)
+    vocab, merges, specials = generated_tokenizer(full_ids)
     (root / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     (root / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
     _write_json(root / "tokenizer_config.json", _tokenizer_config(specials))
@@ -684,6 +691,19 @@ def random_state(spec: Spec, seed: int, dtype: torch.dtype) -> Iterator[tuple[st
 # Writer.
 
 
+def _text_vocab_size(size: str, text_ids: dict[str, int]) -> int:
+    # Tiny: the smallest multiple of 64 holding every id (the released vocab is padded the same way).
+    return -(-(max(text_ids.values()) + 1) // 64) * 64 if size == "tiny" else FULL_TEXT_VOCAB_SIZE
+
+
+def model_config(size: str) -> ModelConfig:
+    """The typed config a `write_random_checkpoint(size=...)` checkpoint has (generated tokenizer), no files."""
+    vocab, _, specials = generated_tokenizer(full_ids=size != "tiny")
+    text_ids = {**specials, "assistant": vocab["assistant"]}
+    main = model_config_dict(size, text_ids, _text_vocab_size(size, text_ids))
+    return ModelConfig.from_dict(main, speech_tokenizer_config_dict(size))
+
+
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -711,12 +731,8 @@ def write_random_checkpoint(
     if tok_src and size != "tiny":
         text_ids = _copy_tokenizer(Path(tok_src), root)
     else:
-        text_ids = _write_generated_tokenizer(root, full_ids=size != "tiny")
-    # Tiny: the smallest multiple of 64 holding every id (the released vocab is padded the same way).
-    tiny_vocab = -(-(max(text_ids.values()) + 1) // 64) * 64
-    text_vocab_size = tiny_vocab if size == "tiny" else FULL_TEXT_VOCAB_SIZE
-
-    main_cfg = model_config_dict(size, text_ids, text_vocab_size)
+        text_ids = write_text_tokenizer(root, full_ids=size != "tiny")
+    main_cfg = model_config_dict(size, text_ids, _text_vocab_size(size, text_ids))
     st_cfg = speech_tokenizer_config_dict(size)
     _write_json(root / "config.json", main_cfg)
     _write_json(root / "generation_config.json", GENERATION_CONFIG)

@@ -1,0 +1,32 @@
+"""Shared fixtures: one tiny random checkpoint per test session (written by qwen_tts.checkpoint, seed 0)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from qwen_tts.checkpoint import write_random_checkpoint
+
+TINY_SEED = 0
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Path of a tiny random checkpoint in the official layout. Treat it as read-only (copy it to edit)."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("tiny_ckpt") / "tiny", size="tiny", seed=TINY_SEED)
+
+
+@pytest.fixture
+def tiny_copy(tiny_checkpoint: Path, tmp_path: Path) -> Path:
+    """A private, editable copy of the tiny checkpoint."""
+    return Path(shutil.copytree(tiny_checkpoint, tmp_path / "tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3tts(tiny_checkpoint: Path):
+    """The tiny checkpoint loaded on CPU in float32, with the speaker encoder."""
+    from qwen_tts.loading import load_model
+
+    return load_model(tiny_checkpoint, device="cpu", speaker_encoder=True)
