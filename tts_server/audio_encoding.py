@@ -1,8 +1,8 @@
 """Float32 PCM -> response bytes: wav, pcm, flac, mp3, opus, whole or incrementally for streams.
 
-Everything goes through libsndfile (soundfile). Samples are clipped to [-1, 1] first: libsndfile's
-float-to-integer conversion does not clip by default, so an out-of-range sample would wrap around into a
-full-scale click. `pcm` means raw signed 16-bit little-endian mono (as OpenAI's `pcm`); `f32le` is raw
+Everything goes through libsndfile (soundfile), fed with our own int16 samples: clipped to [-1, 1] first
+(libsndfile's float-to-integer conversion does not clip by default, so an out-of-range sample would wrap
+around into a full-scale click), and scaled once, so wav, flac and pcm carry identical samples. `pcm` means raw signed 16-bit little-endian mono (as OpenAI's `pcm`); `f32le` is raw
 float32 little-endian, the format of /synthesize/stream.
 """
 
@@ -71,10 +71,6 @@ def to_int16(pcm: np.ndarray) -> np.ndarray:
     return np.round(np.clip(pcm, -1.0, 1.0) * 32767.0).astype("<i2")
 
 
-def _clip(pcm: np.ndarray) -> np.ndarray:
-    return np.clip(np.asarray(pcm, dtype=np.float32), -1.0, 1.0)
-
-
 def encode(pcm: np.ndarray, fmt: str | AudioFormat, sample_rate: int) -> bytes:
     """A whole mono float32 signal as one file (or raw stream) of format `fmt`."""
     f = fmt if isinstance(fmt, AudioFormat) else get_format(fmt)
@@ -83,7 +79,8 @@ def encode(pcm: np.ndarray, fmt: str | AudioFormat, sample_rate: int) -> bytes:
     if f.name == "f32le":
         return np.asarray(pcm, dtype="<f4").tobytes()
     buf = io.BytesIO()
-    sf.write(buf, _clip(pcm), sample_rate, **f.sf_kwargs)
+    # libsndfile gets our int16 samples, so every format carries exactly the samples of `pcm`.
+    sf.write(buf, to_int16(pcm), sample_rate, **f.sf_kwargs)
     return buf.getvalue()
 
 
@@ -169,7 +166,7 @@ class StreamEncoder:
                 self._header_sent = True
             return head + to_int16(pcm).tobytes()
         assert self._file is not None and self._sink is not None
-        self._file.write(_clip(pcm))
+        self._file.write(to_int16(pcm))
         return self._sink.take()
 
     def close(self) -> bytes:
