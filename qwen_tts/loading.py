@@ -92,7 +92,7 @@ def load_model(
     groups = {"talker": talker, **({"speaker_encoder": enc} if enc is not None else {})}
     ignored = () if enc is not None else ("speaker_encoder.",)
     _load_file(root / MAIN_FILE, groups, ignored)
-    _check_text_projection_bias(talker, root / MAIN_FILE)
+    check_text_projection_bias(talker, root / MAIN_FILE)
 
     decoder = None
     if code2wav:
@@ -193,8 +193,8 @@ def _load_file(file: Path, groups: dict[str, nn.Module], ignored: tuple[str, ...
         module.load_state_dict(state, strict=True)
 
 
-def _check_text_projection_bias(talker: Talker, file: Path) -> None:
-    # transformers 5 silently dropped these biases in other ports; make sure ours hold the file's values.
+def check_text_projection_bias(talker: Talker, file: Path) -> None:
+    """The talker's text_projection biases equal the file's (transformers 5 ports silently dropped them)."""
     with safe_open(str(file), framework="pt", device="cpu") as f:
         for name in ("linear_fc1", "linear_fc2"):
             key = f"talker.text_projection.{name}.bias"
