@@ -29,7 +29,9 @@ _ATTN_BLOCK = 128
 class Code2WavStream:
     """Exact decoding state of B rows; each row may be at its own frame position.
 
-    Lists are indexed by the owning module's `slot` (see `Code2Wav.__init__`).
+    Lists are indexed by the owning module's `slot` (see `Code2Wav.__init__`). `decode_chunk` updates these
+    tensors in place (fixed addresses, so a chunk of fixed shape can be captured in a CUDA graph); create and use
+    a stream under the same autograd mode (both inside `torch.inference_mode()` or both outside).
     """
 
     position: Tensor  # (B,) long: frames already decoded per row (RoPE position of the next frame)
@@ -58,14 +60,14 @@ class Code2WavStream:
         )
 
     def split(self) -> list[Code2WavStream]:
-        """One batch-1 stream per row (views into this stream's tensors)."""
+        """One batch-1 stream per row (copies: decoding one never touches the others)."""
 
         def row(ts: list[Tensor], i: int) -> list[Tensor]:
-            return [t[i : i + 1] for t in ts]
+            return [t[i : i + 1].clone() for t in ts]
 
         return [
             Code2WavStream(
-                position=self.position[i : i + 1],
+                position=self.position[i : i + 1].clone(),
                 conv_history=row(self.conv_history, i),
                 tconv_overlap=row(self.tconv_overlap, i),
                 keys=row(self.keys, i),
@@ -89,9 +91,9 @@ class CausalConv1d(nn.Module):
             return self.conv(x)
         if stream is None:
             return self.conv(F.pad(x, (self.context, 0)))
-        x = torch.cat([stream.conv_history[self.slot], x], dim=-1)
-        # Copy so the history does not pin the whole chunk's activations in memory.
-        stream.conv_history[self.slot] = x[..., x.shape[-1] - self.context :].contiguous()
+        history = stream.conv_history[self.slot]
+        x = torch.cat([history, x], dim=-1)
+        history.copy_(x[..., x.shape[-1] - self.context :])
         return self.conv(x)
 
 
@@ -111,10 +113,11 @@ class CausalTransConv1d(nn.Module):
         if self.overlap == 0:
             return y
         if stream is not None:
+            pending = stream.tconv_overlap[self.slot]
             # Overlap-add: the previous chunk's last frame also reaches into these first samples.
-            y[..., : self.overlap] += stream.tconv_overlap[self.slot]
+            y[..., : self.overlap] += pending
             # The bias was added to the tail here and will be added again by the next chunk's conv.
-            stream.tconv_overlap[self.slot] = y[..., n:] - self.conv.bias[:, None]
+            pending.copy_(y[..., n:] - self.conv.bias[:, None])
         return y[..., :n]
 
 
@@ -315,11 +318,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if stream is not None:
-            k = torch.cat([stream.keys[self.slot], k], dim=2)  # (B, H_kv, W-1+T, D)
-            v = torch.cat([stream.values[self.slot], v], dim=2)
-            keep = self.window - 1
-            stream.keys[self.slot] = k[:, :, k.shape[2] - keep :].contiguous()
-            stream.values[self.slot] = v[:, :, v.shape[2] - keep :].contiguous()
+            k_cache, v_cache = stream.keys[self.slot], stream.values[self.slot]
+            k = torch.cat([k_cache, k], dim=2)  # (B, H_kv, W-1+T, D)
+            v = torch.cat([v_cache, v], dim=2)
+            k_cache.copy_(k[:, :, k.shape[2] - k_cache.shape[2] :])
+            v_cache.copy_(v[:, :, v.shape[2] - v_cache.shape[2] :])
         if self.n_kv != self.n_heads:
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -458,5 +461,5 @@ class Code2Wav(nn.Module):
         if t == 0:
             return codes.new_zeros((codes.shape[0], 0), dtype=torch.float32)
         wav = self._decode(codes, stream)
-        stream.position = stream.position + t
+        stream.position.add_(t)
         return wav

@@ -198,3 +198,29 @@ def test_state_dict_keys_mirror_checkpoint_names():
     }
     assert expected_some <= keys
     assert not any("inv_freq" in k for k in keys)
+
+
+def test_stream_state_is_updated_in_place_at_fixed_addresses(model):
+    # Fixed buffers let the engine capture decode_chunk of a fixed shape in a CUDA graph.
+    stream = model.new_stream(2)
+    tensors = [stream.position, *stream.conv_history, *stream.tconv_overlap, *stream.keys, *stream.values]
+    ptrs = [t.data_ptr() for t in tensors]
+    with torch.no_grad():
+        model.decode_chunk(random_codes(model.cfg, 2, 3), stream)
+    after = [stream.position, *stream.conv_history, *stream.tconv_overlap, *stream.keys, *stream.values]
+    assert [t.data_ptr() for t in after] == ptrs
+    assert stream.position.tolist() == [3, 3]
+    assert all(t.abs().sum() > 0 for t in stream.keys)
+
+
+def test_split_rows_are_independent_copies(model):
+    stream = model.new_stream(2)
+    with torch.no_grad():
+        model.decode_chunk(random_codes(model.cfg, 2, 2), stream)
+        first, _ = stream.split()
+        before = [t.clone() for t in stream.keys]
+        model.decode_chunk(random_codes(model.cfg, 1, 4), first)
+    assert first.position.tolist() == [6]
+    assert stream.position.tolist() == [2, 2]
+    for a, b in zip(before, stream.keys, strict=True):
+        assert torch.equal(a, b)
