@@ -1,0 +1,479 @@
+"""Native engine: continuous batching of Qwen3-TTS requests with streaming Code2Wav, on CPU or CUDA.
+
+One worker thread owns the model. Each iteration it
+  1. admits waiting requests into free KV-cache slots (prefill, one request at a time),
+  2. runs ONE batched talker step + code-predictor pass for every live request,
+  3. decodes the frames that are due (a small first chunk, then larger ones) with the stateful, exact
+     streaming Code2Wav, batching requests whose chunks have the same length,
+and pushes float32 PCM chunks to each request's handle. Finished and cancelled requests leave at once and
+free their slot; no request waits for another to finish.
+
+Per-request state that the batched step needs lives in slot-indexed device tensors (sampling settings, seeds,
+the repetition-penalty mask, the last hidden state), so a step gathers by slot index instead of rebuilding
+Python lists. Sampling noise is counter based (seed, frame, codebook), so a request's output never depends on
+what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .engine_api import (
+    Engine,
+    EngineNotReadyError,
+    FinishReason,
+    QueueFullError,
+    RequestHandle,
+    SynthesisRequest,
+)
+from .loading import Qwen3TTS, load_model
+from .prompt import Prompt, build_prompt, normalize_language
+from .sampling import apply_repetition_penalty, sample
+
+log = logging.getLogger("qwen_tts.engine")
+
+# Frame budget from the text length: ~3 frames per text token is normal speech; allow well over twice that.
+BUDGET_BASE_FRAMES = 25
+BUDGET_FRAMES_PER_TOKEN = 8
+# Codebook positions per frame in the sampling counter (cb0 + 15 residual codebooks).
+_COUNTER_STRIDE = 16
+
+
+@dataclass
+class EngineConfig:
+    """Settings of the native engine (the server maps TTS_* variables onto these)."""
+
+    model_path: str
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA (Code2Wav always float32)
+    max_slots: int = 16  # requests decoding at once
+    max_queue: int = 64  # requests waiting for a slot; beyond that, QueueFullError
+    max_frames: int = 2048  # hard cap per request (frames of 80 ms)
+    max_text_tokens: int = 1024  # longest accepted text, in tokens (sizes the KV cache)
+    first_chunk_frames: int = 3  # small first chunk: the first audio comes fast
+    chunk_frames: int = 12  # later chunks: fewer, larger decodes
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_slots", "max_frames", "max_text_tokens", "first_chunk_frames", "chunk_frames"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {spec!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(spec: str | None, device: torch.device) -> torch.dtype:
+    if spec is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if spec not in table:
+        raise ValueError(f"dtype must be one of {sorted(table)}, got {spec!r}")
+    return table[spec]
+
+
+@dataclass(eq=False)
+class _Live:
+    """A request that holds a KV-cache slot."""
+
+    handle: RequestHandle
+    slot: int
+    prompt: Prompt
+    budget: int
+    pos: int = 0  # next cache position to write
+    frames: int = 0  # frames emitted so far
+    pending: list[torch.Tensor] = field(default_factory=list)  # (16,) frames not yet decoded
+    stream: object = None  # Code2WavStream
+    decoded: int = 0  # frames already turned into audio
+    done: FinishReason | None = None
+    error: str | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return getattr(self.handle, "_cancel_requested", False)
+
+
+class NativeEngine(Engine):
+    """The default engine: our PyTorch model with continuous batching and streaming decode."""
+
+    def __init__(self, config: EngineConfig, model: Qwen3TTS | None = None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self._model = model
+        self._pending: collections.deque[RequestHandle] = collections.deque()
+        self._live: dict[int, _Live] = {}
+        self._free_slots: list[int] = list(range(config.max_slots))[::-1]
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._accepting = False
+        self._ready = False
+        self._dead: str | None = None
+        self.model_info: dict = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="qwen-tts-engine", daemon=True)
+        self._thread.start()
+        self._accepting = True
+        if self.config.warmup:
+            await self._warmup()
+        self._ready = True
+
+    def _load(self) -> None:
+        if self._model is None:
+            self._model = load_model(self.config.model_path, device=self.device, dtype=self.dtype)
+        m = self._model
+        cfg = m.config
+        t = cfg.talker
+        self._cfg = cfg
+        self._talker = m.talker.eval()
+        self._code2wav = m.code2wav.eval()
+        self._tokenizer = m.tokenizer
+        self._role_ids = self._tokenizer.chat_ids("")[:3]
+        self._max_len = self.config.max_text_tokens + 16 + self.config.max_frames
+        self._cache = self._talker.new_cache(self.config.max_slots, self._max_len, device=self.device, dtype=self.dtype)
+        S, V = self.config.max_slots, t.vocab_size
+        dev = self.device
+        self._h = torch.zeros(S, t.hidden_size, device=dev, dtype=self.dtype)
+        self._seen = torch.zeros(S, V, dtype=torch.bool, device=dev)
+        f32 = dict(device=dev, dtype=torch.float32)
+        i64 = dict(device=dev, dtype=torch.long)
+        self._temp, self._top_p, self._rep = (torch.ones(S, **f32) for _ in range(3))
+        self._cp_temp, self._cp_top_p = (torch.ones(S, **f32) for _ in range(2))
+        self._top_k, self._cp_top_k, self._seed = (torch.zeros(S, **i64) for _ in range(3))
+        self._greedy, self._cp_greedy = (torch.zeros(S, dtype=torch.bool, device=dev) for _ in range(2))
+        # Control ids (>= codebook size) are never sampled for codebook 0, except end-of-speech.
+        self._suppress = torch.zeros(V, dtype=torch.bool, device=dev)
+        self._suppress[t.codebook_size :] = True
+        self._suppress[t.codec_eos_token_id] = False
+        self._eos = t.codec_eos_token_id
+        self.model_info = {
+            "path": str(m.path),
+            "size": cfg.tts_model_size,
+            "xvector_dim": cfg.xvector_dim,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "max_slots": self.config.max_slots,
+        }
+        log.info("engine initialised: %s", self.model_info)
+
+    async def _warmup(self) -> None:
+        x = torch.randn(self.xvector_dim, generator=torch.Generator().manual_seed(0))
+        req = SynthesisRequest(text="Warm up.", xvector=x, greedy=True, max_frames=self.config.first_chunk_frames + 1)
+        await self.submit(req).collect()
+
+    async def stop(self, drain_timeout: float = 0.0) -> None:
+        self._accepting = False
+        self._ready = False
+        deadline = time.monotonic() + drain_timeout
+        while (self._live or self._pending) and time.monotonic() < deadline and self._thread is not None:
+            await asyncio.sleep(0.02)
+        with self._cv:
+            for h in list(self._pending):
+                h._cancel_requested = True
+            for lv in self._live.values():
+                lv.handle._cancel_requested = True
+            self._running = False
+            self._cv.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+            self._thread = None
+
+    # ------------------------------------------------------------------ interface
+    @property
+    def ready(self) -> bool:
+        return self._ready and self._dead is None
+
+    @property
+    def xvector_dim(self) -> int:
+        return self._cfg.xvector_dim
+
+    @property
+    def languages(self) -> list[str]:
+        return self._cfg.languages
+
+    @property
+    def num_running(self) -> int:
+        return len(self._live)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._pending)
+
+    def submit(self, request: SynthesisRequest) -> RequestHandle:
+        if not self._accepting or self._dead is not None:
+            raise EngineNotReadyError(self._dead or "engine is not accepting requests")
+        language = normalize_language(self._cfg, request.language)
+        x = request.xvector
+        if x.dim() != 1 or x.shape[0] != self.xvector_dim:
+            raise ValueError(f"xvector must have shape ({self.xvector_dim},), got {tuple(x.shape)}")
+        if not torch.isfinite(x).all():
+            raise ValueError("xvector contains NaN or Inf")
+        if not request.text.strip():
+            raise ValueError("text is empty")
+        text_ids = self._tokenizer.text_ids(request.text)
+        if len(text_ids) > self.config.max_text_tokens:
+            raise ValueError(f"text is {len(text_ids)} tokens, the limit is {self.config.max_text_tokens}")
+        handle = RequestHandle(request)
+        handle._text_ids = text_ids
+        handle._language = language
+        handle._cancel_requested = False
+        if request.seed is None:
+            request.seed = random.getrandbits(62)
+        cap = self.config.max_frames if request.max_frames is None else min(request.max_frames, self.config.max_frames)
+        handle.stats.frame_budget = max(1, min(cap, BUDGET_BASE_FRAMES + BUDGET_FRAMES_PER_TOKEN * len(text_ids)))
+        with self._cv:
+            if len(self._pending) >= self.config.max_queue + len(self._free_slots):
+                raise QueueFullError(f"{len(self._pending)} requests waiting (limit {self.config.max_queue})")
+            self._pending.append(handle)
+            self._cv.notify()
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        handle._cancel_requested = True
+        with self._cv:
+            self._cv.notify()
+
+    # ------------------------------------------------------------------ worker thread
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        try:
+            while True:
+                with self._cv:
+                    while self._running and not self._pending and not self._live:
+                        self._cv.wait()
+                    if not self._running and not self._live and not self._pending:
+                        return
+                    admit = []
+                    while self._pending and self._free_slots:
+                        admit.append((self._pending.popleft(), self._free_slots.pop()))
+                    stopping = not self._running
+                for handle, slot in admit:
+                    self._admit(handle, slot)
+                if stopping:
+                    for lv in list(self._live.values()):
+                        lv.done = FinishReason.CANCELLED
+                    self._retire()
+                    continue
+                if self._live:
+                    with torch.inference_mode():
+                        self._step()
+        except Exception as e:  # a bug in the loop itself: fail everything, mark the engine dead
+            log.exception("engine loop died")
+            self._dead = f"engine loop died: {type(e).__name__}"
+            for lv in list(self._live.values()):
+                self._finish(lv, FinishReason.ERROR, self._dead)
+            with self._cv:
+                while self._pending:
+                    self._pending.popleft().finish_threadsafe(FinishReason.ERROR, self._dead)
+
+    def _admit(self, handle: RequestHandle, slot: int) -> None:
+        req = handle.request
+        handle.stats.started_at = time.monotonic()
+        if handle._cancel_requested:
+            self._release(slot)
+            handle.finish_threadsafe(FinishReason.CANCELLED)
+            return
+        try:
+            with torch.inference_mode():
+                x = req.xvector.to(self.device, self.dtype)
+                prompt = build_prompt(
+                    self._cfg,
+                    self._talker,
+                    handle._text_ids,
+                    self._role_ids,
+                    x,
+                    handle._language,
+                    req.non_streaming_text,
+                )
+                L = prompt.prefill.shape[0]
+                pos = torch.arange(L, device=self.device)[None]
+                slots = torch.tensor([slot], device=self.device)
+                hidden = self._talker(prompt.prefill[None].to(self.dtype), pos, self._cache, slots, L)
+                self._h[slot] = hidden[0, -1]
+                self._set_slot_params(slot, req)
+                stream = self._code2wav.new_stream(1)
+        except Exception as e:
+            log.exception("request %s failed in prefill", req.request_id)
+            self._release(slot)
+            handle.finish_threadsafe(FinishReason.ERROR, f"prefill failed: {type(e).__name__}")
+            return
+        self._live[slot] = _Live(handle, slot, prompt, handle.stats.frame_budget, pos=L, stream=stream)
+
+    def _set_slot_params(self, slot: int, req: SynthesisRequest) -> None:
+        self._seen[slot] = False
+        self._temp[slot] = max(req.temperature, 1e-5)
+        self._top_k[slot] = req.top_k
+        self._top_p[slot] = req.top_p
+        self._rep[slot] = req.repetition_penalty
+        self._greedy[slot] = req.greedy
+        self._cp_temp[slot] = max(req.cp_temperature, 1e-5)
+        self._cp_top_k[slot] = req.cp_top_k
+        self._cp_top_p[slot] = req.cp_top_p
+        self._cp_greedy[slot] = req.greedy
+        self._seed[slot] = req.seed & ((1 << 62) - 1)
+
+    def _release(self, slot: int) -> None:
+        with self._cv:
+            self._free_slots.append(slot)
+
+    def _step(self) -> None:
+        # Requests that were cancelled or ran out of budget leave before any work is done for them.
+        for lv in self._live.values():
+            if lv.cancelled:
+                lv.done = FinishReason.CANCELLED
+            elif lv.frames >= lv.budget:
+                lv.done = FinishReason.BUDGET
+        rows = [lv for lv in self._live.values() if lv.done is None]
+        if rows:
+            try:
+                self._generate(rows)
+            except Exception:
+                log.exception("batched step failed; retrying rows one by one to isolate the failure")
+                for lv in rows:
+                    if lv.done is None:
+                        try:
+                            self._generate([lv])
+                        except Exception as e:
+                            lv.done = FinishReason.ERROR
+                            lv.error = f"generation failed: {type(e).__name__}"
+        self._decode_due()
+        self._retire()
+
+    def _generate(self, rows: list[_Live]) -> None:
+        """One talker step + code predictor for `rows` (all at their own positions)."""
+        dev = self.device
+        idx = torch.tensor([lv.slot for lv in rows], device=dev)
+        frames = torch.tensor([lv.frames for lv in rows], device=dev)
+        h = self._h[idx]
+        logits = self._talker.logits(h).float()
+        logits = apply_repetition_penalty(logits, self._seen[idx], self._rep[idx])
+        logits = logits.masked_fill(self._suppress, float("-inf"))
+        min_frames = torch.tensor([lv.handle.request.min_frames for lv in rows], device=dev)
+        logits[:, self._eos] = logits[:, self._eos].masked_fill(frames < min_frames, float("-inf"))
+        counters = frames * _COUNTER_STRIDE
+        cb0 = sample(
+            logits, self._temp[idx], self._top_k[idx], self._top_p[idx], self._greedy[idx], self._seed[idx], counters
+        )
+        cb0_host = cb0.tolist()  # the one host sync per step: who stopped
+        keep = [i for i, c in enumerate(cb0_host) if c != self._eos]
+        for i, c in enumerate(cb0_host):
+            if c == self._eos:
+                rows[i].done = FinishReason.EOS
+        if not keep:
+            return
+        if len(keep) != len(rows):
+            k = torch.tensor(keep, device=dev)
+            rows = [rows[i] for i in keep]
+            idx, h, cb0, counters = idx[k], h[k], cb0[k], counters[k]
+        cp_args = (self._cp_temp[idx], self._cp_top_k[idx], self._cp_top_p[idx], self._cp_greedy[idx], self._seed[idx])
+
+        def sample_residual(j: int, cp_logits: torch.Tensor) -> torch.Tensor:
+            t, k_, p, g, s = cp_args
+            return sample(cp_logits.float(), t, k_, p, g, s, counters + (j + 1))
+
+        cb0_emb = self._talker.embed_codec(cb0)
+        residual, emb_sum = self._talker.code_predictor(h, cb0_emb, sample_residual)
+        self._seen[idx, cb0] = True
+        text_track = torch.stack(
+            [lv.prompt.trailing[lv.frames] if lv.frames < lv.prompt.trailing.shape[0] else lv.prompt.pad for lv in rows]
+        )
+        nxt = (cb0_emb + emb_sum + text_track.to(cb0_emb.dtype))[:, None]
+        positions = torch.tensor([[lv.pos] for lv in rows], device=dev)
+        kv_len = max(lv.pos for lv in rows) + 1
+        out = self._talker(nxt, positions, self._cache, idx, kv_len)
+        self._h[idx] = out[:, 0]
+        frame_codes = torch.cat([cb0[:, None], residual], dim=1)  # (B, 16)
+        for i, lv in enumerate(rows):
+            lv.pending.append(frame_codes[i])
+            lv.pos += 1
+            lv.frames += 1
+
+    def _decode_due(self) -> None:
+        """Decode pending frames of rows whose next chunk is due (or that finished), batched by chunk length."""
+        groups: dict[int, list[_Live]] = collections.defaultdict(list)
+        for lv in self._live.values():
+            if not lv.pending or lv.done in (FinishReason.CANCELLED, FinishReason.ERROR):
+                continue
+            target = self.config.first_chunk_frames if lv.decoded == 0 else self.config.chunk_frames
+            if len(lv.pending) >= target or lv.done is not None:
+                groups[min(len(lv.pending), target)].append(lv)
+        for t, rows in groups.items():
+            try:
+                self._decode_rows(rows, t)
+            except Exception:
+                log.exception("batched decode failed; retrying rows one by one")
+                for lv in rows:
+                    try:
+                        self._decode_rows([lv], t)
+                    except Exception as e:
+                        lv.done = FinishReason.ERROR
+                        lv.error = f"decode failed: {type(e).__name__}"
+        # A finished row may still hold more than one chunk: keep flushing until empty.
+        if any(lv.pending and lv.done in (FinishReason.EOS, FinishReason.BUDGET) for lv in self._live.values()):
+            self._decode_due()
+
+    def _decode_rows(self, rows: list[_Live], t: int) -> None:
+        codes = torch.stack([torch.stack(lv.pending[:t]) for lv in rows]).transpose(1, 2)  # (B, 16, t)
+        codes = codes.to(self.device)
+        if len(rows) == 1:
+            wav = self._code2wav.decode_chunk(codes, rows[0].stream)
+        else:
+            stream = type(rows[0].stream).cat([lv.stream for lv in rows])
+            wav = self._code2wav.decode_chunk(codes, stream)
+            for lv, s in zip(rows, stream.split(), strict=True):
+                lv.stream = s
+        wav = wav.float().cpu().numpy()
+        now = time.monotonic()
+        for i, (lv, w) in enumerate(zip(rows, wav, strict=True)):
+            if lv.handle.request.return_codes:
+                lv.handle.codes.append(codes[i].T.cpu())
+            del lv.pending[:t]
+            lv.decoded += t
+            st = lv.handle.stats
+            if st.first_audio_at is None:
+                st.first_audio_at = now
+            st.frames = lv.decoded
+            st.samples += w.shape[0]
+            lv.handle.put_threadsafe(np.ascontiguousarray(w, dtype=np.float32))
+
+    def _retire(self) -> None:
+        for slot, lv in list(self._live.items()):
+            if lv.done is None:
+                continue
+            if lv.done in (FinishReason.EOS, FinishReason.BUDGET) and lv.pending:
+                continue  # flushed by the next _decode_due
+            del self._live[slot]
+            self._release(slot)
+            self._finish(lv, lv.done, lv.error)
+
+    def _finish(self, lv: _Live, reason: FinishReason, error: str | None = None) -> None:
+        lv.handle.finish_threadsafe(reason, error)
+
+
+def create_engine(config: EngineConfig, backend: str = "native") -> Engine:
+    """The engine for `backend`; only the native one exists in this build."""
+    if backend == "native":
+        return NativeEngine(config)
+    raise ValueError(f"backend {backend!r} is not available in this build (available: native)")
