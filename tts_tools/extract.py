@@ -89,12 +89,14 @@ def check_clip(samples: np.ndarray, sample_rate: int, mono: np.ndarray, label: s
 
 def load_clip(path: Path) -> tuple[np.ndarray, int, np.ndarray]:
     """(samples (N, C) as read, their rate, mono float32 at 24 kHz)."""
-    from qwen_tts.audio import load_audio, resample, to_mono
+    from qwen_tts.audio import AudioError, load_audio, resample, to_mono
 
     try:
-        samples, sr = load_audio(path)
-    except Exception as e:  # soundfile raises several types; the user needs the reason, not a traceback
-        raise ClipRefused(f"{path}: cannot read audio ({e})") from None
+        samples, sr = load_audio(str(path))  # a str, so its error messages carry the whole path
+    except AudioError as e:  # its message names the file and the reason
+        raise ClipRefused(str(e)) from None
+    except OSError as e:
+        raise ClipRefused(f"{path}: cannot read ({e.strerror or e})") from None
     mono = resample(to_mono(samples), sr, SAMPLE_RATE) if samples.size else np.zeros(0, np.float32)
     return samples, sr, np.ascontiguousarray(mono, dtype=np.float32)
 
