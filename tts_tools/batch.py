@@ -44,6 +44,17 @@ PROFILE_SUFFIX = ".safetensors"
 QUEUE_FULL_RETRY_S = 0.05
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# mkstemp creates 0600 files; outputs get the usual mode. Read once here: umask() is process-wide and not
+# safe to toggle while writer threads run.
+FILE_MODE = 0o666 & ~_umask()
+
+
 @dataclass
 class BatchOptions:
     manifest: Path
@@ -170,6 +181,7 @@ def write_audio_atomic(path: Path, audio: np.ndarray, fmt: str) -> None:
     os.close(fd)
     try:
         sf.write(tmp, np.clip(audio, -1.0, 1.0), SAMPLE_RATE, subtype=subtype, format=container)
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -183,6 +195,7 @@ def write_json_atomic(path: Path, data: Any) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2, ensure_ascii=False)
             f.write("\n")
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -240,7 +253,7 @@ async def run_plan(engine: Engine, plan: BatchPlan, *, concurrency: int, progres
     sem = asyncio.Semaphore(concurrency)
     audio_s = 0.0
     t0 = time.monotonic()
-    bar = tqdm(total=len(plan.items), initial=len(plan.items) - len(todo), unit="item", file=sys.stderr)
+    bar = tqdm(total=len(plan.items), initial=len(plan.items) - len(todo), desc="items", unit="item", file=sys.stderr)
     bar.disable = bar.disable or not progress
 
     async def one(item: ManifestItem) -> ItemResult:
