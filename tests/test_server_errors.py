@@ -56,6 +56,7 @@ BAD_INPUTS = [
     ("unknown language", _ok_body(language="Klingon"), 422, "language", "'Klingon' is not supported"),
     ("unknown format", _ok_body(response_format="aac"), 422, "response_format", "Input should be 'wav'"),
     ("max_new_tokens over cap", _ok_body(max_new_tokens=5000), 422, "max_new_tokens", "limit of 2048"),
+    ("min_new_tokens over cap", _ok_body(min_new_tokens=3000), 422, "min_new_tokens", "above max_new_tokens (2048)"),
     ("max_new_tokens zero", _ok_body(max_new_tokens=0), 422, "max_new_tokens", "greater than or equal to 1"),
     ("temperature too high", _ok_body(temperature=3.0), 422, "temperature", "less than or equal to 2"),
     ("top_k zero", _ok_body(top_k=0), 422, "top_k", "greater than or equal to 1"),

@@ -79,6 +79,7 @@ def _options(body: SynthesizeRequest | StreamRequest | SpeechRequest) -> Options
         text=body.text,
         language=body.language,
         max_new_tokens=body.max_new_tokens,
+        min_new_tokens=body.min_new_tokens,
         temperature=body.temperature,
         top_k=body.top_k,
         seed=body.seed,

@@ -23,6 +23,11 @@ class _SynthesisOptions(_Strict):
     max_new_tokens: int | None = Field(
         None, ge=1, description="Cap on generated codec frames (12.5 per second); at most TTS_MAX_NEW_TOKENS."
     )
+    min_new_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="Frames before end-of-speech is allowed (default 2); equal to max_new_tokens fixes the length.",
+    )
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 selects greedy decoding.")
     top_k: int | None = Field(None, ge=1, le=4096)
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed + same request = same audio.")

@@ -46,6 +46,7 @@ class Options:
     text: str
     language: str
     max_new_tokens: int | None
+    min_new_tokens: int | None
     temperature: float | None
     top_k: int | None
     seed: int | None
@@ -68,6 +69,12 @@ def check_limits(runtime: Runtime, opts: Options, text_field: str = "text") -> O
             f"max_new_tokens: {opts.max_new_tokens} is above the server's limit of {s.max_new_tokens}",
             param="max_new_tokens",
         )
+    if opts.min_new_tokens is not None:
+        cap = s.max_new_tokens if opts.max_new_tokens is None else opts.max_new_tokens
+        if opts.min_new_tokens > cap:
+            raise InvalidField(
+                f"min_new_tokens: {opts.min_new_tokens} is above max_new_tokens ({cap})", param="min_new_tokens"
+            )
     language = opts.language.strip().lower()
     accepted = runtime.engine.languages
     if language not in accepted:
@@ -165,6 +172,8 @@ def submit(runtime: Runtime, opts: Options, request_id: str) -> Job:
         max_frames=s.max_new_tokens if opts.max_new_tokens is None else opts.max_new_tokens,
         request_id=request_id,
     )
+    if opts.min_new_tokens is not None:
+        request.min_frames = opts.min_new_tokens
     try:
         handle = runtime.engine.submit(request)
     except QueueFullError:

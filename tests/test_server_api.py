@@ -1,0 +1,254 @@
+"""Every route and field, in process, on the real NativeEngine with the tiny demo checkpoint."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import soundfile as sf
+
+from qwen_tts.demo import ensure_demo_voice, resolve_model_path
+from qwen_tts.engine import EngineConfig, NativeEngine
+from tts_server.audio_encoding import to_int16
+from tts_server.testing import InProcess, in_process
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SR = 24000
+FRAME = 1920
+CAP = 24  # frames per request in these tests: short audio keeps the module fast
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return resolve_model_path("demo", demo_dir=tmp_path_factory.mktemp("model") / "demo-tiny")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(demo_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    voices = tmp_path_factory.mktemp("voices")
+    ensure_demo_voice(voices, demo_model)
+    engine = NativeEngine(EngineConfig(model_path=str(demo_model), max_slots=4, max_queue=8, max_frames=256))
+    async with in_process(engine, profiles_dir=voices, max_concurrent=4, max_queue=8, max_new_tokens=256) as s:
+        yield s
+
+
+def _body(**extra) -> dict:
+    return {"speaker_id": "demo", "text": "Hello from the demo voice.", "max_new_tokens": CAP, "seed": 7, **extra}
+
+
+def _wav(data: bytes, dtype: str = "float32") -> np.ndarray:
+    x, sr = sf.read(io.BytesIO(data), dtype=dtype)
+    assert sr == SR
+    return x
+
+
+def _int16(data: bytes) -> np.ndarray:
+    """A lossless file's samples exactly as written (int16), without a float round trip."""
+    return _wav(data, "int16")
+
+
+async def test_synthesize_returns_a_wav_with_the_seed_headers(server: InProcess) -> None:
+    r = await server.client.post("/synthesize", json=_body(), headers={"x-request-id": "abc-1"})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "audio/wav"
+    assert r.headers["x-request-id"] == "abc-1"
+    assert r.headers["x-sample-rate"] == "24000"
+    assert float(r.headers["x-latency"]) > 0
+    x = _wav(r.content)
+    assert len(x) > 0 and len(x) % FRAME == 0 and len(x) <= CAP * FRAME
+    assert float(r.headers["x-audio-duration"]) == pytest.approx(len(x) / SR, abs=1e-3)
+    assert r.headers["x-finish-reason"] in ("eos", "budget")
+
+
+async def test_same_seed_gives_the_same_audio_and_another_seed_differs(server: InProcess) -> None:
+    a = await server.client.post("/synthesize", json=_body(response_format="pcm"))
+    b = await server.client.post("/synthesize", json=_body(response_format="pcm"))
+    c = await server.client.post("/synthesize", json=_body(response_format="pcm", seed=8))
+    assert a.content == b.content
+    assert a.content != c.content
+
+
+async def test_temperature_zero_is_greedy_and_needs_no_seed(server: InProcess) -> None:
+    body = _body(temperature=0.0)
+    del body["seed"]
+    a = await server.client.post("/synthesize", json=body)
+    b = await server.client.post("/synthesize", json=body)
+    assert a.status_code == 200 and a.content == b.content
+
+
+@pytest.mark.parametrize(
+    ("fmt", "media_type"),
+    [("wav", "audio/wav"), ("pcm", "audio/L16"), ("flac", "audio/flac"), ("mp3", "audio/mpeg"), ("opus", "audio/ogg")],
+)
+async def test_every_response_format_decodes_to_the_same_length(server: InProcess, fmt: str, media_type: str) -> None:
+    ref = _int16((await server.client.post("/synthesize", json=_body())).content)
+    r = await server.client.post("/synthesize", json=_body(response_format=fmt))
+    assert r.status_code == 200 and r.headers["content-type"] == media_type
+    if fmt == "pcm":
+        np.testing.assert_array_equal(np.frombuffer(r.content, "<i2"), ref)
+    elif fmt == "flac":
+        np.testing.assert_array_equal(_int16(r.content), ref)
+    else:  # lossy: codec delay/padding only
+        assert abs(len(_wav(r.content)) - len(ref)) <= 0.1 * SR
+
+
+async def test_max_new_tokens_caps_the_audio_length(server: InProcess) -> None:
+    r = await server.client.post("/synthesize", json=_body(max_new_tokens=4, response_format="pcm"))
+    assert r.status_code == 200
+    assert 0 < len(r.content) // 2 <= 4 * FRAME
+
+
+async def test_min_new_tokens_equal_to_max_fixes_the_length(server: InProcess) -> None:
+    r = await server.client.post("/synthesize", json=_body(min_new_tokens=10, max_new_tokens=10, response_format="pcm"))
+    assert r.status_code == 200 and len(r.content) == 2 * 10 * FRAME
+    assert r.headers["x-finish-reason"] == "budget"
+
+
+async def test_min_new_tokens_above_max_is_refused(server: InProcess) -> None:
+    r = await server.client.post("/synthesize", json=_body(min_new_tokens=30, max_new_tokens=10))
+    assert r.status_code == 422
+    assert r.json()["error"]["message"] == "min_new_tokens: 30 is above max_new_tokens (10)"
+
+
+async def test_language_is_case_insensitive_and_auto_by_default(server: InProcess) -> None:
+    for language in ("English", "ENGLISH", "auto", "Auto"):
+        r = await server.client.post("/synthesize", json=_body(language=language))
+        assert r.status_code == 200, (language, r.text)
+
+
+async def test_stream_is_float32_and_equals_the_whole_file(server: InProcess) -> None:
+    whole = await server.client.post("/synthesize", json=_body(response_format="pcm"))
+    r = await server.client.post("/synthesize/stream", json=_body())
+    assert r.status_code == 200
+    assert r.headers["x-audio-format"] == "f32le" and r.headers["x-sample-rate"] == "24000"
+    assert float(r.headers["x-time-to-first-audio"]) > 0
+    pcm = np.frombuffer(r.content, "<f4")
+    assert len(pcm) % FRAME == 0
+    np.testing.assert_array_equal(to_int16(pcm), np.frombuffer(whole.content, "<i2"))
+
+
+async def test_stream_formats_pcm_and_wav(server: InProcess) -> None:
+    whole = await server.client.post("/synthesize", json=_body(response_format="pcm"))
+    pcm = await server.client.post("/synthesize/stream", json=_body(response_format="pcm"))
+    assert pcm.content == whole.content
+    wav = await server.client.post("/synthesize/stream", json=_body(response_format="wav"))
+    assert wav.headers["content-type"] == "audio/wav"
+    np.testing.assert_array_equal(_int16(wav.content), np.frombuffer(whole.content, "<i2"))
+
+
+async def test_speakers_lists_ids_with_width_and_file(server: InProcess) -> None:
+    r = await server.client.get("/speakers")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["count"] == 1
+    (demo,) = body["speakers"]
+    assert demo["id"] == "demo" and demo["file"] == "demo.safetensors"
+    assert demo["dim"] == server.runtime.engine.xvector_dim and demo["model"] == "demo"
+
+
+async def test_health_and_ready(server: InProcess) -> None:
+    health = (await server.client.get("/health")).json()
+    assert health["status"] == "ok" and health["ready"] is True
+    assert health["model"]["xvector_dim"] == server.runtime.engine.xvector_dim
+    assert "path" not in health["model"]
+    assert health["speakers"] == 1 and health["backend"] == "native"
+    assert (await server.client.get("/ready")).json() == {"status": "ready"}
+
+
+async def test_metrics_count_requests_and_latencies(server: InProcess) -> None:
+    await server.client.post("/synthesize", json=_body())
+    text = (await server.client.get("/metrics")).text
+    assert 'tts_http_requests_total{route="/synthesize",status="200"}' in text
+    assert 'tts_syntheses_total{outcome="ok"}' in text
+    for name in ("tts_time_to_first_audio_seconds_count", "tts_queue_time_seconds_count", "tts_real_time_factor_count"):
+        line = next(x for x in text.splitlines() if x.startswith(name))
+        assert float(line.split()[-1]) >= 1, line
+    assert "tts_requests_running 0.0" in text and "tts_requests_waiting 0.0" in text
+
+
+async def test_openapi_documents_the_routes_and_bodies(server: InProcess) -> None:
+    spec = (await server.client.get("/openapi.json")).json()
+    for path in ("/synthesize", "/synthesize/stream", "/v1/audio/speech", "/speakers", "/health", "/ready"):
+        assert path in spec["paths"], path
+    schema = spec["paths"]["/synthesize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert set(schema["properties"]) >= {"speaker_id", "text", "language", "response_format", "seed"}
+
+
+# --- OpenAI-compatible route ------------------------------------------------------------------------------
+def _speech(**extra) -> dict:
+    return {"model": "tts-1", "voice": "demo", "input": "Hello from the demo voice.", "max_new_tokens": CAP,
+            "seed": 7, **extra}  # fmt: skip
+
+
+async def test_openai_speech_defaults_to_mp3(server: InProcess) -> None:
+    r = await server.client.post("/v1/audio/speech", json=_speech())
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/mpeg"
+    assert len(_wav(r.content)) > 0
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm", "flac", "opus"])
+async def test_openai_speech_formats_match_synthesize(server: InProcess, fmt: str) -> None:
+    ref = np.frombuffer((await server.client.post("/synthesize", json=_body(response_format="pcm"))).content, "<i2")
+    r = await server.client.post("/v1/audio/speech", json=_speech(response_format=fmt))
+    assert r.status_code == 200, r.text
+    if fmt == "pcm":
+        np.testing.assert_array_equal(np.frombuffer(r.content, "<i2"), ref)
+    elif fmt in ("wav", "flac"):
+        np.testing.assert_array_equal(_int16(r.content), ref)
+    else:
+        assert abs(len(_wav(r.content)) - len(ref)) <= 0.1 * SR
+
+
+async def test_openai_voice_may_be_an_object(server: InProcess) -> None:
+    r = await server.client.post("/v1/audio/speech", json=_speech(voice={"id": "demo"}, response_format="pcm"))
+    assert r.status_code == 200 and len(r.content) > 0
+
+
+async def test_openai_sse_stream_carries_base64_deltas_then_done(server: InProcess) -> None:
+    ref = (await server.client.post("/synthesize", json=_body(response_format="pcm"))).content
+    r = await server.client.post("/v1/audio/speech", json=_speech(response_format="pcm", stream_format="sse"))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[len("data: ") :]) for line in r.text.split("\n\n") if line.startswith("data: ")]
+    assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1)
+    assert events[-1]["type"] == "speech.audio.done"
+    assert events[-1]["usage"]["output_tokens"] == len(ref) // 2 // FRAME
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert audio == ref
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "fragment"),
+    [
+        ({"response_format": "aac"}, "response_format", "'aac' is not supported by this server"),
+        ({"speed": 1.5}, "speed", "only 1.0 is supported"),
+        ({"speed": 9.0}, "speed", "less than or equal to 4"),
+        ({"instructions": "whisper"}, "instructions", "not supported by Base"),
+        ({"stream_format": "chunks"}, "stream_format", "'audio' or 'sse'"),
+        ({"input": "x" * 4097}, "input", "4097 characters, the limit is 4096"),
+        ({"voice": "../etc"}, "speaker_id", "speaker id must be"),
+        ({"voice": "alloy"}, "speaker_id", "unknown speaker 'alloy'"),
+        ({"model": ""}, "model", "at least 1 character"),
+        ({"extra_field": 1}, "extra_field", "unknown field"),
+    ],
+)
+async def test_openai_speech_refuses_clearly(server: InProcess, extra: dict, param: str, fragment: str) -> None:
+    r = await server.client.post("/v1/audio/speech", json=_speech(**extra))
+    assert 400 <= r.status_code < 500, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and err["param"] == param
+
+
+async def test_openai_speed_one_is_accepted(server: InProcess) -> None:
+    r = await server.client.post("/v1/audio/speech", json=_speech(speed=1.0, response_format="pcm"))
+    assert r.status_code == 200
+
+
+async def test_openai_models_lists_the_served_model(server: InProcess) -> None:
+    body = (await server.client.get("/v1/models")).json()
+    assert body["object"] == "list" and body["data"][0]["id"] == "qwen3-tts"

@@ -1,0 +1,386 @@
+"""A real `python inference_server.py` on loopback, on the tiny demo checkpoint, driven by real clients
+(httpx, curl, the openai SDK): what only a real socket shows — streaming, backpressure, disconnects, shutdown.
+
+Requests fix their length with min_new_tokens == max_new_tokens, so "complete audio" is an exact sample count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+
+from tts_server.audio_encoding import to_int16
+from tts_server.testing import REPO_ROOT, ServerProcess, server_process
+
+pytestmark = pytest.mark.slow
+
+SR = 24000
+FRAME = 1920
+KEY = "test-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+FRAMES = 24  # fixed length of the test utterances: 1.92 s
+# ~325 tokens with the demo tokenizer: a text budget above 2048 frames, under the engine's 1024-token limit.
+LONG_TEXT = "A long story. " * 25
+
+
+def _body(frames: int = FRAMES, **extra) -> dict:
+    text = extra.pop("text", "Hello from the demo voice, over a real socket.")
+    return {
+        "speaker_id": "demo",
+        "text": text,
+        "min_new_tokens": frames,
+        "max_new_tokens": frames,
+        "seed": 11,
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("demo") / "demo-tiny"
+
+
+def _env(demo_dir: Path, profiles: Path, **extra: str) -> dict[str, str]:
+    return {
+        "TTS_DEMO_DIR": str(demo_dir),
+        "TTS_PROFILES_DIR": str(profiles),
+        "TTS_MAX_CONCURRENT": "4",
+        "TTS_MAX_QUEUE": "4",
+        "TTS_REQUEST_TIMEOUT": "120",
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def server(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("server")
+    env = _env(demo_dir, root / "voices", TTS_API_KEYS=KEY)
+    with server_process(env, root / "server.log") as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server: ServerProcess):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
+        yield c
+        # Whatever a test did, the server must be idle and healthy afterwards.
+        _wait_idle(c)
+
+
+def _wait_idle(c: httpx.Client, limit: float = 60.0) -> dict:
+    """Poll /health until nothing is running, queued or admitted (fails after `limit` s: work was left over)."""
+    deadline = time.monotonic() + limit
+    while True:
+        health = c.get("/health").json()
+        if health["running"] == 0 and health["waiting"] == 0 and health["admitted"] == 0:
+            return health
+        assert time.monotonic() < deadline, f"engine still busy: {health}"
+        time.sleep(0.05)
+
+
+def _pcm16(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, "<i2")
+
+
+# --- basic serving --------------------------------------------------------------------------------------
+def test_startup_logs_the_seed_sequence(server: ServerProcess) -> None:
+    log = server.log()
+    steps = ["Loaded 1 voice profiles", "Engine initialised", "Ready with 1 speakers", "Uvicorn running"]
+    positions = [log.find(s) for s in steps]
+    assert all(p >= 0 for p in positions), log
+    assert positions == sorted(positions)
+
+
+def test_whole_file_over_the_socket(client: httpx.Client) -> None:
+    r = client.post("/synthesize", json=_body())
+    assert r.status_code == 200, r.text
+    x, sr = sf.read(io.BytesIO(r.content), dtype="int16")
+    assert sr == SR and len(x) == FRAMES * FRAME
+    assert r.headers["x-audio-duration"] == f"{FRAMES * FRAME / SR:.3f}"
+    assert {"x-request-id", "x-latency", "x-sample-rate"} <= set(r.headers)
+
+
+def test_stream_arrives_in_several_chunks_and_equals_the_whole_file(client: httpx.Client) -> None:
+    whole = _pcm16(client.post("/synthesize", json=_body(response_format="pcm")).content)
+    chunks: list[bytes] = []
+    with client.stream("POST", "/synthesize/stream", json=_body()) as r:
+        assert r.status_code == 200
+        assert r.headers["transfer-encoding"] == "chunked"
+        chunks = [c for c in r.iter_raw() if c]
+    # 24 frames leave as a 3-frame first chunk, then 12 + 9: the client sees them separately.
+    assert len(chunks) >= 2
+    assert len(chunks[0]) <= 3 * FRAME * 4 < sum(map(len, chunks))
+    pcm = np.frombuffer(b"".join(chunks), "<f4")
+    assert len(pcm) == FRAMES * FRAME
+    np.testing.assert_array_equal(to_int16(pcm), whole)
+
+
+def test_curl_whole_file_and_stream(server: ServerProcess, tmp_path: Path) -> None:
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("curl is not installed")
+    out = tmp_path / "out.wav"
+    body = json.dumps(_body())
+    done = subprocess.run(
+        [curl, "-sS", "-f", "-D", "-", "-H", f"Authorization: Bearer {KEY}", "-d", body, "-o", str(out),
+         f"{server.url}/synthesize"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert "x-audio-duration: 1.920" in done.stdout.lower()
+    assert sf.info(str(out)).frames == FRAMES * FRAME
+    raw = tmp_path / "out.f32"
+    subprocess.run(
+        [curl, "-sS", "-f", "-N", "-H", f"Authorization: Bearer {KEY}", "-d", body, "-o", str(raw),
+         f"{server.url}/synthesize/stream"],
+        timeout=60, check=True,
+    )  # fmt: skip
+    assert raw.stat().st_size == FRAMES * FRAME * 4
+    # curl without a key: 401 and curl -f fails.
+    denied = subprocess.run(
+        [curl, "-sS", "-f", "-d", body, f"{server.url}/synthesize"], capture_output=True, timeout=30
+    )
+    assert denied.returncode == 22 and b"401" in denied.stderr
+
+
+# --- backpressure ---------------------------------------------------------------------------------------
+def test_40_concurrent_requests_get_only_200_or_429_and_every_200_is_complete(
+    server: ServerProcess, client: httpx.Client
+) -> None:
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120, limits=limits) as c:
+            return await asyncio.gather(*[c.post("/synthesize", json=_body(response_format="pcm")) for _ in range(40)])
+
+    started = time.monotonic()
+    responses = asyncio.run(burst())
+    wall = time.monotonic() - started
+    statuses = Counter(r.status_code for r in responses)
+    print(f"\n40 concurrent at TTS_MAX_CONCURRENT=4, TTS_MAX_QUEUE=4: {dict(statuses)} in {wall:.1f} s")
+    assert set(statuses) <= {200, 429}, statuses
+    # 40 arrive at once and 8 fit (4 decoding + 4 queued): most must be refused, never crash or queue unboundedly.
+    assert statuses[200] >= 4 and statuses[429] >= 1
+    expected = _pcm16(client.post("/synthesize", json=_body(response_format="pcm")).content)
+    for r in responses:
+        if r.status_code == 200:
+            assert len(r.content) == FRAMES * FRAME * 2  # complete
+            # ...and not mixed with anyone else's: equal to the same request alone, up to the float rounding of a
+            # batched decode (a sample or two of int16).
+            assert np.abs(_pcm16(r.content).astype(int) - expected).max() <= 4
+        else:
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+    metrics = client.get("/metrics").text
+    assert f'tts_rejections_total{{reason="queue_full"}} {float(statuses[429])}' in metrics
+
+
+# --- disconnects ----------------------------------------------------------------------------------------
+def test_client_that_disconnects_mid_stream_frees_its_slot(server: ServerProcess, client: httpx.Client) -> None:
+    long = _body(frames=2048, text=LONG_TEXT)  # minutes of work if nobody cancels it
+    before = client.get("/metrics").text
+    for _ in range(8):  # a burst: every slot and every queue place
+        with (
+            httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c,
+            c.stream("POST", "/synthesize/stream", json=long) as r,
+        ):
+            assert r.status_code == 200
+            next(r.iter_raw())  # audio is flowing; now hang up
+    health = _wait_idle(client, limit=30)
+    assert health["ready"] is True
+    after = client.get("/metrics").text
+    assert _metric(after, "tts_client_disconnects_total") - _metric(before, "tts_client_disconnects_total") == 8
+    assert client.post("/synthesize", json=_body()).status_code == 200
+
+
+def test_client_that_disconnects_from_a_whole_file_request_frees_its_slot(
+    server: ServerProcess, client: httpx.Client
+) -> None:
+    long = _body(frames=2048, text=LONG_TEXT)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/synthesize", json=long, headers=AUTH, timeout=1.0)
+    _wait_idle(client, limit=30)
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+# --- bad input over the socket ----------------------------------------------------------------------------
+BAD = [
+    (b"{not json", 400),
+    (b"", 400),
+    (b"[]", 400),
+    (json.dumps({"speaker_id": "demo", "text": 42}).encode(), 422),
+    (json.dumps({"speaker_id": "demo", "text": "hi", "temperature": "warm"}).encode(), 422),
+    (json.dumps({"speaker_id": "demo", "text": ""}).encode(), 422),
+    (json.dumps({"speaker_id": "demo", "text": "a" * 4097}).encode(), 422),
+    (json.dumps({"speaker_id": "demo", "text": "a" * 70000}).encode(), 413),
+    (json.dumps({"speaker_id": "demo", "text": "hi", "language": "Elvish"}).encode(), 422),
+    (json.dumps({"speaker_id": "demo", "text": "hi", "response_format": "ogg"}).encode(), 422),
+    (json.dumps({"speaker_id": "../voices/demo", "text": "hi"}).encode(), 422),
+    (json.dumps({"speaker_id": "/etc/passwd", "text": "hi"}).encode(), 422),
+    (json.dumps({"speaker_id": "demo\u0000x", "text": "hi"}).encode(), 422),
+    (json.dumps({"speaker_id": "%2e%2e%2fdemo", "text": "hi"}).encode(), 422),
+    (json.dumps({"speaker_id": "x" * 10000, "text": "hi"}).encode(), 422),
+    (json.dumps({"speaker_id": "ghost", "text": "hi"}).encode(), 404),
+]
+
+
+def test_bad_inputs_get_4xx_and_the_server_stays_healthy(client: httpx.Client) -> None:
+    for body, status in BAD:
+        for path in ("/synthesize", "/synthesize/stream"):
+            r = client.post(path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == status, (path, body[:80], r.text)
+            assert r.json()["error"]["message"]
+            assert "Traceback" not in r.text
+    assert client.get("/health").json()["status"] == "ok"
+    assert client.post("/synthesize", json=_body()).status_code == 200
+
+
+# --- the openai SDK ---------------------------------------------------------------------------------------
+def test_openai_sdk_whole_and_streamed(server: ServerProcess, client: httpx.Client) -> None:
+    sdk = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    extra = {"seed": 11, "min_new_tokens": FRAMES, "max_new_tokens": FRAMES}
+    text = "Hello from the demo voice, over a real socket."
+    expected = _pcm16(client.post("/synthesize", json=_body(response_format="pcm")).content)
+
+    wav = sdk.audio.speech.create(model="tts-1", voice="demo", input=text, response_format="wav", extra_body=extra)
+    x, sr = sf.read(io.BytesIO(wav.content), dtype="int16")
+    assert sr == SR
+    np.testing.assert_array_equal(x, expected)
+
+    mp3 = sdk.audio.speech.create(model="tts-1", voice="demo", input=text, extra_body=extra)
+    assert mp3.response.headers["content-type"] == "audio/mpeg" and len(mp3.content) > 0
+
+    with sdk.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="demo", input=text, response_format="pcm", extra_body=extra
+    ) as resp:
+        parts = [p for p in resp.iter_bytes() if p]
+    assert len(parts) >= 2
+    np.testing.assert_array_equal(_pcm16(b"".join(parts)), expected)
+
+    with sdk.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="demo", input=text, response_format="pcm", stream_format="sse", extra_body=extra
+    ) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done"
+    import base64
+
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    np.testing.assert_array_equal(_pcm16(audio), expected)
+
+
+def test_openai_sdk_sees_our_errors(server: ServerProcess) -> None:
+    sdk = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.UnprocessableEntityError, match="'aac' is not supported"):
+        sdk.audio.speech.create(model="tts-1", voice="demo", input="hi", response_format="aac")
+    with pytest.raises(openai.NotFoundError, match="unknown speaker 'alloy'"):
+        sdk.audio.speech.create(model="tts-1", voice="alloy", input="hi")
+    bad_key = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong-key-000", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.audio.speech.create(model="tts-1", voice="demo", input="hi")
+
+
+def test_health_ready_and_metrics_are_public(server: ServerProcess) -> None:
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(server.url + path).status_code == 200
+    assert httpx.get(server.url + "/speakers").status_code == 401
+
+
+# --- shutdown ------------------------------------------------------------------------------------------------
+def test_sigterm_during_load_drains_in_flight_work_and_exits_zero(demo_dir: Path, tmp_path: Path) -> None:
+    env = _env(demo_dir, tmp_path / "voices", TTS_DRAIN_TIMEOUT="60")
+    srv = ServerProcess(env, tmp_path / "server.log")
+    try:
+        frames = 48
+
+        async def load() -> tuple[list[httpx.Response], list[bytes]]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                wholes = [c.post("/synthesize", json=_body(frames, response_format="pcm")) for _ in range(3)]
+
+                async def stream() -> bytes:
+                    async with c.stream("POST", "/synthesize/stream", json=_body(frames)) as r:
+                        assert r.status_code == 200
+                        return b"".join([chunk async for chunk in r.aiter_raw()])
+
+                tasks = [asyncio.ensure_future(x) for x in [*wholes, stream()]]
+                while (await c.get("/health")).json()["admitted"] < 4:
+                    await asyncio.sleep(0.02)
+                srv.proc.send_signal(15)  # SIGTERM while all four are in flight
+                await asyncio.sleep(0.3)
+                # New work is refused: the listener is closed (or, on a kept-alive connection, 503).
+                try:
+                    late = await c.post("/synthesize", json=_body(frames))
+                    assert late.status_code == 503
+                except httpx.TransportError:
+                    pass
+                *done, streamed = await asyncio.gather(*tasks)
+                return done, [streamed]
+
+        done, streamed = asyncio.run(load())
+        for r in done:
+            assert r.status_code == 200 and len(r.content) == frames * FRAME * 2
+        assert len(streamed[0]) == frames * FRAME * 4
+        assert srv.proc.wait(timeout=60) == 0
+        log = srv.log()
+        assert "draining" in log and "engine stopped" in log
+    finally:
+        srv.kill()
+
+
+def test_sigterm_past_the_drain_timeout_cancels_and_still_exits_zero(demo_dir: Path, tmp_path: Path) -> None:
+    env = _env(demo_dir, tmp_path / "voices", TTS_DRAIN_TIMEOUT="1")
+    srv = ServerProcess(env, tmp_path / "server.log")
+    try:
+        with (
+            httpx.Client(base_url=srv.url, timeout=60) as c,
+            c.stream("POST", "/synthesize/stream", json=_body(2048, text=LONG_TEXT)) as r,
+        ):
+            chunks = r.iter_raw()
+            next(chunks)
+            srv.proc.send_signal(15)
+            with pytest.raises(httpx.TransportError):  # cut short: the client can tell it is incomplete
+                for _ in chunks:
+                    pass
+        assert srv.proc.wait(timeout=60) == 0
+    finally:
+        srv.kill()
+
+
+# --- startup failures ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("env", "code", "line"),
+    [
+        ({"TTS_PORT": "eighty"}, 2, "invalid configuration: TTS_PORT='eighty': Input should be a valid integer"),
+        ({"TTS_MAX_CONCURRENT": "0"}, 2, "invalid configuration: TTS_MAX_CONCURRENT='0'"),
+        (
+            {"TTS_MODEL_PATH": "/nonexistent/model"},
+            1,
+            "TTS_MODEL_PATH='/nonexistent/model': /nonexistent/model: no such",
+        ),
+    ],
+)
+def test_bad_configuration_fails_at_startup_with_one_clear_line(env: dict, code: int, line: str) -> None:
+    full = {k: v for k, v in __import__("os").environ.items() if not k.startswith("TTS_")}
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "inference_server.py")],
+        env={**full, **env}, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == code, done.stderr
+    assert line in done.stderr
+    assert "Traceback" not in done.stderr
