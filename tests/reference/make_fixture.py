@@ -1,0 +1,342 @@
+"""Record what the official qwen-tts 0.1.1 computes on our random checkpoints: the parity fixture and a full-size check.
+
+Runs in the reference venv (.venv-ref, see README.md), never in ours. Our checkpoint writer (and, for --size, our
+loader and generate loop) is imported from this repository first; both packages are called `qwen_tts`, so our modules
+are imported, kept, and taken out of sys.modules before the official package is imported.
+
+    .venv-ref/bin/python tests/reference/make_fixture.py --out tests/reference/fixture_tiny.pt
+    .venv-ref/bin/python tests/reference/make_fixture.py --size 1.7b --device cuda --frames 16
+
+Tiny mode writes the tiny checkpoint (seed 0) with our writer, loads it with `Qwen3TTSModel.from_pretrained`
+(float32, eager attention), asserts that the official state_dicts have exactly the tensors our writer wrote (names,
+shapes, values), and saves: text-tokenizer ids, prefill / trailing / tpad embeddings and greedy codes (EOS held off)
+for several texts, languages and both text modes, talker logits for a teacher-forced sequence, code-predictor logits
+for a teacher-forced frame, a Code2Wav waveform for fixed codes, and the mel and x-vector of a synthetic clip.
+`tests/test_parity.py` compares our implementation against it with the .venv only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.machinery
+import importlib.metadata
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SR = 24000
+
+TEXTS = [
+    "Hello world, the quick brown fox.",
+    "Grüße aus Köln, sagte die Stimme.",
+    "你好，世界。这是一个测试。",
+    "Café naïve Cafe\u0301 résumé",  # the decomposed é must be NFC-normalised
+    "Numbers 12345, symbols #@! and 3.14",
+    "  leading spaces\nnew line\ttab  ",
+    "Emoji 🙂 and ümlauts",
+    "a",
+]
+# (text index, language, non_streaming, x-vector source)
+CASES = [
+    (0, "english", True, "clip"),
+    (0, "english", False, "clip"),
+    (1, "german", True, "clip"),
+    (2, "chinese", False, "clip"),
+    (4, "auto", True, "randn"),
+    (6, "auto", False, "clip"),
+    (7, "french", False, "randn"),
+]
+FRAMES = 32
+
+
+def stub_missing_modules() -> None:
+    """torchaudio and sox are imported by the package but unused on the 12 Hz path (reference doc section 9)."""
+    for group in (("torchaudio", "torchaudio.compliance", "torchaudio.compliance.kaldi"), ("sox",)):
+        try:
+            importlib.import_module(group[0])
+        except Exception:
+            for name in group:
+                module = types.ModuleType(name)
+                module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+                sys.modules[name] = module
+
+
+def import_ours(names: list[str]) -> types.SimpleNamespace:
+    """Import qwen_tts.<name> from this repository, then hide the repository package from later imports."""
+    sys.path.insert(0, str(REPO))
+    try:
+        mods = {n: importlib.import_module(f"qwen_tts.{n}") for n in names}
+    finally:
+        sys.path.remove(str(REPO))
+        for key in [k for k in sys.modules if k == "qwen_tts" or k.startswith("qwen_tts.")]:
+            del sys.modules[key]
+    return types.SimpleNamespace(**mods)
+
+
+def import_official() -> types.SimpleNamespace:
+    stub_missing_modules()
+    import qwen_tts
+    from qwen_tts import Qwen3TTSModel
+    from qwen_tts.core.models.modeling_qwen3_tts import mel_spectrogram
+
+    if Path(qwen_tts.__file__).resolve().parent == REPO / "qwen_tts":
+        raise SystemExit("imported this repository's qwen_tts instead of the official package")
+    return types.SimpleNamespace(Qwen3TTSModel=Qwen3TTSModel, mel_spectrogram=mel_spectrogram)
+
+
+def synthetic_clip(seconds: float = 2.5) -> np.ndarray:
+    """A voiced-sounding deterministic clip: harmonics of a vibrato f0, syllable envelope, a little noise."""
+    rng = np.random.default_rng(1234)
+    t = np.arange(int(seconds * SR)) / SR
+    f0 = 140.0 * (1 + 0.05 * np.sin(2 * np.pi * 5 * t))
+    phase = 2 * np.pi * np.cumsum(f0) / SR
+    voiced = sum(np.sin(k * phase) / k for k in range(1, 9))
+    envelope = 0.55 + 0.45 * np.sin(2 * np.pi * 3 * t)
+    wav = voiced * envelope + 0.05 * rng.standard_normal(t.shape)
+    return (0.5 * wav / np.abs(wav).max()).astype(np.float32)
+
+
+def tensors_of(file: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+
+
+def check_official_state_dicts(tts, ckpt: Path, values: bool = True) -> None:
+    """The official modules hold exactly the tensors in the files: same names, shapes (and values)."""
+    pairs = [
+        (tts.model.state_dict(), tensors_of(ckpt / "model.safetensors"), "model.safetensors"),
+        (
+            tts.model.speech_tokenizer.model.state_dict(),
+            tensors_of(ckpt / "speech_tokenizer/model.safetensors"),
+            "speech_tokenizer/model.safetensors",
+        ),
+    ]
+    for official, ours, name in pairs:
+        missing, extra = sorted(set(official) - set(ours)), sorted(set(ours) - set(official))
+        bad = [k for k in official if k in ours and tuple(official[k].shape) != tuple(ours[k].shape)]
+        if missing or extra or bad:
+            raise SystemExit(f"{name}: official-only {missing[:5]}, file-only {extra[:5]}, shape mismatch {bad[:5]}")
+        if values:
+            differ = [k for k in official if not torch.equal(official[k].cpu(), ours[k].to(official[k].dtype))]
+            if differ:
+                raise SystemExit(f"{name}: the official loader changed {differ[:5]}")
+        print(f"{name}: {len(official)} tensors, names and shapes equal to the official state_dict")
+
+
+@contextlib.contextmanager
+def capture_talker(tts, frames: int):
+    """Hold EOS off for the whole run (min_new_tokens) and capture the talker's prefill inputs."""
+    talker = tts.model.talker
+    original = talker.generate
+    seen: dict[str, torch.Tensor] = {}
+
+    def generate(*args, **kwargs):
+        seen.update(
+            prefill=kwargs["inputs_embeds"][0].detach().float().cpu(),
+            trailing=kwargs["trailing_text_hidden"][0].detach().float().cpu(),
+            pad=kwargs["tts_pad_embed"].reshape(-1).detach().float().cpu(),
+        )
+        kwargs["min_new_tokens"] = frames + 1
+        return original(*args, **kwargs)
+
+    talker.generate = generate
+    try:
+        yield seen
+    finally:
+        talker.generate = original
+
+
+def official_ids(tts, text: str) -> list[int]:
+    return tts.processor(text=tts._build_assistant_text(text), return_tensors="pt")["input_ids"][0].tolist()
+
+
+def official_codes(tts, text: str, language: str, non_streaming: bool, xvector: torch.Tensor, frames: int):
+    """Greedy codes (frames, 16) for batch 1, plus the captured prefill/trailing/tpad."""
+    device = tts.model.talker.device
+    ids = torch.tensor([official_ids(tts, text)], device=device)
+    prompt = dict(ref_code=[None], ref_spk_embedding=[xvector], x_vector_only_mode=[True], icl_mode=[False])
+    with capture_talker(tts, frames) as seen:
+        codes, _ = tts.model.generate(
+            input_ids=[ids],
+            voice_clone_prompt=prompt,
+            languages=[language],
+            non_streaming_mode=non_streaming,
+            max_new_tokens=frames + 1,  # the last sampled token gets no residual codes
+            do_sample=False,
+            subtalker_dosample=False,
+        )
+    return codes[0].cpu(), seen
+
+
+@torch.inference_mode()
+def record_tiny(out: Path, seed: int, device: str) -> None:
+    ours = import_ours(["checkpoint"])
+    off = import_official()
+    work = Path(tempfile.mkdtemp(prefix="qwen_tts_fixture_"))
+    ckpt = ours.checkpoint.write_random_checkpoint(work / "tiny", size="tiny", seed=seed)
+    tts = off.Qwen3TTSModel.from_pretrained(
+        str(ckpt), dtype=torch.float32, attn_implementation="eager", device_map=device
+    )
+    check_official_state_dicts(tts, ckpt)
+    model, talker = tts.model, tts.model.talker
+    hidden = talker.config.hidden_size
+
+    fx: dict = {
+        "meta": {
+            "size": "tiny",
+            "seed": seed,
+            "weights_digest": ours.checkpoint.weights_digest(ckpt),
+            "qwen_tts": importlib.metadata.version("qwen-tts"),
+            "transformers": importlib.metadata.version("transformers"),
+            "torch": str(torch.__version__),
+            "device": device,
+            "frames": FRAMES,
+        },
+        "texts": TEXTS,
+        "chat_ids": [official_ids(tts, t) for t in TEXTS],
+    }
+
+    wav = synthetic_clip()
+    mel = off.mel_spectrogram(
+        torch.from_numpy(wav)[None],
+        n_fft=1024,
+        num_mels=128,
+        sampling_rate=SR,
+        hop_size=256,
+        win_size=1024,
+        fmin=0,
+        fmax=12000,
+    ).transpose(1, 2)
+    item = tts.create_voice_clone_prompt(ref_audio=(wav, SR), x_vector_only_mode=True)[0]
+    fx["speaker"] = {
+        "wav": torch.from_numpy(wav),
+        "mel": mel[0].float(),
+        "xvector": item.ref_spk_embedding.float().cpu(),
+        "xvector_from_mel": model.speaker_encoder(mel.to(model.device))[0].float().cpu(),
+    }
+
+    xvectors = {
+        "clip": fx["speaker"]["xvector"],
+        "randn": torch.randn(hidden, generator=torch.Generator().manual_seed(7)),
+    }
+    cases = []
+    for text_index, language, non_streaming, source in CASES:
+        codes, seen = official_codes(
+            tts, TEXTS[text_index], language, non_streaming, xvectors[source].to(device), FRAMES
+        )
+        assert codes.shape == (FRAMES, 16), f"EOS was not held off: {tuple(codes.shape)}"
+        cases.append(
+            dict(
+                text=TEXTS[text_index],
+                language=language,
+                non_streaming=non_streaming,
+                xvector=xvectors[source],
+                codes=codes,
+                **seen,
+            )
+        )
+    fx["cases"] = cases
+
+    # Talker logits, teacher forced: case 0's prefill followed by 8 fixed random input rows, one full forward.
+    g = torch.Generator().manual_seed(11)
+    seq = torch.cat((cases[0]["prefill"], torch.randn(8, hidden, generator=g)))
+    h = talker.model(inputs_embeds=seq[None].to(device), use_cache=False).last_hidden_state
+    fx["talker"] = {"inputs": seq, "hidden": h[0].float().cpu(), "logits": talker.codec_head(h)[0].float().cpu()}
+
+    # Code predictor logits for one frame, teacher forced on the official greedy codes.
+    h_last = h[:, len(cases[0]["prefill"]) - 1 : len(cases[0]["prefill"])]  # (1, 1, H)
+    cb0 = cases[0]["codes"][0, :1].to(device)
+    result = talker.code_predictor.generate(
+        inputs_embeds=torch.cat((h_last, talker.get_input_embeddings()(cb0[None])), dim=1),
+        max_new_tokens=15,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    fx["code_predictor"] = {
+        "hidden": h_last[0, 0].float().cpu(),
+        "cb0": int(cb0[0]),
+        "codes": result.sequences[0].cpu(),
+        "logits": torch.cat(result.logits).float().cpu(),  # (15, vocab)
+    }
+
+    codes = torch.randint(0, 2048, (2, 16, 12), generator=torch.Generator().manual_seed(5))
+    decoder = model.speech_tokenizer.model.decoder
+    fx["code2wav"] = {"codes": codes, "wav": decoder(codes.to(device))[:, 0].float().cpu()}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(fx, out)
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB), weights digest {fx['meta']['weights_digest'][:16]}")
+
+
+@torch.inference_mode()
+def compare_full_size(size: str, device: str, frames: int, dtype: torch.dtype, workdir: Path, seed: int) -> None:
+    """One short greedy generation through the official package and through ours on a full-size random checkpoint."""
+    ours = import_ours(["checkpoint", "loading", "generate"])
+    off = import_official()
+    ckpt = workdir / f"random-{size}-seed{seed}"
+    t0 = time.time()
+    if not (ckpt / "speech_tokenizer/model.safetensors").is_file():
+        ours.checkpoint.write_random_checkpoint(ckpt, size=size, seed=seed)
+        print(f"wrote {ckpt} in {time.time() - t0:.0f}s")
+    tts = off.Qwen3TTSModel.from_pretrained(str(ckpt), dtype=dtype, attn_implementation="eager", device_map=device)
+    check_official_state_dicts(tts, ckpt, values=False)
+    mine = ours.loading.load_model(ckpt, device=device, dtype=dtype)
+    hidden = mine.config.talker.hidden_size
+    x = torch.randn(hidden, generator=torch.Generator().manual_seed(7)).to(device)
+    all_equal = True
+    for text_index, language, non_streaming, _ in CASES[:3]:
+        text = TEXTS[text_index]
+        ref_codes, seen = official_codes(tts, text, language, non_streaming, x.to(dtype), frames)
+        our_codes = ours.generate.generate_codes(
+            mine.talker, mine.config, mine.tokenizer, text, x, language, non_streaming,
+            max_frames=frames, min_new_tokens=frames,
+        ).cpu()  # fmt: skip
+        prefill = seen["prefill"].to(device=device, dtype=dtype)
+        ref_logits = tts.model.talker.codec_head(
+            tts.model.talker.model(inputs_embeds=prefill[None], use_cache=False).last_hidden_state
+        )[0].float()
+        cache = mine.talker.new_cache(1, len(prefill))
+        positions = torch.arange(len(prefill), device=device)[None]
+        slot = torch.zeros(1, dtype=torch.long, device=device)
+        our_logits = mine.talker.logits(mine.talker(prefill[None], positions, cache, slot, len(prefill)))[0].float()
+        diff = (ref_logits - our_logits).abs().max().item()
+        same = ref_codes.shape == our_codes.shape and torch.equal(ref_codes, our_codes)
+        all_equal &= same
+        first = next((i for i in range(min(len(ref_codes), len(our_codes))) if not torch.equal(ref_codes[i], our_codes[i])), None)  # fmt: skip
+        print(
+            f"{size} {language:8s} non_streaming={non_streaming!s:5s} frames={len(ref_codes)}/{len(our_codes)} "
+            f"codes identical={same} first differing frame={first} prefill logits max|diff|={diff:.3g}"
+        )
+    print("ALL CODES IDENTICAL" if all_equal else "CODES DIFFER")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(__file__).with_name("fixture_tiny.pt"), help="tiny fixture path")
+    ap.add_argument("--size", choices=["tiny", "0.6b", "1.7b"], default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--frames", type=int, default=16, help="frames per generation in --size 0.6b/1.7b mode")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="full-size mode dtype")
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()), help="where full-size checkpoints go")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    if a.size == "tiny":
+        record_tiny(a.out, a.seed, a.device)
+    else:
+        compare_full_size(a.size, a.device, a.frames, getattr(torch, a.dtype), a.workdir, a.seed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Parity with the official qwen-tts 0.1.1 on the tiny random checkpoint, against the committed fixture.
+
+The fixture (tests/reference/fixture_tiny.pt) was recorded by tests/reference/make_fixture.py in the reference venv
+from a checkpoint our writer produced with seed 0; the session fixture writes the same checkpoint again (the writer
+is deterministic), and the first check is that its weights match the digest recorded with the fixture.
+Float comparisons use torch.testing.assert_close float32 defaults (rtol 1.3e-6, atol 1e-5); codes and ids are exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from qwen_tts.checkpoint import weights_digest
+from qwen_tts.generate import generate_codes
+from qwen_tts.mel import mel_spectrogram
+from qwen_tts.prompt import build_prompt
+from qwen_tts.tokenizer import ROLE_LEN, TAIL_LEN
+
+FIXTURE = Path(__file__).parent / "reference" / "fixture_tiny.pt"
+REGENERATE = ".venv-ref/bin/python tests/reference/make_fixture.py --out tests/reference/fixture_tiny.pt"
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_checkpoint: Path) -> dict:
+    """The recorded official outputs, after checking they belong to the checkpoint the writer produces today."""
+    fx = torch.load(FIXTURE, weights_only=True)
+    meta = fx["meta"]
+    assert (meta["size"], meta["seed"]) == ("tiny", 0), f"fixture is for {meta['size']} seed {meta['seed']}"
+    if weights_digest(tiny_checkpoint) != meta["weights_digest"]:
+        pytest.fail(
+            "the tiny checkpoint the writer produces differs from the one the parity fixture was recorded on "
+            f"(qwen_tts/checkpoint.py changed?). Regenerate the fixture in the reference venv: {REGENERATE}"
+        )
+    return fx
+
+
+@pytest.fixture(scope="module")
+def model(tiny_qwen3tts, ref):
+    return tiny_qwen3tts
+
+
+def _track(trailing: torch.Tensor, pad: torch.Tensor, steps: int) -> torch.Tensor:
+    """The text-track rows added to decode steps 0..steps-1: the trailing rows, then tpad."""
+    return torch.stack([trailing[k] if k < len(trailing) else pad for k in range(steps)])
+
+
+def _case_id(case: dict) -> str:
+    return f"{case['language']}-{'nonstream' if case['non_streaming'] else 'stream'}-{case['text'][:12]}"
+
+
+def test_fixture_was_recorded_on_todays_writer_output(ref):
+    assert len(ref["cases"]) >= 6 and ref["meta"]["qwen_tts"] == "0.1.1"
+
+
+def test_tokenizer_ids_identical(model, ref):
+    for text, ids in zip(ref["texts"], ref["chat_ids"], strict=True):
+        assert model.tokenizer.chat_ids(text) == ids, text
+
+
+def test_prompt_embeddings_match(model, ref):
+    for case in ref["cases"]:
+        ids = model.tokenizer.chat_ids(case["text"])
+        p = build_prompt(
+            model.config,
+            model.talker,
+            ids[ROLE_LEN:-TAIL_LEN],
+            ids[:ROLE_LEN],
+            case["xvector"],
+            case["language"],
+            case["non_streaming"],
+        )
+        assert_close(p.prefill, case["prefill"], msg=lambda m, c=case: f"{_case_id(c)} prefill: {m}")
+        steps = max(len(case["trailing"]), len(p.trailing)) + 2
+        assert_close(_track(p.trailing, p.pad, steps), _track(case["trailing"], case["pad"], steps))
+
+
+def test_greedy_codes_identical(model, ref):
+    frames = ref["meta"]["frames"]
+    for case in ref["cases"]:
+        codes = generate_codes(
+            model.talker,
+            model.config,
+            model.tokenizer,
+            case["text"],
+            case["xvector"],
+            case["language"],
+            case["non_streaming"],
+            max_frames=frames,
+            min_new_tokens=frames,  # the fixture held EOS off for the whole run
+        )
+        assert codes.shape == case["codes"].shape, _case_id(case)
+        mismatch = (codes != case["codes"]).any(dim=1).nonzero()
+        assert mismatch.numel() == 0, f"{_case_id(case)}: first differing frame {int(mismatch[0])}"
+
+
+def test_talker_logits_teacher_forced(model, ref):
+    t = model.talker
+    seq = ref["talker"]["inputs"]
+    n = len(seq)
+    slot = torch.zeros(1, dtype=torch.long)
+    with torch.inference_mode():
+        h = t(seq[None], torch.arange(n)[None], t.new_cache(1, n), slot, kv_len=n)[0]
+        assert_close(h, ref["talker"]["hidden"])
+        assert_close(t.logits(h), ref["talker"]["logits"])
+        # The same sequence through the KV cache: prefill of case 0, then one row at a time.
+        cache, split = t.new_cache(1, n), len(ref["cases"][0]["prefill"])
+        rows = [t(seq[None, :split], torch.arange(split)[None], cache, slot, kv_len=split)[0]]
+        for i in range(split, n):
+            rows.append(t(seq[None, i : i + 1], torch.tensor([[i]]), cache, slot, kv_len=i + 1)[0])
+        assert_close(t.logits(torch.cat(rows)), ref["talker"]["logits"])
+
+
+def test_code_predictor_logits_teacher_forced(model, ref):
+    cp_ref = ref["code_predictor"]
+    logits = []
+
+    def replay(j: int, step_logits: torch.Tensor) -> torch.Tensor:
+        logits.append(step_logits[0])
+        return cp_ref["codes"][j : j + 1]  # feed the official code back, whatever ours would pick
+
+    with torch.inference_mode():
+        cb0_embed = model.talker.embed_codec(torch.tensor([cp_ref["cb0"]]))
+        model.talker.code_predictor(cp_ref["hidden"][None], cb0_embed, replay)
+    assert_close(torch.stack(logits), cp_ref["logits"])
+    assert torch.equal(torch.stack(logits).argmax(-1), cp_ref["codes"])  # greedy picks agree too
+
+
+def test_code2wav_waveform(model, ref):
+    with torch.inference_mode():
+        wav = model.code2wav(ref["code2wav"]["codes"])
+    assert_close(wav, ref["code2wav"]["wav"])
+
+
+def test_mel_features(ref):
+    spk = ref["speaker"]
+    assert_close(mel_spectrogram(spk["wav"][None])[0], spk["mel"])
+
+
+def test_xvector(model, ref):
+    spk = ref["speaker"]
+    enc = model.speaker_encoder
+    with torch.inference_mode():
+        assert_close(enc(spk["mel"][None])[0], spk["xvector_from_mel"])
+        assert_close(enc.embed(spk["wav"]), spk["xvector"])
