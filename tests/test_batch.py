@@ -332,6 +332,18 @@ def test_engine_without_audio_fails_that_item_only(workdir: Path):
     assert res["n"]["status"] == "ok"
 
 
+def test_engine_that_fails_to_start_is_one_line_and_writes_nothing(workdir: Path, capsys):
+    class Broken(FakeEngine):
+        async def start(self):
+            raise RuntimeError("weights are corrupt")
+
+    rc, engine = run_fake(workdir, [{"id": "x", "speaker_id": "alice", "text": "t"}], engine=Broken())
+    assert rc == 1 and engine.stopped
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: the engine did not start (RuntimeError: weights are corrupt); nothing was run"]
+    assert not (workdir / "out" / "x.wav").exists()
+
+
 def test_failed_write_leaves_no_partial_file(tmp_path: Path, monkeypatch):
     def boom(path, *a, **k):
         Path(path).write_bytes(b"partial")

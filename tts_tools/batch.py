@@ -358,7 +358,11 @@ def run_batch(opts: BatchOptions, engine: Engine | None = None) -> dict[str, Any
 
 
 async def _serve(engine: Engine, plan: BatchPlan, opts: BatchOptions) -> list[ItemResult]:
-    await engine.start()
+    try:
+        await engine.start()
+    except Exception as e:  # weights that do not load, no memory: one line, nothing was run
+        await engine.stop()
+        raise CliError(f"the engine did not start ({type(e).__name__}: {e}); nothing was run") from None
     try:
         return await run_plan(engine, plan, concurrency=opts.concurrency, progress=opts.progress)
     finally:
