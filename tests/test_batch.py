@@ -186,6 +186,7 @@ def test_failed_item_is_reported_and_the_others_are_written(workdir: Path, capsy
     err = capsys.readouterr().err
     assert "error: item 'b2': RequestFailedError: injected failure" in err
     assert "4 ok, 1 failed, 0 skipped" in err
+    assert "items:" not in err  # --no-progress: no bar at all
 
 
 def test_resume_skips_finished_items_and_runs_the_rest(workdir: Path):

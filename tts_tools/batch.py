@@ -253,8 +253,14 @@ async def run_plan(engine: Engine, plan: BatchPlan, *, concurrency: int, progres
     sem = asyncio.Semaphore(concurrency)
     audio_s = 0.0
     t0 = time.monotonic()
-    bar = tqdm(total=len(plan.items), initial=len(plan.items) - len(todo), desc="items", unit="item", file=sys.stderr)
-    bar.disable = bar.disable or not progress
+    bar = tqdm(
+        total=len(plan.items),
+        initial=len(plan.items) - len(todo),
+        desc="items",
+        unit="item",
+        file=sys.stderr,
+        disable=not progress,
+    )
 
     async def one(item: ManifestItem) -> ItemResult:
         nonlocal audio_s
