@@ -276,3 +276,17 @@ def test_script_help_and_a_real_run_as_subprocess(tiny_model, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"wrote {out / 'sub.safetensors'} (6.0 s of audio")
     assert load_profile(out / "sub.safetensors").dim > 0
+
+
+def test_very_long_clip_is_refused_from_its_header_without_decoding(tmp_path, monkeypatch):
+    import qwen_tts.audio
+
+    clip = tmp_path / "podcast.wav"
+    sf.write(str(clip), np.zeros(200 * 8000, np.int16), 8000, subtype="PCM_16")
+
+    def must_not_decode(path):
+        raise AssertionError("decoded a clip whose header already says it is too long")
+
+    monkeypatch.setattr(qwen_tts.audio, "load_audio", must_not_decode)
+    with pytest.raises(ClipRefused, match=r"podcast.wav: too long \(200.0 s; the limit is 60 s"):
+        extract.load_clip(clip)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import soundfile as sf
 import torch
 from tqdm import tqdm
 
@@ -59,13 +60,17 @@ def _dbfs(x: float) -> float:
     return 20.0 * float(np.log10(max(x, 1e-12)))
 
 
+def _too_long(label: str, seconds: float) -> ClipRefused:
+    return ClipRefused(f"{label}: too long ({seconds:.1f} s; the limit is {MAX_SECONDS:g} s, trim it to 5-30 s)")
+
+
 def check_clip(samples: np.ndarray, sample_rate: int, mono: np.ndarray, label: str) -> ClipLevels:
     """Duration and level checks. `samples` is the file as read (N, C); `mono` is what the encoder will see."""
     seconds = samples.shape[0] / sample_rate
     if seconds < MIN_SECONDS:
         raise ClipRefused(f"{label}: too short ({seconds:.2f} s; a reference clip needs at least {MIN_SECONDS:g} s)")
     if seconds > MAX_SECONDS:
-        raise ClipRefused(f"{label}: too long ({seconds:.1f} s; the limit is {MAX_SECONDS:g} s, trim it to 5-30 s)")
+        raise _too_long(label, seconds)
     # Clipping is measured on the file's own samples: resampling smears flat tops and hides them.
     clipped = float(np.mean(np.abs(samples) >= CLIP_LEVEL)) if samples.size else 0.0
     rms = float(np.sqrt(np.mean(np.square(mono, dtype=np.float64)))) if mono.size else 0.0
@@ -91,6 +96,13 @@ def load_clip(path: Path) -> tuple[np.ndarray, int, np.ndarray]:
     """(samples (N, C) as read, their rate, mono float32 at 24 kHz)."""
     from qwen_tts.audio import AudioError, load_audio, resample, to_mono
 
+    # Refuse an hour-long recording from its header instead of decoding gigabytes of samples first.
+    try:
+        info = sf.info(str(path))
+        if info.samplerate > 0 and info.frames / info.samplerate > 2 * MAX_SECONDS:
+            raise _too_long(str(path), info.frames / info.samplerate)
+    except (sf.LibsndfileError, RuntimeError):
+        pass  # unreadable: load_audio below says why
     try:
         samples, sr = load_audio(str(path))  # a str, so its error messages carry the whole path
     except AudioError as e:  # its message names the file and the reason
