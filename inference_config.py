@@ -51,8 +51,8 @@ class ServerSettings(BaseSettings):
     backend: Literal["native", "vllm-omni", "fake"] = "native"
     # auto picks cuda when available, else cpu.
     device: str = "auto"
-    # None: float32 on CPU, bfloat16 on CUDA (the engine decides).
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    # None: float32 on CPU, bfloat16 on CUDA (the engine decides). No float16: the code predictor overflows in it.
+    dtype: Literal["float32", "bfloat16"] | None = None
     # Seconds allowed for loading and warming the engine before startup fails.
     stage_init_timeout: float = Field(600.0, gt=0)
     # Streaming granularity: a small first chunk for fast first audio, then larger ones for throughput.
@@ -85,6 +85,8 @@ class ServerSettings(BaseSettings):
     max_concurrent: int = Field(16, ge=1, le=4096)
     # Requests waiting behind the slots; beyond this the server answers 429 instead of queueing without bound.
     max_queue: int = Field(64, ge=0, le=100_000)
+    # Open connections uvicorn accepts before answering 503: idle or slow clients cannot pile up without bound.
+    max_connections: int = Field(1024, ge=1, le=1_000_000)
     # Seconds a client is told to wait (Retry-After) when refused for overload.
     retry_after: int = Field(1, ge=0, le=3600)
     # Longest text accepted (characters); OpenAI's speech API uses 4096.
@@ -141,6 +143,8 @@ class ServerSettings(BaseSettings):
     def _consistent(self) -> ServerSettings:
         if self.first_chunk_frames > self.chunk_frames:
             raise ValueError("TTS_FIRST_CHUNK_FRAMES must not exceed TTS_CHUNK_FRAMES")
+        if self.max_connections <= self.max_concurrent + self.max_queue:
+            raise ValueError("TTS_MAX_CONNECTIONS must exceed TTS_MAX_CONCURRENT + TTS_MAX_QUEUE")
         return self
 
     def public_dict(self) -> dict[str, Any]:

@@ -110,6 +110,13 @@ def test_inconsistent_chunk_sizes_are_refused(monkeypatch: pytest.MonkeyPatch) -
         load_settings()
 
 
+def test_connection_limit_must_leave_room_for_admitted_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TTS_MAX_CONCURRENT", "1000")
+    monkeypatch.setenv("TTS_MAX_QUEUE", "100")
+    with pytest.raises(SettingsError, match="TTS_MAX_CONNECTIONS must exceed"):
+        load_settings()
+
+
 def test_unknown_tts_variables_are_reported() -> None:
     env = {"TTS_MAX_CONCURENT": "4", "TTS_PORT": "1", "HOME": "/root"}
     assert unknown_env_vars(env) == ["TTS_MAX_CONCURENT"]

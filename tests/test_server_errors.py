@@ -249,7 +249,8 @@ async def test_stream_timeout_before_first_audio_is_a_504(voices: Path) -> None:
 
 
 # --- disconnects (driven at the ASGI level, where the disconnect message is exact) ---------------------------
-async def _call_and_disconnect(app, path: str, body: dict, disconnect_after: float) -> list[dict]:
+async def _call_and_disconnect(app, path: str, body: dict, disconnect_after: float | None) -> list[dict]:
+    """Drive one request through the ASGI app; the client hangs up after `disconnect_after` s (None: never)."""
     sent: list[dict] = []
     gone = asyncio.Event()
     payload = json.dumps(body).encode()
@@ -279,10 +280,37 @@ async def _call_and_disconnect(app, path: str, body: dict, disconnect_after: flo
         "server": ("testserver", 80),
     }
     call = asyncio.create_task(app(scope, receive, send))
-    await asyncio.sleep(disconnect_after)
-    gone.set()
+    if disconnect_after is not None:
+        await asyncio.sleep(disconnect_after)
+        gone.set()
     await asyncio.wait_for(call, timeout=5)
+    gone.set()
     return sent
+
+
+def _cut_short(sent: list[dict]) -> bool:
+    """A response that started with 200 and never sent its final body message: the client sees a broken stream."""
+    started = sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    return started and not any(m["type"] == "http.response.body" and not m.get("more_body") for m in sent)
+
+
+async def test_engine_failure_mid_stream_cuts_the_stream(voices: Path) -> None:
+    engine = FakeEngine(xvector_dim=DIM)
+    async with in_process(engine, profiles_dir=voices) as s:
+        sent = await _call_and_disconnect(s.app, "/synthesize/stream", _ok_body(text="x [fail-mid] " * 5), None)
+        assert _cut_short(sent)
+        assert sum(len(m.get("body", b"")) for m in sent[1:]) == 3 * 1920 * 4  # the first chunk got out
+        assert s.runtime.admission.active == 0
+        assert 'tts_syntheses_total{outcome="error"} 1.0' in (await s.client.get("/metrics")).text
+
+
+async def test_timeout_mid_stream_cuts_the_stream_and_cancels(voices: Path) -> None:
+    engine = FakeEngine(xvector_dim=DIM, frame_delay=0.02)
+    async with in_process(engine, profiles_dir=voices, request_timeout=0.3) as s:
+        sent = await _call_and_disconnect(s.app, "/synthesize/stream", _ok_body(text="x" * 200), None)
+        assert _cut_short(sent)
+        assert engine.cancelled == ["gone-1"] and s.runtime.admission.active == 0
+        assert 'tts_syntheses_total{outcome="timeout"} 1.0' in (await s.client.get("/metrics")).text
 
 
 @pytest.mark.parametrize("path", ["/synthesize", "/synthesize/stream", "/v1/audio/speech"])
@@ -305,8 +333,7 @@ async def test_client_disconnect_cancels_the_engine_request_and_frees_the_slot(v
         if path == "/synthesize":
             assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
         else:
-            assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
-            assert not any(m["type"] == "http.response.body" and not m.get("more_body") for m in sent)
+            assert _cut_short(sent)
         metrics = (await s.client.get("/metrics")).text
         assert "tts_client_disconnects_total 1.0" in metrics
         assert 'tts_syntheses_total{outcome="disconnected"} 1.0' in metrics

@@ -60,6 +60,7 @@ async def serve(settings: ServerSettings) -> int:
         log_level=settings.log_level,
         access_log=False,  # RequestContextMiddleware logs one line per request, with its id
         timeout_graceful_shutdown=settings.drain_timeout,
+        limit_concurrency=settings.max_connections,
         loop="asyncio",
     )
     server = DrainingServer(config, runtime)
