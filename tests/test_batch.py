@@ -206,6 +206,7 @@ def test_resume_skips_finished_items_and_runs_the_rest(workdir: Path):
     assert items["a1"]["status"] == "skipped"
     # Stats of skipped items are carried over from the earlier summary.
     assert items["a1"]["frames"] == first["a1"]["frames"]
+    assert items["a1"]["seed"] == first["a1"]["seed"] == 4242  # the seed the engine drew in the first run
     assert items["a1"]["duration"] == pytest.approx(first["a1"]["duration"], abs=1e-4)
     assert (workdir / "out" / "a1.wav").read_bytes() == a1_bytes
 

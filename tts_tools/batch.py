@@ -163,7 +163,7 @@ def plan_batch(opts: BatchOptions, *, xvector_dim: int, languages: Sequence[str]
                     output=it.output,
                     speaker_id=it.speaker_id,
                     status="skipped",
-                    seed=it.seed,
+                    seed=it.seed if it.seed is not None else old.get("seed"),
                     duration=round(seconds, 4),
                     frames=old.get("frames"),
                     finish_reason=old.get("finish_reason"),
