@@ -384,3 +384,20 @@ async def test_unsafe_client_request_id_is_replaced(voices: Path) -> None:
         r = await s.client.get("/health", headers={"x-request-id": "bad id\twith spaces"})
         rid = r.headers["x-request-id"]
         assert rid != "bad id\twith spaces" and len(rid) == 32
+
+
+# --- the app factory's own lifespan (uvicorn --factory inference_server:create_app) -------------------------
+def test_factory_lifespan_starts_and_stops_the_engine(voices: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from inference_server import create_app
+    from tts_server.testing import clean_settings
+
+    engine = FakeEngine(xvector_dim=DIM)
+    app = create_app(clean_settings(profiles_dir=voices, backend="fake"), engine=engine)
+    with TestClient(app) as c:
+        assert c.get("/ready").status_code == 200
+        assert c.post("/synthesize", json=_ok_body()).status_code == 200
+        # backend fake + model "demo": a random demo voice of the fake width is written beside yours.
+        assert [s["id"] for s in c.get("/speakers").json()["speakers"]] == ["alice", "demo"]
+    assert not engine.ready

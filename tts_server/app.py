@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -43,6 +44,8 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned: Runtime | None = None
         if app.state.runtime is None:
+            if not logging.getLogger().handlers:  # under plain uvicorn: make our startup lines visible too
+                logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
             owned = app.state.runtime = await Runtime.start(settings, engine=engine)
         try:
             yield
