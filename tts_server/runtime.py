@@ -82,7 +82,6 @@ class Runtime:
     def public_model_info(self) -> dict:
         info = dict(getattr(self.engine, "model_info", {}) or {})
         info.pop("path", None)  # /health is public: no file system paths
-        info.setdefault("name", self.model_name)
         info["name"] = self.model_name
         return info
 
@@ -95,7 +94,8 @@ class Runtime:
         """
         for name in unknown_env_vars():
             logger.warning("ignoring unknown setting %s (see inference_config.py for the names)", name)
-        model_dir, xvector_dim, model_name = None, None, settings.model_path
+        model_dir, xvector_dim = None, None
+        model_name = "fake" if settings.backend == "fake" else settings.model_path
         if engine is None:
             if settings.backend == "fake":
                 engine = _create_engine(settings, None)
