@@ -69,8 +69,11 @@ class CodePredictor(nn.Module):
         self.reserve(B, h.device, h.dtype)
         cache, slots = self._cache, self._slot_ids[:B]
         pos = self._positions.expand(B, -1)  # (B, 16)
+        # One kv_len for every step (masking hides the unwritten tail), so a single compiled or captured
+        # single-token step serves all 14 of them.
+        kv_len = self.num_residual + 1
         x = self.small_to_mtp_projection(torch.stack((h, cb0_embed), dim=1))  # (B, 2, H_cp)
-        hidden = self.model(x, pos[:, :2], cache, slots, kv_len=2)[:, -1]
+        hidden = self.model(x, pos[:, :2], cache, slots, kv_len)[:, -1]
         codes = []
         embed_sum = None
         for j in range(self.num_residual):
@@ -80,5 +83,5 @@ class CodePredictor(nn.Module):
             codes.append(code)
             if j + 1 < self.num_residual:  # the last code is not fed back
                 x = self.small_to_mtp_projection(emb[:, None])
-                hidden = self.model(x, pos[:, j + 2 : j + 3], cache, slots, kv_len=j + 3)[:, -1]
+                hidden = self.model(x, pos[:, j + 2 : j + 3], cache, slots, kv_len)[:, -1]
         return torch.stack(codes, dim=1), embed_sum

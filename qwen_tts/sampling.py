@@ -21,7 +21,7 @@ _MASK32 = 0xFFFFFFFF
 _M1 = 0x7FEB352D
 _M2 = 0x2C1B3C6D
 _M3 = 0x297A2D39
-_GOLDEN = 0x9E3779B9
+_SALT = 0x61C88647
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -39,11 +39,12 @@ def uniform_noise(seeds: LongTensor, counters: LongTensor, vocab: int) -> Tensor
     """Uniforms in (0, 1), float32 (B, vocab), a pure function of (seed, counter, vocab index)."""
     seeds = seeds.long()[:, None]
     counters = counters.long()[:, None]
+    key = _mix32((counters & _MASK32) ^ _mix32((counters >> 32) & _MASK32))  # (B, 1)
+    key = _mix32(key ^ (seeds & _MASK32))
+    key = _mix32(key ^ ((seeds >> 32) & _MASK32))
+    # The vocab index is only XOR-ed with the key: torch.compile does index arithmetic in int32.
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None]
-    h = _mix32(((idx * _GOLDEN) & _MASK32) ^ (counters & _MASK32))
-    h = _mix32(h ^ ((counters >> 32) & _MASK32))
-    h = _mix32(h ^ (seeds & _MASK32))
-    h = _mix32(h ^ ((seeds >> 32) & _MASK32))
+    h = _mix32(_mix32(idx ^ key) ^ _mix32(key ^ _SALT))
     # 24 bits fit a float32 mantissa exactly; +0.5 keeps the value strictly inside (0, 1).
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
@@ -66,9 +67,8 @@ def mark_seen(seen: BoolTensor, ids: LongTensor) -> BoolTensor:
 
 def suppress_mask(vocab_size: int, codebook_size: int, eos_id: int, device: torch.device | str | None = None) -> Tensor:
     """(V,) bool: the talker's suppressed ids, every control id (>= codebook_size) except EOS."""
-    mask = torch.arange(vocab_size, device=device) >= codebook_size
-    mask[eos_id] = False
-    return mask
+    ids = torch.arange(vocab_size, device=device)
+    return (ids >= codebook_size) & (ids != eos_id)
 
 
 def suppress(logits: Tensor, mask: BoolTensor) -> Tensor:
@@ -78,8 +78,8 @@ def suppress(logits: Tensor, mask: BoolTensor) -> Tensor:
 
 def mask_eos(logits: Tensor, eos_id: int, active: BoolTensor) -> Tensor:
     """Min-length rule: EOS gets -inf in rows where `active` (B,), e.g. `steps < min_new_tokens`."""
-    col = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-    col[eos_id] = True
+    # Comparisons, not item assignment: a Python scalar copied into a CUDA tensor breaks CUDA graph capture.
+    col = torch.arange(logits.shape[-1], device=logits.device) == eos_id
     return logits.masked_fill(active[:, None] & col, float("-inf"))
 
 
@@ -99,8 +99,8 @@ def filter_logits(logits: Tensor, temperature: Tensor, top_k: LongTensor, top_p:
 
     sorted_logits, order = logits.sort(dim=-1)
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop_sorted = cum <= (1 - top_p.to(cum.dtype))[:, None]
-    drop_sorted[:, -1] = False
+    not_last = torch.arange(vocab, device=logits.device) < vocab - 1  # the largest id is always kept
+    drop_sorted = (cum <= (1 - top_p.to(cum.dtype))[:, None]) & not_last
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return logits.masked_fill(drop & (top_p < 1)[:, None], neg_inf)
 

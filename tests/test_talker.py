@@ -79,7 +79,7 @@ def random_talker(cfg: ModelConfig, seed: int = 0) -> Talker:
 def full_forward_no_cache(stack: DecoderStack, x: torch.Tensor) -> torch.Tensor:
     """Independent whole-sequence forward with a plain causal mask, built from the stack's submodules."""
     B, T, _ = x.shape
-    cos, sin = stack.rotary_emb(torch.arange(T)[None].expand(B, -1), x.dtype)
+    cos, sin = stack.rotary_emb(torch.arange(T, device=x.device)[None].expand(B, -1), x.dtype)
     cos, sin = cos[:, :, None], sin[:, :, None]
     for layer in stack.layers:
         a = layer.self_attn
