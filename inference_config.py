@@ -93,6 +93,8 @@ class ServerSettings(BaseSettings):
     max_text_chars: int = Field(4096, ge=1, le=1_000_000)
     # Largest request body in bytes; 4096 characters of \\u-escaped JSON fit comfortably.
     max_body_bytes: int = Field(65536, ge=1024, le=64 * 1024 * 1024)
+    # Seconds a client has to send its whole request body; then 408 (a trickling client cannot hold a slot).
+    body_timeout: float = Field(30.0, gt=0)
     # Seconds a request may take end to end (queue + synthesis); then 504 and its engine work is cancelled.
     request_timeout: float = Field(300.0, gt=0)
     # Seconds SIGTERM waits for in-flight requests before cancelling them.

@@ -149,6 +149,28 @@ async def test_chunked_oversized_body_is_413(voices: Path) -> None:
         assert r.status_code == 413
 
 
+async def test_body_that_never_finishes_arriving_is_a_408(voices: Path) -> None:
+    async with in_process(FakeEngine(xvector_dim=DIM), profiles_dir=voices, body_timeout=0.2) as s:
+        stalled = asyncio.Event()
+
+        async def receive():
+            if not stalled.is_set():
+                stalled.set()
+                return {"type": "http.request", "body": b'{"speaker_id": ', "more_body": True}
+            await asyncio.sleep(10)  # the rest never comes
+            return {"type": "http.disconnect"}
+
+        sent: list[dict] = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/synthesize", "headers": [], "query_string": b""}
+        await asyncio.wait_for(s.app(scope, receive, send), timeout=5)
+        assert sent[0]["status"] == 408
+        assert b"not received within 0.2 s" in sent[1]["body"]
+
+
 # --- routing -----------------------------------------------------------------------------------------------
 async def test_unknown_route_and_wrong_method_use_the_error_shape(voices: Path) -> None:
     async with in_process(FakeEngine(xvector_dim=DIM), profiles_dir=voices) as s:

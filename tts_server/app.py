@@ -69,7 +69,7 @@ def create_app(
             rt.metrics.requests.labels(route, str(status)).inc()
 
     # add_middleware wraps: the last added is the outermost.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
     keys = [k.get_secret_value() for k in settings.api_keys]
     app.add_middleware(ApiKeyMiddleware, keys=keys, public=PUBLIC_PATHS)
     if settings.cors_origins:

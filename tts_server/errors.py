@@ -52,6 +52,10 @@ class NotFound(ApiError):
     status, type, code = 404, "not_found_error", "not_found"
 
 
+class BodyTimeout(ApiError):
+    status, type, code = 408, "invalid_request_error", "body_timeout"
+
+
 class PayloadTooLarge(ApiError):
     status, type, code = 413, "invalid_request_error", "body_too_large"
 

@@ -5,6 +5,7 @@ Pure ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect message
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import re
@@ -15,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import ApiError, PayloadTooLarge, Unauthorized, error_body
+from .errors import ApiError, BodyTimeout, PayloadTooLarge, Unauthorized, error_body
 
 logger = logging.getLogger("tts_server.access")
 
@@ -121,12 +122,14 @@ class ApiKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Reads the whole request body up front (our bodies are small JSON) and answers 413 past `max_bytes`,
+    """Reads the whole request body up front (our bodies are small JSON) and answers 413 past `max_bytes`, or
+    408 if it does not arrive within `timeout` s (a trickling client cannot hold a connection forever),
     before any route code runs; then replays it, and passes later messages (disconnects) through."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float):
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
@@ -143,8 +146,14 @@ class BodyLimitMiddleware:
             except ValueError:
                 pass
         body = bytearray()
+        deadline = time.monotonic() + self.timeout
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                late = BodyTimeout(f"request body not received within {self.timeout:g} s")
+                await send_error(send, late, request_id)
+                return
             if message["type"] == "http.disconnect":
                 return  # the client left before sending its body: nothing to answer
             body += message.get("body", b"")
