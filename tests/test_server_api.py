@@ -116,6 +116,14 @@ async def test_min_new_tokens_above_max_is_refused(server: InProcess) -> None:
     assert r.json()["error"]["message"] == "min_new_tokens: 30 is above max_new_tokens (10)"
 
 
+async def test_text_over_the_engine_token_limit_is_a_422(server: InProcess) -> None:
+    r = await server.client.post("/synthesize", json=_body(text="A long story. " * 250))  # 3500 chars, >1024 tokens
+    assert r.status_code == 422
+    err = r.json()["error"]
+    assert err["param"] == "text" and "the limit is 1024" in err["message"]
+    assert server.runtime.admission.active == 0
+
+
 async def test_language_is_case_insensitive_and_auto_by_default(server: InProcess) -> None:
     for language in ("English", "ENGLISH", "auto", "Auto"):
         r = await server.client.post("/synthesize", json=_body(language=language))

@@ -116,7 +116,8 @@ async def test_engine_refusal_of_options_is_a_422(voices: Path) -> None:
     async with in_process(TokenLimited(xvector_dim=DIM), profiles_dir=voices) as s:
         r = await s.client.post("/synthesize", json=_ok_body())
         assert r.status_code == 422
-        assert _error(r)["message"] == "text is 2000 tokens, the limit is 1024"
+        err = _error(r)
+        assert err["message"] == "text is 2000 tokens, the limit is 1024" and err["param"] == "text"
         assert s.runtime.admission.active == 0
 
 

@@ -186,7 +186,8 @@ def submit(runtime: Runtime, opts: Options, request_id: str) -> Job:
         raise NotReady("engine is not accepting requests; retry later", headers=retry) from None
     except ValueError as e:  # options the engine refuses (e.g. text longer than its token limit)
         runtime.admission.release()
-        raise InvalidField(str(e)) from None
+        message = str(e)
+        raise InvalidField(message, param="text" if message.startswith("text") else None) from None
     except BaseException:
         runtime.admission.release()
         raise
