@@ -7,8 +7,10 @@ Requests fix their length with min_new_tokens == max_new_tokens, so "complete au
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -279,8 +281,6 @@ def test_openai_sdk_whole_and_streamed(server: ServerProcess, client: httpx.Clie
     ) as resp:
         events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
     assert events[-1]["type"] == "speech.audio.done"
-    import base64
-
     audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
     np.testing.assert_array_equal(_pcm16(audio), expected)
 
@@ -376,7 +376,7 @@ def test_sigterm_past_the_drain_timeout_cancels_and_still_exits_zero(demo_dir: P
     ],
 )
 def test_bad_configuration_fails_at_startup_with_one_clear_line(env: dict, code: int, line: str) -> None:
-    full = {k: v for k, v in __import__("os").environ.items() if not k.startswith("TTS_")}
+    full = {k: v for k, v in os.environ.items() if not k.startswith("TTS_")}
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "inference_server.py")],
         env={**full, **env}, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
