@@ -8,6 +8,7 @@ and `fix=True` length) with soundfile and soxr directly, so librosa is not a dep
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import BinaryIO
 
@@ -24,7 +25,8 @@ class AudioError(ValueError):
 
 def load_audio(path: str | Path | BinaryIO) -> tuple[np.ndarray, int]:
     """Read wav/flac/ogg/mp3 (anything libsndfile reads) -> (float32 (N, C) samples in [-1, 1], sample rate)."""
-    name = getattr(path, "name", None) or str(path)
+    # A path is named whole (the directory matters in batch runs); a file object by its name attribute.
+    name = str(path) if isinstance(path, (str, os.PathLike)) else (getattr(path, "name", None) or "<stream>")
     try:
         data, sr = sf.read(path, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:

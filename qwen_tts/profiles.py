@@ -99,6 +99,10 @@ def save_profile(path: str | Path, profile: VoiceProfile, *, overwrite: bool = F
     os.close(fd)
     try:
         save_file({TENSOR_NAME: x}, tmp, metadata=profile.metadata())
+        # mkstemp makes 0600 files; a profile must be readable by a server running as another user.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
