@@ -31,9 +31,12 @@ from qwen_tts.config import Code2WavConfig, DecoderLayersConfig, ModelConfig, Sp
 
 Spec = dict[str, tuple[int, ...]]
 
-SIZES = ("tiny", "0.6b", "1.7b")
+# "tiny-mtp" is tiny with a code predictor narrower than the talker, so it has a small_to_mtp_projection as
+# 1.7B does (tiny, like 0.6B, has none): CPU parity covers both code-predictor input paths.
+SIZES = ("tiny", "tiny-mtp", "0.6b", "1.7b")
+TINY_SIZES = ("tiny", "tiny-mtp")
 TOKENIZER_ENV = "QWEN_TTS_TOKENIZER_DIR"
-# Measured with the official decoder on tiny and full sizes: mean |wav| lands near 0.2 with these.
+# Measured with the official decoder on the tiny checkpoint: mean |wav| near 0.2, peaks below the clamp.
 RESIDUAL_BRANCH_SCALE = 0.3
 WAVEFORM_CONV_SCALE = 0.06
 
@@ -236,12 +239,12 @@ def _layer_stack(hidden: int, inter: int, layers: int, heads: int, kv: int, head
 
 def _sizes(size: str) -> dict[str, Any]:
     """Per-size architecture numbers (official values for 0.6b / 1.7b, reference doc section 1)."""
-    if size == "tiny":
+    if size in TINY_SIZES:
         return dict(
             talker=_layer_stack(32, 64, 2, 2, 1, 32),
             mrope_section=[8, 4, 4],
             text_hidden_size=64,
-            predictor=_layer_stack(32, 64, 2, 2, 1, 16),
+            predictor=_layer_stack(32, 64, 2, 2, 1, 16) if size == "tiny" else _layer_stack(24, 48, 2, 2, 1, 16),
             speaker=dict(
                 enc_channels=[32, 32, 32, 32, 96],
                 enc_kernel_sizes=[5, 3, 3, 3, 1],
@@ -269,7 +272,7 @@ def _sizes(size: str) -> dict[str, Any]:
                 upsample_groups=32,
                 num_quantizers=16,
             ),
-            model_size="tiny",
+            model_size=size,
         )
     if size not in ("0.6b", "1.7b"):
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
@@ -693,12 +696,12 @@ def random_state(spec: Spec, seed: int, dtype: torch.dtype) -> Iterator[tuple[st
 
 def _text_vocab_size(size: str, text_ids: dict[str, int]) -> int:
     # Tiny: the smallest multiple of 64 holding every id (the released vocab is padded the same way).
-    return -(-(max(text_ids.values()) + 1) // 64) * 64 if size == "tiny" else FULL_TEXT_VOCAB_SIZE
+    return -(-(max(text_ids.values()) + 1) // 64) * 64 if size in TINY_SIZES else FULL_TEXT_VOCAB_SIZE
 
 
 def model_config(size: str) -> ModelConfig:
     """The typed config a `write_random_checkpoint(size=...)` checkpoint has (generated tokenizer), no files."""
-    vocab, _, specials = generated_tokenizer(full_ids=size != "tiny")
+    vocab, _, specials = generated_tokenizer(full_ids=size not in TINY_SIZES)
     text_ids = {**specials, "assistant": vocab["assistant"]}
     main = model_config_dict(size, text_ids, _text_vocab_size(size, text_ids))
     return ModelConfig.from_dict(main, speech_tokenizer_config_dict(size))
@@ -727,11 +730,12 @@ def write_random_checkpoint(
     (root / "speech_tokenizer").mkdir(parents=True, exist_ok=True)
     dtype = dtype or torch.bfloat16
 
-    tok_src = tokenizer_dir or (os.environ.get(TOKENIZER_ENV) if size != "tiny" else None)
-    if tok_src and size != "tiny":
+    tiny = size in TINY_SIZES
+    tok_src = tokenizer_dir or (os.environ.get(TOKENIZER_ENV) if not tiny else None)
+    if tok_src and not tiny:
         text_ids = _copy_tokenizer(Path(tok_src), root)
     else:
-        text_ids = write_text_tokenizer(root, full_ids=size != "tiny")
+        text_ids = write_text_tokenizer(root, full_ids=not tiny)
     main_cfg = model_config_dict(size, text_ids, _text_vocab_size(size, text_ids))
     st_cfg = speech_tokenizer_config_dict(size)
     _write_json(root / "config.json", main_cfg)

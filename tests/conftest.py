@@ -1,15 +1,25 @@
-"""Shared fixtures: one tiny random checkpoint per test session (written by qwen_tts.checkpoint, seed 0)."""
+"""Shared fixtures: one tiny random checkpoint per test session (written by qwen_tts.checkpoint, seed 0).
+
+Also pins torch to one intra-op thread for the test run (see below)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from qwen_tts.checkpoint import write_random_checkpoint
 
 TINY_SEED = 0
+
+# Tiny models are all per-op overhead: intra-op threads only add synchronisation, and on a busy 2-core machine
+# they oversubscribe (greedy generation measured 20x slower with 2 threads than with 1). An explicit
+# OMP_NUM_THREADS wins.
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -188,7 +188,7 @@ def test_zeroed_rope_frequencies_are_caught(tiny_checkpoint, part):
         check_rope(m.config, m.talker, m.code2wav)
 
 
-@pytest.mark.parametrize("size", ["tiny", "0.6b", "1.7b"])
+@pytest.mark.parametrize("size", ["tiny", "tiny-mtp", "0.6b", "1.7b"])
 def test_our_modules_match_the_spec_at_every_size(size):
     # Built on the meta device: shapes only, no memory, so CI checks the full sizes without GBs of weights.
     cfg = model_config(size)
@@ -202,4 +202,4 @@ def test_our_modules_match_the_spec_at_every_size(size):
     assert _shapes(enc) == speaker_encoder_spec(cfg.speaker_encoder)
     assert _shapes(dec) == code2wav_spec(cfg.speech_tokenizer.decoder)
     has_projection = "code_predictor.small_to_mtp_projection.weight" in _shapes(talker)
-    assert has_projection == (size == "1.7b")
+    assert has_projection == (size in ("1.7b", "tiny-mtp"))

@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from qwen_tts.checkpoint import weights_digest
+from qwen_tts.checkpoint import weights_digest, write_random_checkpoint
 from qwen_tts.generate import generate_codes
+from qwen_tts.loading import load_model
 from qwen_tts.mel import mel_spectrogram
 from qwen_tts.prompt import build_prompt
 from qwen_tts.tokenizer import ROLE_LEN, TAIL_LEN
@@ -43,6 +44,17 @@ def model(tiny_qwen3tts, ref):
     return tiny_qwen3tts
 
 
+@pytest.fixture(scope="module")
+def mtp(ref, tmp_path_factory):
+    """(our model, recorded outputs) for tiny-mtp: a code predictor behind small_to_mtp_projection, as in 1.7B."""
+    path = write_random_checkpoint(tmp_path_factory.mktemp("mtp") / "tiny-mtp", size="tiny-mtp", seed=0)
+    if weights_digest(path) != ref["mtp"]["weights_digest"]:
+        pytest.fail(f"the tiny-mtp checkpoint differs from the recorded one; regenerate the fixture: {REGENERATE}")
+    m = load_model(path)
+    assert isinstance(m.talker.code_predictor.small_to_mtp_projection, torch.nn.Linear)
+    return m, ref["mtp"]
+
+
 def _track(trailing: torch.Tensor, pad: torch.Tensor, steps: int) -> torch.Tensor:
     """The text-track rows added to decode steps 0..steps-1: the trailing rows, then tpad."""
     return torch.stack([trailing[k] if k < len(trailing) else pad for k in range(steps)])
@@ -61,8 +73,12 @@ def test_tokenizer_ids_identical(model, ref):
         assert model.tokenizer.chat_ids(text) == ids, text
 
 
-def test_prompt_embeddings_match(model, ref):
-    for case in ref["cases"]:
+@pytest.mark.parametrize("which", ["tiny", "tiny-mtp"])
+def test_prompt_embeddings_match(which, request, ref):
+    model, cases = (request.getfixturevalue("model"), ref["cases"])
+    if which == "tiny-mtp":
+        model, cases = request.getfixturevalue("mtp")[0], ref["mtp"]["cases"]
+    for case in cases:
         ids = model.tokenizer.chat_ids(case["text"])
         p = build_prompt(
             model.config,
@@ -78,9 +94,8 @@ def test_prompt_embeddings_match(model, ref):
         assert_close(_track(p.trailing, p.pad, steps), _track(case["trailing"], case["pad"], steps))
 
 
-def test_greedy_codes_identical(model, ref):
-    frames = ref["meta"]["frames"]
-    for case in ref["cases"]:
+def _assert_greedy_codes(model, cases: list[dict], frames: int) -> None:
+    for case in cases:
         codes = generate_codes(
             model.talker,
             model.config,
@@ -95,6 +110,15 @@ def test_greedy_codes_identical(model, ref):
         assert codes.shape == case["codes"].shape, _case_id(case)
         mismatch = (codes != case["codes"]).any(dim=1).nonzero()
         assert mismatch.numel() == 0, f"{_case_id(case)}: first differing frame {int(mismatch[0])}"
+
+
+def test_greedy_codes_identical(model, ref):
+    _assert_greedy_codes(model, ref["cases"], ref["meta"]["frames"])
+
+
+def test_greedy_codes_identical_with_mtp_projection(mtp, ref):
+    model, rec = mtp
+    _assert_greedy_codes(model, rec["cases"], ref["meta"]["frames"])
 
 
 def test_talker_logits_teacher_forced(model, ref):
@@ -114,8 +138,7 @@ def test_talker_logits_teacher_forced(model, ref):
         assert_close(t.logits(torch.cat(rows)), ref["talker"]["logits"])
 
 
-def test_code_predictor_logits_teacher_forced(model, ref):
-    cp_ref = ref["code_predictor"]
+def _assert_code_predictor(model, cp_ref: dict) -> None:
     logits = []
 
     def replay(j: int, step_logits: torch.Tensor) -> torch.Tensor:
@@ -127,6 +150,15 @@ def test_code_predictor_logits_teacher_forced(model, ref):
         model.talker.code_predictor(cp_ref["hidden"][None], cb0_embed, replay)
     assert_close(torch.stack(logits), cp_ref["logits"])
     assert torch.equal(torch.stack(logits).argmax(-1), cp_ref["codes"])  # greedy picks agree too
+
+
+def test_code_predictor_logits_teacher_forced(model, ref):
+    _assert_code_predictor(model, ref["code_predictor"])
+
+
+def test_code_predictor_logits_with_mtp_projection(mtp):
+    model, rec = mtp
+    _assert_code_predictor(model, rec["code_predictor"])
 
 
 def test_code2wav_waveform(model, ref):

@@ -178,16 +178,65 @@ def official_codes(tts, text: str, language: str, non_streaming: bool, xvector: 
     return codes[0].cpu(), seen
 
 
+def record_cases(tts, specs: list[tuple[int, str, bool, str]], xvectors: dict[str, torch.Tensor]) -> list[dict]:
+    device = tts.model.talker.device
+    cases = []
+    for text_index, language, non_streaming, source in specs:
+        codes, seen = official_codes(
+            tts, TEXTS[text_index], language, non_streaming, xvectors[source].to(device), FRAMES
+        )
+        assert codes.shape == (FRAMES, 16), f"EOS was not held off: {tuple(codes.shape)}"
+        cases.append(
+            dict(
+                text=TEXTS[text_index],
+                language=language,
+                non_streaming=non_streaming,
+                xvector=xvectors[source],
+                codes=codes,
+                **seen,
+            )
+        )
+    return cases
+
+
+def record_code_predictor(tts, hidden: torch.Tensor, cb0: int) -> dict:
+    """Logits of the 15 residual codes for one frame (greedy, so each step feeds back the argmax)."""
+    talker = tts.model.talker
+    h = hidden.reshape(1, 1, -1).to(talker.device)
+    cb = torch.tensor([[cb0]], device=talker.device)
+    result = talker.code_predictor.generate(
+        inputs_embeds=torch.cat((h, talker.get_input_embeddings()(cb)), dim=1),
+        max_new_tokens=15,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return {
+        "hidden": hidden.float().cpu(),
+        "cb0": cb0,
+        "codes": result.sequences[0].cpu(),
+        "logits": torch.cat(result.logits).float().cpu(),  # (15, vocab)
+    }
+
+
+def load_official(off, ckpt: Path, device: str, dtype: torch.dtype = torch.float32, values: bool = True):
+    tts = off.Qwen3TTSModel.from_pretrained(str(ckpt), dtype=dtype, attn_implementation="eager", device_map=device)
+    check_official_state_dicts(tts, ckpt, values=values)
+    return tts
+
+
+def last_hidden(tts, prefill: torch.Tensor) -> torch.Tensor:
+    talker = tts.model.talker
+    return talker.model(inputs_embeds=prefill[None].to(talker.device), use_cache=False).last_hidden_state[0, -1]
+
+
 @torch.inference_mode()
 def record_tiny(out: Path, seed: int, device: str) -> None:
     ours = import_ours(["checkpoint"])
     off = import_official()
     work = Path(tempfile.mkdtemp(prefix="qwen_tts_fixture_"))
     ckpt = ours.checkpoint.write_random_checkpoint(work / "tiny", size="tiny", seed=seed)
-    tts = off.Qwen3TTSModel.from_pretrained(
-        str(ckpt), dtype=torch.float32, attn_implementation="eager", device_map=device
-    )
-    check_official_state_dicts(tts, ckpt)
+    tts = load_official(off, ckpt, device)
     model, talker = tts.model, tts.model.talker
     hidden = talker.config.hidden_size
 
@@ -225,26 +274,8 @@ def record_tiny(out: Path, seed: int, device: str) -> None:
         "xvector_from_mel": model.speaker_encoder(mel.to(model.device))[0].float().cpu(),
     }
 
-    xvectors = {
-        "clip": fx["speaker"]["xvector"],
-        "randn": torch.randn(hidden, generator=torch.Generator().manual_seed(7)),
-    }
-    cases = []
-    for text_index, language, non_streaming, source in CASES:
-        codes, seen = official_codes(
-            tts, TEXTS[text_index], language, non_streaming, xvectors[source].to(device), FRAMES
-        )
-        assert codes.shape == (FRAMES, 16), f"EOS was not held off: {tuple(codes.shape)}"
-        cases.append(
-            dict(
-                text=TEXTS[text_index],
-                language=language,
-                non_streaming=non_streaming,
-                xvector=xvectors[source],
-                codes=codes,
-                **seen,
-            )
-        )
+    randn = torch.randn(hidden, generator=torch.Generator().manual_seed(7))
+    cases = record_cases(tts, CASES, {"clip": fx["speaker"]["xvector"], "randn": randn})
     fx["cases"] = cases
 
     # Talker logits, teacher forced: case 0's prefill followed by 8 fixed random input rows, one full forward.
@@ -252,27 +283,24 @@ def record_tiny(out: Path, seed: int, device: str) -> None:
     seq = torch.cat((cases[0]["prefill"], torch.randn(8, hidden, generator=g)))
     h = talker.model(inputs_embeds=seq[None].to(device), use_cache=False).last_hidden_state
     fx["talker"] = {"inputs": seq, "hidden": h[0].float().cpu(), "logits": talker.codec_head(h)[0].float().cpu()}
-
-    # Code predictor logits for one frame, teacher forced on the official greedy codes.
-    h_last = h[:, len(cases[0]["prefill"]) - 1 : len(cases[0]["prefill"])]  # (1, 1, H)
-    cb0 = cases[0]["codes"][0, :1].to(device)
-    result = talker.code_predictor.generate(
-        inputs_embeds=torch.cat((h_last, talker.get_input_embeddings()(cb0[None])), dim=1),
-        max_new_tokens=15,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    fx["code_predictor"] = {
-        "hidden": h_last[0, 0].float().cpu(),
-        "cb0": int(cb0[0]),
-        "codes": result.sequences[0].cpu(),
-        "logits": torch.cat(result.logits).float().cpu(),  # (15, vocab)
-    }
+    fx["code_predictor"] = record_code_predictor(tts, h[0, len(cases[0]["prefill"]) - 1], int(cases[0]["codes"][0, 0]))
 
     codes = torch.randint(0, 2048, (2, 16, 12), generator=torch.Generator().manual_seed(5))
     decoder = model.speech_tokenizer.model.decoder
     fx["code2wav"] = {"codes": codes, "wav": decoder(codes.to(device))[:, 0].float().cpu()}
+
+    # tiny-mtp: the code predictor behind a small_to_mtp_projection, as in 1.7B.
+    mtp_ckpt = ours.checkpoint.write_random_checkpoint(work / "tiny-mtp", size="tiny-mtp", seed=seed)
+    mtp = load_official(off, mtp_ckpt, device)
+    mtp_cases = record_cases(mtp, CASES[:2], {"randn": randn, "clip": randn})
+    fx["mtp"] = {
+        "size": "tiny-mtp",
+        "weights_digest": ours.checkpoint.weights_digest(mtp_ckpt),
+        "cases": mtp_cases,
+        "code_predictor": record_code_predictor(
+            mtp, last_hidden(mtp, mtp_cases[0]["prefill"]), int(mtp_cases[0]["codes"][0, 0])
+        ),
+    }
 
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(fx, out)
@@ -289,8 +317,7 @@ def compare_full_size(size: str, device: str, frames: int, dtype: torch.dtype, w
     if not (ckpt / "speech_tokenizer/model.safetensors").is_file():
         ours.checkpoint.write_random_checkpoint(ckpt, size=size, seed=seed)
         print(f"wrote {ckpt} in {time.time() - t0:.0f}s")
-    tts = off.Qwen3TTSModel.from_pretrained(str(ckpt), dtype=dtype, attn_implementation="eager", device_map=device)
-    check_official_state_dicts(tts, ckpt, values=False)
+    tts = load_official(off, ckpt, device, dtype, values=False)
     mine = ours.loading.load_model(ckpt, device=device, dtype=dtype)
     hidden = mine.config.talker.hidden_size
     x = torch.randn(hidden, generator=torch.Generator().manual_seed(7)).to(device)
