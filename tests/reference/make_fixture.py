@@ -345,6 +345,14 @@ def compare_full_size(size: str, device: str, frames: int, dtype: torch.dtype, w
             f"{size} {language:8s} non_streaming={non_streaming!s:5s} frames={len(ref_codes)}/{len(our_codes)} "
             f"codes identical={same} first differing frame={first} prefill logits max|diff|={diff:.3g}"
         )
+    codes = ref_codes.T[None].to(device)  # (1, 16, T)
+    ref_wav = tts.model.speech_tokenizer.model.decoder(codes)[:, 0].float()
+    our_wav = mine.code2wav(codes)
+    print(
+        f"{size} Code2Wav on {codes.shape[-1]} frames: mean|wav| official {ref_wav.abs().mean().item():.3f} "
+        f"ours {our_wav.abs().mean().item():.3f}, clipped {(ref_wav.abs() > 0.999).float().mean().item():.4f}, "
+        f"max|diff| {(ref_wav - our_wav).abs().max().item():.3g}"
+    )
     print("ALL CODES IDENTICAL" if all_equal else "CODES DIFFER")
 
 
