@@ -310,6 +310,9 @@ def record_tiny(out: Path, seed: int, device: str) -> None:
 @torch.inference_mode()
 def compare_full_size(size: str, device: str, frames: int, dtype: torch.dtype, workdir: Path, seed: int) -> None:
     """One short greedy generation through the official package and through ours on a full-size random checkpoint."""
+    # cuDNN may use TF32 for convolutions by default; both sides would round differently (seen: 8.5e-4 on Code2Wav).
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
     ours = import_ours(["checkpoint", "loading", "generate"])
     off = import_official()
     ckpt = workdir / f"random-{size}-seed{seed}"
