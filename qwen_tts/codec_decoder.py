@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qwen_tts.config import Code2WavConfig
+from qwen_tts.layers import RMSNorm
 
 # Queries per attention call: bounds the (queries x keys) score matrix for long sequences.
 _ATTN_BLOCK = 128
@@ -244,18 +245,6 @@ class SplitResidualVQ(nn.Module):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Sliding-window transformer (Qwen3-like, no qk-norm, layer scales)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
 
 
 class LayerScale(nn.Module):
