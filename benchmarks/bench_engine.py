@@ -6,6 +6,10 @@ talker step time. Prints a table last and writes JSON.
 
     python benchmarks/bench_engine.py --size tiny --concurrency 1,8 --frames 50
     python benchmarks/bench_engine.py --size 1.7b --device cuda --concurrency 1,8,32 --frames 100 --json out.json
+
+On CUDA the engine replays CUDA graphs of the frame step (--no-cuda-graphs: eager). --verify first checks on these
+weights that graphs and the eager path give identical codes; --eager-frames N then also times the eager path of the
+same engine at N frames per request.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def one_level(engine: NativeEngine, n: int, frames: int, dim: int, greedy: bool) -> dict:
+    before = dict(engine.timings)
     reqs = [
         SynthesisRequest(
             text=TEXT,
@@ -67,7 +72,57 @@ async def one_level(engine: NativeEngine, n: int, frames: int, dim: int, greedy:
         "ttfa_p50_ms": round(1000 * pct(ttfa, 0.5), 1),
         "ttfa_p95_ms": round(1000 * pct(ttfa, 0.95), 1),
         "ms_per_frame_step": round(1000 * wall / frames, 2),
+        **phase_times(before, engine.timings, n),
     }
+
+
+def phase_times(before: dict, after: dict, n: int) -> dict:
+    """Worker time per batched step (generation, Code2Wav decode) and prefill per request, in ms."""
+    d = {k: after[k] - before[k] for k in after}
+    steps = max(1, d["steps"])
+    return {
+        "gen_ms_per_step": round(1000 * d["step_s"] / steps, 2),
+        "decode_ms_per_step": round(1000 * d["decode_s"] / steps, 2),
+        "prefill_ms_per_req": round(1000 * d["prefill_s"] / n, 1),
+    }
+
+
+async def codes_of_run(engine: NativeEngine, reqs: list[SynthesisRequest]) -> list[torch.Tensor]:
+    handles = [engine.submit(r) for r in reqs]
+    await asyncio.gather(*(h.collect() for h in handles))
+    return [torch.cat(h.codes) for h in handles]
+
+
+async def verify(engine: NativeEngine, dim: int, frames: int = 24) -> dict:
+    """Graphs vs the eager path (same engine and weights), and a request alone vs in a batch, on codes."""
+
+    def reqs() -> list[SynthesisRequest]:
+        xs = [torch.randn(dim, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        kw = dict(max_frames=frames, return_codes=True)
+        return [
+            SynthesisRequest(text=TEXT, xvector=xs[0], seed=1, greedy=True, min_frames=frames + 1, **kw),
+            SynthesisRequest(text=TEXT[:60], xvector=xs[1], seed=2, min_frames=frames + 1, **kw),
+            SynthesisRequest(text=TEXT[:30], xvector=xs[2], seed=3, **kw),  # may end by EOS
+        ]
+
+    graphed = await codes_of_run(engine, reqs())
+    alone = [(await codes_of_run(engine, [r]))[0] for r in reqs()[:2]]
+    runner, engine._runner = engine._runner, None  # bench-only: the eager path of the same engine
+    try:
+        eager = await codes_of_run(engine, reqs())
+    finally:
+        engine._runner = runner
+    out = {
+        "frames_per_request": [c.shape[0] for c in graphed],
+        "graphs_equal_eager": [
+            c.shape == e.shape and bool(torch.equal(c, e)) for c, e in zip(graphed, eager, strict=True)
+        ],
+        "alone_equal_batched": [bool(torch.equal(a, g)) for a, g in zip(alone, graphed[:2], strict=True)],
+    }
+    for c, e in zip(graphed, eager, strict=True):
+        if c.shape == e.shape and not torch.equal(c, e):
+            out.setdefault("first_diff_frame", []).append(int((c != e).any(1).nonzero()[0]))
+    return out
 
 
 async def main() -> None:
@@ -82,6 +137,9 @@ async def main() -> None:
     ap.add_argument("--chunk", type=int, default=12)
     ap.add_argument("--sampling", action="store_true", help="sample (default: greedy)")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="eager frame steps on CUDA")
+    ap.add_argument("--verify", action="store_true", help="first compare graphs with eager on codes")
+    ap.add_argument("--eager-frames", type=int, default=0, help="also time the eager path at this many frames")
     ap.add_argument("--json", help="write results here")
     a = ap.parse_args()
 
@@ -100,12 +158,17 @@ async def main() -> None:
             max_text_tokens=256,
             first_chunk_frames=a.first_chunk,
             chunk_frames=a.chunk,
+            cuda_graphs=not a.no_cuda_graphs,
         )
         t0 = time.perf_counter()
         engine = NativeEngine(cfg)
         await engine.start()
         t_load = time.perf_counter() - t0
         print(f"checkpoint {a.size}: write {t_write:.1f}s, load+warmup {t_load:.1f}s, {engine.model_info}", flush=True)
+        checks = None
+        if a.verify and engine._runner is not None:
+            checks = await verify(engine, engine.xvector_dim)
+            print("verify:", json.dumps(checks), flush=True)
         results = []
         for n in levels:
             await one_level(engine, n, min(a.frames, 8), engine.xvector_dim, not a.sampling)  # warm this batch size
@@ -115,7 +178,14 @@ async def main() -> None:
                 if best is None or r["audio_s_per_s"] > best["audio_s_per_s"]:
                     best = r
             print(json.dumps(best), flush=True)
-            results.append(best)
+            results.append({"mode": "graphs" if engine._runner is not None else "eager", **best})
+        if a.eager_frames and engine._runner is not None:
+            engine._runner = None  # bench-only: the eager path of the same engine and weights
+            for n in levels:
+                await one_level(engine, n, min(a.eager_frames, 8), engine.xvector_dim, not a.sampling)
+                r = await one_level(engine, n, a.eager_frames, engine.xvector_dim, not a.sampling)
+                print(json.dumps(r), flush=True)
+                results.append({"mode": "eager", **r})
         await engine.stop()
     cols = list(results[0])
     print("\n| " + " | ".join(cols) + " |")
@@ -123,7 +193,8 @@ async def main() -> None:
     for r in results:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "info": engine.model_info, "results": results}, indent=2))
+        out = {"args": vars(a), "info": engine.model_info, "load_s": t_load, "verify": checks, "results": results}
+        Path(a.json).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

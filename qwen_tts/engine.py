@@ -12,6 +12,9 @@ Per-request state that the batched step needs lives in slot-indexed device tenso
 the repetition-penalty mask, the last hidden state), so a step gathers by slot index instead of rebuilding
 Python lists. Sampling noise is counter based (seed, frame, codebook), so a request's output never depends on
 what else is in the batch.
+
+On CUDA (with `cuda_graphs`, the default) step 2 replays a CUDA graph of the whole batched frame step
+(cuda_graph.py); on CPU it runs eagerly.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .cuda_graph import COUNTER_STRIDE, FrameStepRunner, SlotState
 from .engine_api import (
     Engine,
     EngineNotReadyError,
@@ -37,15 +41,13 @@ from .engine_api import (
 )
 from .loading import Qwen3TTS, load_model
 from .prompt import Prompt, build_prompt, normalize_language
-from .sampling import apply_repetition_penalty, sample
+from .sampling import apply_repetition_penalty, sample, suppress_mask
 
 log = logging.getLogger("qwen_tts.engine")
 
 # Frame budget from the text length: ~3 frames per text token is normal speech; allow well over twice that.
 BUDGET_BASE_FRAMES = 25
 BUDGET_FRAMES_PER_TOKEN = 8
-# Codebook positions per frame in the sampling counter (cb0 + 15 residual codebooks).
-_COUNTER_STRIDE = 16
 
 
 @dataclass
@@ -65,6 +67,9 @@ class EngineConfig:
     # TF32 cuDNN convolutions make the float32 Code2Wav ~2x faster on Hopper but break exact streaming
     # (stream vs whole decode differ by ~2e-3 instead of ~1e-5). Exact by default.
     decoder_tf32: bool = False
+    # On CUDA, replay the batched frame step from CUDA graphs (one per batch and kv-length bucket, captured at
+    # start when warmup is on, else on first use); ~10x fewer launches than eager. Ignored on CPU.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "max_frames", "max_text_tokens", "first_chunk_frames", "chunk_frames"):
@@ -126,6 +131,11 @@ class NativeEngine(Engine):
         self._free_slots: list[int] = list(range(config.max_slots))[::-1]
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._runner: FrameStepRunner | None = None
+        # Tests set this to run the graph runner's padded, bucketed step eagerly on CPU.
+        self._static_step_eager = False
+        # Worker-thread wall time by phase (host clock; the step and decode end in a host sync, prefill does not).
+        self.timings = {"steps": 0, "step_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
         self._running = False
         self._accepting = False
         self._ready = False
@@ -145,6 +155,7 @@ class NativeEngine(Engine):
 
     def _load(self) -> None:
         if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # graph capture and replay use the current device's streams
             torch.backends.cudnn.allow_tf32 = self.config.decoder_tf32
         if self._model is None:
             self._model = load_model(self.config.model_path, device=self.device, dtype=self.dtype)
@@ -157,22 +168,21 @@ class NativeEngine(Engine):
         self._tokenizer = m.tokenizer
         self._role_ids = self._tokenizer.chat_ids("")[:3]
         self._max_len = self.config.max_text_tokens + 16 + self.config.max_frames
-        self._cache = self._talker.new_cache(self.config.max_slots, self._max_len, device=self.device, dtype=self.dtype)
-        S, V = self.config.max_slots, t.vocab_size
-        dev = self.device
-        self._h = torch.zeros(S, t.hidden_size, device=dev, dtype=self.dtype)
-        self._seen = torch.zeros(S, V, dtype=torch.bool, device=dev)
-        f32 = dict(device=dev, dtype=torch.float32)
-        i64 = dict(device=dev, dtype=torch.long)
-        self._temp, self._top_p, self._rep = (torch.ones(S, **f32) for _ in range(3))
-        self._cp_temp, self._cp_top_p = (torch.ones(S, **f32) for _ in range(2))
-        self._top_k, self._cp_top_k, self._seed = (torch.zeros(S, **i64) for _ in range(3))
-        self._greedy, self._cp_greedy = (torch.zeros(S, dtype=torch.bool, device=dev) for _ in range(2))
+        S = self.config.max_slots
+        # One slot more than requests: the scratch slot (index S) that padding rows of a graphed step write to.
+        self._cache = self._talker.new_cache(S + 1, self._max_len, device=self.device, dtype=self.dtype)
+        self._state = SlotState.zeros(S + 1, t.hidden_size, t.vocab_size, self.device, self.dtype)
         # Control ids (>= codebook size) are never sampled for codebook 0, except end-of-speech.
-        self._suppress = torch.zeros(V, dtype=torch.bool, device=dev)
-        self._suppress[t.codebook_size :] = True
-        self._suppress[t.codec_eos_token_id] = False
+        self._suppress = suppress_mask(t.vocab_size, t.codebook_size, t.codec_eos_token_id, self.device)
         self._eos = t.codec_eos_token_id
+        graphs = self.device.type == "cuda" and self.config.cuda_graphs
+        if graphs or self._static_step_eager:
+            self._runner = FrameStepRunner(
+                self._talker, self._state, self._cache, self._suppress, self._eos, S, scratch=S, use_graphs=graphs
+            )
+            if graphs and self.config.warmup:
+                with torch.inference_mode():
+                    self._runner.capture_all()
         self.model_info = {
             "path": str(m.path),
             "size": cfg.tts_model_size,
@@ -180,6 +190,7 @@ class NativeEngine(Engine):
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "max_slots": self.config.max_slots,
+            "cuda_graphs": self._runner is not None and self._runner.use_graphs,
         }
         log.info("engine initialised: %s", self.model_info)
 
@@ -263,6 +274,8 @@ class NativeEngine(Engine):
     # ------------------------------------------------------------------ worker thread
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         try:
             while True:
                 with self._cv:
@@ -300,6 +313,7 @@ class NativeEngine(Engine):
             self._release(slot)
             handle.finish_threadsafe(FinishReason.CANCELLED)
             return
+        t0 = time.perf_counter()
         try:
             with torch.inference_mode():
                 x = req.xvector.to(self.device, self.dtype)
@@ -316,7 +330,7 @@ class NativeEngine(Engine):
                 pos = torch.arange(L, device=self.device)[None]
                 slots = torch.tensor([slot], device=self.device)
                 hidden = self._talker(prompt.prefill[None].to(self.dtype), pos, self._cache, slots, L)
-                self._h[slot] = hidden[0, -1]
+                self._state.h[slot] = hidden[0, -1]
                 self._set_slot_params(slot, req)
                 stream = self._code2wav.new_stream(1)
         except Exception as e:
@@ -325,19 +339,21 @@ class NativeEngine(Engine):
             handle.finish_threadsafe(FinishReason.ERROR, f"prefill failed: {type(e).__name__}")
             return
         self._live[slot] = _Live(handle, slot, prompt, handle.stats.frame_budget, pos=L, stream=stream)
+        self.timings["prefill_s"] += time.perf_counter() - t0
 
     def _set_slot_params(self, slot: int, req: SynthesisRequest) -> None:
-        self._seen[slot] = False
-        self._temp[slot] = max(req.temperature, 1e-5)
-        self._top_k[slot] = req.top_k
-        self._top_p[slot] = req.top_p
-        self._rep[slot] = req.repetition_penalty
-        self._greedy[slot] = req.greedy
-        self._cp_temp[slot] = max(req.cp_temperature, 1e-5)
-        self._cp_top_k[slot] = req.cp_top_k
-        self._cp_top_p[slot] = req.cp_top_p
-        self._cp_greedy[slot] = req.greedy
-        self._seed[slot] = req.seed & ((1 << 62) - 1)
+        st = self._state
+        st.seen[slot] = False
+        st.temp[slot] = max(req.temperature, 1e-5)
+        st.top_k[slot] = req.top_k
+        st.top_p[slot] = req.top_p
+        st.rep[slot] = req.repetition_penalty
+        st.greedy[slot] = req.greedy
+        st.cp_temp[slot] = max(req.cp_temperature, 1e-5)
+        st.cp_top_k[slot] = req.cp_top_k
+        st.cp_top_p[slot] = req.cp_top_p
+        st.cp_greedy[slot] = req.greedy
+        st.seed[slot] = req.seed & ((1 << 62) - 1)
 
     def _release(self, slot: int) -> None:
         with self._cv:
@@ -351,6 +367,7 @@ class NativeEngine(Engine):
             elif lv.frames >= lv.budget:
                 lv.done = FinishReason.BUDGET
         rows = [lv for lv in self._live.values() if lv.done is None]
+        t0 = time.perf_counter()
         if rows:
             try:
                 self._generate(rows)
@@ -363,24 +380,54 @@ class NativeEngine(Engine):
                         except Exception as e:
                             lv.done = FinishReason.ERROR
                             lv.error = f"generation failed: {type(e).__name__}"
+        t1 = time.perf_counter()
         self._decode_due()
+        tm = self.timings
+        tm["steps"] += bool(rows)
+        tm["step_s"] += t1 - t0
+        tm["decode_s"] += time.perf_counter() - t1
         self._retire()
 
     def _generate(self, rows: list[_Live]) -> None:
         """One talker step + code predictor for `rows` (all at their own positions)."""
+        if self._runner is not None:
+            self._generate_static(rows)
+        else:
+            self._generate_eager(rows)
+
+    def _generate_static(self, rows: list[_Live]) -> None:
+        """The fixed-shape step (a CUDA graph replay on CUDA); rows that hit EOS were stepped too (see cuda_graph)."""
+        text = [
+            lv.prompt.trailing[lv.frames] if lv.frames < lv.prompt.trailing.shape[0] else lv.prompt.pad for lv in rows
+        ]
+        codes = self._runner.step(
+            [lv.slot for lv in rows],
+            [lv.frames for lv in rows],
+            [lv.handle.request.min_frames for lv in rows],
+            [lv.pos for lv in rows],
+            text,
+        )  # (n, 16) on the host
+        for lv, cb0, frame in zip(rows, codes[:, 0].tolist(), codes, strict=True):
+            if cb0 == self._eos:
+                lv.done = FinishReason.EOS
+                continue
+            lv.pending.append(frame)
+            lv.pos += 1
+            lv.frames += 1
+
+    def _generate_eager(self, rows: list[_Live]) -> None:
         dev = self.device
+        st = self._state
         idx = torch.tensor([lv.slot for lv in rows], device=dev)
         frames = torch.tensor([lv.frames for lv in rows], device=dev)
-        h = self._h[idx]
+        h = st.h[idx]
         logits = self._talker.logits(h).float()
-        logits = apply_repetition_penalty(logits, self._seen[idx], self._rep[idx])
+        logits = apply_repetition_penalty(logits, st.seen[idx], st.rep[idx])
         logits = logits.masked_fill(self._suppress, float("-inf"))
         min_frames = torch.tensor([lv.handle.request.min_frames for lv in rows], device=dev)
         logits[:, self._eos] = logits[:, self._eos].masked_fill(frames < min_frames, float("-inf"))
-        counters = frames * _COUNTER_STRIDE
-        cb0 = sample(
-            logits, self._temp[idx], self._top_k[idx], self._top_p[idx], self._greedy[idx], self._seed[idx], counters
-        )
+        counters = frames * COUNTER_STRIDE
+        cb0 = sample(logits, st.temp[idx], st.top_k[idx], st.top_p[idx], st.greedy[idx], st.seed[idx], counters)
         cb0_host = cb0.tolist()  # the one host sync per step: who stopped
         keep = [i for i, c in enumerate(cb0_host) if c != self._eos]
         for i, c in enumerate(cb0_host):
@@ -392,7 +439,7 @@ class NativeEngine(Engine):
             k = torch.tensor(keep, device=dev)
             rows = [rows[i] for i in keep]
             idx, h, cb0, counters = idx[k], h[k], cb0[k], counters[k]
-        cp_args = (self._cp_temp[idx], self._cp_top_k[idx], self._cp_top_p[idx], self._cp_greedy[idx], self._seed[idx])
+        cp_args = (st.cp_temp[idx], st.cp_top_k[idx], st.cp_top_p[idx], st.cp_greedy[idx], st.seed[idx])
 
         def sample_residual(j: int, cp_logits: torch.Tensor) -> torch.Tensor:
             t, k_, p, g, s = cp_args
@@ -400,7 +447,7 @@ class NativeEngine(Engine):
 
         cb0_emb = self._talker.embed_codec(cb0)
         residual, emb_sum = self._talker.code_predictor(h, cb0_emb, sample_residual)
-        self._seen[idx, cb0] = True
+        st.seen[idx, cb0] = True
         text_track = torch.stack(
             [lv.prompt.trailing[lv.frames] if lv.frames < lv.prompt.trailing.shape[0] else lv.prompt.pad for lv in rows]
         )
@@ -408,7 +455,7 @@ class NativeEngine(Engine):
         positions = torch.tensor([[lv.pos] for lv in rows], device=dev)
         kv_len = max(lv.pos for lv in rows) + 1
         out = self._talker(nxt, positions, self._cache, idx, kv_len)
-        self._h[idx] = out[:, 0]
+        st.h[idx] = out[:, 0]
         frame_codes = torch.cat([cb0[:, None], residual], dim=1)  # (B, 16)
         for i, lv in enumerate(rows):
             lv.pending.append(frame_codes[i])

@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from qwen_tts import cuda_graph
 from qwen_tts import engine as engine_mod
 from qwen_tts.checkpoint import write_random_checkpoint
 from qwen_tts.engine import EngineConfig, NativeEngine
 from qwen_tts.engine_api import FinishReason, QueueFullError, RequestFailedError, SynthesisRequest
 from qwen_tts.loading import load_model
+from qwen_tts.sampling import suppress_mask
 
 TEXTS = [
     "Hello world.",
@@ -267,3 +269,137 @@ async def test_stop_drains_then_cancels(tiny_model):
     assert short.stats.finish_reason is FinishReason.BUDGET and a.shape == (4 * 1920,)
     assert long.stats.finish_reason is FinishReason.CANCELLED
     assert not eng.ready
+
+
+# ---------------------------------------------------------------- fixed-shape (CUDA-graph) frame step
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def eos_prone_path(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("ckpt_eos") / "tiny", size="tiny", seed=0)
+
+
+def load_eos_prone(path, device: str = "cpu"):
+    """The tiny model with its end-of-speech logit scaled up, so requests end by EOS after a few frames."""
+    model = load_model(path, device=device)
+    with torch.no_grad():
+        model.talker.codec_head.weight[model.config.talker.codec_eos_token_id] *= 3
+    return model
+
+
+def mixed_requests(model) -> list[SynthesisRequest]:
+    """Greedy and sampled requests, some with a min length, that end by EOS and by budget at different frames."""
+    return [
+        req(model, TEXTS[i % len(TEXTS)], seed=i, greedy=i % 2 == 0, max_frames=40, min_frames=10 if i % 3 == 0 else 0)
+        for i in range(10)
+    ]
+
+
+async def run_codes(engine: NativeEngine, requests: list[SynthesisRequest]):
+    await engine.start()
+    try:
+        handles, audio = await run(engine, requests)
+    finally:
+        await engine.stop()
+    return [(h.stats.finish_reason, codes_of(h)) for h in handles], audio
+
+
+def test_buckets():
+    assert cuda_graph.batch_buckets(16) == [1, 2, 4, 8, 16]
+    assert cuda_graph.batch_buckets(12) == [1, 2, 4, 8, 12]
+    assert cuda_graph.batch_buckets(1) == [1]
+    assert cuda_graph.kv_buckets(3088) == [256, 512, 1024, 2048, 3088]
+    assert cuda_graph.kv_buckets(100) == [100]
+    assert cuda_graph.bucket(3, [1, 2, 4]) == 4
+    assert cuda_graph.bucket(2, [1, 2, 4]) == 2
+    with pytest.raises(ValueError):
+        cuda_graph.bucket(5, [1, 2, 4])
+
+
+async def test_static_step_equals_eager_step(eos_prone_path, monkeypatch):
+    # Small kv buckets so requests cross several of them; 10 requests through 4 slots give padded batches of 3.
+    monkeypatch.setattr(cuda_graph, "MIN_KV_BUCKET", 16)
+    model = load_eos_prone(eos_prone_path)
+    eager, audio_eager = await run_codes(make_engine(model, max_slots=4), mixed_requests(model))
+    eng = make_engine(model, max_slots=4)
+    eng._static_step_eager = True
+    static, audio_static = await run_codes(eng, mixed_requests(model))
+    assert eng._runner is not None and eng._runner.kv_buckets[:3] == [16, 32, 64]
+    reasons = [r for r, _ in eager]
+    assert FinishReason.EOS in reasons and FinishReason.BUDGET in reasons
+    for (r_e, c_e), (r_s, c_s), a_e, a_s in zip(eager, static, audio_eager, audio_static, strict=True):
+        assert r_e is r_s
+        assert torch.equal(c_e, c_s)
+        # Same codes; Code2Wav may batch chunks differently (admission timing), so audio matches to rounding.
+        np.testing.assert_allclose(a_e, a_s, rtol=0, atol=1e-5)
+
+
+def test_padding_rows_touch_only_the_scratch_slot(tiny_model):
+    talker = tiny_model.talker
+    t = tiny_model.config.talker
+    S = 4  # live slots 0..3, scratch 4
+    g = torch.Generator().manual_seed(0)
+    cache = talker.new_cache(S + 1, 64)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    state = cuda_graph.SlotState.zeros(S + 1, t.hidden_size, t.vocab_size, torch.device("cpu"), torch.float32)
+    state.h.normal_(generator=g)
+    suppressed = suppress_mask(t.vocab_size, t.codebook_size, t.codec_eos_token_id)
+    runner = cuda_graph.FrameStepRunner(talker, state, cache, suppressed, t.codec_eos_token_id, S, S, use_graphs=False)
+    before = (cache.k.clone(), cache.v.clone(), state.h.clone(), state.seen.clone())
+    text = [torch.randn(t.hidden_size, generator=g) for _ in range(3)]
+    with torch.inference_mode():
+        codes = runner.step([0, 2, 1], [5, 6, 7], [0, 0, 0], [10, 20, 30], text)  # 3 rows: bucket 4, one padding row
+    assert codes.shape == (3, 16) and codes.device.type == "cpu"
+    k, v, h, seen = before
+    untouched = 3
+    assert torch.equal(cache.k[:, untouched], k[:, untouched]) and torch.equal(cache.v[:, untouched], v[:, untouched])
+    assert torch.equal(state.h[untouched], h[untouched]) and torch.equal(state.seen[untouched], seen[untouched])
+    # Live rows wrote exactly their own position; the padding row wrote position 0 of the scratch slot.
+    for slot, pos in ((0, 10), (2, 20), (1, 30), (S, 0)):
+        changed = (cache.k[:, slot] != k[:, slot]).any(dim=(0, 1, 3)).nonzero().flatten().tolist()
+        assert changed == [pos]
+        assert not torch.equal(state.h[slot], h[slot])
+    assert state.seen[[0, 2, 1], codes[:, 0]].all()
+
+
+@needs_cuda
+async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
+    model = load_eos_prone(eos_prone_path, device="cuda")
+
+    def cuda_engine(**kw) -> NativeEngine:
+        cfg = EngineConfig(model_path=str(model.path), device="cuda", max_slots=4, **kw)
+        return NativeEngine(cfg, model=model)
+
+    eager, audio_eager = await run_codes(cuda_engine(cuda_graphs=False, warmup=False), mixed_requests(model))
+    eng = cuda_engine(cuda_graphs=True, warmup=True)  # warmup captures every bucket up front
+    graphed, audio_graphed = await run_codes(eng, mixed_requests(model))
+    assert eng.model_info["cuda_graphs"] and eng._runner.num_graphs == 3 * len(eng._runner.kv_buckets)
+    reasons = [r for r, _ in eager]
+    assert FinishReason.EOS in reasons and FinishReason.BUDGET in reasons
+    for i, ((r_e, c_e), (r_g, c_g)) in enumerate(zip(eager, graphed, strict=True)):
+        assert r_e is r_g, f"request {i}"
+        assert torch.equal(c_e, c_g), f"request {i}: first differing frame {(c_e != c_g).any(1).nonzero()[:1]}"
+    for a_e, a_g in zip(audio_eager, audio_graphed, strict=True):
+        np.testing.assert_allclose(a_e, a_g, rtol=0, atol=1e-4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("greedy", [True, False])
+async def test_cuda_graphs_batch_invariance(tiny_model, greedy):
+    model = load_model(tiny_model.path, device="cuda")
+    eng = NativeEngine(EngineConfig(model_path=str(model.path), device="cuda", max_slots=8, warmup=False), model=model)
+    await eng.start()
+    try:
+        target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
+        (alone,), _ = await run(eng, [target])
+        others = [req(model, t, seed=100 + i, greedy=greedy, max_frames=12 + i) for i, t in enumerate(TEXTS[:7])]
+        handles, _ = await run(
+            eng, [*others[:3], req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20), *others[3:]]
+        )
+    finally:
+        await eng.stop()
+    assert eng._runner is not None and eng._runner.num_graphs > 1
+    assert torch.equal(codes_of(alone), codes_of(handles[3]))

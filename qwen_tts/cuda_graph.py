@@ -1,0 +1,264 @@
+"""The engine's per-frame batched decode step as one fixed-shape function, replayed from CUDA graphs.
+
+Our own code (no official counterpart): the batched equivalent of one iteration of qwen-tts 0.1.1 MQ
+`Qwen3TTSForConditionalGeneration.generate`'s talker loop (talker logits -> HF logits processors -> sample cb0 ->
+`code_predictor.generate` for the 15 residual codes -> next input embedding -> one talker step), written so that
+every shape is fixed and nothing syncs with the host.
+
+Capture strategy. Eager, one frame step is ~3000 small kernels (28 talker layers, 15 code-predictor steps of 5
+layers, sampling) and launch/Python bound. `frame_step` is captured once per (batch bucket, kv bucket):
+- rows are gathered from slot-indexed state by a static slot-index buffer; a batch smaller than its bucket is
+  padded with rows that point at a scratch slot (the last one: the cache and state hold max_slots + 1 slots),
+  so padding never touches a live request's cache;
+- kv_len is the kv bucket (powers of two from 256, then the cache length); rows attend only to their own
+  positions <= their query position, so a longer kv_len only adds masked keys;
+- inputs (slot, frame index, min frames, cache position per row, and the (B, H) text-track rows) are copied into
+  static buffers before a replay; the codes (B, 16) land in a static buffer, read back with the step's one sync.
+Rows that sample end-of-speech in a step also get their code predictor and talker step computed (the graph cannot
+branch on the sample): harmless, their slot is freed and fully reset (prefill, sampling state) on reuse.
+Graphs share one memory pool: they are replayed one at a time and their outputs are copied to static buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qwen_tts.layers import KVCache
+from qwen_tts.sampling import apply_repetition_penalty, mask_eos, sample, suppress
+from qwen_tts.talker import Talker
+
+log = logging.getLogger("qwen_tts.cuda_graph")
+
+# Codebook positions per frame in the sampling counter (cb0 + 15 residual codebooks).
+COUNTER_STRIDE = 16
+MIN_KV_BUCKET = 256
+
+
+@dataclass
+class SlotState:
+    """Per-slot device state of the batched step (first dim: slots); the engine keeps one slot as scratch."""
+
+    h: Tensor  # (S, H) last talker hidden state, the input of the next step's logits
+    seen: Tensor  # (S, V) bool: ids generated so far (repetition penalty)
+    rep: Tensor  # (S,) float32 repetition penalty
+    temp: Tensor  # (S,) float32
+    top_k: Tensor  # (S,) int64
+    top_p: Tensor  # (S,) float32
+    greedy: Tensor  # (S,) bool
+    cp_temp: Tensor
+    cp_top_k: Tensor
+    cp_top_p: Tensor
+    cp_greedy: Tensor
+    seed: Tensor  # (S,) int64
+
+    @classmethod
+    def zeros(cls, slots: int, hidden: int, vocab: int, device: torch.device, dtype: torch.dtype) -> SlotState:
+        f32 = dict(device=device, dtype=torch.float32)
+        i64 = dict(device=device, dtype=torch.long)
+        b = dict(device=device, dtype=torch.bool)
+        return cls(
+            h=torch.zeros(slots, hidden, device=device, dtype=dtype),
+            seen=torch.zeros(slots, vocab, **b),
+            rep=torch.ones(slots, **f32),
+            temp=torch.ones(slots, **f32),
+            top_k=torch.zeros(slots, **i64),
+            top_p=torch.ones(slots, **f32),
+            greedy=torch.zeros(slots, **b),
+            cp_temp=torch.ones(slots, **f32),
+            cp_top_k=torch.zeros(slots, **i64),
+            cp_top_p=torch.ones(slots, **f32),
+            cp_greedy=torch.zeros(slots, **b),
+            seed=torch.zeros(slots, **i64),
+        )
+
+
+def frame_step(
+    talker: Talker,
+    state: SlotState,
+    cache: KVCache,
+    suppressed: Tensor,
+    eos_id: int,
+    slots: Tensor,
+    frames: Tensor,
+    min_frames: Tensor,
+    positions: Tensor,
+    text: Tensor,
+    kv_len: int,
+) -> Tensor:
+    """One frame for every row: codes (B, 16) = [cb0, 15 residual codes]; advances h, seen and the KV cache.
+
+    slots, frames (frames generated so far), min_frames, positions (next cache position) are (B,) int64; text (B, H)
+    is the text-track row added to each next input. Fixed shapes, no host sync: safe to capture.
+    """
+    h = state.h[slots]
+    logits = talker.logits(h).float()
+    logits = apply_repetition_penalty(logits, state.seen[slots], state.rep[slots])
+    logits = suppress(logits, suppressed)
+    logits = mask_eos(logits, eos_id, frames < min_frames)
+    counters = frames * COUNTER_STRIDE
+    cb0 = sample(
+        logits,
+        state.temp[slots],
+        state.top_k[slots],
+        state.top_p[slots],
+        state.greedy[slots],
+        state.seed[slots],
+        counters,
+    )
+    cp = (state.cp_temp[slots], state.cp_top_k[slots], state.cp_top_p[slots], state.cp_greedy[slots], state.seed[slots])
+
+    def sample_residual(j: int, cp_logits: Tensor) -> Tensor:
+        return sample(cp_logits.float(), *cp, counters + (j + 1))
+
+    cb0_emb = talker.embed_codec(cb0)
+    residual, emb_sum = talker.code_predictor(h, cb0_emb, sample_residual)
+    # A tensor value, not a Python scalar: index_put_ of a host scalar is not capturable.
+    state.seen[slots, cb0] = torch.ones((), dtype=torch.bool, device=slots.device)
+    nxt = (cb0_emb + emb_sum + text.to(cb0_emb.dtype))[:, None]
+    out = talker(nxt, positions[:, None], cache, slots, kv_len)
+    state.h[slots] = out[:, 0]
+    return torch.cat([cb0[:, None], residual], dim=1)
+
+
+def batch_buckets(max_rows: int) -> list[int]:
+    """Powers of two below max_rows, then max_rows."""
+    out, b = [], 1
+    while b < max_rows:
+        out.append(b)
+        b *= 2
+    return [*out, max_rows]
+
+
+def kv_buckets(max_len: int, smallest: int = MIN_KV_BUCKET) -> list[int]:
+    """Powers of two from `smallest` below max_len, then max_len."""
+    out, k = [], smallest
+    while k < max_len:
+        out.append(k)
+        k *= 2
+    return [*out, max_len]
+
+
+def bucket(value: int, buckets: list[int]) -> int:
+    """The smallest bucket >= value."""
+    for b in buckets:
+        if value <= b:
+            return b
+    raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
+
+
+class FrameStepRunner:
+    """Runs `frame_step` for up to `max_rows` rows, padded to a batch bucket, from CUDA graphs or eagerly.
+
+    `scratch` is the slot padding rows use. With `use_graphs=False` the same padded, bucketed computation runs
+    eagerly (CPU tests of the padding and bucketing logic use this).
+    """
+
+    def __init__(
+        self,
+        talker: Talker,
+        state: SlotState,
+        cache: KVCache,
+        suppressed: Tensor,
+        eos_id: int,
+        max_rows: int,
+        scratch: int,
+        use_graphs: bool,
+    ) -> None:
+        if not 0 <= scratch < cache.slots:
+            raise ValueError(f"scratch slot {scratch} is outside the cache's {cache.slots} slots")
+        self.talker, self.state, self.cache = talker, state, cache
+        self.suppressed, self.eos_id, self.scratch = suppressed, eos_id, scratch
+        self.use_graphs = use_graphs
+        self.batch_buckets = batch_buckets(max_rows)
+        self.kv_buckets = kv_buckets(cache.max_len, MIN_KV_BUCKET)
+        dev = state.h.device
+        B = self.batch_buckets[-1]
+        # Rows: slot, frames, min_frames, position. Pinned, so the per-step upload is one async copy.
+        self._host = torch.zeros(4, B, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._inputs = torch.zeros(4, B, dtype=torch.long, device=dev)
+        self._text = torch.zeros(B, state.h.shape[1], dtype=state.h.dtype, device=dev)
+        self._codes = torch.zeros(B, COUNTER_STRIDE, dtype=torch.long, device=dev)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        # The code predictor's scratch cache must exist before capture, at the largest batch.
+        talker.code_predictor.reserve(B, dev, state.h.dtype)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def _run(self, B: int, kv_len: int) -> None:
+        slots, frames, min_frames, positions = self._inputs[:, :B]
+        codes = frame_step(
+            self.talker,
+            self.state,
+            self.cache,
+            self.suppressed,
+            self.eos_id,
+            slots,
+            frames,
+            min_frames,
+            positions,
+            self._text[:B],
+            kv_len,
+        )
+        self._codes[:B].copy_(codes)
+
+    def _capture(self, B: int, kv_len: int) -> torch.cuda.CUDAGraph:
+        t0 = time.perf_counter()
+        # Every row on the scratch slot: the warm-up run and the capture touch no live request.
+        self._inputs[:, :B].zero_()
+        self._inputs[0, :B].fill_(self.scratch)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._run(B, kv_len)  # warm-up: library handles and workspaces are made outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._run(B, kv_len)
+        self._graphs[(B, kv_len)] = graph
+        log.info("captured the frame step for batch %d, kv_len %d in %.2fs", B, kv_len, time.perf_counter() - t0)
+        return graph
+
+    def capture_all(self) -> None:
+        """Capture every (batch bucket, kv bucket) graph now rather than on first use."""
+        if not self.use_graphs:
+            return
+        t0 = time.perf_counter()
+        for kv_len in self.kv_buckets:
+            for B in self.batch_buckets:
+                if (B, kv_len) not in self._graphs:
+                    self._capture(B, kv_len)
+        log.info("%d frame-step graphs ready in %.1fs", len(self._graphs), time.perf_counter() - t0)
+
+    def step(
+        self, slots: list[int], frames: list[int], min_frames: list[int], positions: list[int], text: list[Tensor]
+    ) -> Tensor:
+        """One frame for each row (all lists of length n); returns the codes (n, 16) as a new CPU tensor.
+
+        Reading the codes back is the step's one host sync.
+        """
+        n = len(slots)
+        B = bucket(n, self.batch_buckets)
+        kv_len = bucket(max(positions) + 1, self.kv_buckets)
+        graph = None
+        if self.use_graphs:
+            graph = self._graphs.get((B, kv_len)) or self._capture(B, kv_len)
+        host = self._host
+        host[:, :n] = torch.tensor([slots, frames, min_frames, positions], dtype=torch.long)
+        host[0, n:B] = self.scratch
+        host[1:, n:B] = 0
+        # Safe to refill the pinned buffer next step: this step's read-back waits for the copy.
+        self._inputs[:, :B].copy_(host[:, :B], non_blocking=True)
+        self._text[:n].copy_(torch.stack(text))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._run(B, kv_len)
+        return self._codes[:n].to("cpu", copy=True)
