@@ -90,7 +90,7 @@ def phase_times(before: dict, after: dict, n: int) -> dict:
 async def codes_of_run(engine: NativeEngine, reqs: list[SynthesisRequest]) -> list[torch.Tensor]:
     handles = [engine.submit(r) for r in reqs]
     await asyncio.gather(*(h.collect() for h in handles))
-    return [torch.cat(h.codes) for h in handles]
+    return [torch.cat(h.codes) if h.codes else torch.zeros(0, 16, dtype=torch.long) for h in handles]
 
 
 async def verify(engine: NativeEngine, dim: int, frames: int = 24) -> dict:

@@ -155,7 +155,8 @@ class NativeEngine(Engine):
 
     def _load(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # graph capture and replay use the current device's streams
+            if self.device.index is not None:  # graph capture and replay use the current device's streams
+                torch.cuda.set_device(self.device)
             torch.backends.cudnn.allow_tf32 = self.config.decoder_tf32
         if self._model is None:
             self._model = load_model(self.config.model_path, device=self.device, dtype=self.dtype)
@@ -274,7 +275,7 @@ class NativeEngine(Engine):
     # ------------------------------------------------------------------ worker thread
     def _run(self) -> None:
         torch.set_grad_enabled(False)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
         try:
             while True:
