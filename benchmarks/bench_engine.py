@@ -7,10 +7,9 @@ talker step time. Prints a table last and writes JSON.
     python benchmarks/bench_engine.py --size tiny --concurrency 1,8 --frames 50
     python benchmarks/bench_engine.py --size 1.7b --device cuda --concurrency 1,8,32 --frames 100 --json out.json
 
-On CUDA the engine replays CUDA graphs of the frame step (--no-cuda-graphs: eager) and overlaps Code2Wav with it.
---verify first checks on these weights that graphs and the eager path give identical codes; --sync-decode-too also
-times graphs with Code2Wav waited for each step; --eager-frames N also times the eager path of the same engine at N
-frames per request.
+On CUDA the engine replays CUDA graphs of the frame step (--no-cuda-graphs: eager). --verify first checks on these
+weights that graphs and the eager path give identical codes; --eager-frames N then also times the eager path of the
+same engine at N frames per request.
 """
 
 from __future__ import annotations
@@ -141,7 +140,6 @@ async def main() -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true", help="eager frame steps on CUDA")
     ap.add_argument("--verify", action="store_true", help="first compare graphs with eager on codes")
     ap.add_argument("--eager-frames", type=int, default=0, help="also time the eager path at this many frames")
-    ap.add_argument("--sync-decode-too", action="store_true", help="also time graphs with Code2Wav not overlapped")
     ap.add_argument("--json", help="write results here")
     a = ap.parse_args()
 
@@ -181,12 +179,6 @@ async def main() -> None:
                     best = r
             print(json.dumps(best), flush=True)
             results.append({"mode": "graphs" if engine._runner is not None else "eager", **best})
-        if a.sync_decode_too and engine._decode_stream is not None:
-            engine._decode_stream = None  # bench-only: decode on the worker's stream, waited for each step
-            for n in levels:
-                r = await one_level(engine, n, a.frames, engine.xvector_dim, not a.sampling)
-                print(json.dumps(r), flush=True)
-                results.append({"mode": "graphs, sync decode", **r})
         if a.eager_frames and engine._runner is not None:
             engine._runner = None  # bench-only: the eager path of the same engine and weights
             for n in levels:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import random
 import threading
@@ -30,7 +29,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from .cuda_graph import COUNTER_STRIDE, FrameStepRunner, SlotState
 from .engine_api import (
@@ -72,9 +70,6 @@ class EngineConfig:
     # On CUDA, replay the batched frame step from CUDA graphs (one per batch and kv-length bucket, captured at
     # start when warmup is on, else on first use); ~10x fewer launches than eager. Ignored on CPU.
     cuda_graphs: bool = True
-    # On CUDA, run Code2Wav on a second, lower-priority stream, overlapped with the next frame steps; a chunk's
-    # audio is delivered after the following step. Ignored on CPU (decode is synchronous there).
-    overlap_decode: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "max_frames", "max_text_tokens", "first_chunk_frames", "chunk_frames"):
@@ -114,8 +109,7 @@ class _Live:
     frames: int = 0  # frames emitted so far
     pending: list[torch.Tensor] = field(default_factory=list)  # (16,) frames not yet decoded
     stream: object = None  # Code2WavStream
-    decoded: int = 0  # frames already sent to Code2Wav
-    inflight: int = 0  # chunks sent to Code2Wav whose audio is not delivered yet
+    decoded: int = 0  # frames already turned into audio
     done: FinishReason | None = None
     error: str | None = None
 
@@ -138,9 +132,6 @@ class NativeEngine(Engine):
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._runner: FrameStepRunner | None = None
-        self._gen_stream: torch.cuda.Stream | None = None  # the worker's stream (high priority)
-        self._decode_stream: torch.cuda.Stream | None = None  # Code2Wav's stream when decode is overlapped
-        self._inflight: collections.deque = collections.deque()  # launched decodes, oldest first
         # Tests set this to run the graph runner's padded, bucketed step eagerly on CPU.
         self._static_step_eager = False
         # Worker-thread wall time by phase (host clock; the step and decode end in a host sync, prefill does not).
@@ -193,13 +184,6 @@ class NativeEngine(Engine):
             if graphs and self.config.warmup:
                 with torch.inference_mode():
                     self._runner.capture_all()
-        if self.device.type == "cuda":
-            # Generation gets the higher priority: its graph is many tiny kernels that Code2Wav's large ones would
-            # otherwise hold back.
-            self._gen_stream = torch.cuda.Stream(self.device, priority=-1)
-            if self.config.overlap_decode:
-                self._decode_stream = torch.cuda.Stream(self.device, priority=0)
-            torch.cuda.synchronize(self.device)  # the worker's streams start after everything made here
         self.model_info = {
             "path": str(m.path),
             "size": cfg.tts_model_size,
@@ -293,8 +277,6 @@ class NativeEngine(Engine):
         torch.set_grad_enabled(False)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
-        if self._gen_stream is not None:
-            torch.cuda.set_stream(self._gen_stream)  # thread-local: this worker's default from now on
         try:
             while True:
                 with self._cv:
@@ -351,8 +333,7 @@ class NativeEngine(Engine):
                 hidden = self._talker(prompt.prefill[None].to(self.dtype), pos, self._cache, slots, L)
                 self._state.h[slot] = hidden[0, -1]
                 self._set_slot_params(slot, req)
-                with self._on_decode_stream():  # a Code2Wav stream's tensors live on the decode stream
-                    stream = self._code2wav.new_stream(1)
+                stream = self._code2wav.new_stream(1)
         except Exception as e:
             log.exception("request %s failed in prefill", req.request_id)
             self._release(slot)
@@ -401,10 +382,7 @@ class NativeEngine(Engine):
                             lv.done = FinishReason.ERROR
                             lv.error = f"generation failed: {type(e).__name__}"
         t1 = time.perf_counter()
-        self._collect_decodes(block=False)  # chunks launched last step ran alongside this step's generation
         self._decode_due()
-        if not rows:
-            self._collect_decodes(block=True)  # nothing to generate: wait for audio rather than spin
         tm = self.timings
         tm["steps"] += bool(rows)
         tm["step_s"] += t1 - t0
@@ -509,79 +487,36 @@ class NativeEngine(Engine):
         if any(lv.pending and lv.done in (FinishReason.EOS, FinishReason.BUDGET) for lv in self._live.values()):
             self._decode_due()
 
-    def _on_decode_stream(self) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(self._decode_stream) if self._decode_stream is not None else contextlib.nullcontext()
-
     def _decode_rows(self, rows: list[_Live], t: int) -> None:
-        """Decode the next t pending frames of `rows` in one batch; overlapped: launch only, deliver later."""
         codes = torch.stack([torch.stack(lv.pending[:t]) for lv in rows]).transpose(1, 2)  # (B, 16, t)
-        ds = self._decode_stream
-        if ds is not None:
-            # Codes made by the eager step live on the generation stream; graphed steps leave them on the host.
-            ds.wait_stream(torch.cuda.current_stream())
-            if codes.device.type == "cpu":
-                codes = codes.pin_memory()  # a pageable upload could wait for the decode stream's earlier work
-        with self._on_decode_stream():
-            wav = self._decode_codes(rows, codes.to(self.device, non_blocking=True)).float()
-            if ds is None:
-                host, done = wav.cpu(), None
-            else:
-                host = torch.empty(wav.shape, dtype=torch.float32, pin_memory=True)
-                host.copy_(wav, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(ds)
-        for lv in rows:
-            del lv.pending[:t]
-            lv.decoded += t
-            lv.inflight += 1
-        # `codes` stays referenced until delivery, so its memory is not reused while the decode stream reads it.
-        self._inflight.append((rows, codes, host, done))
-        if done is None:
-            self._collect_decodes(block=True)
-
-    def _decode_codes(self, rows: list[_Live], codes: Tensor) -> Tensor:
+        codes = codes.to(self.device)
         if len(rows) == 1:
-            return self._code2wav.decode_chunk(codes, rows[0].stream)
-        stream = type(rows[0].stream).cat([lv.stream for lv in rows])
-        wav = self._code2wav.decode_chunk(codes, stream)
-        for lv, s in zip(rows, stream.split(), strict=True):
-            lv.stream = s
-        return wav
-
-    def _collect_decodes(self, block: bool) -> None:
-        """Deliver the audio of finished decodes, in launch order; with `block`, wait for at least the oldest."""
-        while self._inflight:
-            rows, codes, host, done = self._inflight[0]
-            if done is not None and not done.query():
-                if not block:
-                    return
-                done.synchronize()
-            block = False
-            self._inflight.popleft()
-            self._deliver(rows, codes, host.numpy())
-
-    def _deliver(self, rows: list[_Live], codes: Tensor, wav: np.ndarray) -> None:
+            wav = self._code2wav.decode_chunk(codes, rows[0].stream)
+        else:
+            stream = type(rows[0].stream).cat([lv.stream for lv in rows])
+            wav = self._code2wav.decode_chunk(codes, stream)
+            for lv, s in zip(rows, stream.split(), strict=True):
+                lv.stream = s
+        wav = wav.float().cpu().numpy()
         now = time.monotonic()
-        t = codes.shape[-1]
         for i, (lv, w) in enumerate(zip(rows, wav, strict=True)):
-            lv.inflight -= 1
-            if lv.done in (FinishReason.CANCELLED, FinishReason.ERROR):
-                continue  # already finished (and maybe retired) while this chunk was decoding
             if lv.handle.request.return_codes:
                 lv.handle.codes.append(codes[i].T.cpu())
+            del lv.pending[:t]
+            lv.decoded += t
             st = lv.handle.stats
             if st.first_audio_at is None:
                 st.first_audio_at = now
-            st.frames += t
+            st.frames = lv.decoded
             st.samples += w.shape[0]
-            lv.handle.put_threadsafe(np.array(w, dtype=np.float32))  # a copy: `wav` may be pinned memory
+            lv.handle.put_threadsafe(np.ascontiguousarray(w, dtype=np.float32))
 
     def _retire(self) -> None:
         for slot, lv in list(self._live.items()):
             if lv.done is None:
                 continue
-            if lv.done in (FinishReason.EOS, FinishReason.BUDGET) and (lv.pending or lv.inflight):
-                continue  # flushed by the next _decode_due, delivered by _collect_decodes
+            if lv.done in (FinishReason.EOS, FinishReason.BUDGET) and lv.pending:
+                continue  # flushed by the next _decode_due
             del self._live[slot]
             self._release(slot)
             self._finish(lv, lv.done, lv.error)
