@@ -291,10 +291,11 @@ def load_eos_prone(path, device: str = "cpu"):
 
 def mixed_requests(model) -> list[SynthesisRequest]:
     """Greedy and sampled requests, some with a min length, that end by EOS and by budget at different frames."""
-    return [
+    rs = [
         req(model, TEXTS[i % len(TEXTS)], seed=i, greedy=i % 2 == 0, max_frames=40, min_frames=10 if i % 3 == 0 else 0)
         for i in range(10)
     ]
+    return [*rs, req(model, TEXTS[2], seed=10, max_frames=30, min_frames=1000)]  # this one always ends by budget
 
 
 async def run_codes(engine: NativeEngine, requests: list[SynthesisRequest]):
@@ -377,13 +378,17 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
     eng = cuda_engine(cuda_graphs=True, warmup=True)  # warmup captures every bucket up front
     graphed, audio_graphed = await run_codes(eng, mixed_requests(model))
     assert eng.model_info["cuda_graphs"] and eng._runner.num_graphs == 3 * len(eng._runner.kv_buckets)
-    reasons = [r for r, _ in eager]
-    assert FinishReason.EOS in reasons and FinishReason.BUDGET in reasons
     for i, ((r_e, c_e), (r_g, c_g)) in enumerate(zip(eager, graphed, strict=True)):
         assert r_e is r_g, f"request {i}"
         assert torch.equal(c_e, c_g), f"request {i}: first differing frame {(c_e != c_g).any(1).nonzero()[:1]}"
-    for a_e, a_g in zip(audio_eager, audio_graphed, strict=True):
+    reasons = [r for r, _ in eager]
+    assert FinishReason.EOS in reasons and FinishReason.BUDGET in reasons
+    for (_, c), a_e, a_g in zip(graphed, audio_eager, audio_graphed, strict=True):
         np.testing.assert_allclose(a_e, a_g, rtol=0, atol=1e-4)
+        # The streamed audio equals one whole decode of the codes.
+        with torch.inference_mode():
+            whole = model.code2wav(c.T[None].cuda())[0].cpu().numpy() if len(c) else np.zeros(0, np.float32)
+        np.testing.assert_allclose(a_g, whole, rtol=0, atol=1e-4)
 
 
 @needs_cuda
