@@ -48,6 +48,8 @@ log = logging.getLogger("qwen_tts.engine")
 # Frame budget from the text length: ~3 frames per text token is normal speech; allow well over twice that.
 BUDGET_BASE_FRAMES = 25
 BUDGET_FRAMES_PER_TOKEN = 8
+# Padded tokens per batched prefill forward (bounds memory when many requests arrive at once).
+PREFILL_TOKENS_PER_BATCH = 4096
 
 
 @dataclass
@@ -270,6 +272,14 @@ class NativeEngine(Engine):
     def cancel(self, handle: RequestHandle) -> None:
         handle._cancel_requested = True
         with self._cv:
+            # A request still waiting leaves the queue at once, so cancelled work never holds queue places.
+            try:
+                self._pending.remove(handle)
+            except ValueError:
+                pass
+            else:
+                handle.stats.started_at = time.monotonic()
+                handle.finish_threadsafe(FinishReason.CANCELLED)
             self._cv.notify()
 
     # ------------------------------------------------------------------ worker thread
@@ -288,8 +298,8 @@ class NativeEngine(Engine):
                     while self._pending and self._free_slots:
                         admit.append((self._pending.popleft(), self._free_slots.pop()))
                     stopping = not self._running
-                for handle, slot in admit:
-                    self._admit(handle, slot)
+                if admit:
+                    self._admit(admit)
                 if stopping:
                     for lv in list(self._live.values()):
                         lv.done = FinishReason.CANCELLED
@@ -307,40 +317,73 @@ class NativeEngine(Engine):
                 while self._pending:
                     self._pending.popleft().finish_threadsafe(FinishReason.ERROR, self._dead)
 
-    def _admit(self, handle: RequestHandle, slot: int) -> None:
-        req = handle.request
-        handle.stats.started_at = time.monotonic()
-        if handle._cancel_requested:
-            self._release(slot)
-            handle.finish_threadsafe(FinishReason.CANCELLED)
-            return
+    def _admit(self, admissions: list[tuple[RequestHandle, int]]) -> None:
+        """Build prompts and prefill newly admitted requests, batched (padded at the end) to spare launches."""
         t0 = time.perf_counter()
+        ready: list[tuple[RequestHandle, int, Prompt]] = []
+        for handle, slot in admissions:
+            handle.stats.started_at = time.monotonic()
+            if handle._cancel_requested:
+                self._release(slot)
+                handle.finish_threadsafe(FinishReason.CANCELLED)
+                continue
+            try:
+                with torch.inference_mode():
+                    ready.append((handle, slot, self._build_prompt(handle)))
+            except Exception as e:
+                self._fail_admission(handle, slot, e)
+        # Short prompts first, in groups of bounded padded size.
+        ready.sort(key=lambda r: r[2].prefill.shape[0])
+        group: list[tuple[RequestHandle, int, Prompt]] = []
+        for item in ready:
+            longest = item[2].prefill.shape[0]
+            if group and longest * (len(group) + 1) > PREFILL_TOKENS_PER_BATCH:
+                self._prefill(group)
+                group = []
+            group.append(item)
+        if group:
+            self._prefill(group)
+        self.timings["prefill_s"] += time.perf_counter() - t0
+
+    def _build_prompt(self, handle: RequestHandle) -> Prompt:
+        req = handle.request
+        x = req.xvector.to(self.device, self.dtype)
+        return build_prompt(
+            self._cfg, self._talker, handle._text_ids, self._role_ids, x, handle._language, req.non_streaming_text
+        )
+
+    def _prefill(self, group: list[tuple[RequestHandle, int, Prompt]]) -> None:
+        """One talker forward over several prompts. Padding sits after each prompt at later positions, so causal
+        masking keeps it invisible to the real tokens, and the first decode steps overwrite its K/V."""
         try:
             with torch.inference_mode():
-                x = req.xvector.to(self.device, self.dtype)
-                prompt = build_prompt(
-                    self._cfg,
-                    self._talker,
-                    handle._text_ids,
-                    self._role_ids,
-                    x,
-                    handle._language,
-                    req.non_streaming_text,
-                )
-                L = prompt.prefill.shape[0]
-                pos = torch.arange(L, device=self.device)[None]
-                slots = torch.tensor([slot], device=self.device)
-                hidden = self._talker(prompt.prefill[None].to(self.dtype), pos, self._cache, slots, L)
-                self._state.h[slot] = hidden[0, -1]
-                self._set_slot_params(slot, req)
-                stream = self._code2wav.new_stream(1)
+                lens = [p.prefill.shape[0] for _, _, p in group]
+                T = max(lens)
+                embeds = torch.zeros(len(group), T, group[0][2].prefill.shape[1], device=self.device, dtype=self.dtype)
+                for i, (_, _, p) in enumerate(group):
+                    embeds[i, : lens[i]] = p.prefill
+                pos = torch.arange(T, device=self.device).expand(len(group), T)
+                slots = torch.tensor([slot for _, slot, _ in group], device=self.device)
+                hidden = self._talker(embeds, pos, self._cache, slots, T)
+                last = hidden[torch.arange(len(group), device=self.device), torch.tensor(lens, device=self.device) - 1]
+                self._state.h[slots] = last
+                for handle, slot, _ in group:
+                    self._set_slot_params(slot, handle.request)
+                streams = [self._code2wav.new_stream(1) for _ in group]
         except Exception as e:
-            log.exception("request %s failed in prefill", req.request_id)
-            self._release(slot)
-            handle.finish_threadsafe(FinishReason.ERROR, f"prefill failed: {type(e).__name__}")
+            if len(group) > 1:  # find the culprit: prefill each request on its own
+                for item in group:
+                    self._prefill([item])
+                return
+            self._fail_admission(group[0][0], group[0][1], e)
             return
-        self._live[slot] = _Live(handle, slot, prompt, handle.stats.frame_budget, pos=L, stream=stream)
-        self.timings["prefill_s"] += time.perf_counter() - t0
+        for (handle, slot, prompt), n, stream in zip(group, lens, streams, strict=True):
+            self._live[slot] = _Live(handle, slot, prompt, handle.stats.frame_budget, pos=n, stream=stream)
+
+    def _fail_admission(self, handle: RequestHandle, slot: int, e: Exception) -> None:
+        log.error("request %s failed in prefill: %r", handle.request_id, e)
+        self._release(slot)
+        handle.finish_threadsafe(FinishReason.ERROR, f"prefill failed: {type(e).__name__}")
 
     def _set_slot_params(self, slot: int, req: SynthesisRequest) -> None:
         st = self._state

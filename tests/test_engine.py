@@ -408,3 +408,45 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy):
         await eng.stop()
     assert eng._runner is not None and eng._runner.num_graphs > 1
     assert torch.equal(codes_of(alone), codes_of(handles[3]))
+
+
+async def test_batched_prefill_matches_prefill_alone(tiny_model, monkeypatch):
+    texts = [TEXTS[0], TEXTS[1] * 2, TEXTS[4]]  # different prompt lengths: the batch is padded
+    eng = make_engine(tiny_model, max_slots=4)
+    await eng.start()
+    try:
+        alone = []
+        for i, t in enumerate(texts):
+            (h,), _ = await run(eng, [req(tiny_model, t, seed=i, greedy=True, max_frames=12)])
+            alone.append(codes_of(h))
+        sizes = []
+        real = eng._admit
+        monkeypatch.setattr(eng, "_admit", lambda adm: (sizes.append(len(adm)), real(adm)))
+        with eng._cv:  # the worker sees all three at once
+            hs = [eng.submit(req(tiny_model, t, seed=i, greedy=True, max_frames=12)) for i, t in enumerate(texts)]
+        await asyncio.gather(*(h.collect() for h in hs))
+    finally:
+        await eng.stop()
+    assert sizes == [3]
+    for a, h in zip(alone, hs, strict=True):
+        assert torch.equal(a, codes_of(h))
+
+
+async def test_cancel_while_queued_leaves_the_queue_at_once(tiny_model):
+    eng = make_engine(tiny_model, max_slots=1, max_queue=1, first_chunk_frames=1)
+    await eng.start()
+    try:
+        running = eng.submit(req(tiny_model, TEXTS[1], max_frames=2000, min_frames=10_000))
+        await running.__anext__()  # it holds the only slot
+        queued = eng.submit(req(tiny_model, TEXTS[0], max_frames=5))
+        assert eng.num_waiting == 1
+        eng.cancel(queued)
+        assert eng.num_waiting == 0
+        assert (await queued.collect()).shape == (0,)
+        assert queued.stats.finish_reason is FinishReason.CANCELLED
+        # Its queue place is free again although the slot is still busy.
+        again = eng.submit(req(tiny_model, TEXTS[0], max_frames=5))
+        eng.cancel(running)
+        assert (await again.collect()).shape == (5 * 1920,)
+    finally:
+        await eng.stop()
