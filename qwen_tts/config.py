@@ -307,5 +307,6 @@ class ModelConfig:
 
     @property
     def languages(self) -> list[str]:
-        """Languages the prompt builder accepts, lower case, plus 'auto'."""
-        return ["auto", *sorted(self.talker.codec_language_id)]
+        """Languages the prompt builder accepts, lower case, plus 'auto' (dialect ids are CustomVoice-only, and
+        the official wrapper drops them for Base checkpoints)."""
+        return ["auto", *sorted(k for k in self.talker.codec_language_id if "dialect" not in k)]

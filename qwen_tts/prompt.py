@@ -33,7 +33,7 @@ class Prompt:
 
 def supported_languages(cfg: ModelConfig) -> list[str]:
     """ "auto" plus the checkpoint's languages; dialects are excluded, as the official wrapper does."""
-    return ["auto", *sorted(k for k in cfg.talker.codec_language_id if "dialect" not in k)]
+    return cfg.languages
 
 
 def normalize_language(cfg: ModelConfig, language: str | None) -> str:
