@@ -66,6 +66,8 @@ class EngineConfig:
     first_chunk_frames: int = 3  # small first chunk: the first audio comes fast
     chunk_frames: int = 12  # later chunks: fewer, larger decodes
     warmup: bool = True
+    # When the engine is idle, wait this long after the first arrival so a burst shares one batched prefill.
+    admission_window_s: float = 0.002
     # TF32 cuDNN convolutions make the float32 Code2Wav ~2x faster on Hopper but break exact streaming
     # (stream vs whole decode differ by ~2e-3 instead of ~1e-5). Exact by default.
     decoder_tf32: bool = False
@@ -290,10 +292,15 @@ class NativeEngine(Engine):
         try:
             while True:
                 with self._cv:
+                    idle = not self._live
                     while self._running and not self._pending and not self._live:
                         self._cv.wait()
                     if not self._running and not self._live and not self._pending:
                         return
+                if idle and self.config.admission_window_s > 0:
+                    # Woken from idle by the first of a burst: let the rest arrive so they share one prefill.
+                    time.sleep(self.config.admission_window_s)
+                with self._cv:
                     admit = []
                     while self._pending and self._free_slots:
                         admit.append((self._pending.popleft(), self._free_slots.pop()))

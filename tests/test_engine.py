@@ -450,3 +450,17 @@ async def test_cancel_while_queued_leaves_the_queue_at_once(tiny_model):
         assert (await again.collect()).shape == (5 * 1920,)
     finally:
         await eng.stop()
+
+
+async def test_burst_arriving_at_an_idle_engine_shares_one_prefill(tiny_model, monkeypatch):
+    eng = make_engine(tiny_model, max_slots=4, admission_window_s=0.2)
+    await eng.start()
+    sizes = []
+    real = eng._admit
+    monkeypatch.setattr(eng, "_admit", lambda adm: (sizes.append(len(adm)), real(adm)))
+    try:
+        hs = [eng.submit(req(tiny_model, t, seed=i, max_frames=4)) for i, t in enumerate(TEXTS[:4])]
+        await asyncio.gather(*(h.collect() for h in hs))
+    finally:
+        await eng.stop()
+    assert sizes == [4]
