@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .cuda_graph import COUNTER_STRIDE, FrameStepRunner, SlotState
+from .cuda_graph import FrameStepRunner, SlotState, frame_step
 from .engine_api import (
     Engine,
     EngineNotReadyError,
@@ -41,7 +41,7 @@ from .engine_api import (
 )
 from .loading import Qwen3TTS, load_model
 from .prompt import Prompt, build_prompt, normalize_language
-from .sampling import apply_repetition_penalty, sample, suppress_mask
+from .sampling import suppress_mask
 
 log = logging.getLogger("qwen_tts.engine")
 
@@ -440,24 +440,19 @@ class NativeEngine(Engine):
         self._retire()
 
     def _generate(self, rows: list[_Live]) -> None:
-        """One talker step + code predictor for `rows` (all at their own positions)."""
-        if self._runner is not None:
-            self._generate_static(rows)
-        else:
-            self._generate_eager(rows)
-
-    def _generate_static(self, rows: list[_Live]) -> None:
-        """The fixed-shape step (a CUDA graph replay on CUDA); rows that hit EOS were stepped too (see cuda_graph)."""
-        text = [
-            lv.prompt.trailing[lv.frames] if lv.frames < lv.prompt.trailing.shape[0] else lv.prompt.pad for lv in rows
-        ]
-        codes = self._runner.step(
+        """One frame for `rows` (each at its own position): the fixed-shape step (a CUDA graph replay on CUDA) or,
+        on CPU, the same `frame_step` eagerly at exact shapes. Rows that hit EOS were stepped too (see cuda_graph)."""
+        args = (
             [lv.slot for lv in rows],
             [lv.frames for lv in rows],
             [lv.handle.request.min_frames for lv in rows],
             [lv.pos for lv in rows],
-            text,
-        )  # (n, 16) on the host
+            [
+                lv.prompt.trailing[lv.frames] if lv.frames < lv.prompt.trailing.shape[0] else lv.prompt.pad
+                for lv in rows
+            ],
+        )
+        codes = self._runner.step(*args) if self._runner is not None else self._step_eager(*args)  # (n, 16), host
         for lv, cb0, frame in zip(rows, codes[:, 0].tolist(), codes, strict=True):
             if cb0 == self._eos:
                 lv.done = FinishReason.EOS
@@ -466,52 +461,22 @@ class NativeEngine(Engine):
             lv.pos += 1
             lv.frames += 1
 
-    def _generate_eager(self, rows: list[_Live]) -> None:
+    def _step_eager(
+        self, slots: list[int], frames: list[int], min_frames: list[int], positions: list[int], text: list[torch.Tensor]
+    ) -> torch.Tensor:
         dev = self.device
-        st = self._state
-        idx = torch.tensor([lv.slot for lv in rows], device=dev)
-        frames = torch.tensor([lv.frames for lv in rows], device=dev)
-        h = st.h[idx]
-        logits = self._talker.logits(h).float()
-        logits = apply_repetition_penalty(logits, st.seen[idx], st.rep[idx])
-        logits = logits.masked_fill(self._suppress, float("-inf"))
-        min_frames = torch.tensor([lv.handle.request.min_frames for lv in rows], device=dev)
-        logits[:, self._eos] = logits[:, self._eos].masked_fill(frames < min_frames, float("-inf"))
-        counters = frames * COUNTER_STRIDE
-        cb0 = sample(logits, st.temp[idx], st.top_k[idx], st.top_p[idx], st.greedy[idx], st.seed[idx], counters)
-        cb0_host = cb0.tolist()  # the one host sync per step: who stopped
-        keep = [i for i, c in enumerate(cb0_host) if c != self._eos]
-        for i, c in enumerate(cb0_host):
-            if c == self._eos:
-                rows[i].done = FinishReason.EOS
-        if not keep:
-            return
-        if len(keep) != len(rows):
-            k = torch.tensor(keep, device=dev)
-            rows = [rows[i] for i in keep]
-            idx, h, cb0, counters = idx[k], h[k], cb0[k], counters[k]
-        cp_args = (st.cp_temp[idx], st.cp_top_k[idx], st.cp_top_p[idx], st.cp_greedy[idx], st.seed[idx])
-
-        def sample_residual(j: int, cp_logits: torch.Tensor) -> torch.Tensor:
-            t, k_, p, g, s = cp_args
-            return sample(cp_logits.float(), t, k_, p, g, s, counters + (j + 1))
-
-        cb0_emb = self._talker.embed_codec(cb0)
-        residual, emb_sum = self._talker.code_predictor(h, cb0_emb, sample_residual)
-        st.seen[idx, cb0] = True
-        text_track = torch.stack(
-            [lv.prompt.trailing[lv.frames] if lv.frames < lv.prompt.trailing.shape[0] else lv.prompt.pad for lv in rows]
+        ints = torch.tensor([slots, frames, min_frames, positions], device=dev)
+        codes = frame_step(
+            self._talker,
+            self._state,
+            self._cache,
+            self._suppress,
+            self._eos,
+            *ints,
+            torch.stack(text),
+            max(positions) + 1,
         )
-        nxt = (cb0_emb + emb_sum + text_track.to(cb0_emb.dtype))[:, None]
-        positions = torch.tensor([[lv.pos] for lv in rows], device=dev)
-        kv_len = max(lv.pos for lv in rows) + 1
-        out = self._talker(nxt, positions, self._cache, idx, kv_len)
-        st.h[idx] = out[:, 0]
-        frame_codes = torch.cat([cb0[:, None], residual], dim=1)  # (B, 16)
-        for i, lv in enumerate(rows):
-            lv.pending.append(frame_codes[i])
-            lv.pos += 1
-            lv.frames += 1
+        return codes.cpu()  # the one host sync per step: who stopped
 
     def _decode_due(self) -> None:
         """Decode pending frames of rows whose next chunk is due (or that finished), batched by chunk length."""
