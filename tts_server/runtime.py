@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import fields
 from pathlib import Path
 
 from embedding_cache import EmbeddingCacheManager
@@ -213,19 +212,17 @@ def _create_engine(settings: ServerSettings, model_dir: Path | None) -> Engine:
         )
     from qwen_tts.engine import EngineConfig, create_engine
 
-    kwargs = dict(
-        model_path=str(model_dir),
-        device=settings.device,
-        dtype=settings.dtype,
-        max_slots=settings.max_concurrent,
-        max_queue=settings.max_queue,
-        max_frames=settings.max_new_tokens,
-        first_chunk_frames=settings.first_chunk_frames,
-        chunk_frames=settings.chunk_frames,
-    )
-    if "stage_config" in {f.name for f in fields(EngineConfig)}:
-        kwargs["stage_config"] = str(settings.stage_config)
     try:
-        return create_engine(EngineConfig(**kwargs), backend=settings.backend)
+        config = EngineConfig(
+            model_path=str(model_dir),
+            device=settings.device,
+            dtype=settings.dtype,
+            max_slots=settings.max_concurrent,
+            max_queue=settings.max_queue,
+            max_frames=settings.max_new_tokens,
+            first_chunk_frames=settings.first_chunk_frames,
+            chunk_frames=settings.chunk_frames,
+        )
+        return create_engine(config, backend=settings.backend)
     except (ValueError, ImportError) as e:
         raise StartupError(f"TTS_BACKEND={settings.backend!r}: {e}") from None
