@@ -85,8 +85,17 @@ class ServerSettings(BaseSettings):
     max_concurrent: int = Field(16, ge=1, le=4096)
     # Requests waiting behind the slots; beyond this the server answers 429 instead of queueing without bound.
     max_queue: int = Field(64, ge=0, le=100_000)
-    # Open connections uvicorn accepts before answering 503: idle or slow clients cannot pile up without bound.
+    # Open connections in all; at the cap the longest-idle one is closed, and only if all are busy a newcomer gets 503.
     max_connections: int = Field(1024, ge=1, le=1_000_000)
+    # --- connection hygiene (enforced by tts_server/http_server.py, see docs/security.md) ------------
+    # Open connections from one client address; past it 429. Keeps one client from taking the whole TTS_MAX_CONNECTIONS.
+    max_connections_per_client: int = Field(64, ge=1, le=1_000_000)
+    # Seconds a connection has to deliver complete request headers (after opening, or after its last response).
+    header_timeout: float = Field(10.0, gt=0, le=3600)
+    # Seconds an idle kept-alive connection stays open between requests.
+    keep_alive_timeout: float = Field(5.0, gt=0, le=3600)
+    # Largest request header block in bytes; past it 431 (nginx and most proxies allow 8-16 KiB).
+    max_header_bytes: int = Field(16384, ge=1024, le=1024 * 1024)
     # Seconds a client is told to wait (Retry-After) when refused for overload.
     retry_after: int = Field(1, ge=0, le=3600)
     # Longest text accepted (characters); OpenAI's speech API uses 4096.
@@ -147,6 +156,8 @@ class ServerSettings(BaseSettings):
             raise ValueError("TTS_FIRST_CHUNK_FRAMES must not exceed TTS_CHUNK_FRAMES")
         if self.max_connections <= self.max_concurrent + self.max_queue:
             raise ValueError("TTS_MAX_CONNECTIONS must exceed TTS_MAX_CONCURRENT + TTS_MAX_QUEUE")
+        if self.max_connections_per_client > self.max_connections:
+            raise ValueError("TTS_MAX_CONNECTIONS_PER_CLIENT must not exceed TTS_MAX_CONNECTIONS")
         return self
 
     def public_dict(self) -> dict[str, Any]:

@@ -7,13 +7,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from starlette.middleware.cors import CORSMiddleware
 
 from inference_config import ServerSettings, load_settings
 from qwen_tts.engine_api import Engine
 
 from .errors import install_error_handlers
-from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
+from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, JsonCORSMiddleware, RequestContextMiddleware
 from .routes import PUBLIC_PATHS, ROUTES, router
 from .runtime import Runtime
 
@@ -74,7 +73,7 @@ def create_app(
     app.add_middleware(ApiKeyMiddleware, keys=keys, public=PUBLIC_PATHS)
     if settings.cors_origins:
         app.add_middleware(
-            CORSMiddleware,
+            JsonCORSMiddleware,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type", "X-Request-Id"],

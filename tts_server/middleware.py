@@ -11,9 +11,13 @@ import logging
 import re
 import secrets
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable
 
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import ApiError, BodyTimeout, PayloadTooLarge, Unauthorized, error_body
@@ -21,6 +25,11 @@ from .errors import ApiError, BodyTimeout, PayloadTooLarge, Unauthorized, error_
 logger = logging.getLogger("tts_server.access")
 
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+def loggable_path(path: str) -> str:
+    """The path re-encoded as it travels in a URL: a client cannot forge log lines with %0a or write raw NULs."""
+    return urllib.parse.quote(path, safe="/!$&'()*+,;=:@-._~")
 
 
 class StreamAborted(Exception):
@@ -80,7 +89,7 @@ class RequestContextMiddleware:
                 '%s "%s %s" %s %.3fs',
                 request_id,
                 scope.get("method", ""),
-                path if route != "other" else path[:80],
+                loggable_path(path if route != "other" else path[:80]),
                 status or "-",
                 time.monotonic() - started,
             )
@@ -172,3 +181,24 @@ class BodyLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class JsonCORSMiddleware(CORSMiddleware):
+    """Starlette's CORS middleware, with a refused preflight answered in the API's JSON error shape (Starlette
+    answers it in plain text)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "OPTIONS":
+            headers = Headers(scope=scope)
+            if "origin" in headers and "access-control-request-method" in headers:
+                response = self.preflight_response(request_headers=headers)
+                if response.status_code == 400:
+                    reason = response.body.decode(errors="replace")  # "Disallowed CORS origin, method"
+                    request_id = scope.get("state", {}).get("request_id", "")
+                    keep = {k: v for k, v in response.headers.items() if k.lower().startswith("access-control-")}
+                    body = error_body(400, f"CORS preflight refused: {reason}", "invalid_request_error", "cors_refused",
+                                      None, request_id)  # fmt: skip
+                    response = JSONResponse(body, status_code=400, headers=keep)
+                await response(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)

@@ -19,6 +19,7 @@ import uvicorn
 from inference_config import ENV_PREFIX, ServerSettings, SettingsError, load_settings
 
 from .app import create_app
+from .http_server import ConnectionLimits, uvicorn_options
 from .runtime import Runtime, StartupError
 
 logger = logging.getLogger("tts_server")
@@ -52,6 +53,14 @@ async def serve(settings: ServerSettings) -> int:
         logger.error("startup failed: %s", e)
         return 1
     app = create_app(settings, runtime=runtime)
+    limits = ConnectionLimits(
+        header_timeout=settings.header_timeout,
+        keep_alive_timeout=settings.keep_alive_timeout,
+        max_header_bytes=settings.max_header_bytes,
+        max_connections=settings.max_connections,
+        max_connections_per_client=settings.max_connections_per_client,
+        retry_after=settings.retry_after,
+    )
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -60,8 +69,8 @@ async def serve(settings: ServerSettings) -> int:
         log_level=settings.log_level,
         access_log=False,  # RequestContextMiddleware logs one line per request, with its id
         timeout_graceful_shutdown=settings.drain_timeout,
-        limit_concurrency=settings.max_connections,
         loop="asyncio",
+        **uvicorn_options(limits),  # header/keep-alive timeouts, header size, connection caps (http_server.py)
     )
     server = DrainingServer(config, runtime)
     try:

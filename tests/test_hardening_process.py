@@ -1,0 +1,249 @@
+"""Hostile clients against a real `python inference_server.py` process (issue: no client can lock others out,
+every error in one shape). Raw sockets where a client library would tidy the attack away.
+
+One server process with deliberately small limits serves every test in this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tts_server.testing import ServerProcess, server_process
+
+pytestmark = pytest.mark.slow
+
+KEY = "hardening-key-0123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ORIGIN = "https://app.example.com"
+HEADER_TIMEOUT = 2.0
+KEEP_ALIVE_TIMEOUT = 1.0
+MAX_CONNECTIONS = 20
+PER_CLIENT = 12
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("hardening")
+    env = {
+        "TTS_DEMO_DIR": str(root / "demo-tiny"),
+        "TTS_PROFILES_DIR": str(root / "voices"),
+        "TTS_API_KEYS": KEY,
+        "TTS_CORS_ORIGINS": ORIGIN,
+        "TTS_MAX_CONCURRENT": "4",
+        "TTS_MAX_QUEUE": "4",
+        "TTS_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+        "TTS_MAX_CONNECTIONS_PER_CLIENT": str(PER_CLIENT),
+        "TTS_HEADER_TIMEOUT": str(HEADER_TIMEOUT),
+        "TTS_KEEP_ALIVE_TIMEOUT": str(KEEP_ALIVE_TIMEOUT),
+        "TTS_BODY_TIMEOUT": "20",
+    }
+    with server_process(env, root / "server.log") as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+def assert_error_shape(status: int, headers: dict[str, str], body: bytes, expected: int) -> dict:
+    """The one documented error shape: JSON {"error": {message, type, param, code}, "request_id"} + X-Request-Id."""
+    assert status == expected, (status, body[:300])
+    assert headers.get("content-type", "").startswith("application/json"), headers
+    doc = json.loads(body)
+    assert set(doc) == {"error", "request_id"}, doc
+    assert set(doc["error"]) == {"message", "type", "param", "code"}, doc
+    assert doc["error"]["message"] and doc["error"]["type"] and doc["error"]["code"]
+    assert headers.get("x-request-id") and headers["x-request-id"] == doc["request_id"], (headers, doc)
+    return doc
+
+
+def assert_response_error(r: httpx.Response, expected: int) -> dict:
+    return assert_error_shape(r.status_code, dict(r.headers), r.content, expected)
+
+
+def connect(server: ServerProcess, source: str = "127.0.0.1") -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=10, source_address=(source, 0))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def read_response(s: socket.socket, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response with a Content-Length, read off a raw socket."""
+    s.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"connection closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    length = int(headers.get("content-length", "0"))
+    while len(body) < length:
+        chunk = s.recv(65536)
+        assert chunk, "connection closed mid-body"
+        body += chunk
+    return status, headers, body[:length]
+
+
+def closed_by_server(s: socket.socket, timeout: float) -> bool:
+    """True if the server closes `s` within `timeout` s (after any response it writes first)."""
+    s.settimeout(timeout)
+    try:
+        while True:
+            if not s.recv(65536):
+                return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+@contextlib.contextmanager
+def sockets(n: int, server: ServerProcess, first: bytes, source: str = "127.0.0.1") -> Iterator[list[socket.socket]]:
+    opened = []
+    try:
+        for _ in range(n):
+            s = connect(server, source)
+            if first:
+                s.sendall(first)
+            opened.append(s)
+        yield opened
+    finally:
+        for s in opened:
+            s.close()
+
+
+SLOW_HEADER = b"GET /health HTTP/1.1\r\nHost: x\r\n"  # headers never finished
+HALF_BODY = (
+    b"POST /synthesize HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
+    b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"speaker_id"'
+)  # a request in progress: headers done, body still coming
+
+
+# --- defect 1: idle and slow-header sockets ------------------------------------------------------------------
+def test_slow_header_sockets_beyond_the_connection_limit_do_not_lock_anyone_out(server: ServerProcess) -> None:
+    with sockets(MAX_CONNECTIONS + 5, server, SLOW_HEADER) as slow:
+        time.sleep(0.2)
+        # At the cap the longest-idle connections make room: /health and a real request still get through.
+        for _ in range(3):
+            r = httpx.get(server.url + "/health", timeout=5)
+            assert r.status_code == 200 and r.json()["status"] == "ok"
+        # Every slow socket is answered 408 in the error shape and closed within the header timeout.
+        started = time.monotonic()
+        for s in slow:
+            status, headers, body = read_response(s, timeout=HEADER_TIMEOUT + 3)
+            assert_error_shape(status, headers, body, 408)
+            assert closed_by_server(s, timeout=2)
+        assert time.monotonic() - started < HEADER_TIMEOUT + 3
+
+
+def test_a_silent_socket_is_closed_after_the_header_timeout(server: ServerProcess) -> None:
+    with sockets(1, server, b"") as (s,):
+        started = time.monotonic()
+        assert closed_by_server(s, timeout=HEADER_TIMEOUT + 3)
+        assert HEADER_TIMEOUT - 0.5 < time.monotonic() - started < HEADER_TIMEOUT + 3
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(server: ServerProcess) -> None:
+    with sockets(1, server, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n") as (s,):
+        status, _, _ = read_response(s)
+        assert status == 200
+        started = time.monotonic()
+        assert closed_by_server(s, timeout=KEEP_ALIVE_TIMEOUT + 3)
+        assert time.monotonic() - started < KEEP_ALIVE_TIMEOUT + 2
+
+
+def test_a_client_over_its_connection_cap_gets_429_and_others_are_still_served(server: ServerProcess) -> None:
+    with sockets(PER_CLIENT, server, HALF_BODY, source="127.0.0.2"):
+        time.sleep(0.3)
+        with sockets(1, server, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", source="127.0.0.2") as (extra,):
+            status, headers, body = read_response(extra)
+            doc = assert_error_shape(status, headers, body, 429)
+            assert doc["error"]["code"] == "too_many_connections" and headers["retry-after"] == "1"
+            assert f"limit {PER_CLIENT}" in doc["error"]["message"]
+        # Another client address is not affected by the greedy one.
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+
+
+def test_the_global_connection_limit_answers_503_in_the_error_shape_when_all_are_busy(server: ServerProcess) -> None:
+    with (
+        sockets(PER_CLIENT, server, HALF_BODY, source="127.0.0.2"),
+        sockets(MAX_CONNECTIONS - PER_CLIENT, server, HALF_BODY, source="127.0.0.3"),
+    ):
+        time.sleep(0.3)
+        with sockets(1, server, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", source="127.0.0.4") as (extra,):
+            status, headers, body = read_response(extra)
+            doc = assert_error_shape(status, headers, body, 503)
+            assert doc["error"]["code"] == "too_many_connections" and headers["retry-after"] == "1"
+    # The busy ones are gone: served again.
+    deadline = time.monotonic() + 5
+    while httpx.get(server.url + "/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline
+
+
+# --- defect 2: header size ---------------------------------------------------------------------------------
+def test_oversized_headers_get_431(server: ServerProcess) -> None:
+    r = httpx.get(server.url + "/health", headers={"X-Padding": "a" * 20000}, timeout=10)
+    doc = assert_response_error(r, 431)
+    assert "16384 bytes" in doc["error"]["message"]
+    # 16 MiB of header: refused as soon as the limit is crossed, long before the client has sent it all.
+    with sockets(1, server, b"") as (s,):
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Padding: ")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            for _ in range(256):
+                s.sendall(b"a" * 65536)
+        status, headers, body = read_response(s)
+        assert_error_shape(status, headers, body, 431)
+    assert httpx.get(server.url + "/health", headers={"X-Padding": "a" * 8000}).status_code == 200
+
+
+# --- defect 3: log injection ----------------------------------------------------------------------------
+def test_a_request_path_cannot_forge_log_lines_or_write_nul(server: ServerProcess) -> None:
+    r = httpx.get(server.url + "/x%0aFORGED%20LINE%0d%00end")  # no key needed: refused, but logged
+    assert_response_error(r, 401)
+    time.sleep(0.2)
+    log = server.log_path.read_bytes()
+    assert b"\x00" not in log
+    lines = log.decode(errors="replace").splitlines()
+    assert not any(line.startswith("FORGED") for line in lines)
+    access = [line for line in lines if r.headers["x-request-id"] in line]
+    assert len(access) == 1 and "/x%0AFORGED%20LINE%0D%00end" in access[0], access
+
+
+# --- defect 6: errors outside the shape -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n",
+    ],
+)
+def test_malformed_http_gets_400_in_the_error_shape(server: ServerProcess, raw: bytes) -> None:
+    with sockets(1, server, raw) as (s,):
+        status, headers, body = read_response(s)
+        doc = assert_error_shape(status, headers, body, 400)
+        assert doc["error"]["code"] == "invalid_http"
+
+
+def test_a_refused_cors_preflight_gets_400_in_the_error_shape(client: httpx.Client) -> None:
+    ok = client.options("/synthesize", headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
+    bad = client.options(
+        "/synthesize", headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "PUT"}
+    )
+    doc = assert_response_error(bad, 400)
+    assert doc["error"]["code"] == "cors_refused" and "origin" in doc["error"]["message"]
+    assert "access-control-allow-origin" not in bad.headers

@@ -1,0 +1,236 @@
+"""Connection hygiene on top of uvicorn's h11 protocol: what a production HTTP server enforces before a request
+reaches the app.
+
+- header-read timeout: a connection must deliver complete request headers within `header_timeout` s of opening
+  (or of the end of its previous response); a slow or silent socket is answered 408 (if it sent anything) and
+  closed. uvicorn on its own has no such timer: an idle socket stays open for ever.
+- keep-alive timeout: an idle kept-alive connection is closed after `keep_alive_timeout` s (uvicorn's timer).
+- header size limit: headers larger than `max_header_bytes` get 431 (h11 enforces the size; the default httptools
+  parser has no limit at all).
+- connection caps: at most `max_connections` open connections and `max_connections_per_client` per client
+  address. At either cap the oldest *idle* connection (between requests or still sending headers; of the same
+  client for its own cap) is closed to make room, so idle sockets can never lock working clients out; only when
+  every candidate is busy is the newcomer refused: 429 over the per-client cap, 503 over the global one.
+- every response this layer writes (400, 408, 429, 431, 503) has the API's JSON error shape and an X-Request-Id.
+
+The h11 parser is used (not httptools) because it bounds header size and lets us see the header phase end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import h11
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .errors import error_body
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    header_timeout: float = 10.0
+    keep_alive_timeout: float = 5.0
+    max_header_bytes: int = 16384
+    max_connections: int = 1024
+    max_connections_per_client: int = 64
+    retry_after: int = 1
+
+
+def _error_bytes(status: int, message: str, type_: str, code: str, extra: dict[str, str] | None = None) -> bytes:
+    """A complete HTTP/1.1 response with the JSON error shape, written raw: h11 refuses to send a response
+    while it has not parsed a request, which is exactly when these are needed."""
+    request_id = uuid.uuid4().hex
+    body = json.dumps(error_body(status, message, type_, code, None, request_id)).encode()
+    headers = {
+        "content-type": "application/json",
+        "content-length": str(len(body)),
+        "connection": "close",
+        "x-request-id": request_id,
+        **(extra or {}),
+    }
+    head = f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return head.encode("latin-1") + b"\r\n" + body
+
+
+def _refusal_app(status: int, message: str, type_: str, code: str, retry_after: int):
+    """An ASGI app that answers every request with one JSON error and closes the connection."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = uuid.uuid4().hex
+        body = json.dumps(error_body(status, message, type_, code, None, request_id)).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+            (b"retry-after", str(retry_after).encode()),
+            (b"x-request-id", request_id.encode()),
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+class HygienicH11Protocol(H11Protocol):
+    """uvicorn's H11Protocol plus the limits above. `limits` is set on a subclass by `protocol_class`."""
+
+    limits: ConnectionLimits = ConnectionLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.limit_concurrency = None  # our caps replace uvicorn's (which answers in plain text)
+        self.timeout_keep_alive = self.limits.keep_alive_timeout
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._idle_since = time.monotonic()
+        self._client_key: str | None = None
+
+    # --- connection accounting -------------------------------------------------------------------------
+    def _per_client(self) -> dict[str, int]:
+        counts = getattr(self.server_state, "tts_per_client", None)
+        if counts is None:
+            counts = self.server_state.tts_per_client = {}  # type: ignore[attr-defined]
+        return counts
+
+    def _idle(self) -> bool:
+        """Between requests or still sending headers: closing it loses no work."""
+        return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        lim = self.limits
+        self._client_key = self.client[0] if self.client else "?"
+        counts = self._per_client()
+        counts[self._client_key] = counts.get(self._client_key, 0) + 1
+        self._arm_header_timer()
+        if counts[self._client_key] > lim.max_connections_per_client and not self._evict_idle(self._client_key):
+            self.app = _refusal_app(
+                429,
+                f"too many connections from this client (limit {lim.max_connections_per_client})",
+                "rate_limit_error",
+                "too_many_connections",
+                lim.retry_after,
+            )
+        elif len(self.connections) > lim.max_connections and not self._evict_idle():
+            self.app = _refusal_app(
+                503,
+                f"server is at its connection limit ({lim.max_connections}); retry later",
+                "service_unavailable",
+                "too_many_connections",
+                lim.retry_after,
+            )
+
+    def _evict_idle(self, client: str | None = None) -> bool:
+        """Close the longest-idle other connection (of `client`, if given); False if every candidate is busy."""
+        idle = [
+            c
+            for c in self.connections
+            if c is not self
+            and isinstance(c, HygienicH11Protocol)
+            and c._idle()
+            and not c.transport.is_closing()
+            and (client is None or c._client_key == client)
+        ]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c._idle_since)
+        self.logger.info("connection limit reached: closing a connection idle for %.1f s", victim._idle_age())
+        victim._close("connection closed to make room: no complete request headers arrived")
+        return True
+
+    def _idle_age(self) -> float:
+        return time.monotonic() - self._idle_since
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        counts = self._per_client()
+        if self._client_key is not None:
+            left = counts.get(self._client_key, 1) - 1
+            if left > 0:
+                counts[self._client_key] = left
+            else:
+                counts.pop(self._client_key, None)
+            self._client_key = None
+        super().connection_lost(exc)
+
+    # --- header phase --------------------------------------------------------------------------------------
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(self.limits.header_timeout, self._header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self._idle() and not self.transport.is_closing():
+            self._close(f"request headers not received within {self.limits.header_timeout:g} s")
+
+    def _close(self, message: str) -> None:
+        """Close an idle connection; if the client had started a request, answer 408 with the reason first."""
+        if self.transport.is_closing():
+            return
+        if self.conn.trailing_data[0]:
+            self.transport.write(_error_bytes(408, message, "invalid_request_error", "header_timeout"))
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and self._headers_too_large(data):
+            self._cancel_header_timer()
+            self.transport.write(self._too_large())
+            self.transport.close()
+            return
+        super().data_received(data)
+        if self._header_timer is not None and self.conn.their_state is not h11.IDLE:
+            self._cancel_header_timer()  # headers are complete; the body has its own timeout (TTS_BODY_TIMEOUT)
+
+    def on_response_complete(self) -> None:
+        self._idle_since = time.monotonic()
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self._arm_header_timer()  # the next request's headers must come in time too
+
+    # --- parser errors -------------------------------------------------------------------------------------
+    def _headers_too_large(self, data: bytes = b"") -> bool:
+        """Checked before h11 parses: h11 bounds only incomplete headers, so a large header block arriving in one
+        read would pass it."""
+        buffered = self.conn.trailing_data[0] + data
+        end = buffered.find(b"\r\n\r\n")
+        return (len(buffered) if end < 0 else end) > self.limits.max_header_bytes
+
+    def _too_large(self) -> bytes:
+        message = f"request headers are larger than the limit of {self.limits.max_header_bytes} bytes"
+        return _error_bytes(431, message, "invalid_request_error", "headers_too_large")
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn calls this on any h11 parse error; answer 431 for oversized headers, else 400, in JSON."""
+        self._cancel_header_timer()
+        if self._headers_too_large():
+            data = self._too_large()
+        else:
+            data = _error_bytes(400, "malformed HTTP request", "invalid_request_error", "invalid_http")
+        self.transport.write(data)
+        self.transport.close()
+
+
+def protocol_class(limits: ConnectionLimits) -> type[HygienicH11Protocol]:
+    """The protocol class to hand to uvicorn.Config(http=...), bound to `limits`."""
+    return type("BoundHygienicH11Protocol", (HygienicH11Protocol,), {"limits": limits})
+
+
+def uvicorn_options(limits: ConnectionLimits) -> dict[str, Any]:
+    """uvicorn.Config keyword arguments that install the protocol and the limits uvicorn enforces itself."""
+    return {
+        "http": protocol_class(limits),
+        "h11_max_incomplete_event_size": limits.max_header_bytes,
+        "timeout_keep_alive": limits.keep_alive_timeout,
+        "limit_concurrency": None,
+    }
