@@ -263,7 +263,9 @@ class NativeEngine(Engine):
         if request.seed is None:
             request.seed = random.getrandbits(62)
         cap = self.config.max_frames if request.max_frames is None else min(request.max_frames, self.config.max_frames)
-        handle.stats.frame_budget = max(1, min(cap, BUDGET_BASE_FRAMES + BUDGET_FRAMES_PER_TOKEN * len(text_ids)))
+        text_budget = BUDGET_BASE_FRAMES + BUDGET_FRAMES_PER_TOKEN * len(text_ids)
+        # A caller that asks for at least min_frames gets them (still capped): min == max fixes the length.
+        handle.stats.frame_budget = max(1, min(cap, max(text_budget, request.min_frames)))
         with self._cv:
             if len(self._pending) >= self.config.max_queue + len(self._free_slots):
                 raise QueueFullError(f"{len(self._pending)} requests waiting (limit {self.config.max_queue})")

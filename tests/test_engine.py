@@ -148,16 +148,22 @@ async def test_budget_from_text_length_and_cap(tiny_model):
     eng = make_engine(tiny_model, max_frames=80)
     await eng.start()
     try:
-        # min_frames holds end-of-speech off so the budget is what stops both requests.
+        n_tokens = len(tiny_model.tokenizer.text_ids("Hi."))
+        text_budget = engine_mod.BUDGET_BASE_FRAMES + engine_mod.BUDGET_FRAMES_PER_TOKEN * n_tokens
+        assert text_budget < 60
+        # The text budget, with the default min_frames (a missing end-of-speech cannot run past it)...
+        probe = eng.submit(req(tiny_model, "Hi."))
+        assert probe.stats.frame_budget == text_budget
+        await probe.collect()
+        # ...raised by an explicit min_frames, which holds end-of-speech off: min == budget fixes the length
+        # (60 frames for a 3-character text); and capped by max_frames whatever min_frames says.
         (a, b), (wa, wb) = await run(
-            eng, [req(tiny_model, "Hi.", min_frames=10_000), req(tiny_model, TEXTS[1] * 3, min_frames=10_000)]
+            eng, [req(tiny_model, "Hi.", min_frames=60), req(tiny_model, TEXTS[1] * 3, min_frames=10_000)]
         )
     finally:
         await eng.stop()
-    n_tokens = len(tiny_model.tokenizer.text_ids("Hi."))
-    expected_a = min(80, engine_mod.BUDGET_BASE_FRAMES + engine_mod.BUDGET_FRAMES_PER_TOKEN * n_tokens)
-    assert a.stats.finish_reason is FinishReason.BUDGET and a.stats.frames == expected_a
-    assert wa.shape == (expected_a * 1920,)
+    assert a.stats.finish_reason is FinishReason.BUDGET and a.stats.frames == 60
+    assert wa.shape == (60 * 1920,)
     assert b.stats.finish_reason is FinishReason.BUDGET and b.stats.frames == 80  # capped by max_frames
     assert wb.shape == (80 * 1920,)
 

@@ -11,6 +11,7 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -140,13 +141,23 @@ def test_slow_header_sockets_beyond_the_connection_limit_do_not_lock_anyone_out(
         for _ in range(3):
             r = httpx.get(server.url + "/health", timeout=5)
             assert r.status_code == 200 and r.json()["status"] == "ok"
-        # Every slow socket is answered 408 in the error shape and closed within the header timeout.
+        # Every slow socket is closed within the header timeout, answered 408 in the error shape first unless it
+        # was evicted before the server had read its bytes (then the close is a reset, and nothing else comes).
         started = time.monotonic()
+        answered = 0
         for s in slow:
-            status, headers, body = read_response(s, timeout=HEADER_TIMEOUT + 3)
+            try:
+                status, headers, body = read_response(s, timeout=HEADER_TIMEOUT + 3)
+            except (ConnectionResetError, AssertionError) as e:
+                assert "closed before a response: b''" in str(e) or isinstance(e, ConnectionResetError), e
+                continue
             assert_error_shape(status, headers, body, 408)
             assert closed_by_server(s, timeout=2)
+            answered += 1
         assert time.monotonic() - started < HEADER_TIMEOUT + 3
+        # Those still open after the three /health connections made room (per-client cap 12, all from 127.0.0.1)
+        # reach the header timeout with their bytes read: at least those nine are answered.
+        assert answered >= PER_CLIENT - 3, answered
 
 
 def test_a_silent_socket_is_closed_after_the_header_timeout(server: ServerProcess) -> None:
@@ -247,3 +258,106 @@ def test_a_refused_cors_preflight_gets_400_in_the_error_shape(client: httpx.Clie
     doc = assert_response_error(bad, 400)
     assert doc["error"]["code"] == "cors_refused" and "origin" in doc["error"]["message"]
     assert "access-control-allow-origin" not in bad.headers
+
+
+# --- synthesis defects over the socket --------------------------------------------------------------------
+def _metric(text: str, line_prefix: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(line_prefix + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _wait_idle(c: httpx.Client, limit: float = 30.0) -> None:
+    deadline = time.monotonic() + limit
+    while True:
+        h = c.get("/health").json()
+        if h["running"] == 0 and h["waiting"] == 0 and h["admitted"] == 0:
+            return
+        assert time.monotonic() < deadline, h
+        time.sleep(0.05)
+
+
+def test_min_new_tokens_equal_to_max_fixes_the_length_beyond_the_text_budget(client: httpx.Client) -> None:
+    # "Hi." has a text budget of 25 + 8 per token, well under 100 frames: the explicit length must win.
+    body = {"speaker_id": "demo", "text": "Hi.", "min_new_tokens": 100, "max_new_tokens": 100, "seed": 3}
+    r = client.post("/synthesize", json={**body, "response_format": "pcm"})
+    assert r.status_code == 200, r.text
+    assert len(r.content) == 100 * 1920 * 2
+    assert r.headers["x-finish-reason"] == "budget"
+    # max_new_tokens alone only caps: the text budget still ends a text this short well before 100 frames.
+    capped = client.post("/synthesize", json={**body, "min_new_tokens": 60, "response_format": "pcm"})
+    assert len(capped.content) >= 60 * 1920 * 2
+
+
+def test_openai_route_names_voice_not_speaker_id(client: httpx.Client) -> None:
+    speech = {"model": "tts-1", "input": "hi", "response_format": "wav"}
+    bad = client.post("/v1/audio/speech", json={**speech, "voice": "../etc/passwd"})
+    assert assert_response_error(bad, 422)["error"]["param"] == "voice"
+    assert bad.json()["error"]["message"].startswith("voice: ")
+    ghost = client.post("/v1/audio/speech", json={**speech, "voice": "ghost"})
+    assert assert_response_error(ghost, 404)["error"]["param"] == "voice"
+    assert (
+        client.post("/synthesize", json={"speaker_id": "ghost", "text": "hi"}).json()["error"]["param"] == "speaker_id"
+    )
+
+
+@pytest.mark.parametrize("text", ["\u200b\u200b\ufeff", "\u200b \u2060\u00ad\n", "\x01\x02"])
+def test_text_of_invisible_characters_only_is_refused(client: httpx.Client, text: str) -> None:
+    r = client.post("/synthesize", json={"speaker_id": "demo", "text": text})
+    doc = assert_response_error(r, 422)
+    assert doc["error"]["param"] == "text" and "visible" in doc["error"]["message"]
+    r = client.post("/v1/audio/speech", json={"model": "tts-1", "voice": "demo", "input": text})
+    assert assert_response_error(r, 422)["error"]["param"] == "input"
+    # Visible text around the invisible characters is fine.
+    ok = client.post("/synthesize", json={"speaker_id": "demo", "text": "\u200bHi.", "max_new_tokens": 4})
+    assert ok.status_code == 200
+
+
+def test_a_stream_cut_by_its_client_is_counted_499_not_200(server: ServerProcess, client: httpx.Client) -> None:
+    label = 'tts_http_requests_total{route="/synthesize/stream",status="%s"}'
+    before = client.get("/metrics").text
+    long = {"speaker_id": "demo", "text": "A long story. " * 25, "min_new_tokens": 2048, "max_new_tokens": 2048}
+    with (
+        httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as c,
+        c.stream("POST", "/synthesize/stream", json=long) as r,
+    ):
+        assert r.status_code == 200
+        next(r.iter_raw())  # audio is flowing; hang up
+    _wait_idle(client)
+    deadline = time.monotonic() + 5
+    while _metric(client.get("/metrics").text, label % "499") == _metric(before, label % "499"):
+        assert time.monotonic() < deadline, "the cut stream was never counted as 499"
+        time.sleep(0.05)
+    after = client.get("/metrics").text
+    assert _metric(after, label % "499") - _metric(before, label % "499") == 1
+    assert _metric(after, label % "200") == _metric(before, label % "200")
+
+
+def test_the_server_sets_torch_threads(server: ServerProcess) -> None:
+    import os
+
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    expected = int(omp) if omp.isdigit() and int(omp) > 0 else max(1, len(os.sched_getaffinity(0)) - 1)
+    assert f"torch intra-op threads: {expected}\n" in server.log()
+
+
+def test_an_sse_timeout_is_logged_once(tmp_path: Path) -> None:
+    env = {
+        "TTS_DEMO_DIR": str(tmp_path / "demo-tiny"),
+        "TTS_PROFILES_DIR": str(tmp_path / "voices"),
+        "TTS_REQUEST_TIMEOUT": "1.5",
+    }
+    with server_process(env, tmp_path / "server.log") as srv:
+        long = {"model": "tts-1", "voice": "demo", "input": "A long story. " * 25, "response_format": "pcm",
+                "stream_format": "sse", "min_new_tokens": 2048, "max_new_tokens": 2048}  # fmt: skip
+        rid = "sse-deadline-1"
+        with httpx.stream(
+            "POST", srv.url + "/v1/audio/speech", json=long, headers={"X-Request-Id": rid}, timeout=30
+        ) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == {"type": "error", "error": {"message": "request timed out", "code": "timeout"}}
+        time.sleep(0.3)
+        mentions = [line for line in srv.log().splitlines() if rid in line and "timeout" in line]
+        assert len(mentions) == 1, mentions
+        assert "ended: timeout" in mentions[0]

@@ -105,7 +105,7 @@ class FakeEngine(Engine):
 
     def frames_for(self, request: SynthesisRequest) -> int:
         cap = self.max_frames if request.max_frames is None else min(request.max_frames, self.max_frames)
-        return max(1, min(cap, int(self.frames_per_char * len(request.text))))
+        return max(1, min(cap, max(int(self.frames_per_char * len(request.text)), request.min_frames)))
 
     def submit(self, request: SynthesisRequest) -> RequestHandle:
         if not self._accepting:

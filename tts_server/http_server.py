@@ -32,6 +32,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import error_body
 
+EVICTION_GRACE_S = 0.05
+
 
 @dataclass(frozen=True)
 class ConnectionLimits:
@@ -90,6 +92,7 @@ class HygienicH11Protocol(H11Protocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._idle_since = time.monotonic()
         self._client_key: str | None = None
+        self._evicting = False
 
     # --- connection accounting -------------------------------------------------------------------------
     def _per_client(self) -> dict[str, int]:
@@ -134,15 +137,23 @@ class HygienicH11Protocol(H11Protocol):
             if c is not self
             and isinstance(c, HygienicH11Protocol)
             and c._idle()
+            and not c._evicting
             and not c.transport.is_closing()
             and (client is None or c._client_key == client)
         ]
         if not idle:
             return False
         victim = min(idle, key=lambda c: c._idle_since)
+        victim._evicting = True
         self.logger.info("connection limit reached: closing a connection idle for %.1f s", victim._idle_age())
-        victim._close("connection closed to make room: no complete request headers arrived")
+        # A moment's grace lets the loop read bytes already on their way (closing over unread bytes is a bare
+        # reset, with no 408 to say why).
+        self.loop.call_later(EVICTION_GRACE_S, victim._evict)
         return True
+
+    def _evict(self) -> None:
+        if self._idle():
+            self._close("connection closed to make room: no complete request headers arrived")
 
     def _idle_age(self) -> float:
         return time.monotonic() - self._idle_since

@@ -67,23 +67,35 @@ class RequestContextMiddleware:
         state = scope.setdefault("state", {})
         state["request_id"], state["received_at"] = request_id, started
         status = 0
+        complete = client_gone = False
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, complete
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
                 headers.append((b"x-request-id", request_id.encode()))
                 message["headers"] = headers
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
             await send(message)
 
+        async def watch_receive() -> Message:
+            nonlocal client_gone
+            message = await receive()
+            if message["type"] == "http.disconnect" and not complete:
+                client_gone = True
+            return message
+
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, watch_receive, send_with_id)
         except StreamAborted as e:
             logger.warning("request %s: stream aborted: %s", request_id, e)
         finally:
             path = scope.get("path", "")
             route = path if path in self.routes else "other"
+            if status and not complete:  # the headers went out but not the whole body
+                status = 499 if client_gone else 500
             self.on_response(route, status or 499)
             logger.info(
                 '%s "%s %s" %s %.3fs',

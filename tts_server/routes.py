@@ -127,9 +127,8 @@ async def _encoded_stream(job: Job, first: np.ndarray | None, encoder: StreamEnc
             yield tail
         job.outcome = "ok"
     except RequestFailedError as e:
-        job.outcome = "error"
-        logger.error("request %s failed in the engine mid-stream: %s", job.request_id, e)
-        raise StreamAborted("engine failure") from None
+        job.outcome = "error"  # Job.close logs it, with the engine's error
+        raise StreamAborted(f"engine failure: {e}") from None
     except RequestTimeout:
         job.outcome = "timeout"
         raise StreamAborted("request timeout") from None
@@ -235,8 +234,7 @@ async def _sse_stream(
         yield _sse_event({"type": "speech.audio.done", "usage": usage})
         job.outcome = "ok"
     except (RequestFailedError, RequestTimeout) as e:
-        job.outcome = "timeout" if isinstance(e, RequestTimeout) else "error"
-        logger.error("request %s ended mid-stream: %s", job.request_id, job.outcome)
+        job.outcome = "timeout" if isinstance(e, RequestTimeout) else "error"  # Job.close logs it
         message = "request timed out" if job.outcome == "timeout" else f"synthesis failed (request id {job.request_id})"
         yield _sse_event({"type": "error", "error": {"message": message, "code": job.outcome}})
 
@@ -254,7 +252,7 @@ async def openai_speech(request: Request) -> Response:
             param="response_format",
             code="unsupported_format",
         )
-    job = submit(runtime, opts, _rid(request))
+    job = submit(runtime, opts, _rid(request), speaker_field="voice")
     # FLAC cannot state its length up front and many decoders refuse a FLAC stream without it: send it whole.
     whole = body.response_format == "flac"
     if whole and body.stream_format == "audio":

@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from types import FrameType
 
+import torch
 import uvicorn
 
 from inference_config import ENV_PREFIX, ServerSettings, SettingsError, load_settings
@@ -46,7 +48,18 @@ def configure_logging(level: str) -> None:
     )
 
 
+def torch_threads(settings: ServerSettings) -> int:
+    """The intra-op thread count the server runs torch with (see ServerSettings.torch_threads)."""
+    if settings.torch_threads is not None:
+        return settings.torch_threads
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else 1
+
+
 async def serve(settings: ServerSettings) -> int:
+    torch.set_num_threads(torch_threads(settings))
+    logger.info("torch intra-op threads: %d", torch.get_num_threads())
     try:
         runtime = await Runtime.start(settings)
     except StartupError as e:

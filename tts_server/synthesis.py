@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import unicodedata
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -58,6 +59,12 @@ def check_limits(runtime: Runtime, opts: Options, text_field: str = "text") -> O
     text = opts.text.strip()
     if not text:
         raise InvalidField(f"{text_field}: must contain non-whitespace text", param=text_field)
+    if not any(unicodedata.category(c)[0] in "LNPS" for c in text):
+        # Zero-width spaces, BOMs, control characters: nothing to say, only a budget of noise to generate.
+        raise InvalidField(
+            f"{text_field}: contains no visible characters (only whitespace, control or format characters)",
+            param=text_field,
+        )
     if len(opts.text) > s.max_text_chars:
         raise InvalidField(
             f"{text_field}: {len(opts.text)} characters, the limit is {s.max_text_chars}",
@@ -127,12 +134,14 @@ class Job:
         if self.outcome == "ok" and stats.audio_seconds > 0:
             wall = time.monotonic() - stats.submitted_at
             m.rtf.observe(wall / stats.audio_seconds)
-        if self.outcome != "ok":
-            logger.info("request %s ended: %s (%s)", self.request_id, self.outcome, stats.as_dict())
+        if self.outcome != "ok":  # the one log line of a request that did not end well
+            level = {"error": logging.ERROR, "timeout": logging.WARNING}.get(self.outcome, logging.INFO)
+            logger.log(level, "request %s ended: %s (%s)", self.request_id, self.outcome, stats.as_dict())
 
 
-def submit(runtime: Runtime, opts: Options, request_id: str) -> Job:
-    """Admit and submit; every refusal is an ApiError with the right status."""
+def submit(runtime: Runtime, opts: Options, request_id: str, speaker_field: str = "speaker_id") -> Job:
+    """Admit and submit; every refusal is an ApiError with the right status, naming `speaker_field` (the
+    route's name for the voice: `voice` on /v1/audio/speech)."""
     s = runtime.settings
     retry = {"Retry-After": str(s.retry_after)}
     if not runtime.ready:
@@ -142,17 +151,17 @@ def submit(runtime: Runtime, opts: Options, request_id: str) -> Job:
     try:
         xvector = runtime.voices.get(opts.speaker_id)
     except InvalidSpeakerIdError as e:
-        raise InvalidField(f"speaker_id: {e}", param="speaker_id", code="invalid_speaker_id") from None
+        raise InvalidField(f"{speaker_field}: {e}", param=speaker_field, code="invalid_speaker_id") from None
     except UnknownSpeakerError:
         raise NotFound(
             f"unknown speaker {opts.speaker_id!r} (GET /speakers lists the voices)",
-            param="speaker_id",
+            param=speaker_field,
             code="unknown_speaker",
         ) from None
     except InvalidProfileError:
         raise NotFound(
             f"speaker {opts.speaker_id!r} has an unusable profile file (the server log says why)",
-            param="speaker_id",
+            param=speaker_field,
             code="invalid_profile",
         ) from None
     if not runtime.admission.try_acquire():
@@ -232,8 +241,7 @@ async def collect(job: Job, receive: Receive) -> np.ndarray:
     """The whole utterance; failures become EngineFailure (500 with the request id)."""
     try:
         pcm = await guarded(job, receive, job.handle.collect())
-    except RequestFailedError as e:
-        logger.error("request %s failed in the engine: %s", job.request_id, e)
+    except RequestFailedError:  # Job.close logs it, with the engine's error
         raise EngineFailure(f"synthesis failed (request id {job.request_id})") from None
     job.outcome = "ok"
     return pcm
@@ -244,8 +252,7 @@ async def first_chunk(job: Job, receive: Receive) -> np.ndarray | None:
     early failures still get a proper status code."""
     try:
         return await guarded(job, receive, _next_or_none(job.handle))
-    except RequestFailedError as e:
-        logger.error("request %s failed in the engine: %s", job.request_id, e)
+    except RequestFailedError:  # Job.close logs it, with the engine's error
         raise EngineFailure(f"synthesis failed (request id {job.request_id})") from None
 
 
