@@ -112,6 +112,13 @@ class ServerSettings(BaseSettings):
     request_timeout: float = Field(300.0, gt=0)
     # Seconds SIGTERM waits for in-flight requests before cancelling them.
     drain_timeout: float = Field(30.0, ge=0)
+    # --- engine faults (tts_server/recovery.py) -------------------------------------------------------------
+    # Seconds between an engine failure and its in-process restart (/ready is 503 meanwhile; no hot crash loop).
+    engine_restart_delay: float = Field(1.0, ge=0, le=600)
+    # In-process restarts allowed within an hour; past that the server exits 3 for its process supervisor.
+    engine_max_restarts: int = Field(5, ge=0, le=1000)
+    # Tests only: a file whose content (loop, oom, cuda) makes the engine loop raise that fault. Never set in production.
+    fault_file: Path | None = None
     # Name reported by /v1/models; any `model` value is accepted on /v1/audio/speech.
     served_model_name: str = Field("qwen3-tts", min_length=1, max_length=128)
 

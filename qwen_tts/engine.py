@@ -25,6 +25,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -144,6 +145,10 @@ class NativeEngine(Engine):
         self._accepting = False
         self._ready = False
         self._dead: str | None = None
+        self.fault: BaseException | None = None  # what killed the loop, for the server's supervisor
+        # Fault injection (tests only): called at the top of every busy loop iteration; may raise, as a CUDA
+        # error or an out-of-memory inside the step would. None in normal operation.
+        self.fault_hook: Callable[[], None] | None = None
         self.model_info: dict = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -315,11 +320,14 @@ class NativeEngine(Engine):
                     self._retire()
                     continue
                 if self._live:
+                    if self.fault_hook is not None:  # fault injection (tests only)
+                        self.fault_hook()
                     with torch.inference_mode():
                         self._step()
         except Exception as e:  # a bug in the loop itself: fail everything, mark the engine dead
             log.exception("engine loop died")
             self._dead = f"engine loop died: {type(e).__name__}"
+            self.fault = e
             for lv in list(self._live.values()):
                 self._finish(lv, FinishReason.ERROR, self._dead)
             with self._cv:

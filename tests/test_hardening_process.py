@@ -361,3 +361,91 @@ def test_an_sse_timeout_is_logged_once(tmp_path: Path) -> None:
         mentions = [line for line in srv.log().splitlines() if rid in line and "timeout" in line]
         assert len(mentions) == 1, mentions
         assert "ended: timeout" in mentions[0]
+
+
+# --- engine faults -------------------------------------------------------------------------------------------
+LONG = {"speaker_id": "demo", "text": "A long story. " * 25, "min_new_tokens": 2048, "max_new_tokens": 2048}
+SHORT = {"speaker_id": "demo", "text": "Hello after a fault.", "min_new_tokens": 24, "max_new_tokens": 24,
+         "seed": 5, "response_format": "pcm"}  # fmt: skip
+
+
+def _fault_env(root: Path, fault_file: Path) -> dict[str, str]:
+    return {
+        "TTS_DEMO_DIR": str(root / "demo-tiny"),
+        "TTS_PROFILES_DIR": str(root / "voices"),
+        "TTS_FAULT_FILE": str(fault_file),
+        "TTS_ENGINE_RESTART_DELAY": "1.5",
+        "TTS_MAX_CONCURRENT": "4",
+        "TTS_MAX_QUEUE": "4",
+    }
+
+
+def _inject_under_load(srv: ServerProcess, fault_file: Path, kind: str) -> list[httpx.Response]:
+    """Two long whole-file requests decoding, a third queued behind... then the fault; returns their responses."""
+    import concurrent.futures
+
+    with httpx.Client(base_url=srv.url, timeout=60) as c, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(c.post, "/synthesize", json={**LONG, "seed": i}) for i in range(3)]
+        deadline = time.monotonic() + 20
+        while c.get("/health").json()["running"] < 3:
+            assert time.monotonic() < deadline, "the load never started"
+            time.sleep(0.02)
+        fault_file.write_text(kind)
+        return [f.result() for f in futures]
+
+
+@pytest.fixture(scope="module")
+def fault_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+    root = tmp_path_factory.mktemp("faults")
+    fault_file = root / "fault"
+    with server_process(_fault_env(root, fault_file), root / "server.log") as srv:
+        yield srv, fault_file
+
+
+@pytest.mark.parametrize("kind", ["oom", "loop"])
+def test_an_engine_fault_fails_in_flight_requests_in_shape_then_the_engine_restarts(
+    fault_server: tuple[ServerProcess, Path], kind: str
+) -> None:
+    srv, fault_file = fault_server
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        before = c.post("/synthesize", json=SHORT)
+        assert before.status_code == 200
+        restarts = c.get("/health").json()["engine_restarts"]
+
+        failed = _inject_under_load(srv, fault_file, kind)
+        for r in failed:  # every request the fault touched: a 500 in the documented shape, with its id
+            doc = assert_response_error(r, 500)
+            assert doc["error"]["code"] == "synthesis_failed" and doc["request_id"] in doc["error"]["message"]
+        # Not ready while the engine is replaced; new work is refused in shape with Retry-After, never hangs.
+        assert c.get("/ready").status_code == 503
+        health = c.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "restarting"
+        refused = c.post("/synthesize", json=SHORT)
+        assert assert_response_error(refused, 503)["error"]["code"] == "not_ready"
+        assert refused.headers["retry-after"] == "1"
+
+        deadline = time.monotonic() + 60
+        while c.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, srv.log()[-3000:]
+            time.sleep(0.05)
+        health = c.get("/health").json()
+        assert health["status"] == "ok" and health["engine_restarts"] == restarts + 1
+        assert health["speakers"] == 1
+        # Nothing that was not in flight is lost: the same request gives the same audio as before the fault.
+        after = c.post("/synthesize", json=SHORT)
+        assert after.status_code == 200 and after.content == before.content
+        assert f"tts_engine_restarts_total {float(restarts + 1)}" in c.get("/metrics").text
+    assert srv.proc.poll() is None
+    log = srv.log()
+    assert f"injecting fault '{kind}'" in log and "engine restarted" in log
+
+
+def test_a_sticky_cuda_error_exits_non_zero_for_the_supervisor(tmp_path: Path) -> None:
+    fault_file = tmp_path / "fault"
+    with server_process(_fault_env(tmp_path, fault_file), tmp_path / "server.log") as srv:
+        failed = _inject_under_load(srv, fault_file, "cuda")
+        for r in failed:
+            assert_response_error(r, 500)
+        assert srv.proc.wait(timeout=60) == 3
+        log = srv.log()
+        assert "AcceleratorError" in log and "exiting with status 3" in log

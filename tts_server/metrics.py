@@ -37,6 +37,7 @@ class Metrics:
             "tts_real_time_factor", "Wall time / audio time of finished requests", buckets=_RTF, registry=r
         )
         self.audio_seconds = Counter("tts_audio_seconds", "Seconds of audio produced", registry=r)
+        self.engine_restarts = Counter("tts_engine_restarts", "In-process engine restarts after a fault", registry=r)
         Gauge("tts_requests_running", "Requests decoding in the engine", registry=r).set_function(running)
         Gauge("tts_requests_waiting", "Requests queued in the engine", registry=r).set_function(waiting)
         Gauge("tts_requests_admitted", "Requests holding an admission slot", registry=r).set_function(admitted)

@@ -291,7 +291,9 @@ async def health(request: Request) -> JSONResponse:
     runtime: Runtime | None = getattr(request.app.state, "runtime", None)
     if runtime is None:
         return JSONResponse({"status": "starting", "ready": False})
-    status = "draining" if runtime.draining else ("ok" if runtime.alive else "engine_dead")
+    status = "draining" if runtime.draining else ("ok" if runtime.engine.ready else "engine_dead")
+    if runtime.restarting:
+        status = "restarting"  # alive: the supervisor is replacing a failed engine (tts_server/recovery.py)
     body = {
         "status": status,
         "ready": runtime.ready,
@@ -302,6 +304,7 @@ async def health(request: Request) -> JSONResponse:
         "waiting": runtime.engine.num_waiting,
         "admitted": runtime.admission.active,
         "uptime_s": round(time.monotonic() - runtime.started_at, 1),
+        "engine_restarts": runtime.engine_restarts,
     }
     return JSONResponse(body, status_code=200 if runtime.alive else 503)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from embedding_cache import EmbeddingCacheManager
@@ -55,10 +56,14 @@ class Runtime:
         self.model_name = model_name
         self.admission = Admission(settings.max_concurrent + settings.max_queue)
         self.metrics = Metrics(
-            running=lambda: engine.num_running,
-            waiting=lambda: engine.num_waiting,
+            running=lambda: self.engine.num_running,  # self.engine: the supervisor may replace it
+            waiting=lambda: self.engine.num_waiting,
             admitted=lambda: self.admission.active,
         )
+        # Builds a fresh engine like the first one (set by `start` when it built the engine; recovery.py uses it).
+        self.engine_factory: Callable[[], Engine] | None = None
+        self.restarting = False  # the supervisor is replacing a dead engine
+        self.engine_restarts = 0
         self.draining = False
         self.started_at = time.monotonic()
         self._stopped = False
@@ -71,7 +76,7 @@ class Runtime:
     @property
     def alive(self) -> bool:
         """False once the engine has died while we still meant to serve (a restart is the fix)."""
-        return self.engine.ready or self.draining or self._stopped
+        return self.engine.ready or self.draining or self._stopped or self.restarting
 
     def begin_drain(self) -> None:
         if not self.draining:
@@ -95,6 +100,7 @@ class Runtime:
             logger.warning("ignoring unknown setting %s (see inference_config.py for the names)", name)
         model_dir, xvector_dim = None, None
         model_name = "fake" if settings.backend == "fake" else settings.model_path
+        built = engine is None
         if engine is None:
             if settings.backend == "fake":
                 engine = _create_engine(settings, None)
@@ -115,6 +121,8 @@ class Runtime:
             raise StartupError(f"engine x-vector width {engine.xvector_dim} != the checkpoint's {xvector_dim}")
         voices.to(getattr(engine, "device", "cpu"))
         runtime = cls(settings, engine, voices, model_name)
+        if built:
+            runtime.engine_factory = lambda: _create_engine(settings, model_dir)
         logger.info("Ready with %d speakers", len(voices))
         return runtime
 
@@ -139,6 +147,11 @@ async def _load_voices(voices: EmbeddingCacheManager) -> None:
     logger.info(
         "Loaded %d voice profiles from %s (%d skipped)", len(report.loaded), voices.profiles_dir, len(report.skipped)
     )
+
+
+async def start_engine(engine: Engine, settings: ServerSettings) -> None:
+    """Start (load, warm up) an engine within TTS_STAGE_INIT_TIMEOUT; StartupError with one line otherwise."""
+    await _start_engine(engine, settings)
 
 
 async def _start_engine(engine: Engine, settings: ServerSettings) -> None:

@@ -20,8 +20,10 @@ import uvicorn
 
 from inference_config import ENV_PREFIX, ServerSettings, SettingsError, load_settings
 
+from . import faults
 from .app import create_app
 from .http_server import ConnectionLimits, uvicorn_options
+from .recovery import EXIT_ENGINE_FAILED, EngineSupervisor
 from .runtime import Runtime, StartupError
 
 logger = logging.getLogger("tts_server")
@@ -86,10 +88,28 @@ async def serve(settings: ServerSettings) -> int:
         **uvicorn_options(limits),  # header/keep-alive timeouts, header size, connection caps (http_server.py)
     )
     server = DrainingServer(config, runtime)
+    fatal: list[str] = []
+
+    def on_fatal(reason: str) -> None:
+        fatal.append(reason)
+        runtime.begin_drain()
+        server.should_exit = True
+
+    supervisor = EngineSupervisor(
+        runtime,
+        on_fatal,
+        restart_delay=settings.engine_restart_delay,
+        max_restarts=settings.engine_max_restarts,
+        on_engine=faults.installer(settings.fault_file),
+    )
+    supervisor.start()
     try:
         await server.serve()
     finally:
+        await supervisor.stop()
         await runtime.stop(drain_timeout=0.0)  # uvicorn has already waited for in-flight requests
+    if fatal:
+        return EXIT_ENGINE_FAILED
     return 0 if server.started else 1
 
 

@@ -1,0 +1,127 @@
+"""Engine faults: notice a dead engine, restart it in process, or exit non-zero for the supervisor.
+
+When the engine's loop dies (an exception escaped it: a bug, out of memory, a CUDA error), the engine has
+already failed every request it held (each gets a 500 in the error shape, or a cut stream); from then on
+/ready is 503 and new requests get 503 with Retry-After. The supervisor here then
+  - restarts the engine in process after TTS_ENGINE_RESTART_DELAY s (a fresh engine from the same checkpoint,
+    warmed up like at startup): /ready turns 200 again, voices and metrics are kept; or
+  - asks the server to exit with status 3 when an in-process restart cannot help: a CUDA error other than out of
+    memory (the CUDA context is unusable until the process ends), a restart that fails, or more than
+    TTS_ENGINE_MAX_RESTARTS restarts within an hour. A process supervisor (systemd Restart=on-failure, Docker
+    restart policy, Kubernetes) starts a fresh process; docs/security.md has the health-check settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from qwen_tts.engine_api import Engine
+
+from .runtime import Runtime, StartupError, start_engine
+
+logger = logging.getLogger("tts_server")
+
+EXIT_ENGINE_FAILED = 3
+_POLL_S = 0.05
+_WINDOW_S = 3600.0
+
+
+def needs_new_process(fault: BaseException | None) -> bool:
+    """True for faults after which this process cannot use the GPU again (sticky CUDA errors)."""
+    if fault is None or isinstance(fault, torch.OutOfMemoryError):  # memory is freed with the old engine
+        return False
+    if isinstance(fault, torch.AcceleratorError):
+        return True
+    text = str(fault)
+    return any(s in text for s in ("CUDA error", "CUBLAS_STATUS", "cuDNN error", "device-side assert"))
+
+
+class EngineSupervisor:
+    """Watches `runtime.engine`; restarts it, or calls `on_fatal(reason)` (the server then exits non-zero)."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        on_fatal: Callable[[str], None],
+        *,
+        restart_delay: float,
+        max_restarts: int,
+        on_engine: Callable[[Engine], None] | None = None,
+    ):
+        self.runtime = runtime
+        self.on_fatal = on_fatal
+        self.restart_delay = restart_delay
+        self.max_restarts = max_restarts
+        self.on_engine = on_engine
+        self._restarts: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self.on_engine is not None:
+            self.on_engine(self.runtime.engine)
+        self._task = asyncio.get_running_loop().create_task(self._watch(), name="engine-supervisor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def _dead(self) -> bool:
+        rt = self.runtime
+        return not (rt.engine.ready or rt.draining or rt.restarting)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(_POLL_S)
+            if self._dead() and not await self._recover():
+                return
+
+    async def _recover(self) -> bool:
+        rt = self.runtime
+        fault = getattr(rt.engine, "fault", None)
+        reason = f"{type(fault).__name__}: {fault}" if fault is not None else "engine stopped serving"
+        logger.error("engine failed (%s); in-flight requests were failed", reason)
+        if needs_new_process(fault):
+            return self._fatal(f"{reason}; the CUDA context is unusable, a new process is needed")
+        if rt.engine_factory is None:
+            return self._fatal(f"{reason}; this engine cannot be rebuilt in process")
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < _WINDOW_S]
+        if len(self._restarts) >= self.max_restarts:
+            return self._fatal(f"{reason}; {len(self._restarts)} restarts within the hour already")
+        self._restarts.append(now)
+        rt.restarting = True
+        try:
+            await asyncio.sleep(self.restart_delay)
+            logger.info("restarting the engine")
+            old = rt.engine
+            with contextlib.suppress(Exception):
+                await old.stop(0.0)
+            del old
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            engine = rt.engine_factory()
+            if self.on_engine is not None:
+                self.on_engine(engine)
+            await start_engine(engine, rt.settings)
+        except (StartupError, Exception) as e:
+            rt.restarting = False
+            return self._fatal(f"{reason}; the restart failed: {e}")
+        rt.engine = engine
+        rt.engine_restarts += 1
+        rt.metrics.engine_restarts.inc()
+        rt.restarting = False
+        logger.info("engine restarted (%d restart(s) in the last hour); ready again", len(self._restarts))
+        return True
+
+    def _fatal(self, reason: str) -> bool:
+        logger.critical("engine failure needs a new process: %s; exiting with status %d", reason, EXIT_ENGINE_FAILED)
+        self.on_fatal(reason)
+        return False
