@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from inference_config import ServerSettings, load_settings
 from qwen_tts.engine_api import Engine
 
+from . import openapi
 from .errors import install_error_handlers
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, JsonCORSMiddleware, RequestContextMiddleware
 from .routes import PUBLIC_PATHS, ROUTES, router
@@ -61,6 +62,7 @@ def create_app(
     app.state.runtime = runtime
     install_error_handlers(app)
     app.include_router(router)
+    openapi.install(app)  # error shape and media types in the schema (fuzzed against in the tests)
 
     def count_response(route: str, status: int) -> None:
         rt: Runtime | None = app.state.runtime
