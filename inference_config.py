@@ -59,6 +59,9 @@ class ServerSettings(BaseSettings):
     torch_threads: int | None = Field(None, ge=1, le=1024)
     # Seconds allowed for loading and warming the engine before startup fails.
     stage_init_timeout: float = Field(600.0, gt=0)
+    # Decode each request on its own, so its audio is bit-identical whatever runs beside it (default: batched decode,
+    # identical codes and audio within 1 int16 LSB; see docs/security.md for the measured cost).
+    batch_invariant_decode: bool = False
     # Streaming granularity: a small first chunk for fast first audio, then larger ones for throughput.
     first_chunk_frames: int = Field(3, ge=1, le=256)
     chunk_frames: int = Field(12, ge=1, le=256)

@@ -75,6 +75,10 @@ class EngineConfig:
     # On CUDA, replay the batched frame step from CUDA graphs (one per batch and kv-length bucket, captured at
     # start when warmup is on, else on first use); ~10x fewer launches than eager. Ignored on CPU.
     cuda_graphs: bool = True
+    # Decode each request's chunks on their own instead of batched with others' of the same length: the waveform
+    # is then a function of the request's codes alone, bit for bit, whatever else runs (a batched convolution
+    # rounds differently: 1 int16 LSB on ~1% of samples). Costs the batching of Code2Wav; docs/security.md.
+    batch_invariant_decode: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "max_frames", "max_text_tokens", "first_chunk_frames", "chunk_frames"):
@@ -490,14 +494,15 @@ class NativeEngine(Engine):
 
     def _decode_due(self) -> None:
         """Decode pending frames of rows whose next chunk is due (or that finished), batched by chunk length."""
-        groups: dict[int, list[_Live]] = collections.defaultdict(list)
+        groups: dict[tuple[int, int], list[_Live]] = collections.defaultdict(list)
         for lv in self._live.values():
             if not lv.pending or lv.done in (FinishReason.CANCELLED, FinishReason.ERROR):
                 continue
             target = self.config.first_chunk_frames if lv.decoded == 0 else self.config.chunk_frames
             if len(lv.pending) >= target or lv.done is not None:
-                groups[min(len(lv.pending), target)].append(lv)
-        for t, rows in groups.items():
+                alone = lv.slot if self.config.batch_invariant_decode else -1  # a group of its own
+                groups[(min(len(lv.pending), target), alone)].append(lv)
+        for (t, _), rows in groups.items():
             try:
                 self._decode_rows(rows, t)
             except Exception:

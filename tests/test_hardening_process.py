@@ -449,3 +449,59 @@ def test_a_sticky_cuda_error_exits_non_zero_for_the_supervisor(tmp_path: Path) -
         assert srv.proc.wait(timeout=60) == 3
         log = srv.log()
         assert "AcceleratorError" in log and "exiting with status 3" in log
+
+
+# --- defect 5: what "same seed, same audio" means under concurrency ---------------------------------------------
+def _alone_then_batched(url: str) -> tuple[bytes, list[bytes]]:
+    """The same request alone, then at the same moment as three others (other voices' texts and seeds)."""
+    import concurrent.futures
+
+    def body(i: int) -> dict:
+        text = ["The same request, alone and in company.", "Another text entirely.", "A third.", "And a fourth."][i]
+        return {"speaker_id": "demo", "text": text, "min_new_tokens": 48, "max_new_tokens": 48, "seed": 21 + i,
+                "response_format": "pcm"}  # fmt: skip
+
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as c:
+        alone = c.post("/synthesize", json=body(0))
+        assert alone.status_code == 200
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            batched = list(pool.map(lambda i: c.post("/synthesize", json=body(i)), range(4)))
+    assert all(r.status_code == 200 for r in batched)
+    return alone.content, [r.content for r in batched]
+
+
+def test_by_default_the_same_request_batched_is_within_one_lsb_of_it_alone(server: ServerProcess) -> None:
+    import numpy as np
+
+    alone, batched = _alone_then_batched(server.url)
+    a, b = np.frombuffer(alone, "<i2").astype(int), np.frombuffer(batched[0], "<i2").astype(int)
+    assert a.shape == b.shape == (48 * 1920,)
+    diff = np.abs(a - b)
+    print(f"\nbatched decode: {(diff > 0).mean():.2%} of samples differ, at most {diff.max()} LSB")
+    assert diff.max() <= 1
+
+
+def test_batch_invariant_decode_makes_the_same_request_bit_identical(tmp_path: Path) -> None:
+    env = {
+        "TTS_DEMO_DIR": str(tmp_path / "demo-tiny"),
+        "TTS_PROFILES_DIR": str(tmp_path / "voices"),
+        "TTS_API_KEYS": KEY,
+        "TTS_MAX_CONCURRENT": "4",
+        "TTS_BATCH_INVARIANT_DECODE": "1",
+    }
+    with server_process(env, tmp_path / "server.log") as srv:
+        for _ in range(2):
+            alone, batched = _alone_then_batched(srv.url)
+            assert batched[0] == alone
+
+
+def test_an_open_bind_address_without_keys_is_warned_about(tmp_path: Path) -> None:
+    env = {
+        "TTS_DEMO_DIR": str(tmp_path / "demo-tiny"),
+        "TTS_PROFILES_DIR": str(tmp_path / "voices"),
+        "TTS_HOST": "0.0.0.0",
+    }
+    with server_process(env, tmp_path / "server.log") as srv:
+        assert "listening on 0.0.0.0 with no API keys" in srv.log()
+    with server_process({**env, "TTS_API_KEYS": KEY}, tmp_path / "server-keys.log") as srv:
+        assert "with no API keys" not in srv.log()

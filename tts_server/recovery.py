@@ -65,6 +65,7 @@ class EngineSupervisor:
     def start(self) -> None:
         if self.on_engine is not None:
             self.on_engine(self.runtime.engine)
+        self.runtime.supervised = True
         self._task = asyncio.get_running_loop().create_task(self._watch(), name="engine-supervisor")
 
     async def stop(self) -> None:
@@ -122,6 +123,7 @@ class EngineSupervisor:
         return True
 
     def _fatal(self, reason: str) -> bool:
+        self.runtime.supervised = False
         logger.critical("engine failure needs a new process: %s; exiting with status %d", reason, EXIT_ENGINE_FAILED)
         self.on_fatal(reason)
         return False

@@ -292,7 +292,7 @@ async def health(request: Request) -> JSONResponse:
     if runtime is None:
         return JSONResponse({"status": "starting", "ready": False})
     status = "draining" if runtime.draining else ("ok" if runtime.engine.ready else "engine_dead")
-    if runtime.restarting:
+    if runtime.recovering:
         status = "restarting"  # alive: the supervisor is replacing a failed engine (tts_server/recovery.py)
     body = {
         "status": status,

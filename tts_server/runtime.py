@@ -63,6 +63,7 @@ class Runtime:
         # Builds a fresh engine like the first one (set by `start` when it built the engine; recovery.py uses it).
         self.engine_factory: Callable[[], Engine] | None = None
         self.restarting = False  # the supervisor is replacing a dead engine
+        self.supervised = False  # a supervisor will restart a dead engine (recovery.py); False once it gives up
         self.engine_restarts = 0
         self.draining = False
         self.started_at = time.monotonic()
@@ -76,7 +77,14 @@ class Runtime:
     @property
     def alive(self) -> bool:
         """False once the engine has died while we still meant to serve (a restart is the fix)."""
-        return self.engine.ready or self.draining or self._stopped or self.restarting
+        return self.engine.ready or self.draining or self._stopped or self.recovering
+
+    @property
+    def recovering(self) -> bool:
+        """The engine is down and the supervisor is on it (or about to be: it polls)."""
+        return self.restarting or (
+            self.supervised and not self.engine.ready and not self.draining and not self._stopped
+        )
 
     def begin_drain(self) -> None:
         if not self.draining:
@@ -235,6 +243,7 @@ def _create_engine(settings: ServerSettings, model_dir: Path | None) -> Engine:
             max_frames=settings.max_new_tokens,
             first_chunk_frames=settings.first_chunk_frames,
             chunk_frames=settings.chunk_frames,
+            batch_invariant_decode=settings.batch_invariant_decode,
         )
         return create_engine(config, backend=settings.backend)
     except (ValueError, ImportError) as e:

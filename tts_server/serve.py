@@ -59,7 +59,20 @@ def torch_threads(settings: ServerSettings) -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else 1
 
 
+def warn_if_open(settings: ServerSettings) -> None:
+    """An address others can reach, and no keys: anyone there can use every voice (docs/security.md)."""
+    loopback = settings.host in ("localhost", "::1") or settings.host.startswith("127.")
+    if not loopback and not settings.api_keys:
+        logger.warning(
+            "listening on %s with no API keys: anyone who can reach port %d can synthesize with every voice; "
+            "set TTS_API_KEYS, or TTS_HOST=127.0.0.1 behind a proxy that authenticates",
+            settings.host,
+            settings.port,
+        )
+
+
 async def serve(settings: ServerSettings) -> int:
+    warn_if_open(settings)
     torch.set_num_threads(torch_threads(settings))
     logger.info("torch intra-op threads: %d", torch.get_num_threads())
     try:
