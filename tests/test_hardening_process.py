@@ -380,18 +380,33 @@ def _fault_env(root: Path, fault_file: Path) -> dict[str, str]:
     }
 
 
-def _inject_under_load(srv: ServerProcess, fault_file: Path, kind: str) -> list[httpx.Response]:
-    """Two long whole-file requests decoding, a third queued behind... then the fault; returns their responses."""
+def _stream_until_cut(c: httpx.Client) -> tuple[int, bool]:
+    """(bytes received, whether the server cut the stream) of a long stream."""
+    received = 0
+    with c.stream("POST", "/synthesize/stream", json={**LONG, "seed": 9}) as r:
+        assert r.status_code == 200
+        try:
+            for chunk in r.iter_raw():
+                received += len(chunk)
+        except httpx.RemoteProtocolError:
+            return received, True
+    return received, False
+
+
+def _inject_under_load(srv: ServerProcess, fault_file: Path, kind: str) -> tuple[list[httpx.Response], tuple]:
+    """Three long whole-file requests and a stream decoding... then the fault; returns what each got."""
     import concurrent.futures
 
-    with httpx.Client(base_url=srv.url, timeout=60) as c, concurrent.futures.ThreadPoolExecutor(3) as pool:
+    with httpx.Client(base_url=srv.url, timeout=60) as c, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        stream = pool.submit(_stream_until_cut, c)
         futures = [pool.submit(c.post, "/synthesize", json={**LONG, "seed": i}) for i in range(3)]
         deadline = time.monotonic() + 20
-        while c.get("/health").json()["running"] < 3:
+        while c.get("/health").json()["running"] < 4:
             assert time.monotonic() < deadline, "the load never started"
             time.sleep(0.02)
+        time.sleep(0.3)  # the stream's first chunks are out
         fault_file.write_text(kind)
-        return [f.result() for f in futures]
+        return [f.result() for f in futures], stream.result()
 
 
 @pytest.fixture(scope="module")
@@ -411,11 +426,16 @@ def test_an_engine_fault_fails_in_flight_requests_in_shape_then_the_engine_resta
         before = c.post("/synthesize", json=SHORT)
         assert before.status_code == 200
         restarts = c.get("/health").json()["engine_restarts"]
+        stream_500 = 'tts_http_requests_total{route="/synthesize/stream",status="500"}'
+        cut_before = _metric(c.get("/metrics").text, stream_500)
 
-        failed = _inject_under_load(srv, fault_file, kind)
+        failed, (received, cut) = _inject_under_load(srv, fault_file, kind)
         for r in failed:  # every request the fault touched: a 500 in the documented shape, with its id
             doc = assert_response_error(r, 500)
             assert doc["error"]["code"] == "synthesis_failed" and doc["request_id"] in doc["error"]["message"]
+        # The stream had started: it is cut (an incomplete chunked body, never a clean end), and counted as a 500.
+        assert cut and 0 < received < 2048 * 1920 * 4
+        assert _metric(c.get("/metrics").text, stream_500) == cut_before + 1
         # Not ready while the engine is replaced; new work is refused in shape with Retry-After, never hangs.
         assert c.get("/ready").status_code == 503
         health = c.get("/health")
@@ -443,7 +463,7 @@ def test_an_engine_fault_fails_in_flight_requests_in_shape_then_the_engine_resta
 def test_a_sticky_cuda_error_exits_non_zero_for_the_supervisor(tmp_path: Path) -> None:
     fault_file = tmp_path / "fault"
     with server_process(_fault_env(tmp_path, fault_file), tmp_path / "server.log") as srv:
-        failed = _inject_under_load(srv, fault_file, "cuda")
+        failed, _ = _inject_under_load(srv, fault_file, "cuda")
         for r in failed:
             assert_response_error(r, 500)
         assert srv.proc.wait(timeout=60) == 3
