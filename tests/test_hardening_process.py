@@ -134,7 +134,14 @@ HALF_BODY = (
 
 
 # --- defect 1: idle and slow-header sockets ------------------------------------------------------------------
+def _rejections(server: ServerProcess, reason: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=5).text
+    prefix = f'tts_rejections_total{{reason="{reason}"}} '
+    return next((float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
+
+
 def test_slow_header_sockets_beyond_the_connection_limit_do_not_lock_anyone_out(server: ServerProcess) -> None:
+    evicted, timed_out = _rejections(server, "idle_evicted"), _rejections(server, "header_timeout")
     with sockets(MAX_CONNECTIONS + 5, server, SLOW_HEADER) as slow:
         time.sleep(0.2)
         # At the cap the longest-idle connections make room: /health and a real request still get through.
@@ -158,6 +165,9 @@ def test_slow_header_sockets_beyond_the_connection_limit_do_not_lock_anyone_out(
         # Those still open after the three /health connections made room (per-client cap 12, all from 127.0.0.1)
         # reach the header timeout with their bytes read: at least those nine are answered.
         assert answered >= PER_CLIENT - 3, answered
+    # Each close is counted by its reason in /metrics (the /metrics connection itself may evict one more).
+    closed = _rejections(server, "idle_evicted") - evicted + _rejections(server, "header_timeout") - timed_out
+    assert MAX_CONNECTIONS + 5 <= closed <= MAX_CONNECTIONS + 6
 
 
 def test_a_silent_socket_is_closed_after_the_header_timeout(server: ServerProcess) -> None:
@@ -184,6 +194,7 @@ def test_a_client_over_its_connection_cap_gets_429_and_others_are_still_served(s
             doc = assert_error_shape(status, headers, body, 429)
             assert doc["error"]["code"] == "too_many_connections" and headers["retry-after"] == "1"
             assert f"limit {PER_CLIENT}" in doc["error"]["message"]
+        assert _rejections(server, "client_connection_limit") >= 1
         # Another client address is not affected by the greedy one.
         assert httpx.get(server.url + "/health", timeout=5).status_code == 200
 
@@ -198,6 +209,7 @@ def test_the_global_connection_limit_answers_503_in_the_error_shape_when_all_are
             status, headers, body = read_response(extra)
             doc = assert_error_shape(status, headers, body, 503)
             assert doc["error"]["code"] == "too_many_connections" and headers["retry-after"] == "1"
+    assert _rejections(server, "connection_limit") >= 1
     # The busy ones are gone: served again.
     deadline = time.monotonic() + 5
     while httpx.get(server.url + "/health", timeout=5).status_code != 200:
@@ -206,6 +218,7 @@ def test_the_global_connection_limit_answers_503_in_the_error_shape_when_all_are
 
 # --- defect 2: header size ---------------------------------------------------------------------------------
 def test_oversized_headers_get_431(server: ServerProcess) -> None:
+    before = _rejections(server, "headers_too_large")
     r = httpx.get(server.url + "/health", headers={"X-Padding": "a" * 20000}, timeout=10)
     doc = assert_response_error(r, 431)
     assert "16384 bytes" in doc["error"]["message"]
@@ -218,6 +231,7 @@ def test_oversized_headers_get_431(server: ServerProcess) -> None:
         status, headers, body = read_response(s)
         assert_error_shape(status, headers, body, 431)
     assert httpx.get(server.url + "/health", headers={"X-Padding": "a" * 8000}).status_code == 200
+    assert _rejections(server, "headers_too_large") == before + 2
 
 
 # --- defect 3: log injection ----------------------------------------------------------------------------

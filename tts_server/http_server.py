@@ -22,7 +22,8 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
@@ -43,6 +44,8 @@ class ConnectionLimits:
     max_connections: int = 1024
     max_connections_per_client: int = 64
     retry_after: int = 1
+    # Told the reason of each refusal or close this layer makes (the server counts them in tts_rejections_total).
+    on_refusal: Callable[[str], None] | None = field(default=None, compare=False)
 
 
 def _error_bytes(status: int, message: str, type_: str, code: str, extra: dict[str, str] | None = None) -> bytes:
@@ -101,6 +104,10 @@ class HygienicH11Protocol(H11Protocol):
             counts = self.server_state.tts_per_client = {}  # type: ignore[attr-defined]
         return counts
 
+    def _count(self, reason: str) -> None:
+        if self.limits.on_refusal is not None:
+            self.limits.on_refusal(reason)
+
     def _idle(self) -> bool:
         """Between requests or still sending headers: closing it loses no work."""
         return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
@@ -113,6 +120,7 @@ class HygienicH11Protocol(H11Protocol):
         counts[self._client_key] = counts.get(self._client_key, 0) + 1
         self._arm_header_timer()
         if counts[self._client_key] > lim.max_connections_per_client and not self._evict_idle(self._client_key):
+            self._count("client_connection_limit")
             self.app = _refusal_app(
                 429,
                 f"too many connections from this client (limit {lim.max_connections_per_client})",
@@ -121,6 +129,7 @@ class HygienicH11Protocol(H11Protocol):
                 lim.retry_after,
             )
         elif len(self.connections) > lim.max_connections and not self._evict_idle():
+            self._count("connection_limit")
             self.app = _refusal_app(
                 503,
                 f"server is at its connection limit ({lim.max_connections}); retry later",
@@ -153,6 +162,7 @@ class HygienicH11Protocol(H11Protocol):
 
     def _evict(self) -> None:
         if self._idle():
+            self._count("idle_evicted")
             self._close("connection closed to make room: no complete request headers arrived")
 
     def _idle_age(self) -> float:
@@ -183,6 +193,7 @@ class HygienicH11Protocol(H11Protocol):
     def _header_timeout(self) -> None:
         self._header_timer = None
         if self._idle() and not self.transport.is_closing():
+            self._count("header_timeout")
             self._close(f"request headers not received within {self.limits.header_timeout:g} s")
 
     def _close(self, message: str) -> None:
@@ -196,6 +207,7 @@ class HygienicH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.IDLE and self._headers_too_large(data):
             self._cancel_header_timer()
+            self._count("headers_too_large")
             self.transport.write(self._too_large())
             self.transport.close()
             return
@@ -225,8 +237,10 @@ class HygienicH11Protocol(H11Protocol):
         """uvicorn calls this on any h11 parse error; answer 431 for oversized headers, else 400, in JSON."""
         self._cancel_header_timer()
         if self._headers_too_large():
+            self._count("headers_too_large")
             data = self._too_large()
         else:
+            self._count("invalid_http")
             data = _error_bytes(400, "malformed HTTP request", "invalid_request_error", "invalid_http")
         self.transport.write(data)
         self.transport.close()

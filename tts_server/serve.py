@@ -88,6 +88,7 @@ async def serve(settings: ServerSettings) -> int:
         max_connections=settings.max_connections,
         max_connections_per_client=settings.max_connections_per_client,
         retry_after=settings.retry_after,
+        on_refusal=lambda reason: runtime.metrics.rejections.labels(reason).inc(),
     )
     config = uvicorn.Config(
         app,
