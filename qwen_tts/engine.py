@@ -180,6 +180,7 @@ class NativeEngine(Engine):
         # Control ids (>= codebook size) are never sampled for codebook 0, except end-of-speech.
         self._suppress = suppress_mask(t.vocab_size, t.codebook_size, t.codec_eos_token_id, self.device)
         self._eos = t.codec_eos_token_id
+        self._codebook_size = t.codebook_size
         graphs = self.device.type == "cuda" and self.config.cuda_graphs
         if graphs or self._static_step_eager:
             self._runner = FrameStepRunner(
@@ -453,13 +454,38 @@ class NativeEngine(Engine):
             ],
         )
         codes = self._runner.step(*args) if self._runner is not None else self._step_eager(*args)  # (n, 16), host
-        for lv, cb0, frame in zip(rows, codes[:, 0].tolist(), codes, strict=True):
+        bad = self._out_of_codebook(codes)
+        for i, (lv, cb0, frame) in enumerate(zip(rows, codes[:, 0].tolist(), codes, strict=True)):
             if cb0 == self._eos:
                 lv.done = FinishReason.EOS
+                continue
+            if i in bad:  # never let such a code reach the decoder: end this request, the others go on
+                log.error("request %s: %s", lv.handle.request_id, bad[i])
+                lv.done = FinishReason.ERROR
+                lv.error = bad[i]
                 continue
             lv.pending.append(frame)
             lv.pos += 1
             lv.frames += 1
+
+    def _out_of_codebook(self, codes: torch.Tensor) -> dict[int, str]:
+        """Rows of `codes` (n, 16) holding an id the decoder cannot take, with a message naming it.
+
+        Sampling never picks a suppressed or filtered id; this guards against a fault (NaN logits, a kernel bug)
+        turning into an index error inside a batched decode. cb0 may be EOS; every other id must be < codebook size.
+        """
+        size = self._codebook_size
+        ok = (codes >= 0) & (codes < size)
+        ok[:, 0] |= codes[:, 0] == self._eos
+        if bool(ok.all()):
+            return {}
+        out = {}
+        for i, j in (~ok).nonzero().tolist():
+            if i not in out:
+                out[i] = (
+                    f"generation produced code {int(codes[i, j])} for codebook {j}, outside the codebook (size {size})"
+                )
+        return out
 
     def _step_eager(
         self, slots: list[int], frames: list[int], min_frames: list[int], positions: list[int], text: list[torch.Tensor]
