@@ -4,6 +4,9 @@ The seed's variables keep their names and defaults (TTS_MODEL_PATH, TTS_STAGE_CO
 TTS_DEVICE, TTS_HOST, TTS_PORT=8090, TTS_MAX_CONCURRENT=16, TTS_STAGE_INIT_TIMEOUT, TTS_TEMPERATURE,
 TTS_TOP_K, TTS_MAX_NEW_TOKENS); the rest are the limits and switches of the hardened server.
 `load_settings()` turns any bad value into one `SettingsError` line naming the variable.
+
+Engine defaults are not repeated here: they come from `EngineSettings` and `SynthesisRequest`, and
+`ServerSettings.engine_settings()` is the one mapping from these variables to the engine's settings.
 """
 
 from __future__ import annotations
@@ -16,7 +19,25 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from qwen_tts.engine_api import EngineSettings, SynthesisRequest
+from qwen_tts.voices import DEFAULT_PROFILES_DIR
+
 ENV_PREFIX = "TTS_"
+_ENGINE = EngineSettings()  # the engine's defaults, read below
+# Server setting -> EngineSettings field: the one mapping (engine_settings() and error messages both use it).
+ENGINE_FIELDS = {
+    "model_path": "model_path",
+    "backend": "backend",
+    "demo_dir": "demo_dir",
+    "stage_config": "stage_config",
+    "device": "device",
+    "dtype": "dtype",
+    "max_concurrent": "max_slots",
+    "max_queue": "max_queue",
+    "max_new_tokens": "max_frames",
+    "first_chunk_frames": "first_chunk_frames",
+    "chunk_frames": "chunk_frames",
+}
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
 
@@ -44,32 +65,32 @@ class ServerSettings(BaseSettings):
     # --- model and engine --------------------------------------------------------------------
     # "demo" (the built-in tiny random checkpoint, written on first use), a checkpoint directory, or a hub id
     # found in the local Hugging Face cache. Default demo so the server runs offline out of the box.
-    model_path: str = "demo"
+    model_path: str = _ENGINE.model_path
     # vLLM-Omni stage layout; read only by the vllm-omni backend.
     stage_config: Path = Path("stage_config_optimized.yaml")
     # native: our PyTorch engine; vllm-omni: the optional AsyncOmni pipeline; fake: sine tones, for HTTP tests.
-    backend: Literal["native", "vllm-omni", "fake"] = "native"
+    backend: Literal["native", "vllm-omni", "fake"] = _ENGINE.backend  # type: ignore[assignment]
     # auto picks cuda when available, else cpu.
-    device: str = "auto"
+    device: str = _ENGINE.device
     # None: float32 on CPU, bfloat16 on CUDA (the engine decides). No float16: the code predictor overflows in it.
     dtype: Literal["float32", "bfloat16"] | None = None
     # Seconds allowed for loading and warming the engine before startup fails.
     stage_init_timeout: float = Field(600.0, gt=0)
     # Streaming granularity: a small first chunk for fast first audio, then larger ones for throughput.
-    first_chunk_frames: int = Field(3, ge=1, le=256)
-    chunk_frames: int = Field(12, ge=1, le=256)
+    first_chunk_frames: int = Field(_ENGINE.first_chunk_frames, ge=1, le=256)
+    chunk_frames: int = Field(_ENGINE.chunk_frames, ge=1, le=256)
 
     # --- voices ---------------------------------------------------------------------------------
     # Directory of `<speaker_id>.safetensors` profiles; nothing outside it is ever read.
-    profiles_dir: Path = Path("voice_profiles")
+    profiles_dir: Path = DEFAULT_PROFILES_DIR
     # Where the demo checkpoint is written on first use (None: a per-user cache directory).
     demo_dir: Path | None = None
 
     # --- sampling defaults (a request may override within the limits below) ----------------------
-    temperature: float = Field(0.9, ge=0.0, le=2.0)
-    top_k: int = Field(50, ge=1, le=4096)
+    temperature: float = Field(SynthesisRequest.temperature, ge=0.0, le=2.0)
+    top_k: int = Field(SynthesisRequest.top_k, ge=1, le=4096)
     # Hard cap on generated codec frames per request (12.5 frames/s: 2048 frames = 164 s of audio).
-    max_new_tokens: int = Field(2048, ge=1, le=65536)
+    max_new_tokens: int = Field(_ENGINE.max_frames, ge=1, le=65536)
 
     # --- network ---------------------------------------------------------------------------------
     host: str = "0.0.0.0"
@@ -82,9 +103,9 @@ class ServerSettings(BaseSettings):
 
     # --- admission and limits -------------------------------------------------------------------
     # Requests decoding at once in the engine (its batch slots).
-    max_concurrent: int = Field(16, ge=1, le=4096)
+    max_concurrent: int = Field(_ENGINE.max_slots, ge=1, le=4096)
     # Requests waiting behind the slots; beyond this the server answers 429 instead of queueing without bound.
-    max_queue: int = Field(64, ge=0, le=100_000)
+    max_queue: int = Field(_ENGINE.max_queue, ge=0, le=100_000)
     # Open connections uvicorn accepts before answering 503: idle or slow clients cannot pile up without bound.
     max_connections: int = Field(1024, ge=1, le=1_000_000)
     # Seconds a client is told to wait (Retry-After) when refused for overload.
@@ -150,10 +171,21 @@ class ServerSettings(BaseSettings):
         return self
 
     def public_dict(self) -> dict[str, Any]:
-        """The settings for logs and /health, with secrets reduced to a count."""
+        """The settings for the startup log, with secrets reduced to a count."""
         d = self.model_dump(mode="json")
         d["api_keys"] = len(self.api_keys)
         return d
+
+    def engine_settings(self) -> EngineSettings:
+        """What the engine is built from: the one mapping from TTS_* variables to `EngineSettings`."""
+        return EngineSettings(**{engine: getattr(self, name) for name, engine in ENGINE_FIELDS.items()})
+
+    def describe_engine_setting(self, engine_field: str) -> str:
+        """`TTS_<NAME>='value'` for the variable behind an EngineSettings field (for one-line startup errors)."""
+        for name, engine in ENGINE_FIELDS.items():
+            if engine == engine_field:
+                return f"{ENV_PREFIX}{name.upper()}={str(getattr(self, name))!r}"
+        return f"engine setting {engine_field}"
 
 
 def _describe(err: dict[str, Any]) -> str:
