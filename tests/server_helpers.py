@@ -19,11 +19,11 @@ import httpx
 import torch
 from fastapi import FastAPI
 
-from inference_config import ServerSettings, load_settings
 from qwen_tts.engine_api import Engine
 from qwen_tts.voices import VoiceProfile, profile_path, save_profile
 from tts_server.app import create_app
 from tts_server.runtime import Runtime
+from tts_server.settings import ServerSettings, load_settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,16 +11,15 @@ import asyncio
 import logging
 import time
 
-from inference_config import ServerSettings, unknown_env_vars
 from qwen_tts.engine_api import Engine, EngineSettingsError
 from qwen_tts.engines import create_engine
+from qwen_tts.model_paths import DEMO
 from qwen_tts.voices import DEMO_VOICE_ID, VoiceRegistry, ensure_demo_voice
 
 from .metrics import Metrics
+from .settings import ServerSettings, unknown_env_vars
 
 logger = logging.getLogger("tts_server")
-
-DEMO = "demo"
 
 
 class StartupError(RuntimeError):
@@ -89,7 +88,7 @@ class Runtime:
         """Build the engine (resolving the model), load voices, start the engine (bounded by
         TTS_STAGE_INIT_TIMEOUT). `engine` (tests) replaces the one the settings describe."""
         for name in unknown_env_vars():
-            logger.warning("ignoring unknown setting %s (see inference_config.py for the names)", name)
+            logger.warning("ignoring unknown setting %s (see tts_server/settings.py for the names)", name)
         logger.debug("settings: %s", settings.public_dict())
         if engine is None:
             engine = await asyncio.to_thread(_create_engine, settings)

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 from starlette.types import Receive
 
-from inference_config import ServerSettings
 from qwen_tts.engine_api import (
     EngineNotReadyError,
     QueueFullError,
@@ -33,6 +32,7 @@ from qwen_tts.voices import InvalidProfileError, InvalidSpeakerIdError, UnknownS
 from .errors import ApiError, EngineFailure, InvalidField, NotFound, NotReady, Overloaded, RequestTimeout
 from .runtime import Runtime
 from .schemas import SynthesisOptions
+from .settings import ServerSettings
 
 logger = logging.getLogger("tts_server")
 

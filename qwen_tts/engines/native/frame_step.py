@@ -135,25 +135,15 @@ class EagerFrameStep:
     use_graphs = False
 
     def __init__(self, talker: Talker, state: SlotState, cache: KVCache, suppressed: Tensor, eos_id: int) -> None:
-        self.talker, self.state, self.cache = talker, state, cache
-        self.suppressed, self.eos_id = suppressed, eos_id
+        self._fixed = (talker, state, cache, suppressed, eos_id)  # frame_step's leading arguments
+        self._device = state.h.device
 
     def step(
         self, slots: list[int], frames: list[int], min_frames: list[int], positions: list[int], text: list[Tensor]
     ) -> Tensor:
         """One frame for each row; returns the codes (n, 16) on the CPU (the step's one host sync)."""
-        ints = torch.tensor([slots, frames, min_frames, positions], device=self.state.h.device)
-        codes = frame_step(
-            self.talker,
-            self.state,
-            self.cache,
-            self.suppressed,
-            self.eos_id,
-            *ints,
-            torch.stack(text),
-            max(positions) + 1,
-        )
-        return codes.cpu()
+        rows = torch.tensor([slots, frames, min_frames, positions], device=self._device)
+        return frame_step(*self._fixed, *rows, torch.stack(text), max(positions) + 1).cpu()
 
 
 def batch_buckets(max_rows: int) -> list[int]:
