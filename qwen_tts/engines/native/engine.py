@@ -109,7 +109,7 @@ class NativeEngine(Engine):
     @property
     def _uses_graphs(self) -> bool:
         mode = self.config.frame_step
-        return mode == "graphs" or (mode == "auto" and self._device.type == "cuda")
+        return mode == "graphs" or (mode == "auto" and self.device.type == "cuda")
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -123,12 +123,12 @@ class NativeEngine(Engine):
         self._ready = True
 
     def _load(self) -> None:
-        if self._device.type == "cuda":
-            if self._device.index is not None:  # graph capture and replay use the current device's streams
-                torch.cuda.set_device(self._device)
+        if self.device.type == "cuda":
+            if self.device.index is not None:  # graph capture and replay use the current device's streams
+                torch.cuda.set_device(self.device)
             torch.backends.cudnn.allow_tf32 = self.config.decoder_tf32
         if self._model is None:
-            self._model = load_model(self._model_dir, device=self._device, dtype=self.dtype)
+            self._model = load_model(self._model_dir, device=self.device, dtype=self.dtype)
         m = self._model
         cfg = m.config
         t = cfg.talker
@@ -140,10 +140,10 @@ class NativeEngine(Engine):
         self._max_len = self.config.max_text_tokens + 16 + self.config.max_frames
         S = self.config.max_slots
         # One slot more than requests: the scratch slot (index S) that padding rows of a graphed step write to.
-        self._cache = self._talker.new_cache(S + 1, self._max_len, device=self._device, dtype=self.dtype)
-        self._state = SlotState.zeros(S + 1, t.hidden_size, t.vocab_size, self._device, self.dtype)
+        self._cache = self._talker.new_cache(S + 1, self._max_len, device=self.device, dtype=self.dtype)
+        self._state = SlotState.zeros(S + 1, t.hidden_size, t.vocab_size, self.device, self.dtype)
         # Control ids (>= codebook size) are never sampled for codebook 0, except end-of-speech.
-        self._suppress = suppress_mask(t.vocab_size, t.codebook_size, t.codec_eos_token_id, self._device)
+        self._suppress = suppress_mask(t.vocab_size, t.codebook_size, t.codec_eos_token_id, self.device)
         self._eos = t.codec_eos_token_id
         graphs = self._uses_graphs
         if graphs or self.config.frame_step == "padded":
@@ -240,8 +240,8 @@ class NativeEngine(Engine):
     # ------------------------------------------------------------------ worker thread
     def _run(self) -> None:
         torch.set_grad_enabled(False)
-        if self._device.type == "cuda" and self._device.index is not None:
-            torch.cuda.set_device(self._device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
         sched = self._scheduler
         try:
             while True:
@@ -301,11 +301,11 @@ class NativeEngine(Engine):
             group.append(lv)
         if group:
             self._prefill(group)
-        self._timings["prefill_s"] += time.perf_counter() - t0
+        self.timings["prefill_s"] += time.perf_counter() - t0
 
     def _build_prompt(self, lv: RequestState) -> Prompt:
         req = lv.request
-        x = req.xvector.to(self._device, self.dtype)
+        x = req.xvector.to(self.device, self.dtype)
         return build_prompt(
             self._cfg, self._talker, lv.text_ids, self._role_ids, x, lv.language, req.non_streaming_text
         )
@@ -313,18 +313,19 @@ class NativeEngine(Engine):
     def _prefill(self, group: list[RequestState]) -> None:
         """One talker forward over several prompts. Padding sits after each prompt at later positions, so causal
         masking keeps it invisible to the real tokens, and the first decode steps overwrite its K/V."""
-        dev = self._device
         try:
             with torch.inference_mode():
                 lens = [lv.prompt.prefill.shape[0] for lv in group]
                 T = max(lens)
-                embeds = torch.zeros(len(group), T, group[0].prompt.prefill.shape[1], device=dev, dtype=self.dtype)
+                embeds = torch.zeros(
+                    len(group), T, group[0].prompt.prefill.shape[1], device=self.device, dtype=self.dtype
+                )
                 for i, lv in enumerate(group):
                     embeds[i, : lens[i]] = lv.prompt.prefill
-                pos = torch.arange(T, device=dev).expand(len(group), T)
-                slots = torch.tensor([lv.slot for lv in group], device=dev)
+                pos = torch.arange(T, device=self.device).expand(len(group), T)
+                slots = torch.tensor([lv.slot for lv in group], device=self.device)
                 hidden = self._talker(embeds, pos, self._cache, slots, T)
-                last = hidden[torch.arange(len(group), device=dev), torch.tensor(lens, device=dev) - 1]
+                last = hidden[torch.arange(len(group), device=self.device), torch.tensor(lens, device=self.device) - 1]
                 self._state.h[slots] = last
                 for lv in group:
                     self._set_slot_params(lv.slot, lv.request)
