@@ -26,21 +26,25 @@ from qwen_tts.engine_api import (
 )
 
 DEFAULT_LANGUAGES = ("auto", "chinese", "english", "french", "german", "japanese", "korean", "spanish")
+_DEFAULTS = EngineSettings()
 
 
 class FakeEngine(Engine):
-    """Frames per request = min(cap, frames_per_char * len(text)); each frame is FRAME_SAMPLES of a tone."""
+    """Frames per request = min(cap, frames_per_char * len(text)); each frame is FRAME_SAMPLES of a tone.
+
+    The small default capacity (4 slots, 8 waiting) keeps admission tests short; the factory passes the settings'.
+    """
 
     def __init__(
         self,
         xvector_dim: int = 16,
         max_slots: int = 4,
         max_queue: int = 8,
-        max_frames: int = 2048,
+        max_frames: int = _DEFAULTS.max_frames,
         frames_per_char: float = 1.0,
         frame_delay: float = 0.0,
-        first_chunk_frames: int = 3,
-        chunk_frames: int = 12,
+        first_chunk_frames: int = _DEFAULTS.first_chunk_frames,
+        chunk_frames: int = _DEFAULTS.chunk_frames,
         start_delay: float = 0.0,
         languages: tuple[str, ...] = DEFAULT_LANGUAGES,
     ):
