@@ -1,4 +1,4 @@
-"""Shared fixtures: one tiny random checkpoint per test session (written by qwen_tts.checkpoint, seed 0).
+"""Shared fixtures: one tiny random checkpoint per test session (written by qwen_tts.random_checkpoint, seed 0).
 
 Also pins torch to one intra-op thread for the test run (see below)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_tts.checkpoint import write_random_checkpoint
+from qwen_tts.random_checkpoint import write_random_checkpoint
 
 TINY_SEED = 0
 

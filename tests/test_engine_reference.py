@@ -14,9 +14,9 @@ import contextlib
 import pytest
 import torch
 
-from qwen_tts.engine import EngineConfig, NativeEngine
-from qwen_tts.engine_api import FinishReason, SynthesisRequest
-from qwen_tts.generate import generate_codes
+from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest
+from qwen_tts.engines.native import NativeEngine
+from qwen_tts.reference_loop import generate_codes
 
 # (text, options): each row exercises a different part of the loop.
 CASES = [
@@ -81,17 +81,18 @@ def reference(model, req: SynthesisRequest) -> torch.Tensor:
 
 
 async def engine_codes(model, requests: list[SynthesisRequest], padded: bool) -> list:
-    cfg = EngineConfig(model_path=str(model.path), device="cpu", warmup=False, max_slots=8)
+    # "padded": the graph runner's padded, bucketed step, run eagerly
+    cfg = EngineSettings(
+        model_path=str(model.path), device="cpu", warmup=False, max_slots=8, frame_step="padded" if padded else "eager"
+    )
     eng = NativeEngine(cfg, model=model)
-    eng._static_step_eager = padded  # the graph runner's padded, bucketed step, run eagerly
     await eng.start()
     try:
         handles = [eng.submit(r) for r in requests]
         await asyncio.gather(*(h.collect() for h in handles))
     finally:
         await eng.stop()
-    if padded:
-        assert eng._runner is not None
+    assert type(eng._runner).__name__ == ("FrameStepRunner" if padded else "EagerFrameStep")
     return handles
 
 
@@ -117,11 +118,10 @@ async def test_engine_codes_equal_the_reference_loop_for_mixed_requests(tiny_qwe
 @pytest.mark.parametrize(("codebook", "value"), [(0, 2100), (0, -1), (5, 2048), (15, 4096)])
 async def test_a_code_outside_the_codebook_ends_only_its_request(tiny_qwen3tts, codebook, value) -> None:
     model = tiny_qwen3tts
-    cfg = EngineConfig(model_path=str(model.path), device="cpu", warmup=False, max_slots=4)
+    cfg = EngineSettings(model_path=str(model.path), device="cpu", warmup=False, max_slots=4)
     eng = NativeEngine(cfg, model=model)
     reqs = [request(model, i, text, dict(greedy=True, min_frames=41)) for i, (text, _) in enumerate(CASES[:3])]
     victim = reqs[1]
-    real = eng._step_eager
 
     def corrupting(slots, frames, *rest):  # a fault (NaN logits, a kernel bug) yields an impossible code
         codes = real(slots, frames, *rest)
@@ -130,8 +130,9 @@ async def test_a_code_outside_the_codebook_ends_only_its_request(tiny_qwen3tts, 
                 codes[i, codebook] = value
         return codes
 
-    eng._step_eager = corrupting
     await eng.start()
+    real = eng._runner.step
+    eng._runner.step = corrupting
     try:
         handles = [eng.submit(r) for r in reqs]
         results = await asyncio.gather(*(h.collect() for h in handles), return_exceptions=True)

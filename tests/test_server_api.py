@@ -12,11 +12,12 @@ import pytest
 import pytest_asyncio
 import soundfile as sf
 
-from qwen_tts.demo import ensure_demo_voice, resolve_model_path
-from qwen_tts.engine import EngineConfig, NativeEngine
-from qwen_tts.engine_api import SynthesisRequest
+from qwen_tts.engine_api import EngineSettings, SynthesisRequest
+from qwen_tts.engines.native import NativeEngine
+from qwen_tts.model_paths import resolve_model_path
+from qwen_tts.voices import ensure_demo_voice
+from server_helpers import InProcess, in_process
 from tts_server.audio_encoding import to_int16
-from tts_server.testing import InProcess, in_process
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -34,7 +35,7 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def server(demo_model: Path, tmp_path_factory: pytest.TempPathFactory):
     voices = tmp_path_factory.mktemp("voices")
     ensure_demo_voice(voices, demo_model)
-    engine = NativeEngine(EngineConfig(model_path=str(demo_model), max_slots=4, max_queue=8, max_frames=256))
+    engine = NativeEngine(EngineSettings(model_path=str(demo_model), max_slots=4, max_queue=8, max_frames=256))
     async with in_process(engine, profiles_dir=voices, max_concurrent=4, max_queue=8, max_new_tokens=256) as s:
         yield s
 

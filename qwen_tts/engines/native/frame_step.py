@@ -1,4 +1,8 @@
-"""The engine's per-frame batched decode step as one fixed-shape function, replayed from CUDA graphs.
+"""The native engine's frame step: one batched decode step as a fixed-shape function, and its two runners.
+
+`frame_step` advances every row by one codec frame. `EagerFrameStep` calls it at exact shapes (the CPU path);
+`FrameStepRunner` pads rows to fixed (batch, kv-length) buckets and replays a CUDA graph per bucket (or runs the
+same padded step eagerly, to test its padding on CPU). Both share the slot-indexed `SlotState` and the KV cache.
 
 Our own code (no official counterpart): the batched equivalent of one iteration of qwen-tts 0.1.1 MQ
 `Qwen3TTSForConditionalGeneration.generate`'s talker loop (talker logits -> HF logits processors -> sample cb0 ->
@@ -32,7 +36,7 @@ from qwen_tts.layers import KVCache
 from qwen_tts.sampling import apply_repetition_penalty, mask_eos, sample, suppress
 from qwen_tts.talker import Talker
 
-log = logging.getLogger("qwen_tts.cuda_graph")
+log = logging.getLogger("qwen_tts.frame_step")
 
 # Codebook positions per frame in the sampling counter (cb0 + 15 residual codebooks).
 COUNTER_STRIDE = 16
@@ -123,6 +127,23 @@ def frame_step(
     out = talker(nxt, positions[:, None], cache, slots, kv_len)
     state.h[slots] = out[:, 0]
     return torch.cat([cb0[:, None], residual], dim=1)
+
+
+class EagerFrameStep:
+    """Runs `frame_step` eagerly at the exact shapes of each step (no padding, no buckets)."""
+
+    use_graphs = False
+
+    def __init__(self, talker: Talker, state: SlotState, cache: KVCache, suppressed: Tensor, eos_id: int) -> None:
+        self._fixed = (talker, state, cache, suppressed, eos_id)  # frame_step's leading arguments
+        self._device = state.h.device
+
+    def step(
+        self, slots: list[int], frames: list[int], min_frames: list[int], positions: list[int], text: list[Tensor]
+    ) -> Tensor:
+        """One frame for each row; returns the codes (n, 16) on the CPU (the step's one host sync)."""
+        rows = torch.tensor([slots, frames, min_frames, positions], device=self._device)
+        return frame_step(*self._fixed, *rows, torch.stack(text), max(positions) + 1).cpu()
 
 
 def batch_buckets(max_rows: int) -> list[int]:
