@@ -113,6 +113,9 @@ class EngineSettings:
     # bucket, captured at start when warmup is on, else on first use; ~10x fewer launches), eager at exact shapes
     # on CPU; eager; graphs; padded = the graphs' padded, bucketed step run eagerly (tests its logic on CPU).
     frame_step: FrameStepMode = "auto"
+    # On CUDA, run one-token decoder steps on the fast path (qwen_tts/fused.py: fused weights, compiled blocks,
+    # in-place Triton attention, compiled sampler): the same function in far fewer kernels. Ignored on CPU.
+    fused_kernels: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "max_frames", "max_text_tokens", "first_chunk_frames", "chunk_frames"):

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from qwen_tts import fused
 from qwen_tts.config import ConfigError, ModelConfig
 from qwen_tts.engine_api import (
     Engine,
@@ -146,6 +147,9 @@ class NativeEngine(Engine):
         self._suppress = suppress_mask(t.vocab_size, t.codebook_size, t.codec_eos_token_id, self.device)
         self._eos = t.codec_eos_token_id
         self._codebook_size = t.codebook_size
+        if self.device.type == "cuda" and self.config.fused_kernels and fused.supported(self._talker):
+            fused.enable(self._talker)
+        self._model_info["fused_kernels"] = fused.is_enabled(self._talker)
         graphs = self._uses_graphs
         if graphs or self.config.frame_step == "padded":
             self._runner = FrameStepRunner(
