@@ -106,9 +106,10 @@ class EngineSettings:
     warmup: bool = True
     # When the engine is idle, wait this long after the first arrival so a burst shares one batched prefill.
     admission_window_s: float = 0.002
-    # TF32 cuDNN convolutions make the float32 Code2Wav ~2x faster on Hopper but break exact streaming
-    # (stream vs whole decode differ by ~2e-3 instead of ~1e-5). Exact by default.
-    decoder_tf32: bool = False
+    # TF32 cuDNN convolutions in the float32 Code2Wav on CUDA: 3.5x faster at batch 64 on an H200 and no 52 GiB
+    # cuDNN workspace spike; the audio moves by at most -52 dBFS from the exact decode (chunk joins -62 dBFS,
+    # docs/benchmarks.md). False: exact streaming (stream == whole decode to ~1e-5). No effect on CPU.
+    decoder_tf32: bool = True
     # How the native engine runs its batched frame step: auto = CUDA graphs on CUDA (one per batch and kv-length
     # bucket, captured at start when warmup is on, else on first use; ~10x fewer launches), eager at exact shapes
     # on CPU; eager; graphs; padded = the graphs' padded, bucketed step run eagerly (tests its logic on CPU).
