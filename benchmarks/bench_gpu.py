@@ -754,8 +754,7 @@ def table(results: dict) -> str:
             rows.append([size, "http stream", r["clients"], fmt(r["xrt_per_stream_median"], 2),
                          fmt(r["audio_s_per_s"]), "-", pair(r["ttfa_p50_ms"], r["ttfa_p95_ms"]),
                          fmt(r["stall_p95_ms"], 0), share(r["zero_stall_share"]), "-"])  # fmt: skip
-    for r in baseline_rows(results.get("baselines", {})):
-        rows.append(["1.7b", *r])
+    rows += baseline_rows(results)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
@@ -765,23 +764,30 @@ def share(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-def baseline_rows(b: dict) -> list[list]:
-    """Rows of the baselines in the table's columns (size dropped)."""
+def reference_size(results: dict) -> str:
+    size = results.get("args", {}).get("reference_size", "full")
+    return "1.7b" if size == "full" else size
+
+
+def baseline_rows(results: dict) -> list[list]:
+    """Rows of the baselines in the table's columns."""
+    b = results.get("baselines", {})
     rows = []
     ref = b.get("reference")
     if ref:
+        size = reference_size(results)
         if not ref.get("rows"):
-            rows.append(["official (ref)", "-", "error", "-", "-", "-", "-", "-", "-"])
+            rows.append([size, "official (HF generate)", "-", "error", "-", "-", "-", "-", "-", "-"])
         for r in ref.get("rows", []):
             if "batch" not in r:
                 continue
             B = r["batch"]
-            rows.append([f"official {r.get('frames', '?')}fr", B, fmt(r["gen_xRT"] / B, 2), fmt(r["gen_xRT"], 1),
-                         f"{fmt(r['ms_per_step'])}+-", "-", "-", "-", "-"])  # fmt: skip
+            rows.append([size, "official (HF generate)", B, fmt(r["gen_xRT"] / B, 2), fmt(r["gen_xRT"], 1),
+                         fmt(r["ms_per_step"]), "-", "-", "-", "-"])  # fmt: skip
     peer = b.get("peer")
     if peer:
         if not peer.get("rows"):
-            rows.append(["faster-qwen3-tts", "-", "error", "-", "-", "-", "-", "-", "-"])
+            rows.append(["1.7b", "faster-qwen3-tts", "-", "error", "-", "-", "-", "-", "-", "-"])
         best: dict[str, dict] = {}
         for r in peer.get("rows", []):
             key = r.get("mode") or f"batch {r.get('batch')}"
@@ -796,8 +802,8 @@ def baseline_rows(b: dict) -> list[list]:
             xrt = r.get("xRT") or (r["audio_s_per_s"] / n if r.get("audio_s_per_s") else None)
             agg = r.get("audio_s_per_s") or r.get("xRT")
             ttfa = r.get("ttfa_ms")
-            rows.append([f"{short} {mode}", n, fmt(xrt, 2), fmt(agg, 1), "-", pair(ttfa, None) if ttfa else "-",
-                         "-", "-", "-"])  # fmt: skip
+            rows.append(["1.7b", f"{short} {mode}", n, fmt(xrt, 2), fmt(agg, 1), "-",
+                         pair(ttfa, None) if ttfa else "-", "-", "-", "-"])  # fmt: skip
     return rows
 
 
@@ -814,7 +820,7 @@ def ratios(results: dict) -> dict:
         return ours[k]
 
     ref = results.get("baselines", {}).get("reference") or {}
-    for r in ref.get("rows", []):
+    for r in ref.get("rows", []) if reference_size(results) == "1.7b" else []:
         if "batch" in r and r.get("gen_xRT"):
             o = at(r["batch"])
             out[f"engine c={o['concurrency']} / official b={r['batch']} (audio-s/s)"] = round(
@@ -847,37 +853,37 @@ def by_caller(groups: dict, nsteps: int) -> dict[str, float]:
     return {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
 
 
+def compact(profile: dict) -> dict:
+    """A profile record without its long breakdowns (those go to the JSON file)."""
+    return {k: v for k, v in profile.items() if not isinstance(v, (dict, list))}
+
+
+def top(d: dict, n: int, nd: int = 2) -> str:
+    return ", ".join(f"{k.removeprefix('module:')} {v:.{nd}f}" for k, v in list(d.items())[:n])
+
+
 def profile_lines(results: dict) -> list[str]:
+    """Two lines per profiled batch (the JSON has everything)."""
     lines = []
     for size, res in results["sizes"].items():
         for p in res.get("profile", []):
             if "error" in p:
                 lines.append(f"profile {size} b={p['batch']}: {p['error']}")
                 continue
-            k = p.get("kernels_per_step", p.get("top_ops_per_step"))
-            mode = "graphs" if p.get("graphs") else "eager"
-            ranges = ", ".join(
-                f"{n.removeprefix('module:')} {v:.2f}" for n, v in list(p["by_range_ms_per_step"].items())[:8]
-            )
-            events = ", ".join(f"{n} {v:.2f}" for n, v in list(p["cuda_event_ms_per_step"].items())[:5])
-            top = ", ".join(f"{t['name']} {t['per_step']:g}" for t in p["top10_prefix"])
+            kernels = "kernels_per_step" in p
+            k = p["kernels_per_step"] if kernels else p["top_ops_per_step"]
             graph, launch = p.get("graph_launch_host_ms_per_step"), p.get("launch_host_ms_per_step")
             lines.append(
-                f"profile {size} {mode} b={p['batch']}: {k:g} {'kernels' if cuda() else 'top-level ops'}/step,"
-                f" device {p['device_ms_per_step']:.2f} ms/step, wall {p['wall_ms_per_step']:.2f} ms/step"
-                + (f", host launching {launch:.2f} ms/step" if launch is not None else "")
-                + (f" (graph launches {graph:.2f})" if graph is not None else "")
+                f"profile {size} {'graphs' if p.get('graphs') else 'eager'} b={p['batch']}: {k:g} "
+                f"{'kernels' if kernels else 'top-level ops'}/step, device {p['device_ms_per_step']:.2f} ms/step, "
+                f"wall {p['wall_ms_per_step']:.2f}"
+                + (f", host launching {launch:.2f}" if launch is not None else "")
+                + (f" (graphs {graph:.2f})" if graph is not None else "")
+                + f" | by caller: {top(p.get('by_caller_ms_per_step', {}), 4)}"
+                + f" | events: {top(p.get('cuda_event_ms_per_step', {}), 3)}"
             )
-            callers = ", ".join(f"{n} {v:.2f}" for n, v in p["by_caller_ms_per_step"].items())
-            modules = ", ".join(
-                f"{n.removeprefix('module:')} {v:.2f}" for n, v in list(p["by_module_ms_per_step"].items())[:6]
-            )
-            lines.append(f"  by caller ms/step: {callers}")
-            lines.append(f"  by module ms/step: {modules}")
-            lines.append(f"  by module/child ms/step: {ranges}")
-            if events:
-                lines.append(f"  module elapsed (events) ms/step: {events}")
-            lines.append(f"  top kernels per step: {top}")
+            kern = ", ".join(f"{t['name'][:36]} {t['per_step']:.0f}" for t in p["top10_prefix"][:6])
+            lines.append(f"  ms/step: {top(p['by_range_ms_per_step'], 5)} | kernels/step: {kern}")
     return lines
 
 
@@ -887,7 +893,7 @@ class Run:
         self.a = a
         self.t0 = time.perf_counter()
         self.results: dict = {
-            "args": vars(a),
+            "args": {**vars(a), "parts": sorted(a.parts)},
             "machine": machine(),
             "sizes": {},
             "baselines": {},
@@ -968,7 +974,7 @@ class Run:
                         r = await profile_batch(
                             engine, n, a.profile_steps, a.chunk, greedy, a.module_ranges, a.profile_driver
                         )
-                        emit({"size": size, "part": "profile", **r})
+                        emit({"size": size, "part": "profile", **compact(r)})
                         res["profile"].append(r)
                         self.save()
             finally:
@@ -982,7 +988,7 @@ class Run:
                         r = await profile_batch(
                             engine, n, a.profile_steps, a.chunk, greedy, a.module_ranges, a.profile_driver
                         )
-                        emit({"size": size, "part": "profile", **r})
+                        emit({"size": size, "part": "profile", **compact(r)})
                         res["profile"].append(r)
                         self.save()
                 finally:
@@ -1046,17 +1052,47 @@ class Run:
         self.results["ratios"] = ratios(self.results)
         self.results["total_s"] = round(time.perf_counter() - self.t0, 1)
         self.save()
-        print()
-        for line in profile_lines(self.results):
-            print(line)
-        for k, v in self.results["ratios"].items():
-            print(f"ratio {k}: {v}")
-        if self.results["skipped"]:
-            print("skipped (time budget):", ", ".join(self.results["skipped"]))
-        m = self.results["machine"]
-        print(f"\n{m['device']} | torch {m['torch']} | {self.a.frames} frames/request | "
-              f"{'sampling' if self.a.sampling else 'greedy'} | total {self.results['total_s']} s")  # fmt: skip
-        print(table(self.results), flush=True)
+        print(report(self.results), flush=True)
+
+
+def report(results: dict) -> str:
+    """The profile lines, the ratios, then the one table (last: the device tool returns the output's tail)."""
+    lines = ["", *profile_lines(results)]
+    lines += [f"ratio {k}: {v}" for k, v in results.get("ratios", {}).items()]
+    if results.get("skipped"):
+        lines.append("skipped (time budget): " + ", ".join(results["skipped"]))
+    m, args = results["machine"], results["args"]
+    lines.append(
+        f"\n{m['device']} | torch {m['torch']} | {args['frames']} frames/request | "
+        f"{'sampling' if args.get('sampling') else 'greedy'} | total {results.get('total_s')} s"
+    )
+    lines.append(table(results))
+    return "\n".join(lines)
+
+
+def merge(paths: list[str]) -> dict:
+    """Several runs' JSON (say, one per size and one for the baselines) as one result."""
+    out: dict | None = None
+    for p in paths:
+        r = json.loads(Path(p).read_text())
+        if out is None:
+            out = r
+            continue
+        for size, res in r["sizes"].items():
+            dst = out["sizes"].setdefault(size, {})
+            for k, v in res.items():
+                if isinstance(v, list):
+                    dst.setdefault(k, []).extend(v)
+                else:
+                    dst.setdefault(k, v)
+        if r.get("baselines"):
+            out["baselines"].update(r["baselines"])
+            out["args"]["reference_size"] = r["args"].get("reference_size", "full")
+        out["skipped"] = out.get("skipped", []) + r.get("skipped", [])
+        out["total_s"] = round((out.get("total_s") or 0) + (r.get("total_s") or 0), 1)
+    assert out is not None
+    out["ratios"] = ratios(out)
+    return out
 
 
 def free_memory() -> None:
@@ -1115,6 +1151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workdir", help="where checkpoints are written (default: the system temp dir)")
     ap.add_argument("--time-budget-s", type=float, default=0.0, help="skip parts that would start after this")
     ap.add_argument("--out", default="bench_out/bench_gpu.json")
+    ap.add_argument("--table-from", nargs="+", metavar="JSON",
+                    help="(first argument only) print the merged table of earlier runs' JSON and exit")  # fmt: skip
     a = ap.parse_args(argv)
     if a.parts is None:
         a.parts = set(PARTS) - {"profile"}
@@ -1127,6 +1165,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--table-from"]:  # --table-from A.json B.json ...: print the merged table, run nothing
+        results = merge(argv[1:])
+        print(report(results))
+        return results
     a = parse_args(argv)
     run = Run(a)
     asyncio.run(run.main())

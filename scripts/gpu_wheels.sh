@@ -16,6 +16,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 DEST=${WHEEL_DIR:-.whl}
+PYV=${PY_VERSION:-3.12}  # the GPU machine's Python
 
 # Our server's third-party imports that the GPU machine lacks, with their runtime dependencies.
 SERVER_PACKAGES=(
@@ -33,7 +34,7 @@ download() {  # download <folder> <spec>...
   local log
   log=$(mktemp)
   if ! "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
-    --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
+    --python-version "$PYV" --implementation cp --abi "cp${PYV/./}" --abi abi3 --abi none \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d "$dir" "$@" >"$log" 2>&1; then
     grep -v "is ignored: it is neither a file nor a directory" "$log" >&2 || true
