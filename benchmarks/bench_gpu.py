@@ -69,6 +69,7 @@ TEXT = (
 FRAME_S = 0.08  # one codec frame = 80 ms of audio
 GIB = 1024**3
 PARTS = ("engine", "poisson", "http", "profile", "reference", "peer")
+SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints
 
 
 def log(*a: object) -> None:
@@ -1053,7 +1054,7 @@ class Run:
 
     async def main(self) -> None:
         with tempfile.TemporaryDirectory(prefix="bench_gpu_", dir=self.a.workdir) as tmp:
-            for size in self.a.sizes:
+            for size in self.a.sizes if SIZE_PARTS & self.a.parts else []:
                 await self.size(size, Path(tmp))
         self.baselines()
         self.results["ratios"] = ratios(self.results)
