@@ -54,10 +54,10 @@ import numpy as np
 import torch
 
 # --- The engine's public pieces: the one place to update when the package moves. -------------------------------
-from qwen_tts.checkpoint import write_random_checkpoint
-from qwen_tts.engine import EngineConfig, create_engine
-from qwen_tts.engine_api import SAMPLE_RATE, QueueFullError, SynthesisRequest
-from qwen_tts.profiles import VoiceProfile, save_profile
+from qwen_tts.engine_api import SAMPLE_RATE, EngineSettings, QueueFullError, SynthesisRequest
+from qwen_tts.engines import create_engine
+from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.voices import VoiceProfile, save_profile
 
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -920,9 +920,9 @@ class Run:
             Path(self.a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(self.a.out).write_text(json.dumps(self.results, indent=2, default=str))
 
-    def engine_config(self, ckpt: Path, slots: int, graphs: bool = True) -> EngineConfig:
+    def engine_config(self, ckpt: Path, slots: int, graphs: bool = True) -> EngineSettings:
         a = self.a
-        return EngineConfig(
+        return EngineSettings(
             model_path=str(ckpt),
             device=a.device,
             dtype=a.dtype,
@@ -932,10 +932,11 @@ class Run:
             max_text_tokens=256,
             first_chunk_frames=a.first_chunk,
             chunk_frames=a.chunk,
-            cuda_graphs=graphs,
+            frame_step="auto" if graphs else "eager",
+            decoder_tf32=not a.exact_decoder,
         )
 
-    async def start_engine(self, cfg: EngineConfig):
+    async def start_engine(self, cfg: EngineSettings):
         t0 = time.perf_counter()
         engine = create_engine(cfg)
         await engine.start()
@@ -1132,6 +1133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--frames", type=int, default=100, help="frames per request (12.5 per second of audio)")
     ap.add_argument("--first-chunk", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=12)
+    ap.add_argument("--exact-decoder", action="store_true", help="float32 Code2Wav without TF32 (exact streaming)")
     ap.add_argument("--sampling", action="store_true", help="sample (default: greedy, as the baselines' figures)")
     ap.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64, 128, 256])
     ap.add_argument("--poisson-rates", type=floats, default=[5.0, 20.0])
