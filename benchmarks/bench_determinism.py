@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from qwen_tts.checkpoint import write_random_checkpoint
-from qwen_tts.engine import EngineConfig, NativeEngine
-from qwen_tts.engine_api import SynthesisRequest
+from qwen_tts.engine_api import EngineSettings, SynthesisRequest
+from qwen_tts.engines.native import NativeEngine
+from qwen_tts.random_checkpoint import write_random_checkpoint
 
 TEXTS = [
     "The same request, alone and in company.",
@@ -82,7 +82,7 @@ async def load(engine: NativeEngine, n: int, frames: int) -> dict:
 async def run(args: argparse.Namespace, model_path: Path) -> dict:
     results = {}
     for invariant in (False, True):
-        cfg = EngineConfig(model_path=str(model_path), device=args.device, max_slots=max(args.load, args.others + 1),
+        cfg = EngineSettings(model_path=str(model_path), device=args.device, max_slots=max(args.load, args.others + 1),
                            batch_invariant_decode=invariant)  # fmt: skip
         engine = NativeEngine(cfg)
         await engine.start()

@@ -21,8 +21,8 @@ import pytest
 import schemathesis
 from schemathesis import Case
 
+from server_helpers import ServerProcess, clean_settings, server_process
 from tts_server.app import create_app
-from tts_server.testing import ServerProcess, clean_settings, server_process
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tts_server.testing import ServerProcess, server_process
+from server_helpers import ServerProcess, server_process
 
 pytestmark = pytest.mark.slow
 

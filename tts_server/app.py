@@ -8,7 +8,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from inference_config import ServerSettings, load_settings
 from qwen_tts.engine_api import Engine
 
 from . import openapi
@@ -16,6 +15,7 @@ from .errors import install_error_handlers
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, JsonCORSMiddleware, RequestContextMiddleware
 from .routes import PUBLIC_PATHS, ROUTES, router
 from .runtime import Runtime
+from .settings import ServerSettings, load_settings
 
 EXPOSED_HEADERS = [
     "X-Request-Id",

@@ -1,7 +1,8 @@
 """What a running server holds: settings, engine, voices, admission counter, metrics, and the startup sequence.
 
 Startup follows the seed's log sequence: voice profiles loaded -> engine initialised -> ready with N speakers.
-Anything that can fail at startup raises StartupError with one line that says what to fix.
+Anything that can fail at startup raises StartupError with one line that says what to fix. The engine comes from
+the factory (`qwen_tts.engines.create_engine`) and is used only through `qwen_tts.engine_api.Engine`.
 """
 
 from __future__ import annotations
@@ -10,17 +11,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from embedding_cache import EmbeddingCacheManager
-from inference_config import ServerSettings, unknown_env_vars
-from qwen_tts.engine_api import Engine
+from qwen_tts.engine_api import Engine, EngineSettingsError
+from qwen_tts.engines import create_engine
+from qwen_tts.model_paths import DEMO
+from qwen_tts.voices import DEMO_VOICE_ID, VoiceRegistry, ensure_demo_voice
 
 from .metrics import Metrics
+from .settings import ServerSettings, unknown_env_vars
 
 logger = logging.getLogger("tts_server")
-
-DEMO = "demo"
 
 
 class StartupError(RuntimeError):
@@ -49,11 +49,10 @@ class Admission:
 
 
 class Runtime:
-    def __init__(self, settings: ServerSettings, engine: Engine, voices: EmbeddingCacheManager, model_name: str):
+    def __init__(self, settings: ServerSettings, engine: Engine, voices: VoiceRegistry):
         self.settings = settings
         self.engine = engine
         self.voices = voices
-        self.model_name = model_name
         self.admission = Admission(settings.max_concurrent + settings.max_queue)
         self.metrics = Metrics(
             running=lambda: self.engine.num_running,  # self.engine: the supervisor may replace it
@@ -92,45 +91,29 @@ class Runtime:
         self.draining = True
 
     def public_model_info(self) -> dict:
-        info = dict(getattr(self.engine, "model_info", {}) or {})
+        info = self.engine.model_info
         info.pop("path", None)  # /health is public: no file system paths
-        info["name"] = self.model_name
         return info
 
     # --- lifecycle --------------------------------------------------------------------------------
     @classmethod
     async def start(cls, settings: ServerSettings, engine: Engine | None = None) -> Runtime:
-        """Resolve the model, load voices, start the engine (bounded by TTS_STAGE_INIT_TIMEOUT).
-
-        `engine` (tests) replaces the one the settings describe; its width is known only once started.
-        """
+        """Build the engine (resolving the model), load voices, start the engine (bounded by
+        TTS_STAGE_INIT_TIMEOUT). `engine` (tests) replaces the one the settings describe."""
         for name in unknown_env_vars():
-            logger.warning("ignoring unknown setting %s (see inference_config.py for the names)", name)
-        model_dir, xvector_dim = None, None
-        model_name = "fake" if settings.backend == "fake" else settings.model_path
+            logger.warning("ignoring unknown setting %s (see tts_server/settings.py for the names)", name)
+        logger.debug("settings: %s", settings.public_dict())
         built = engine is None
         if engine is None:
-            if settings.backend == "fake":
-                engine = _create_engine(settings, None)
-            else:
-                model_dir, xvector_dim, model_name = await asyncio.to_thread(_prepare_model, settings)
-                engine = _create_engine(settings, model_dir)
-        voices = EmbeddingCacheManager(settings.profiles_dir, xvector_dim=xvector_dim)
-        if xvector_dim is not None:
-            await _load_voices(voices)
+            engine = await asyncio.to_thread(_create_engine, settings)
+        if settings.model_path == DEMO:
+            await asyncio.to_thread(_ensure_demo_voice, settings, engine)
+        voices = VoiceRegistry(settings.profiles_dir, xvector_dim=engine.xvector_dim, device=engine.device)
+        await _load_voices(voices)
         await _start_engine(engine, settings)
-        if xvector_dim is None:
-            if settings.model_path == DEMO and settings.backend == "fake":
-                await asyncio.to_thread(_ensure_random_demo_voice, settings.profiles_dir, engine.xvector_dim)
-            voices.xvector_dim = engine.xvector_dim
-            await _load_voices(voices)
-        elif engine.xvector_dim != xvector_dim:
-            await _quiet_stop(engine)
-            raise StartupError(f"engine x-vector width {engine.xvector_dim} != the checkpoint's {xvector_dim}")
-        voices.to(getattr(engine, "device", "cpu"))
-        runtime = cls(settings, engine, voices, model_name)
+        runtime = cls(settings, engine, voices)
         if built:
-            runtime.engine_factory = lambda: _create_engine(settings, model_dir)
+            runtime.engine_factory = lambda: _create_engine(settings)
         logger.info("Ready with %d speakers", len(voices))
         return runtime
 
@@ -150,7 +133,7 @@ async def _quiet_stop(engine: Engine) -> None:
         logger.debug("engine stop after failed start raised", exc_info=True)
 
 
-async def _load_voices(voices: EmbeddingCacheManager) -> None:
+async def _load_voices(voices: VoiceRegistry) -> None:
     report = await asyncio.to_thread(voices.load_all)
     logger.info(
         "Loaded %d voice profiles from %s (%d skipped)", len(report.loaded), voices.profiles_dir, len(report.skipped)
@@ -174,77 +157,36 @@ async def _start_engine(engine: Engine, settings: ServerSettings) -> None:
     except Exception as e:  # load failures carry their own message (missing file, bad config, CUDA...)
         await _quiet_stop(engine)
         raise StartupError(f"engine failed to start: {type(e).__name__}: {e}") from e
-    info = dict(getattr(engine, "model_info", {}) or {})
+    info = engine.model_info
     logger.info(
         "Engine initialised in %.1f s: backend=%s device=%s dtype=%s slots=%d queue=%d",
         time.monotonic() - t0,
         settings.backend,
-        info.get("device", "?"),
+        engine.device,
         info.get("dtype", "?"),
         settings.max_concurrent,
         settings.max_queue,
     )
 
 
-def _prepare_model(settings: ServerSettings) -> tuple[Path, int, str]:
-    """(checkpoint dir, x-vector width, display name); writes the demo checkpoint and voice when asked."""
-    from qwen_tts.config import ConfigError, ModelConfig
-    from qwen_tts.demo import DemoError, ensure_demo_voice, resolve_model_path
-
+def _create_engine(settings: ServerSettings) -> Engine:
+    """The engine the settings describe; a setting it cannot use is one StartupError line naming the variable."""
     try:
-        model_dir = resolve_model_path(settings.model_path, demo_dir=settings.demo_dir)
-        cfg = ModelConfig.from_pretrained(model_dir)
-    except (DemoError, ConfigError, OSError, ValueError) as e:
-        raise StartupError(f"TTS_MODEL_PATH={settings.model_path!r}: {e}") from None
-    if settings.model_path == DEMO:
-        path = ensure_demo_voice(settings.profiles_dir, model_dir)
-        logger.info("Demo voice 'demo' ready at %s", path)
-    name = DEMO if settings.model_path == DEMO else model_dir.name
-    return model_dir, cfg.xvector_dim, name
+        return create_engine(settings.engine_settings())
+    except EngineSettingsError as e:
+        raise StartupError(f"{settings.describe_engine_setting(e.setting)}: {e}") from None
+    except ImportError as e:  # a backend whose optional dependencies are not installed
+        raise StartupError(f"{settings.describe_engine_setting('backend')}: {e}") from None
 
 
-def _ensure_random_demo_voice(profiles_dir: Path, dim: int) -> None:
-    """The fake backend's demo voice: a seeded random vector of the engine's width."""
-    import torch
-
-    from qwen_tts.profiles import ProfileError, VoiceProfile, load_profile, save_profile
-
-    path = Path(profiles_dir) / f"{DEMO}.safetensors"
-    try:
-        if load_profile(path, expected_dim=dim):
-            return
-    except ProfileError:
-        pass
-    x = torch.randn(dim, generator=torch.Generator().manual_seed(0))
-    save_profile(path, VoiceProfile(x_vector=x, model="fake"), overwrite=True)
-
-
-def _create_engine(settings: ServerSettings, model_dir: Path | None) -> Engine:
-    if settings.backend == "fake":
-        from .fake_engine import FakeEngine
-
-        return FakeEngine(
-            max_slots=settings.max_concurrent,
-            max_queue=settings.max_queue,
-            max_frames=settings.max_new_tokens,
-            first_chunk_frames=settings.first_chunk_frames,
-            chunk_frames=settings.chunk_frames,
-            frame_delay=0.01,
-        )
-    from qwen_tts.engine import EngineConfig, create_engine
-
-    try:
-        config = EngineConfig(
-            model_path=str(model_dir),
-            device=settings.device,
-            dtype=settings.dtype,
-            max_slots=settings.max_concurrent,
-            max_queue=settings.max_queue,
-            max_frames=settings.max_new_tokens,
-            first_chunk_frames=settings.first_chunk_frames,
-            chunk_frames=settings.chunk_frames,
-            batch_invariant_decode=settings.batch_invariant_decode,
-        )
-        return create_engine(config, backend=settings.backend)
-    except (ValueError, ImportError) as e:
-        raise StartupError(f"TTS_BACKEND={settings.backend!r}: {e}") from None
+def _ensure_demo_voice(settings: ServerSettings, engine: Engine) -> None:
+    """The demo voice for TTS_MODEL_PATH=demo: from the demo checkpoint the engine serves, or (the fake backend,
+    which has none) a seeded random vector of the engine's width."""
+    info = engine.model_info
+    if info.get("name") == DEMO and info.get("path"):
+        path = ensure_demo_voice(settings.profiles_dir, info["path"])
+    elif settings.backend == "fake":
+        path = ensure_demo_voice(settings.profiles_dir, None, dim=engine.xvector_dim)
+    else:  # an engine handed in (tests) that serves no demo checkpoint
+        return
+    logger.info("Demo voice %r ready at %s", DEMO_VOICE_ID, path)
