@@ -20,7 +20,7 @@ PYV=${PY_VERSION:-3.12}  # the GPU machine's Python
 
 # Our server's third-party imports that the GPU machine lacks, with their runtime dependencies.
 SERVER_PACKAGES=(
-  fastapi starlette annotated-doc
+  fastapi starlette annotated-doc opentelemetry-api
   pydantic pydantic-core pydantic-settings python-dotenv typing-inspection annotated-types typing-extensions
   uvicorn h11 click anyio idna
   soundfile cffi pycparser soxr
