@@ -455,6 +455,25 @@ def test_end_to_end_manifest_on_the_tiny_checkpoint_then_resume(tiny_setup, tmp_
     np.testing.assert_allclose(again, first_a1, atol=4 / 32768, rtol=0)
 
 
+def test_the_seed_manifest_runs_as_written(tiny_setup, tmp_path):
+    """The seed README's manifest, unchanged: no ids, capitalised languages, outputs named per item."""
+    seed_example = [
+        {"speaker_id": "alice", "text": "First.", "language": "English", "output": "a.wav"},
+        {"speaker_id": "bob", "text": "Second.", "language": "English", "output": "b.wav"},
+    ]
+    out = tmp_path / "out"
+    assert run_real(tiny_setup, out, seed_example, "--seed", "5") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["totals"]["ok"] == 2
+    got = {r["id"]: (r["output"], r["speaker_id"], r["seed"]) for r in summary["items"]}
+    assert got == {"a": ("a.wav", "alice", derive_seed(5, "a")), "b": ("b.wav", "bob", derive_seed(5, "b"))}
+    for name in ("a.wav", "b.wav"):
+        audio, rate = sf.read(str(out / name))
+        assert rate == SAMPLE_RATE and audio.ndim == 1
+        assert audio.shape[0] > 0 and audio.shape[0] % FRAME_SAMPLES == 0
+        assert np.isfinite(audio).all() and np.abs(audio).max() > 0
+
+
 def test_vllm_omni_backend_is_a_clear_error_in_this_build(tiny_setup, tmp_path, capsys):
     stage = tmp_path / "stage.yaml"
     stage.write_text("stage_args: []\n")

@@ -152,6 +152,40 @@ async def test_stream_formats_pcm_and_wav(server: InProcess) -> None:
     np.testing.assert_array_equal(_int16(wav.content), np.frombuffer(whole.content, "<i2"))
 
 
+async def test_seed_stream_field_false_is_the_whole_file_and_true_is_the_stream(server: InProcess) -> None:
+    """The seed's /synthesize body carries `stream`: false gives the same file as without it, true answers exactly
+    as /synthesize/stream does (its headers, its default float32 format, or pcm/wav when asked)."""
+    whole = await server.client.post("/synthesize", json=_body())
+    off = await server.client.post("/synthesize", json=_body(stream=False))
+    assert off.status_code == 200 and off.headers["content-type"] == "audio/wav"
+    assert off.content == whole.content
+
+    stream = await server.client.post("/synthesize/stream", json=_body())
+    on = await server.client.post("/synthesize", json=_body(stream=True))
+    assert on.status_code == 200, on.text
+    assert on.headers["x-audio-format"] == "f32le" and on.headers["content-type"] == "application/octet-stream"
+    assert float(on.headers["x-time-to-first-audio"]) > 0
+    assert len(on.content) > 0 and on.content == stream.content
+    np.testing.assert_array_equal(to_int16(np.frombuffer(on.content, "<f4")), _int16(whole.content))
+
+    pcm = await server.client.post("/synthesize", json=_body(stream=True, response_format="pcm"))
+    assert pcm.headers["x-audio-format"] == "pcm"
+    np.testing.assert_array_equal(np.frombuffer(pcm.content, "<i2"), _int16(whole.content))
+
+
+async def test_seed_stream_field_refusals_name_the_field(server: InProcess) -> None:
+    r = await server.client.post("/synthesize", json=_body(stream=True, response_format="mp3"))
+    assert r.status_code == 422
+    error = r.json()["error"]
+    assert error["param"] == "response_format"
+    assert (
+        error["message"].startswith('with "stream": true, response_format:')
+        and "'f32le', 'pcm' or 'wav'" in error["message"]
+    )
+    r = await server.client.post("/synthesize", json=_body(stream="yes"))
+    assert r.status_code == 422 and r.json()["error"]["param"] == "stream"
+
+
 async def test_speakers_lists_ids_with_width_and_file(server: InProcess) -> None:
     r = await server.client.get("/speakers")
     assert r.status_code == 200

@@ -44,6 +44,9 @@ class SynthesizeRequest(SynthesisOptions):
     response_format: Literal["wav", "pcm", "mp3", "flac", "opus"] = Field(
         "wav", description="pcm is raw signed 16-bit little-endian mono at 24 kHz."
     )
+    # The seed's body has it: false (the default) is this route's whole file; true is answered as
+    # /synthesize/stream answers (float32 LE unless response_format is pcm or wav).
+    stream: bool = Field(False, description="true: stream as /synthesize/stream does (formats f32le, pcm, wav).")
 
 
 class StreamRequest(SynthesisOptions):

@@ -367,8 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
             "engine as the server. The whole manifest is checked first and every problem is listed at once."
         ),
         epilog=(
-            'Manifest: a list of items, or {"defaults": {...}, "items": [...]}; an item has id, speaker_id, '
-            "text and optionally language, seed, format, output, options (see docs/tools.md). "
+            'Manifest: a list of items, or {"defaults": {...}, "items": [...]}; an item has speaker_id, '
+            "text and optionally id (default: from output), language, seed, format, output, options (see docs/tools.md). "
             f"A summary JSON is written to <output-dir>/{SUMMARY_NAME}. "
             "Exit status: 0 all items written, 1 bad input or any item failed."
         ),
