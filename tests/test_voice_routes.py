@@ -8,6 +8,7 @@ import asyncio
 import io
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -317,3 +318,53 @@ async def test_a_wrong_method_names_every_method_of_the_path(server: InProcess) 
     assert r.json()["error"]["code"] == "method_not_allowed"
     assert (await server.client.get("/v1/audio/voices/x")).headers["allow"] == "DELETE"
     assert (await server.client.get("/synthesize")).headers["allow"] == "POST"
+
+
+# --- a real server process ------------------------------------------------------------------------------------
+@pytest.mark.slow
+async def test_voices_over_a_real_socket(demo_model: Path, tmp_path: Path) -> None:
+    """`python inference_server.py` with uploads on and a key: the multipart body through uvicorn and the body
+    limit, the voice usable at once, a profile copied in by hand served, delete; one log line per change."""
+    await asyncio.to_thread(_real_socket_scenario, demo_model, tmp_path)
+
+
+def _real_socket_scenario(demo_model: Path, tmp_path: Path) -> None:
+    import httpx
+
+    from server_helpers import server_process
+
+    profiles = tmp_path / "voices"
+    env = {
+        "TTS_DEMO_DIR": str(demo_model),
+        "TTS_PROFILES_DIR": str(profiles),
+        "TTS_VOICE_UPLOAD": "true",
+        "TTS_API_KEYS": KEY,
+        "TTS_MAX_NEW_TOKENS": "32",
+    }
+    with (
+        server_process(env, tmp_path / "server.log") as srv,
+        httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as client,
+    ):
+        r = client.post("/v1/audio/voices", data={"name": "sock"}, files={"audio_sample": ("me.flac", GOOD_CLIP)})
+        assert r.status_code == 201, r.text
+        r = client.post("/synthesize", json=_synth("sock"))
+        assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+
+        speakers = client.get("/health").json()["speakers"]
+        shutil.copy(write_voice(tmp_path, "byhand", r_dim(client), seed=9), profiles / "byhand.safetensors")
+        deadline = time.monotonic() + 15
+        while client.get("/health").json()["speakers"] != speakers + 1:
+            assert time.monotonic() < deadline, srv.log()
+            time.sleep(0.05)
+        assert client.post("/synthesize", json=_synth("byhand")).status_code == 200
+
+        assert client.delete("/v1/audio/voices/sock").status_code == 200
+        assert client.delete("/v1/audio/voices/byhand").status_code == 200
+        assert client.get("/v1/audio/voices").json()["voices"] == ["demo"]
+        log = srv.log()
+    assert "Voice upload enabled: speaker encoder loaded" in log
+    assert "voice 'byhand' loaded from" in log and "Traceback" not in log
+
+
+def r_dim(client) -> int:  # the served x-vector width, from /health
+    return client.get("/health").json()["model"]["xvector_dim"]
