@@ -210,6 +210,8 @@ def _create_engine(settings: ServerSettings, model_dir: Path | None) -> Engine:
             chunk_frames=settings.chunk_frames,
             frame_delay=0.01,
         )
+    if settings.backend == "vllm-omni":
+        return _create_vllm_omni_engine(settings, model_dir)
     from qwen_tts.engine import EngineConfig, create_engine
 
     try:
@@ -226,3 +228,21 @@ def _create_engine(settings: ServerSettings, model_dir: Path | None) -> Engine:
         return create_engine(config, backend=settings.backend)
     except (ValueError, ImportError) as e:
         raise StartupError(f"TTS_BACKEND={settings.backend!r}: {e}") from None
+
+
+def _create_vllm_omni_engine(settings: ServerSettings, model_dir: Path | None) -> Engine:
+    from qwen_tts.engines.vllm_omni import VllmOmniConfig, VllmOmniEngine
+
+    try:
+        config = VllmOmniConfig(
+            model_path=str(model_dir),
+            stage_config=str(settings.stage_config),
+            stage_init_timeout=settings.stage_init_timeout,
+            max_slots=settings.max_concurrent,
+            max_queue=settings.max_queue,
+            max_frames=settings.max_new_tokens,
+            speaker_transport=settings.vllm_speaker_transport,
+        )
+        return VllmOmniEngine(config)
+    except (ValueError, ImportError) as e:
+        raise StartupError(f"TTS_BACKEND='vllm-omni': {e}") from None

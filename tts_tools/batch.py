@@ -316,6 +316,8 @@ def _model_facts(opts: BatchOptions) -> tuple[Path, int, list[str]]:
 
 
 def _create_engine(opts: BatchOptions, model_path: Path) -> Engine:
+    if opts.backend == "vllm-omni":
+        return _create_vllm_omni_engine(opts, model_path)
     from qwen_tts.engine import EngineConfig, create_engine
 
     config = EngineConfig(
@@ -327,8 +329,25 @@ def _create_engine(opts: BatchOptions, model_path: Path) -> Engine:
     )
     try:
         return create_engine(config, backend=opts.backend)
-    except ValueError as e:  # e.g. the vLLM-Omni backend in a build without it
+    except ValueError as e:
         raise CliError(str(e)) from None
+
+
+def _create_vllm_omni_engine(opts: BatchOptions, model_path: Path) -> Engine:
+    from qwen_tts.engines.vllm_omni import VllmOmniConfig, VllmOmniEngine
+
+    stage_config = opts.stage_configs_path or Path("stage_config_optimized.yaml")
+    try:
+        return VllmOmniEngine(
+            VllmOmniConfig(
+                model_path=str(model_path),
+                stage_config=str(stage_config),
+                max_slots=opts.concurrency,
+                max_queue=opts.concurrency,
+            )
+        )
+    except (ValueError, ImportError) as e:  # vllm-omni not installed in this environment
+        raise CliError(f"--backend vllm-omni: {e}") from None
 
 
 def run_batch(opts: BatchOptions, engine: Engine | None = None) -> dict[str, Any]:
@@ -400,14 +419,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=BACKENDS,
         default=None,
         help="engine implementation (default: native; vllm-omni when --stage-configs-path is given). "
-        "The vLLM-Omni backend is not available in this build.",
+        "vllm-omni needs vllm, vllm-omni and vllm-omni-myfi installed (see README).",
     )
     p.add_argument(
         "--stage-configs-path",
         type=Path,
         default=None,
-        help="stage config YAML for the vLLM-Omni backend (implies --backend vllm-omni; "
-        "that backend is not available in this build yet)",
+        help="vLLM-Omni deploy config YAML (implies --backend vllm-omni; default for that backend: "
+        "stage_config_optimized.yaml)",
     )
     p.add_argument("--concurrency", type=int, default=8, help="items in flight at once (default: 8)")
     p.add_argument("--format", choices=AUDIO_FORMATS, default="wav", help="format of items without one (default wav)")

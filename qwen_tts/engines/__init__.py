@@ -1,0 +1,1 @@
+"""Engine implementations behind `qwen_tts.engine_api.Engine`."""
