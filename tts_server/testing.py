@@ -74,7 +74,7 @@ def free_port() -> int:
 class ServerProcess:
     """`python inference_server.py` on 127.0.0.1:<free port>; stdout+stderr go to `log_path`."""
 
-    def __init__(self, env: dict[str, str], log_path: Path, startup_timeout: float = 120.0):
+    def __init__(self, env: dict[str, str], log_path: Path, startup_timeout: float = 120.0, python: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
@@ -83,7 +83,7 @@ class ServerProcess:
         full_env.update(env)
         self._log = open(self.log_path, "wb")  # noqa: SIM115  (closed in stop)
         self.proc = subprocess.Popen(
-            [sys.executable, str(REPO_ROOT / "inference_server.py")],
+            [python or sys.executable, str(REPO_ROOT / "inference_server.py")],
             cwd=REPO_ROOT,
             env=full_env,
             stdout=self._log,

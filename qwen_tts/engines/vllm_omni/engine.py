@@ -273,7 +273,11 @@ class VllmOmniEngine(Engine):
             codec_language_id=self._cfg.talker.codec_language_id,
             spk_is_dialect=None,
         )
-        prompt = {"prompt_token_ids": [1] * int(prompt_len), "additional_information": info}
+        # The talker builds its prompt from `info`; the ids only give the length. vLLM's repetition penalty also
+        # counts prompt ids, so they are the codec pad id, which codebook 0 never samples: the penalty then acts
+        # on generated codes only, as in the official package.
+        placeholder = int(self._cfg.talker.codec_pad_id)
+        prompt = {"prompt_token_ids": [placeholder] * int(prompt_len), "additional_information": info}
         task = asyncio.get_running_loop().create_task(self._serve(handle, prompt), name=f"tts-{handle.request_id}")
         self._tasks[handle.request_id] = task
         return handle
