@@ -85,10 +85,19 @@ class VllmOmniEngine(Engine):
             )
         self.config = config
         self.device = torch.device("cpu")  # speaker vectors are sent from host memory
-        self.model_info: dict = {}
+        # config.json and the tokenizer are read here, so width, languages and model info are known before start().
+        path = Path(config.model_path)
+        self._cfg = ModelConfig.from_pretrained(path)
+        self._tokenizer = TextTokenizer.from_pretrained(path)
+        self.model_info: dict = {
+            "path": str(path),
+            "size": self._cfg.tts_model_size,
+            "xvector_dim": self._cfg.xvector_dim,
+            "backend": "vllm-omni",
+            "max_slots": config.max_slots,
+            "stage_config": str(config.stage_config),
+        }
         self._omni: Any = None
-        self._cfg: ModelConfig | None = None
-        self._tokenizer: TextTokenizer | None = None
         self._estimate: Any = None
         self._sampling_params_cls: Any = None
         self._stage1_params: Any = None
@@ -105,9 +114,6 @@ class VllmOmniEngine(Engine):
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        path = Path(self.config.model_path)
-        self._cfg = ModelConfig.from_pretrained(path)
-        self._tokenizer = TextTokenizer.from_pretrained(path)
         if self.config.speaker_transport == "auto":
             self._transport = "tensor" if fast_path_installed() else "list"
         else:
@@ -146,18 +152,12 @@ class VllmOmniEngine(Engine):
             dtype = str(self._omni.engine.stage_vllm_configs[0].model_config.dtype).removeprefix("torch.")
         from vllm.platforms import current_platform
 
-        self.model_info = {
-            "path": str(self.config.model_path),
-            "size": self._cfg.tts_model_size,
-            "xvector_dim": self._cfg.xvector_dim,
-            "backend": "vllm-omni",
-            "device": current_platform.device_type,
-            "dtype": dtype,
-            "max_slots": self.config.max_slots,
-            "stage_config": str(self.config.stage_config),
-            "speaker_transport": self._transport,
-            "startup_s": round(time.monotonic() - t0, 1),
-        }
+        self.model_info.update(
+            device=current_platform.device_type,
+            dtype=dtype,
+            speaker_transport=self._transport,
+            startup_s=round(time.monotonic() - t0, 1),
+        )
         log.info("vLLM-Omni pipeline started: %s", self.model_info)
 
     async def _warmup(self) -> None:
@@ -313,6 +313,8 @@ class VllmOmniEngine(Engine):
                         stats.frames = tail.frames
                         handle.put_threadsafe(chunk)
                     if out.finished:
+                        # per-stage timings (benchmarks: which stage limits throughput)
+                        handle.stage_metrics = (getattr(out, "metrics", None) or {}).get("stage_metrics")
                         stage0_reason = _stage0_finish_reason(out)
                         in_pipeline = False
                         break
