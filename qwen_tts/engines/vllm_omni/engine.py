@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
+import random
 import time
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -261,6 +262,8 @@ class VllmOmniEngine(Engine):
             raise ValueError(f"text is {len(text_ids)} tokens, the limit is {self.config.max_text_tokens}")
         if len(self._tasks) >= self.config.max_slots + self.config.max_queue:
             raise QueueFullError(f"{self.num_waiting} requests waiting (limit {self.config.max_queue})")
+        if request.seed is None and not request.greedy:  # as the native engine: every sampled request has a seed
+            request.seed = random.getrandbits(62)
         handle = RequestHandle(request)
         cap = self.config.max_frames if request.max_frames is None else min(request.max_frames, self.config.max_frames)
         budget = max(1, min(cap, BUDGET_BASE_FRAMES + BUDGET_FRAMES_PER_TOKEN * len(text_ids)))
