@@ -8,14 +8,16 @@ talker step time. Prints a table last and writes JSON.
     python benchmarks/bench_engine.py --size 1.7b --device cuda --concurrency 1,8,32 --frames 100 --json out.json
 
 On CUDA the engine replays CUDA graphs of the frame step (--no-cuda-graphs: eager). --verify first checks on these
-weights that graphs and the eager path give identical codes; --eager-frames N then also times the eager path of the
-same engine at N frames per request.
+weights that graphs and the eager path give identical codes; --eager-frames N then also times the eager path at N
+frames per request. The eager path is a second engine on the same checkpoint (EngineSettings.frame_step="eager");
+everything goes through the factory and the engine interface.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -27,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from qwen_tts.checkpoint import write_random_checkpoint
-from qwen_tts.engine import EngineConfig, NativeEngine
-from qwen_tts.engine_api import SynthesisRequest
+from qwen_tts.engine_api import Engine, EngineSettings, SynthesisRequest
+from qwen_tts.engines import create_engine
+from qwen_tts.random_checkpoint import write_random_checkpoint
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Hello world, this is a test of speech synthesis for "
@@ -42,7 +44,7 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-async def one_level(engine: NativeEngine, n: int, frames: int, dim: int, greedy: bool) -> dict:
+async def one_level(engine: Engine, n: int, frames: int, dim: int, greedy: bool) -> dict:
     before = dict(engine.timings)
     reqs = [
         SynthesisRequest(
@@ -60,7 +62,7 @@ async def one_level(engine: NativeEngine, n: int, frames: int, dim: int, greedy:
     audio = await asyncio.gather(*(h.collect() for h in handles))
     wall = time.perf_counter() - t0
     ttfa = [h.stats.time_to_first_audio for h in handles]
-    audio_s = sum(a.shape[0] for a in audio) / 24000
+    audio_s = sum(a.shape[0] for a in audio) / engine.sample_rate
     per_req = [h.stats.audio_seconds / h.stats.wall_time for h in handles]
     return {
         "concurrency": n,
@@ -87,14 +89,14 @@ def phase_times(before: dict, after: dict, n: int) -> dict:
     }
 
 
-async def codes_of_run(engine: NativeEngine, reqs: list[SynthesisRequest]) -> list[torch.Tensor]:
+async def codes_of_run(engine: Engine, reqs: list[SynthesisRequest]) -> list[torch.Tensor]:
     handles = [engine.submit(r) for r in reqs]
     await asyncio.gather(*(h.collect() for h in handles))
     return [torch.cat(h.codes) if h.codes else torch.zeros(0, 16, dtype=torch.long) for h in handles]
 
 
-async def verify(engine: NativeEngine, dim: int, frames: int = 24) -> dict:
-    """Graphs vs the eager path (same engine and weights), and a request alone vs in a batch, on codes."""
+async def verify(engine: Engine, eager_engine: Engine, dim: int, frames: int = 24) -> dict:
+    """Graphs vs the eager path (same checkpoint), and a request alone vs in a batch, on codes."""
 
     def reqs() -> list[SynthesisRequest]:
         xs = [torch.randn(dim, generator=torch.Generator().manual_seed(i)) for i in range(3)]
@@ -107,11 +109,7 @@ async def verify(engine: NativeEngine, dim: int, frames: int = 24) -> dict:
 
     graphed = await codes_of_run(engine, reqs())
     alone = [(await codes_of_run(engine, [r]))[0] for r in reqs()[:2]]
-    runner, engine._runner = engine._runner, None  # bench-only: the eager path of the same engine
-    try:
-        eager = await codes_of_run(engine, reqs())
-    finally:
-        engine._runner = runner
+    eager = await codes_of_run(eager_engine, reqs())
     out = {
         "frames_per_request": [c.shape[0] for c in graphed],
         "graphs_equal_eager": [
@@ -138,6 +136,8 @@ async def main() -> None:
     ap.add_argument("--sampling", action="store_true", help="sample (default: greedy)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-cuda-graphs", action="store_true", help="eager frame steps on CUDA")
+    ap.add_argument("--no-fused", action="store_true", help="the eager kernels instead of the fused decode path")
+    ap.add_argument("--decoder-tf32", action="store_true", help="TF32 convolutions in Code2Wav")
     ap.add_argument("--verify", action="store_true", help="first compare graphs with eager on codes")
     ap.add_argument("--eager-frames", type=int, default=0, help="also time the eager path at this many frames")
     ap.add_argument("--json", help="write results here")
@@ -148,7 +148,7 @@ async def main() -> None:
         t0 = time.perf_counter()
         path = Path(a.model) if a.model else write_random_checkpoint(Path(tmp) / a.size, size=a.size, seed=0)
         t_write = time.perf_counter() - t0
-        cfg = EngineConfig(
+        settings = EngineSettings(
             model_path=str(path),
             device=a.device,
             dtype=a.dtype,
@@ -158,16 +158,23 @@ async def main() -> None:
             max_text_tokens=256,
             first_chunk_frames=a.first_chunk,
             chunk_frames=a.chunk,
-            cuda_graphs=not a.no_cuda_graphs,
+            frame_step="eager" if a.no_cuda_graphs else "auto",
+            fused_kernels=not a.no_fused,
+            decoder_tf32=a.decoder_tf32,
         )
         t0 = time.perf_counter()
-        engine = NativeEngine(cfg)
+        engine = create_engine(settings)
         await engine.start()
         t_load = time.perf_counter() - t0
         print(f"checkpoint {a.size}: write {t_write:.1f}s, load+warmup {t_load:.1f}s, {engine.model_info}", flush=True)
+        graphs = bool(engine.model_info.get("cuda_graphs"))
+        eager_engine = None
+        if graphs and (a.verify or a.eager_frames):  # the eager path: a second engine on the same checkpoint
+            eager_engine = create_engine(dataclasses.replace(settings, frame_step="eager"))
+            await eager_engine.start()
         checks = None
-        if a.verify and engine._runner is not None:
-            checks = await verify(engine, engine.xvector_dim)
+        if a.verify and eager_engine is not None:
+            checks = await verify(engine, eager_engine, engine.xvector_dim)
             print("verify:", json.dumps(checks), flush=True)
         results = []
         for n in levels:
@@ -178,14 +185,15 @@ async def main() -> None:
                 if best is None or r["audio_s_per_s"] > best["audio_s_per_s"]:
                     best = r
             print(json.dumps(best), flush=True)
-            results.append({"mode": "graphs" if engine._runner is not None else "eager", **best})
-        if a.eager_frames and engine._runner is not None:
-            engine._runner = None  # bench-only: the eager path of the same engine and weights
+            results.append({"mode": "graphs" if graphs else "eager", **best})
+        if a.eager_frames and eager_engine is not None:
             for n in levels:
-                await one_level(engine, n, min(a.eager_frames, 8), engine.xvector_dim, not a.sampling)
-                r = await one_level(engine, n, a.eager_frames, engine.xvector_dim, not a.sampling)
+                await one_level(eager_engine, n, min(a.eager_frames, 8), engine.xvector_dim, not a.sampling)
+                r = await one_level(eager_engine, n, a.eager_frames, engine.xvector_dim, not a.sampling)
                 print(json.dumps(r), flush=True)
                 results.append({"mode": "eager", **r})
+        if eager_engine is not None:
+            await eager_engine.stop()
         await engine.stop()
     cols = list(results[0])
     print("\n| " + " | ".join(cols) + " |")

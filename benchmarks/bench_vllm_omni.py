@@ -25,10 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from qwen_tts.checkpoint import write_random_checkpoint
-from qwen_tts.engine import EngineConfig, NativeEngine
-from qwen_tts.engine_api import FRAME_SECONDS, Engine, SynthesisRequest
-from qwen_tts.engines.vllm_omni import VllmOmniConfig, VllmOmniEngine
+from qwen_tts.engine_api import FRAME_SAMPLES, Engine, EngineSettings, SynthesisRequest
+from qwen_tts.engines import create_engine
+from qwen_tts.random_checkpoint import write_random_checkpoint
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Hello world, this is a test of speech synthesis for "
@@ -110,12 +109,16 @@ def main() -> int:
     slots = max(levels)
     results = []
     for name in a.backends.split(","):
-        if name == "native":
-            engine: Engine = NativeEngine(EngineConfig(model_path=model, device=a.device, max_slots=slots))
-        else:
-            engine = VllmOmniEngine(
-                VllmOmniConfig(model_path=model, stage_config=a.stage_config, max_slots=slots, max_frames=4096)
+        engine = create_engine(
+            EngineSettings(
+                model_path=model,
+                backend=name,
+                device=a.device,
+                stage_config=Path(a.stage_config),
+                max_slots=slots,
+                max_frames=4096,
             )
+        )
         results.append(asyncio.run(run(name, engine, levels, a.frames, not a.sampling)))
     print(f"{'backend':10} {'c':>4} {'xRT/stream':>10} {'audio-s/s':>10} {'TTFA p50':>9} {'p95':>7}  start-up")
     for r in results:
@@ -128,7 +131,7 @@ def main() -> int:
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(
-            json.dumps({"frames": a.frames, "frame_s": FRAME_SECONDS, "results": results}, indent=2)
+            json.dumps({"frames": a.frames, "frame_s": FRAME_SAMPLES / 24000, "results": results}, indent=2)
         )
     return 0
 

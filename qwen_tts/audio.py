@@ -16,7 +16,8 @@ import numpy as np
 import soundfile as sf
 import soxr
 
-TARGET_SR = 24000
+# The model's audio rate: what the speaker encoder takes and what Code2Wav produces. The one definition.
+SAMPLE_RATE = 24000
 
 
 class AudioError(ValueError):
@@ -45,7 +46,7 @@ def to_mono(x: np.ndarray) -> np.ndarray:
     return x.mean(axis=1, dtype=np.float32)
 
 
-def resample(x: np.ndarray, sr_in: int, sr_out: int = TARGET_SR) -> np.ndarray:
+def resample(x: np.ndarray, sr_in: int, sr_out: int = SAMPLE_RATE) -> np.ndarray:
     """soxr high-quality resampling of (N,) or (N, C) float32; length ceil(N * sr_out / sr_in) like librosa."""
     if sr_in <= 0 or sr_out <= 0:
         raise ValueError(f"sample rates must be positive, got {sr_in} -> {sr_out}")
@@ -66,4 +67,4 @@ def resample(x: np.ndarray, sr_in: int, sr_out: int = TARGET_SR) -> np.ndarray:
 def load_mono_24k(path: str | Path | BinaryIO) -> np.ndarray:
     """Read an audio file as (N,) float32 mono at 24 kHz, as the speaker encoder expects."""
     data, sr = load_audio(path)
-    return resample(to_mono(data), sr, TARGET_SR)
+    return resample(to_mono(data), sr, SAMPLE_RATE)

@@ -73,7 +73,11 @@ class CodePredictor(nn.Module):
         # single-token step serves all 14 of them.
         kv_len = self.num_residual + 1
         x = self.small_to_mtp_projection(torch.stack((h, cb0_embed), dim=1))  # (B, 2, H_cp)
-        hidden = self.model(x, pos[:, :2], cache, slots, kv_len)[:, -1]
+        if self.model.layers[0].fused is not None:  # the fast path runs one token at a time: two steps, same result
+            self.model(x[:, :1], pos[:, :1], cache, slots, kv_len)
+            hidden = self.model(x[:, 1:], pos[:, 1:2], cache, slots, kv_len)[:, -1]
+        else:
+            hidden = self.model(x, pos[:, :2], cache, slots, kv_len)[:, -1]
         codes = []
         embed_sum = None
         for j in range(self.num_residual):

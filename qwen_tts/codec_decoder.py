@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qwen_tts.config import Code2WavConfig
-from qwen_tts.layers import RMSNorm
+from qwen_tts.layers import MLP, RMSNorm
 
 # Queries per attention call: bounds the (queries x keys) score matrix for long sequences.
 _ATTN_BLOCK = 128
@@ -254,17 +254,6 @@ class LayerScale(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.scale * x
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

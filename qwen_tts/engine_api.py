@@ -1,10 +1,13 @@
 """The one engine interface that the server, the batch CLI and the benchmarks use.
 
-An engine turns (x-vector, text, options) into a stream of float32 PCM chunks at 24 kHz. Nothing above this
-interface knows which implementation (native PyTorch or vLLM-Omni) runs.
+An engine turns (x-vector, text, options) into a stream of float32 PCM chunks at `engine.sample_rate`. Nothing
+above this interface knows which implementation (native PyTorch, vLLM-Omni, the fake) runs: callers build one
+with `qwen_tts.engines.create_engine(EngineSettings(...))` and use only what is defined here.
 
+    engine = create_engine(EngineSettings(model_path="demo"))
+    await engine.start()
     handle = engine.submit(SynthesisRequest(text=..., xvector=...))
-    async for chunk in handle:      # np.ndarray float32, mono, 24 kHz
+    async for chunk in handle:      # np.ndarray float32, mono, engine.sample_rate
         ...
     handle.stats.finish_reason      # eos | budget | cancelled | error
     engine.cancel(handle)           # stops the request's work at the next step
@@ -19,13 +22,33 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-SAMPLE_RATE = 24000
-FRAME_SAMPLES = 1920  # 12.5 Hz codec frames
-FRAME_SECONDS = FRAME_SAMPLES / SAMPLE_RATE
+from .audio import SAMPLE_RATE
+
+FRAME_SAMPLES = 1920  # 12.5 Hz codec frames at SAMPLE_RATE
+
+__all__ = [
+    "FRAME_SAMPLES",
+    "SAMPLE_RATE",
+    "Engine",
+    "EngineError",
+    "EngineNotReadyError",
+    "EngineSettings",
+    "EngineSettingsError",
+    "FinishReason",
+    "QueueFullError",
+    "RequestFailedError",
+    "RequestHandle",
+    "RequestStats",
+    "SynthesisRequest",
+]
+
+FrameStepMode = Literal["auto", "eager", "padded", "graphs"]
 
 
 class FinishReason(str, Enum):
@@ -49,6 +72,66 @@ class EngineNotReadyError(EngineError):
 
 class RequestFailedError(EngineError):
     """Raised from a handle's iteration when the request failed inside the engine."""
+
+
+class EngineSettingsError(EngineError, ValueError):
+    """An engine cannot be built from its settings; `setting` names the EngineSettings field at fault, so each
+    caller can name its own option (TTS_MODEL_PATH, --model, ...) in front of the message."""
+
+    def __init__(self, setting: str, message: str):
+        super().__init__(message)
+        self.setting = setting
+
+
+@dataclass
+class EngineSettings:
+    """Everything an engine is built from; `qwen_tts.engines.create_engine` takes this and nothing else.
+
+    The defaults here are the project's defaults: the server's settings and the batch CLI's options take theirs
+    from this class and map onto it in one function each.
+    """
+
+    model_path: str = "demo"  # 'demo' (the tiny random checkpoint), a checkpoint directory, or a hub id in the cache
+    backend: str = "native"  # native | vllm-omni | fake (sine tones, for HTTP load tests)
+    demo_dir: Path | None = None  # where the demo checkpoint is written (None: a per-user cache directory)
+    stage_config: Path | None = None  # vLLM-Omni deploy config; read only by that backend
+    stage_init_timeout: float = 600.0  # vllm-omni: seconds each stage process may take to start
+    # vllm-omni: how the speaker vector reaches the talker: tensor (raw bytes, needs vllm-omni-myfi), list (floats,
+    # stock vLLM-Omni), auto (tensor when the plugins are installed)
+    vllm_speaker_transport: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA (Code2Wav always float32)
+    max_slots: int = 16  # requests decoding at once
+    max_queue: int = 64  # requests waiting for a slot; beyond that, QueueFullError
+    max_frames: int = 2048  # hard cap per request (frames of 80 ms)
+    max_text_tokens: int = 1024  # longest accepted text, in tokens (sizes the KV cache)
+    first_chunk_frames: int = 3  # small first chunk: the first audio comes fast
+    chunk_frames: int = 12  # later chunks: fewer, larger decodes
+    warmup: bool = True
+    # When the engine is idle, wait this long after the first arrival so a burst shares one batched prefill.
+    admission_window_s: float = 0.002
+    # TF32 cuDNN convolutions in the float32 Code2Wav on CUDA: 3.5x faster at batch 64 on an H200 and no 52 GiB
+    # cuDNN workspace spike; the audio moves by at most -52 dBFS from the exact decode (chunk joins -62 dBFS,
+    # docs/benchmarks.md). False: exact streaming (stream == whole decode to ~1e-5). No effect on CPU.
+    decoder_tf32: bool = True
+    # How the native engine runs its batched frame step: auto = CUDA graphs on CUDA (one per batch and kv-length
+    # bucket, captured at start when warmup is on, else on first use; ~10x fewer launches), eager at exact shapes
+    # on CPU; eager; graphs; padded = the graphs' padded, bucketed step run eagerly (tests its logic on CPU).
+    frame_step: FrameStepMode = "auto"
+    # On CUDA, run one-token decoder steps on the fast path (qwen_tts/fused.py: fused weights, compiled blocks,
+    # in-place Triton attention, compiled sampler): the same function in far fewer kernels. Ignored on CPU.
+    fused_kernels: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_slots", "max_frames", "max_text_tokens", "first_chunk_frames", "chunk_frames"):
+            if getattr(self, name) < 1:
+                raise EngineSettingsError(name, f"{name} must be >= 1")
+        if self.max_queue < 0:
+            raise EngineSettingsError("max_queue", "max_queue must be >= 0")
+        if self.frame_step not in ("auto", "eager", "padded", "graphs"):
+            raise EngineSettingsError(
+                "frame_step", f"frame_step must be auto, eager, padded or graphs, not {self.frame_step!r}"
+            )
 
 
 @dataclass
@@ -173,9 +256,11 @@ class RequestHandle:
 
 
 class Engine(ABC):
-    """Async engine interface (native PyTorch or vLLM-Omni)."""
+    """Async engine interface (native PyTorch, vLLM-Omni, or the fake).
 
-    sample_rate: int = SAMPLE_RATE
+    `xvector_dim`, `languages`, `model_info`, `device` and `sample_rate` are known from construction on (before
+    `start`), so a caller can check its voices and inputs before any weights load.
+    """
 
     @abstractmethod
     async def start(self) -> None:
@@ -209,9 +294,32 @@ class Engine(ABC):
         """Accepted language names, lower case, including 'auto'."""
 
     @property
+    def sample_rate(self) -> int:
+        """Rate of the PCM chunks, in Hz."""
+        return SAMPLE_RATE
+
+    @property
+    def device(self) -> torch.device:
+        """Where the engine wants request x-vectors (a voice cache keeps them there)."""
+        return torch.device("cpu")
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        """What is served: at least `name` and `xvector_dim`; engines add size, device, dtype, slots, and `path`
+        (a file system path: callers that publish the info drop it)."""
+        return {"name": type(self).__name__, "xvector_dim": self.xvector_dim}
+
+    @property
     def num_running(self) -> int:
+        """Requests being generated now."""
         return 0
 
     @property
     def num_waiting(self) -> int:
+        """Requests accepted and waiting for a slot."""
         return 0
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Cumulative busy time by phase (engine specific, e.g. steps, step_s, prefill_s, decode_s); may be empty."""
+        return {}

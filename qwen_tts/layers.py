@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qwen_tts import fused
 from qwen_tts.config import DecoderLayersConfig
 
 
@@ -158,6 +159,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fused = None  # fused.FusedWeights once fused.enable() turned the CUDA fast path on
 
     def forward(self, x: Tensor, *attn_args) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), *attn_args)
@@ -184,6 +186,8 @@ class DecoderStack(nn.Module):
         Each row writes its T keys into its slot at its positions and attends to keys of its slot at positions
         <= its query position, among the first kv_len cache positions.
         """
+        if x.shape[1] == 1 and self.layers[0].fused is not None:
+            return self._fused_token_step(x, positions[:, 0], cache, slots)
         cos, sin = self.rotary_emb(positions, x.dtype)
         cos, sin = cos[:, :, None], sin[:, :, None]  # (B, T, 1, D): broadcast over heads
         key_pos = torch.arange(kv_len, device=x.device)
@@ -191,3 +195,11 @@ class DecoderStack(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache.k[i], cache.v[i], slots, positions, kv_len)
         return self.norm(x)
+
+    def _fused_token_step(self, x: Tensor, positions: Tensor, cache: KVCache, slots: Tensor) -> Tensor:
+        """T = 1 on the fast path (fused.py): same result; attends to positions <= each row's, whatever kv_len."""
+        cos, sin = fused.compiled("rope")(positions, self.rotary_emb.inv_freq, x.dtype)
+        h = x[:, 0]
+        for i, layer in enumerate(self.layers):
+            h = fused.layer_step(layer, h, cos, sin, cache.k[i], cache.v[i], slots, positions)
+        return fused.compiled("norm")(h, self.norm.weight, self.norm.eps)[:, None]

@@ -53,6 +53,33 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
+def resolve_device(spec: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; otherwise the named device, refused if CUDA is missing.
+
+    Messages leave out the spec: callers name their own option and value in front."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:
+        raise ValueError("expected auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("CUDA is not available on this machine")
+    return dev
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(spec: str | None, device: torch.device) -> torch.dtype:
+    """None -> `default_dtype(device)`; otherwise one of DTYPES."""
+    if spec is None:
+        return default_dtype(device)
+    if spec not in DTYPES:
+        raise ValueError(f"expected one of {', '.join(sorted(DTYPES))}")
+    return DTYPES[spec]
+
+
 def read_config(path: str | Path) -> ModelConfig:
     """The typed config of a checkpoint directory; a bad or missing config is a CheckpointError."""
     try:

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SAMPLE_RATE = 24000
+from qwen_tts.audio import SAMPLE_RATE
+
 N_FFT = 1024
 HOP = 256
 WIN = 1024

@@ -45,8 +45,22 @@ def uniform_noise(seeds: LongTensor, counters: LongTensor, vocab: int) -> Tensor
     # The vocab index is only XOR-ed with the key: torch.compile does index arithmetic in int32.
     idx = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None]
     h = _mix32(_mix32(idx ^ key) ^ _mix32(key ^ _SALT))
-    # 24 bits fit a float32 mantissa exactly; +0.5 keeps the value strictly inside (0, 1).
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return hash_to_unit(h)
+
+
+# The largest float32 below 1.0.
+UNIT_MAX = 1.0 - 2.0**-24
+
+
+def hash_to_unit(h: Tensor) -> Tensor:
+    """32-bit hashes (int64) -> float32 uniforms strictly inside (0, 1), from their top 24 bits.
+
+    (k + 0.5) / 2**24 lies in (0, 1) as a real number, but in float32 `k + 0.5` is exact only below 2**23: above,
+    it rounds to an even integer, and for k = 2**24 - 1 to 2**24, which made u == 1.0 exactly and the Gumbel noise
+    +inf. The clamp maps that one value to the largest float below 1 and leaves every other value as it was (so a
+    seed draws what it drew before). Eager, fused (FMA) and compiled arithmetic agree: all round to nearest even.
+    """
+    return (((h >> 8) & 0xFFFFFF).float() + 0.5).mul(1.0 / (1 << 24)).clamp_max(UNIT_MAX)
 
 
 def gumbel_noise(seeds: LongTensor, counters: LongTensor, vocab: int) -> Tensor:
@@ -119,5 +133,9 @@ def sample(
     greedy = greedy | (temperature <= 0)
     t = torch.where(greedy, torch.ones_like(temperature, dtype=torch.float32), temperature.float())
     filtered = filter_logits(logits, t, top_k, top_p)
-    drawn = (filtered + gumbel_noise(seeds, counters, logits.shape[-1])).argmax(dim=-1)
+    # Filtered ids score -inf whatever their noise: `-inf + noise` alone would be NaN for an infinite noise, and
+    # argmax picks a NaN. The noise itself is finite (uniforms strictly inside (0, 1)); this holds even if not.
+    kept = filtered > float("-inf")
+    scores = torch.where(kept, filtered + gumbel_noise(seeds, counters, logits.shape[-1]), float("-inf"))
+    drawn = scores.argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)

@@ -43,7 +43,9 @@ echo "$TORCH_SPEC" > "$constraints"
 
 echo "setup_vllm_omni: installing $TORCH_SPEC $VLLM_SPEC $VLLM_OMNI_SPEC, the project and vllm-omni-myfi (a few minutes)"
 "${PIP[@]}" install -c "$constraints" "$TORCH_SPEC"
-"${PIP[@]}" install -c "$constraints" "$VLLM_SPEC" "$VLLM_OMNI_SPEC" -e ".[dev]" -e ./vllm-omni-myfi
+# The project without its dev extras: the tests run in .venv and only start servers and tools in this one
+# (the dev extras pin a triton for the native engine's kernel that vLLM's would clash with).
+"${PIP[@]}" install -c "$constraints" "$VLLM_SPEC" "$VLLM_OMNI_SPEC" -e . -e ./vllm-omni-myfi
 
 "${PIP[@]}" uninstall -y torchcodec >/dev/null 2>&1 || true
 site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

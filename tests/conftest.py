@@ -1,4 +1,4 @@
-"""Shared fixtures: one tiny random checkpoint per test session (written by qwen_tts.checkpoint, seed 0).
+"""Shared fixtures: one tiny random checkpoint per test session (written by qwen_tts.random_checkpoint, seed 0).
 
 Also pins torch to one intra-op thread for the test run (see below)."""
 
@@ -11,7 +11,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_tts.checkpoint import write_random_checkpoint
+# Without a GPU, Triton kernels (qwen_tts/decode_attention.py) run in Triton's CPU interpreter. It must be chosen
+# before any kernel is defined, so before qwen_tts is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        import triton.runtime.interpreter as _interpreter
+    except ImportError:
+        pass
+    else:
+        # Triton 3.6's interpreter turns a loaded scalar into a Python int with int(array), which numpy >= 2.3
+        # refuses for a 1-element 1-d array (a kernel's `range(0, tl.load(p) + 1, ...)`): take the element.
+        _patch_tensor = _interpreter._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):
+            _patch_tensor(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        _interpreter._patch_lang_tensor = _patch_lang_tensor
+
+from qwen_tts.random_checkpoint import write_random_checkpoint
 
 TINY_SEED = 0
 

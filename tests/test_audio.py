@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from qwen_tts.audio import TARGET_SR, AudioError, load_audio, load_mono_24k, resample, to_mono
+from qwen_tts.audio import SAMPLE_RATE as TARGET_SR
+from qwen_tts.audio import AudioError, load_audio, load_mono_24k, resample, to_mono
 
 FORMATS = [
     ("wav", "WAV", "PCM_16", 1e-4),

@@ -27,7 +27,7 @@ from qwen_tts.engine_api import (
     RequestHandle,
     SynthesisRequest,
 )
-from qwen_tts.profiles import VoiceProfile, save_profile
+from qwen_tts.voices import VoiceProfile, file_mode, load_profile, save_profile
 from tts_tools import batch
 from tts_tools.manifest import derive_seed
 
@@ -163,7 +163,7 @@ def test_failed_item_is_reported_and_the_others_are_written(workdir: Path, capsy
         assert info.duration == pytest.approx(want, abs=0.06 if fmt == "MP3" else 1e-9)
     assert not (out / "b2.wav").exists()
     assert not list(out.rglob("*.tmp")), "temp files must not be left behind"
-    assert (out / "a1.wav").stat().st_mode & 0o777 == batch.FILE_MODE  # not mkstemp's private 0600
+    assert (out / "a1.wav").stat().st_mode & 0o777 == file_mode()  # not mkstemp's private 0600
 
     summary = read_summary(workdir)
     assert summary["totals"] == {
@@ -253,7 +253,7 @@ def test_item_options_reach_the_engine_request(workdir: Path):
     assert rc == 0
     (req,) = engine.submitted
     assert (req.temperature, req.top_k, req.greedy) == (0.5, 3, True)
-    assert torch.equal(req.xvector, batch.load_profile(workdir / "voices" / "alice.safetensors").x_vector)
+    assert torch.equal(req.xvector, load_profile(workdir / "voices" / "alice.safetensors").x_vector)
 
 
 def test_invalid_manifest_reports_every_problem_and_runs_nothing(workdir: Path, capsys):
@@ -463,4 +463,4 @@ def test_vllm_omni_backend_without_vllm_is_a_clear_error(tiny_setup, tmp_path, c
     rc = run_real(tiny_setup, tmp_path / "out", E2E_MANIFEST, "--stage-configs-path", str(stage))
     assert rc == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--backend vllm-omni: vllm and vllm-omni are not installed" in err[0]
+    assert len(err) == 1 and "--backend 'vllm-omni': vllm and vllm-omni are not installed" in err[0]

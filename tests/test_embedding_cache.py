@@ -18,7 +18,7 @@ from embedding_cache import (
     UnknownSpeakerError,
     validate_speaker_id,
 )
-from qwen_tts.profiles import VoiceProfile, save_profile
+from qwen_tts.voices import VoiceProfile, save_profile
 
 DIM = 16
 

@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from qwen_tts.profiles import ProfileError, load_profile, sha256_file
+from qwen_tts.voices import ProfileError, load_profile, sha256_file
 from tts_tools import extract
 from tts_tools.extract import ClipRefused, check_clip, collect_jobs
 

@@ -10,7 +10,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qwen_tts.checkpoint import code2wav_spec, model_config, speaker_encoder_spec, talker_spec
 from qwen_tts.codec_decoder import Code2Wav
 from qwen_tts.loading import (
     CheckpointError,
@@ -19,6 +18,7 @@ from qwen_tts.loading import (
     load_model,
     load_speaker_encoder,
 )
+from qwen_tts.random_checkpoint import code2wav_spec, model_config, speaker_encoder_spec, talker_spec
 from qwen_tts.speaker_encoder import SpeakerEncoder
 from qwen_tts.talker import Talker
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from qwen_tts.checkpoint import weights_digest, write_random_checkpoint
-from qwen_tts.generate import generate_codes
 from qwen_tts.loading import load_model
 from qwen_tts.mel import mel_spectrogram
 from qwen_tts.prompt import build_prompt
+from qwen_tts.random_checkpoint import weights_digest, write_random_checkpoint
+from qwen_tts.reference_loop import generate_codes
 from qwen_tts.tokenizer import ROLE_LEN, TAIL_LEN
 
 FIXTURE = Path(__file__).parent / "reference" / "fixture_tiny.pt"

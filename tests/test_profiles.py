@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qwen_tts.profiles import (
+from qwen_tts.voices import (
     MAX_PROFILE_BYTES,
     PROFILE_FORMAT,
     ProfileError,

@@ -12,10 +12,12 @@ import pytest
 import pytest_asyncio
 import soundfile as sf
 
-from qwen_tts.demo import ensure_demo_voice, resolve_model_path
-from qwen_tts.engine import EngineConfig, NativeEngine
+from qwen_tts.engine_api import EngineSettings, SynthesisRequest
+from qwen_tts.engines.native import NativeEngine
+from qwen_tts.model_paths import resolve_model_path
+from qwen_tts.voices import ensure_demo_voice
+from server_helpers import InProcess, in_process
 from tts_server.audio_encoding import to_int16
-from tts_server.testing import InProcess, in_process
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -33,7 +35,7 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def server(demo_model: Path, tmp_path_factory: pytest.TempPathFactory):
     voices = tmp_path_factory.mktemp("voices")
     ensure_demo_voice(voices, demo_model)
-    engine = NativeEngine(EngineConfig(model_path=str(demo_model), max_slots=4, max_queue=8, max_frames=256))
+    engine = NativeEngine(EngineSettings(model_path=str(demo_model), max_slots=4, max_queue=8, max_frames=256))
     async with in_process(engine, profiles_dir=voices, max_concurrent=4, max_queue=8, max_new_tokens=256) as s:
         yield s
 
@@ -260,3 +262,35 @@ async def test_openai_speed_one_is_accepted(server: InProcess) -> None:
 async def test_openai_models_lists_the_served_model(server: InProcess) -> None:
     body = (await server.client.get("/v1/models")).json()
     assert body["object"] == "list" and body["data"][0]["id"] == "qwen3-tts"
+
+
+@pytest.mark.parametrize(
+    ("body", "engine_options"),
+    [
+        ({"temperature": 0}, {"temperature": 0.0, "greedy": True}),
+        ({"top_k": 1}, {"top_k": 1}),  # codebook 0 argmax, residual codes still sampled
+        ({"temperature": 0.4, "top_k": 3, "seed": 11}, {"temperature": 0.4, "top_k": 3, "seed": 11}),
+        ({"language": "German", "min_new_tokens": 20}, {"language": "German", "min_frames": 20}),
+    ],
+)
+async def test_body_options_reach_the_engine(server: InProcess, body: dict, engine_options: dict) -> None:
+    r = await server.client.post("/synthesize", json=_body(response_format="pcm", **body))
+    assert r.status_code == 200, r.text
+    got = np.frombuffer(r.content, dtype="<i2")
+    # The same request submitted to the engine directly, with the options spelled out as the engine takes them:
+    # the server's defaults are TTS_TEMPERATURE=0.9 and TTS_TOP_K=50.
+    opts = {"temperature": 0.9, "top_k": 50, "seed": 7, "max_frames": CAP, **engine_options}
+    req = SynthesisRequest(text=_body()["text"], xvector=server.runtime.voices.get("demo"), **opts)
+    expected = to_int16(await server.runtime.engine.submit(req).collect())
+    assert got.shape == expected.shape and got.size > 0
+    np.testing.assert_array_equal(got, expected)
+    # And the options matter: the server's defaults give other audio.
+    default = await server.client.post("/synthesize", json=_body(response_format="pcm"))
+    assert not np.array_equal(np.frombuffer(default.content, dtype="<i2"), got)
+
+
+async def test_greedy_audio_is_the_same_whatever_the_seed(server: InProcess) -> None:
+    a = await server.client.post("/synthesize", json=_body(response_format="pcm", temperature=0, seed=1))
+    b = await server.client.post("/synthesize", json=_body(response_format="pcm", temperature=0, seed=2))
+    assert a.status_code == b.status_code == 200
+    assert a.content == b.content

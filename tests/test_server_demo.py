@@ -1,4 +1,4 @@
-"""qwen_tts.demo: model path resolution (demo, directory, hub cache) and the deterministic demo voice."""
+"""qwen_tts.model_paths and qwen_tts.voices: model path resolution (demo, directory, hub cache) and the deterministic demo voice."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from qwen_tts.config import ModelConfig
-from qwen_tts.demo import DemoError, ensure_demo_checkpoint, ensure_demo_voice, resolve_model_path
-from qwen_tts.profiles import VoiceProfile, load_profile, save_profile
+from qwen_tts.model_paths import ModelPathError as DemoError
+from qwen_tts.model_paths import ensure_demo_checkpoint, resolve_model_path
+from qwen_tts.voices import VoiceProfile, ensure_demo_voice, load_profile, save_profile
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tts_server.fake_engine import FakeEngine
-from tts_server.testing import in_process, write_voice
+from qwen_tts.engines.fake import FakeEngine
+from server_helpers import in_process, write_voice
 
 DIM = 16
 
@@ -414,7 +414,7 @@ def test_factory_lifespan_starts_and_stops_the_engine(voices: Path) -> None:
     from fastapi.testclient import TestClient
 
     from inference_server import create_app
-    from tts_server.testing import clean_settings
+    from server_helpers import clean_settings
 
     engine = FakeEngine(xvector_dim=DIM)
     app = create_app(clean_settings(profiles_dir=voices, backend="fake"), engine=engine)

@@ -24,8 +24,8 @@ import openai
 import pytest
 import soundfile as sf
 
+from server_helpers import REPO_ROOT, ServerProcess, server_process
 from tts_server.audio_encoding import to_int16
-from tts_server.testing import REPO_ROOT, ServerProcess, server_process
 
 pytestmark = pytest.mark.slow
 

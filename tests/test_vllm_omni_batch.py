@@ -11,8 +11,8 @@ import pytest
 import soundfile as sf
 import torch
 
-from qwen_tts.checkpoint import write_random_checkpoint
-from tts_server.testing import REPO_ROOT, write_voice
+from qwen_tts.random_checkpoint import write_random_checkpoint
+from server_helpers import REPO_ROOT, write_voice
 
 VO_PYTHON = REPO_ROOT / ".venv-vllm-omni" / "bin" / "python"
 if not VO_PYTHON.exists() and os.environ.get("CI") == "true":

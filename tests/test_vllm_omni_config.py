@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tts_server.testing import REPO_ROOT
+from server_helpers import REPO_ROOT
 
 VO_PYTHON = REPO_ROOT / ".venv-vllm-omni" / "bin" / "python"
 CONFIGS = ["stage_config_optimized.yaml", "stage_config_cpu.yaml"]

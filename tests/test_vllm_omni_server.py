@@ -20,9 +20,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qwen_tts.checkpoint import write_random_checkpoint
-from qwen_tts.profiles import TENSOR_NAME
-from tts_server.testing import REPO_ROOT, ServerProcess, write_voice
+from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.voices import TENSOR_NAME
+from server_helpers import REPO_ROOT, ServerProcess, write_voice
 
 VO_PYTHON = REPO_ROOT / ".venv-vllm-omni" / "bin" / "python"
 if not VO_PYTHON.exists() and os.environ.get("CI") == "true":
@@ -173,15 +173,15 @@ def test_greedy_codes_equal_the_native_engines(server: ServerProcess, client: ht
     two waveforms are bit-identical; across processes the decoder's float sums may round differently.)"""
     if server.transport != "tensor":
         pytest.skip("checked once, on the fast-path server")
-    from qwen_tts.engine import EngineConfig, create_engine
-    from qwen_tts.engine_api import SynthesisRequest
-    from qwen_tts.profiles import load_profile
+    from qwen_tts.engine_api import EngineSettings, SynthesisRequest
+    from qwen_tts.engines import create_engine
+    from qwen_tts.voices import load_profile
 
     frames = 60
     x = load_profile(server.voices / "alice.safetensors").x_vector
 
     async def native() -> np.ndarray:
-        engine = create_engine(EngineConfig(model_path=str(checkpoint), device="cpu", dtype="float32", max_slots=1))
+        engine = create_engine(EngineSettings(model_path=str(checkpoint), device="cpu", dtype="float32", max_slots=1))
         await engine.start()
         try:
             req = SynthesisRequest(text=TEXT, xvector=x, greedy=True, min_frames=frames, max_frames=frames)

@@ -9,13 +9,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from inference_config import ServerSettings, load_settings
 from qwen_tts.engine_api import Engine
 
 from .errors import install_error_handlers
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from .routes import PUBLIC_PATHS, ROUTES, router
 from .runtime import Runtime
+from .settings import ServerSettings, load_settings
 
 EXPOSED_HEADERS = [
     "X-Request-Id",

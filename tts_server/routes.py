@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from qwen_tts.engine_api import SAMPLE_RATE, RequestFailedError
+from qwen_tts.engine_api import RequestFailedError
 
 from .audio_encoding import FORMATS, StreamEncoder, encode, get_format
 from .errors import BadRequest, InvalidField, NotReady, RequestTimeout, validation_error
@@ -28,7 +28,7 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .middleware import StreamAborted
 from .runtime import Runtime
 from .schemas import SpeechRequest, StreamRequest, SynthesizeRequest, allowed_fields
-from .synthesis import ClientDisconnected, Job, Options, check_limits, collect, first_chunk, rest, submit
+from .synthesis import ClientDisconnected, Job, Outcome, check_limits, collect, first_chunk, rest, submit
 
 logger = logging.getLogger("tts_server")
 
@@ -73,25 +73,13 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise validation_error(e, allowed_fields(model)) from None
 
 
-def _options(body: SynthesizeRequest | StreamRequest | SpeechRequest) -> Options:
-    return Options(
-        speaker_id=body.speaker_id,
-        text=body.text,
-        language=body.language,
-        max_new_tokens=body.max_new_tokens,
-        min_new_tokens=body.min_new_tokens,
-        temperature=body.temperature,
-        top_k=body.top_k,
-        seed=body.seed,
-    )
-
-
 def _audio_headers(job: Job, request: Request, pcm: np.ndarray) -> dict[str, str]:
     received = request.scope.get("state", {}).get("received_at", job.received_at)
+    rate = job.runtime.engine.sample_rate
     return {
-        "X-Audio-Duration": f"{pcm.shape[0] / SAMPLE_RATE:.3f}",
+        "X-Audio-Duration": f"{pcm.shape[0] / rate:.3f}",
         "X-Latency": f"{time.monotonic() - received:.3f}",
-        "X-Sample-Rate": str(SAMPLE_RATE),
+        "X-Sample-Rate": str(rate),
         "X-Finish-Reason": job.handle.stats.finish_reason.value if job.handle.stats.finish_reason else "",
     }
 
@@ -103,14 +91,14 @@ class JobStreamingResponse(StreamingResponse):
     def __init__(self, job: Job, content: AsyncIterator[bytes], **kwargs: Any):
         super().__init__(content, **kwargs)
         self.job = job
-        job.outcome = "streaming"
+        job.outcome = Outcome.STREAMING
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if self.job.outcome == "streaming":
-                self.job.outcome = "disconnected"
+            if self.job.outcome is Outcome.STREAMING:
+                self.job.outcome = Outcome.DISCONNECTED
             self.job.close()
 
 
@@ -125,13 +113,13 @@ async def _encoded_stream(job: Job, first: np.ndarray | None, encoder: StreamEnc
         tail = encoder.close()
         if tail:
             yield tail
-        job.outcome = "ok"
+        job.outcome = Outcome.OK
     except RequestFailedError as e:
-        job.outcome = "error"
+        job.outcome = Outcome.ERROR
         logger.error("request %s failed in the engine mid-stream: %s", job.request_id, e)
         raise StreamAborted("engine failure") from None
     except RequestTimeout:
-        job.outcome = "timeout"
+        job.outcome = Outcome.TIMEOUT
         raise StreamAborted("request timeout") from None
 
 
@@ -155,7 +143,7 @@ async def _whole_file(request: Request, job: Job, fmt: str) -> Response:
     finally:
         job.close()
     audio_format = get_format(fmt)
-    data = await anyio.to_thread.run_sync(encode, pcm, audio_format, SAMPLE_RATE)
+    data = await anyio.to_thread.run_sync(encode, pcm, audio_format, job.runtime.engine.sample_rate)
     return Response(data, media_type=audio_format.media_type, headers=_audio_headers(job, request, pcm))
 
 
@@ -165,12 +153,12 @@ async def synthesize(request: Request) -> Response:
     """The whole utterance as one file (wav by default)."""
     runtime = runtime_of(request)
     body = await parse_body(request, SynthesizeRequest)
-    opts = check_limits(runtime, _options(body))
+    check_limits(runtime, body)
     if body.response_format not in FORMATS:
         raise InvalidField(
             f"response_format: {body.response_format!r} is not available in this build", param="response_format"
         )
-    job = submit(runtime, opts, _rid(request))
+    job = submit(runtime, body, _rid(request))
     return await _whole_file(request, job, body.response_format)
 
 
@@ -179,14 +167,15 @@ async def synthesize_stream(request: Request) -> Response:
     """Chunked raw audio as it is decoded: float32 LE mono 24 kHz by default."""
     runtime = runtime_of(request)
     body = await parse_body(request, StreamRequest)
-    opts = check_limits(runtime, _options(body))
-    job = submit(runtime, opts, _rid(request))
+    check_limits(runtime, body)
+    job = submit(runtime, body, _rid(request))
     first = await _start_stream(request, job)
     if isinstance(first, Response):
         return first
-    encoder = StreamEncoder(body.response_format, SAMPLE_RATE)
+    rate = runtime.engine.sample_rate
+    encoder = StreamEncoder(body.response_format, rate)
     headers = {
-        "X-Sample-Rate": str(SAMPLE_RATE),
+        "X-Sample-Rate": str(rate),
         "X-Audio-Format": body.response_format,
         "X-Time-To-First-Audio": f"{job.handle.stats.time_to_first_audio or 0.0:.3f}",
         "Cache-Control": "no-store",
@@ -220,7 +209,8 @@ async def _sse_stream(
         if whole:
             parts = [c async for c in chunks()]
             pcm = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-            yield delta(await anyio.to_thread.run_sync(encode, pcm, encoder.format, SAMPLE_RATE))
+            rate = job.runtime.engine.sample_rate
+            yield delta(await anyio.to_thread.run_sync(encode, pcm, encoder.format, rate))
         else:
             async for chunk in chunks():
                 data = encoder.feed(chunk)
@@ -233,12 +223,13 @@ async def _sse_stream(
         # input_tokens counts characters: the text tokenizer's count is the engine's business.
         usage = {"input_tokens": len(text), "output_tokens": frames, "total_tokens": len(text) + frames}
         yield _sse_event({"type": "speech.audio.done", "usage": usage})
-        job.outcome = "ok"
+        job.outcome = Outcome.OK
     except (RequestFailedError, RequestTimeout) as e:
-        job.outcome = "timeout" if isinstance(e, RequestTimeout) else "error"
-        logger.error("request %s ended mid-stream: %s", job.request_id, job.outcome)
-        message = "request timed out" if job.outcome == "timeout" else f"synthesis failed (request id {job.request_id})"
-        yield _sse_event({"type": "error", "error": {"message": message, "code": job.outcome}})
+        job.outcome = Outcome.TIMEOUT if isinstance(e, RequestTimeout) else Outcome.ERROR
+        logger.error("request %s ended mid-stream: %s", job.request_id, job.outcome.value)
+        timed_out = job.outcome is Outcome.TIMEOUT
+        message = "request timed out" if timed_out else f"synthesis failed (request id {job.request_id})"
+        yield _sse_event({"type": "error", "error": {"message": message, "code": job.outcome.value}})
 
 
 @router.post("/v1/audio/speech", openapi_extra=_body_schema(SpeechRequest), response_class=StreamingResponse)
@@ -246,7 +237,7 @@ async def openai_speech(request: Request) -> Response:
     """OpenAI `audio.speech.create`: `voice` is a speaker id; audio streams as it is generated."""
     runtime = runtime_of(request)
     body = await parse_body(request, SpeechRequest)
-    opts = check_limits(runtime, _options(body), text_field="input")
+    check_limits(runtime, body, text_field="input")
     if body.response_format not in FORMATS:
         raise InvalidField(
             f"response_format: {body.response_format!r} is not supported by this server "
@@ -254,7 +245,7 @@ async def openai_speech(request: Request) -> Response:
             param="response_format",
             code="unsupported_format",
         )
-    job = submit(runtime, opts, _rid(request))
+    job = submit(runtime, body, _rid(request))
     # FLAC cannot state its length up front and many decoders refuse a FLAC stream without it: send it whole.
     whole = body.response_format == "flac"
     if whole and body.stream_format == "audio":
@@ -262,8 +253,9 @@ async def openai_speech(request: Request) -> Response:
     first = await _start_stream(request, job)
     if isinstance(first, Response):
         return first
-    encoder = StreamEncoder(body.response_format, SAMPLE_RATE)
-    headers = {"X-Sample-Rate": str(SAMPLE_RATE), "Cache-Control": "no-store"}
+    rate = runtime.engine.sample_rate
+    encoder = StreamEncoder(body.response_format, rate)
+    headers = {"X-Sample-Rate": str(rate), "Cache-Control": "no-store"}
     if body.stream_format == "sse":
         content = _sse_stream(job, first, encoder, whole, body.input)
         return JobStreamingResponse(job, content, media_type="text/event-stream", headers=headers)

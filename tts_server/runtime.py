@@ -1,7 +1,8 @@
 """What a running server holds: settings, engine, voices, admission counter, metrics, and the startup sequence.
 
 Startup follows the seed's log sequence: voice profiles loaded -> engine initialised -> ready with N speakers.
-Anything that can fail at startup raises StartupError with one line that says what to fix.
+Anything that can fail at startup raises StartupError with one line that says what to fix. The engine comes from
+the factory (`qwen_tts.engines.create_engine`) and is used only through `qwen_tts.engine_api.Engine`.
 """
 
 from __future__ import annotations
@@ -9,17 +10,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 
-from embedding_cache import EmbeddingCacheManager
-from inference_config import ServerSettings, unknown_env_vars
-from qwen_tts.engine_api import Engine
+from qwen_tts.engine_api import Engine, EngineSettingsError
+from qwen_tts.engines import create_engine
+from qwen_tts.model_paths import DEMO
+from qwen_tts.voices import DEMO_VOICE_ID, VoiceRegistry, ensure_demo_voice
 
 from .metrics import Metrics
+from .settings import ServerSettings, unknown_env_vars
 
 logger = logging.getLogger("tts_server")
-
-DEMO = "demo"
 
 
 class StartupError(RuntimeError):
@@ -48,11 +48,10 @@ class Admission:
 
 
 class Runtime:
-    def __init__(self, settings: ServerSettings, engine: Engine, voices: EmbeddingCacheManager, model_name: str):
+    def __init__(self, settings: ServerSettings, engine: Engine, voices: VoiceRegistry):
         self.settings = settings
         self.engine = engine
         self.voices = voices
-        self.model_name = model_name
         self.admission = Admission(settings.max_concurrent + settings.max_queue)
         self.metrics = Metrics(
             running=lambda: engine.num_running,
@@ -79,42 +78,26 @@ class Runtime:
         self.draining = True
 
     def public_model_info(self) -> dict:
-        info = dict(getattr(self.engine, "model_info", {}) or {})
+        info = self.engine.model_info
         info.pop("path", None)  # /health is public: no file system paths
-        info["name"] = self.model_name
         return info
 
     # --- lifecycle --------------------------------------------------------------------------------
     @classmethod
     async def start(cls, settings: ServerSettings, engine: Engine | None = None) -> Runtime:
-        """Resolve the model, load voices, start the engine (bounded by TTS_STAGE_INIT_TIMEOUT).
-
-        `engine` (tests) replaces the one the settings describe; its width is known only once started.
-        """
+        """Build the engine (resolving the model), load voices, start the engine (bounded by
+        TTS_STAGE_INIT_TIMEOUT). `engine` (tests) replaces the one the settings describe."""
         for name in unknown_env_vars():
-            logger.warning("ignoring unknown setting %s (see inference_config.py for the names)", name)
-        model_dir, xvector_dim = None, None
-        model_name = "fake" if settings.backend == "fake" else settings.model_path
+            logger.warning("ignoring unknown setting %s (see tts_server/settings.py for the names)", name)
+        logger.debug("settings: %s", settings.public_dict())
         if engine is None:
-            if settings.backend == "fake":
-                engine = _create_engine(settings, None)
-            else:
-                model_dir, xvector_dim, model_name = await asyncio.to_thread(_prepare_model, settings)
-                engine = _create_engine(settings, model_dir)
-        voices = EmbeddingCacheManager(settings.profiles_dir, xvector_dim=xvector_dim)
-        if xvector_dim is not None:
-            await _load_voices(voices)
+            engine = await asyncio.to_thread(_create_engine, settings)
+        if settings.model_path == DEMO:
+            await asyncio.to_thread(_ensure_demo_voice, settings, engine)
+        voices = VoiceRegistry(settings.profiles_dir, xvector_dim=engine.xvector_dim, device=engine.device)
+        await _load_voices(voices)
         await _start_engine(engine, settings)
-        if xvector_dim is None:
-            if settings.model_path == DEMO and settings.backend == "fake":
-                await asyncio.to_thread(_ensure_random_demo_voice, settings.profiles_dir, engine.xvector_dim)
-            voices.xvector_dim = engine.xvector_dim
-            await _load_voices(voices)
-        elif engine.xvector_dim != xvector_dim:
-            await _quiet_stop(engine)
-            raise StartupError(f"engine x-vector width {engine.xvector_dim} != the checkpoint's {xvector_dim}")
-        voices.to(getattr(engine, "device", "cpu"))
-        runtime = cls(settings, engine, voices, model_name)
+        runtime = cls(settings, engine, voices)
         logger.info("Ready with %d speakers", len(voices))
         return runtime
 
@@ -134,7 +117,7 @@ async def _quiet_stop(engine: Engine) -> None:
         logger.debug("engine stop after failed start raised", exc_info=True)
 
 
-async def _load_voices(voices: EmbeddingCacheManager) -> None:
+async def _load_voices(voices: VoiceRegistry) -> None:
     report = await asyncio.to_thread(voices.load_all)
     logger.info(
         "Loaded %d voice profiles from %s (%d skipped)", len(report.loaded), voices.profiles_dir, len(report.skipped)
@@ -153,96 +136,36 @@ async def _start_engine(engine: Engine, settings: ServerSettings) -> None:
     except Exception as e:  # load failures carry their own message (missing file, bad config, CUDA...)
         await _quiet_stop(engine)
         raise StartupError(f"engine failed to start: {type(e).__name__}: {e}") from e
-    info = dict(getattr(engine, "model_info", {}) or {})
+    info = engine.model_info
     logger.info(
         "Engine initialised in %.1f s: backend=%s device=%s dtype=%s slots=%d queue=%d",
         time.monotonic() - t0,
         settings.backend,
-        info.get("device", "?"),
+        engine.device,
         info.get("dtype", "?"),
         settings.max_concurrent,
         settings.max_queue,
     )
 
 
-def _prepare_model(settings: ServerSettings) -> tuple[Path, int, str]:
-    """(checkpoint dir, x-vector width, display name); writes the demo checkpoint and voice when asked."""
-    from qwen_tts.config import ConfigError, ModelConfig
-    from qwen_tts.demo import DemoError, ensure_demo_voice, resolve_model_path
-
+def _create_engine(settings: ServerSettings) -> Engine:
+    """The engine the settings describe; a setting it cannot use is one StartupError line naming the variable."""
     try:
-        model_dir = resolve_model_path(settings.model_path, demo_dir=settings.demo_dir)
-        cfg = ModelConfig.from_pretrained(model_dir)
-    except (DemoError, ConfigError, OSError, ValueError) as e:
-        raise StartupError(f"TTS_MODEL_PATH={settings.model_path!r}: {e}") from None
-    if settings.model_path == DEMO:
-        path = ensure_demo_voice(settings.profiles_dir, model_dir)
-        logger.info("Demo voice 'demo' ready at %s", path)
-    name = DEMO if settings.model_path == DEMO else model_dir.name
-    return model_dir, cfg.xvector_dim, name
+        return create_engine(settings.engine_settings())
+    except EngineSettingsError as e:
+        raise StartupError(f"{settings.describe_engine_setting(e.setting)}: {e}") from None
+    except ImportError as e:  # a backend whose optional dependencies are not installed
+        raise StartupError(f"{settings.describe_engine_setting('backend')}: {e}") from None
 
 
-def _ensure_random_demo_voice(profiles_dir: Path, dim: int) -> None:
-    """The fake backend's demo voice: a seeded random vector of the engine's width."""
-    import torch
-
-    from qwen_tts.profiles import ProfileError, VoiceProfile, load_profile, save_profile
-
-    path = Path(profiles_dir) / f"{DEMO}.safetensors"
-    try:
-        if load_profile(path, expected_dim=dim):
-            return
-    except ProfileError:
-        pass
-    x = torch.randn(dim, generator=torch.Generator().manual_seed(0))
-    save_profile(path, VoiceProfile(x_vector=x, model="fake"), overwrite=True)
-
-
-def _create_engine(settings: ServerSettings, model_dir: Path | None) -> Engine:
-    if settings.backend == "fake":
-        from .fake_engine import FakeEngine
-
-        return FakeEngine(
-            max_slots=settings.max_concurrent,
-            max_queue=settings.max_queue,
-            max_frames=settings.max_new_tokens,
-            first_chunk_frames=settings.first_chunk_frames,
-            chunk_frames=settings.chunk_frames,
-            frame_delay=0.01,
-        )
-    if settings.backend == "vllm-omni":
-        return _create_vllm_omni_engine(settings, model_dir)
-    from qwen_tts.engine import EngineConfig, create_engine
-
-    try:
-        config = EngineConfig(
-            model_path=str(model_dir),
-            device=settings.device,
-            dtype=settings.dtype,
-            max_slots=settings.max_concurrent,
-            max_queue=settings.max_queue,
-            max_frames=settings.max_new_tokens,
-            first_chunk_frames=settings.first_chunk_frames,
-            chunk_frames=settings.chunk_frames,
-        )
-        return create_engine(config, backend=settings.backend)
-    except (ValueError, ImportError) as e:
-        raise StartupError(f"TTS_BACKEND={settings.backend!r}: {e}") from None
-
-
-def _create_vllm_omni_engine(settings: ServerSettings, model_dir: Path | None) -> Engine:
-    from qwen_tts.engines.vllm_omni import VllmOmniConfig, VllmOmniEngine
-
-    try:
-        config = VllmOmniConfig(
-            model_path=str(model_dir),
-            stage_config=str(settings.stage_config),
-            stage_init_timeout=settings.stage_init_timeout,
-            max_slots=settings.max_concurrent,
-            max_queue=settings.max_queue,
-            max_frames=settings.max_new_tokens,
-            speaker_transport=settings.vllm_speaker_transport,
-        )
-        return VllmOmniEngine(config)
-    except (ValueError, ImportError) as e:
-        raise StartupError(f"TTS_BACKEND='vllm-omni': {e}") from None
+def _ensure_demo_voice(settings: ServerSettings, engine: Engine) -> None:
+    """The demo voice for TTS_MODEL_PATH=demo: from the demo checkpoint the engine serves, or (the fake backend,
+    which has none) a seeded random vector of the engine's width."""
+    info = engine.model_info
+    if info.get("name") == DEMO and info.get("path"):
+        path = ensure_demo_voice(settings.profiles_dir, info["path"])
+    elif settings.backend == "fake":
+        path = ensure_demo_voice(settings.profiles_dir, None, dim=engine.xvector_dim)
+    else:  # an engine handed in (tests) that serves no demo checkpoint
+        return
+    logger.info("Demo voice %r ready at %s", DEMO_VOICE_ID, path)

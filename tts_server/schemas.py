@@ -18,7 +18,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class _SynthesisOptions(_Strict):
+class SynthesisOptions(_Strict):
+    """What every synthesis body carries besides its voice and text (`speaker_id` and `text`, fields or
+    properties of each body); `synthesis.engine_request` maps a body onto the engine's request."""
+
     language: str = Field("Auto", min_length=1, max_length=32, description="A language name or 'Auto'.")
     max_new_tokens: int | None = Field(
         None, ge=1, description="Cap on generated codec frames (12.5 per second); at most TTS_MAX_NEW_TOKENS."
@@ -33,7 +36,7 @@ class _SynthesisOptions(_Strict):
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed + same request = same audio.")
 
 
-class SynthesizeRequest(_SynthesisOptions):
+class SynthesizeRequest(SynthesisOptions):
     """POST /synthesize: one whole audio file."""
 
     speaker_id: str = Field(min_length=1, max_length=64)
@@ -43,7 +46,7 @@ class SynthesizeRequest(_SynthesisOptions):
     )
 
 
-class StreamRequest(_SynthesisOptions):
+class StreamRequest(SynthesisOptions):
     """POST /synthesize/stream: raw samples as they are decoded."""
 
     speaker_id: str = Field(min_length=1, max_length=64)
@@ -57,7 +60,7 @@ class VoiceRef(_Strict):
     id: str = Field(min_length=1, max_length=64)
 
 
-class SpeechRequest(_SynthesisOptions):
+class SpeechRequest(SynthesisOptions):
     """POST /v1/audio/speech (OpenAI-compatible); our sampling options are accepted as extensions."""
 
     model: str = Field(min_length=1, max_length=256, description="Accepted and reported; one model is served.")

@@ -1,8 +1,10 @@
-"""From a validated request to engine work: admission, submission, waiting with a deadline and a disconnect
-watch, and the guaranteed cleanup (cancel the engine request, free the admission slot, record metrics).
+"""From a validated request body to engine work: limits, admission, submission, waiting with a deadline and a
+disconnect watch, and the guaranteed cleanup (cancel the engine request, free the admission slot, record metrics).
 
-Every engine request is owned by a `Job`; `Job.close()` runs exactly once, in a `finally`, whatever happened
-(success, failure, timeout, client gone), so nothing keeps running after the client has left.
+A route's body (a `schemas.SynthesisOptions`) goes straight to `engine_request`, the one mapping onto the engine's
+`SynthesisRequest`, with the server's defaults filled in. Every engine request is owned by a `Job`; `Job.close()`
+runs exactly once, in a `finally`, whatever happened (success, failure, timeout, client gone), so nothing keeps
+running after the client has left.
 """
 
 from __future__ import annotations
@@ -11,13 +13,13 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from enum import Enum
 from typing import TypeVar
 
 import numpy as np
+import torch
 from starlette.types import Receive
 
-from embedding_cache import InvalidProfileError, InvalidSpeakerIdError, UnknownSpeakerError
 from qwen_tts.engine_api import (
     EngineNotReadyError,
     QueueFullError,
@@ -25,9 +27,12 @@ from qwen_tts.engine_api import (
     RequestHandle,
     SynthesisRequest,
 )
+from qwen_tts.voices import InvalidProfileError, InvalidSpeakerIdError, UnknownSpeakerError
 
-from .errors import EngineFailure, InvalidField, NotFound, NotReady, Overloaded, RequestTimeout
+from .errors import ApiError, EngineFailure, InvalidField, NotFound, NotReady, Overloaded, RequestTimeout
 from .runtime import Runtime
+from .schemas import SynthesisOptions
+from .settings import ServerSettings
 
 logger = logging.getLogger("tts_server")
 
@@ -38,53 +43,66 @@ class ClientDisconnected(Exception):
     """The client closed the connection; its work has been cancelled."""
 
 
-@dataclass
-class Options:
-    """What every synthesis route asks of the engine, already validated against the settings."""
+class Outcome(str, Enum):
+    """How a job ended, as counted by `tts_syntheses_total{outcome=...}`."""
 
-    speaker_id: str
-    text: str
-    language: str
-    max_new_tokens: int | None
-    min_new_tokens: int | None
-    temperature: float | None
-    top_k: int | None
-    seed: int | None
+    OK = "ok"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+    DISCONNECTED = "disconnected"
+    STREAMING = "streaming"  # the response is sending; becomes OK, or DISCONNECTED if it never finishes
 
 
-def check_limits(runtime: Runtime, opts: Options, text_field: str = "text") -> Options:
-    """Apply the limits that are settings; normalise text and language. Raises InvalidField."""
+def check_limits(runtime: Runtime, body: SynthesisOptions, text_field: str = "text") -> None:
+    """Apply the limits that are settings. Raises InvalidField."""
     s = runtime.settings
-    text = opts.text.strip()
-    if not text:
+    if not body.text.strip():
         raise InvalidField(f"{text_field}: must contain non-whitespace text", param=text_field)
-    if len(opts.text) > s.max_text_chars:
+    if len(body.text) > s.max_text_chars:
         raise InvalidField(
-            f"{text_field}: {len(opts.text)} characters, the limit is {s.max_text_chars}",
+            f"{text_field}: {len(body.text)} characters, the limit is {s.max_text_chars}",
             param=text_field,
             code="text_too_long",
         )
-    if opts.max_new_tokens is not None and opts.max_new_tokens > s.max_new_tokens:
+    if body.max_new_tokens is not None and body.max_new_tokens > s.max_new_tokens:
         raise InvalidField(
-            f"max_new_tokens: {opts.max_new_tokens} is above the server's limit of {s.max_new_tokens}",
+            f"max_new_tokens: {body.max_new_tokens} is above the server's limit of {s.max_new_tokens}",
             param="max_new_tokens",
         )
-    if opts.min_new_tokens is not None:
-        cap = s.max_new_tokens if opts.max_new_tokens is None else opts.max_new_tokens
-        if opts.min_new_tokens > cap:
+    if body.min_new_tokens is not None:
+        cap = s.max_new_tokens if body.max_new_tokens is None else body.max_new_tokens
+        if body.min_new_tokens > cap:
             raise InvalidField(
-                f"min_new_tokens: {opts.min_new_tokens} is above max_new_tokens ({cap})", param="min_new_tokens"
+                f"min_new_tokens: {body.min_new_tokens} is above max_new_tokens ({cap})", param="min_new_tokens"
             )
-    language = opts.language.strip().lower()
     accepted = runtime.engine.languages
-    if language not in accepted:
+    if body.language.strip().lower() not in accepted:
         raise InvalidField(
-            f"language: {opts.language!r} is not supported (one of: {', '.join(_title(accepted))})",
+            f"language: {body.language!r} is not supported (one of: {', '.join(_title(accepted))})",
             param="language",
             code="unsupported_language",
         )
-    opts.text, opts.language = text, language
-    return opts
+
+
+def engine_request(
+    settings: ServerSettings, body: SynthesisOptions, xvector: torch.Tensor, request_id: str
+) -> SynthesisRequest:
+    """The engine request for a checked body: normalised text and language, the server's sampling defaults."""
+    temperature = settings.temperature if body.temperature is None else body.temperature
+    request = SynthesisRequest(
+        text=body.text.strip(),
+        xvector=xvector,
+        language=body.language.strip().lower(),
+        temperature=temperature,
+        top_k=settings.top_k if body.top_k is None else body.top_k,
+        greedy=temperature == 0.0,
+        seed=body.seed,
+        max_frames=settings.max_new_tokens if body.max_new_tokens is None else body.max_new_tokens,
+        request_id=request_id,
+    )
+    if body.min_new_tokens is not None:
+        request.min_frames = body.min_new_tokens
+    return request
 
 
 def _title(names: list[str]) -> list[str]:
@@ -99,7 +117,7 @@ class Job:
         self.handle = handle
         self.request_id = request_id
         self.received_at = time.monotonic()
-        self.outcome = "error"  # overwritten on success, timeout or disconnect
+        self.outcome = Outcome.ERROR  # overwritten on success, timeout or disconnect
         self._closed = False
 
     @property
@@ -116,82 +134,69 @@ class Job:
             rt.engine.cancel(self.handle)
         rt.admission.release()
         m = rt.metrics
-        m.syntheses.labels(self.outcome).inc()
-        if self.outcome == "disconnected":
+        m.syntheses.labels(self.outcome.value).inc()
+        if self.outcome is Outcome.DISCONNECTED:
             m.disconnects.inc()
         if stats.queue_time is not None:
             m.queue_time.observe(stats.queue_time)
         if stats.time_to_first_audio is not None:
             m.ttfa.observe(stats.time_to_first_audio)
         m.audio_seconds.inc(stats.audio_seconds)
-        if self.outcome == "ok" and stats.audio_seconds > 0:
+        if self.outcome is Outcome.OK and stats.audio_seconds > 0:
             wall = time.monotonic() - stats.submitted_at
             m.rtf.observe(wall / stats.audio_seconds)
-        if self.outcome != "ok":
-            logger.info("request %s ended: %s (%s)", self.request_id, self.outcome, stats.as_dict())
+        if self.outcome is not Outcome.OK:
+            logger.info("request %s ended: %s (%s)", self.request_id, self.outcome.value, stats.as_dict())
 
 
-def submit(runtime: Runtime, opts: Options, request_id: str) -> Job:
-    """Admit and submit; every refusal is an ApiError with the right status."""
-    s = runtime.settings
-    retry = {"Retry-After": str(s.retry_after)}
+def submit(runtime: Runtime, body: SynthesisOptions, request_id: str) -> Job:
+    """Admit and submit a checked body; every refusal is an ApiError with the right status."""
+    retry = {"Retry-After": str(runtime.settings.retry_after)}
     if not runtime.ready:
-        runtime.metrics.rejections.labels("not_ready").inc()
         reason = "draining for shutdown" if runtime.draining else "not ready"
-        raise NotReady(f"server is {reason}; retry later", headers=retry)
+        raise _refused(runtime, "not_ready", NotReady(f"server is {reason}; retry later", headers=retry))
     try:
-        xvector = runtime.voices.get(opts.speaker_id)
+        xvector = runtime.voices.get(body.speaker_id)
     except InvalidSpeakerIdError as e:
         raise InvalidField(f"speaker_id: {e}", param="speaker_id", code="invalid_speaker_id") from None
     except UnknownSpeakerError:
         raise NotFound(
-            f"unknown speaker {opts.speaker_id!r} (GET /speakers lists the voices)",
+            f"unknown speaker {body.speaker_id!r} (GET /speakers lists the voices)",
             param="speaker_id",
             code="unknown_speaker",
         ) from None
     except InvalidProfileError:
         raise NotFound(
-            f"speaker {opts.speaker_id!r} has an unusable profile file (the server log says why)",
+            f"speaker {body.speaker_id!r} has an unusable profile file (the server log says why)",
             param="speaker_id",
             code="invalid_profile",
         ) from None
+    request = engine_request(runtime.settings, body, xvector, request_id)
     if not runtime.admission.try_acquire():
-        runtime.metrics.rejections.labels("queue_full").inc()
-        raise Overloaded(
-            f"server is at capacity ({runtime.admission.limit} requests in progress); retry later", headers=retry
-        )
-    temperature = s.temperature if opts.temperature is None else opts.temperature
-    request = SynthesisRequest(
-        text=opts.text,
-        xvector=xvector,
-        language=opts.language,
-        temperature=temperature,
-        top_k=s.top_k if opts.top_k is None else opts.top_k,
-        greedy=temperature == 0.0,
-        seed=opts.seed,
-        max_frames=s.max_new_tokens if opts.max_new_tokens is None else opts.max_new_tokens,
-        request_id=request_id,
-    )
-    if opts.min_new_tokens is not None:
-        request.min_frames = opts.min_new_tokens
+        limit = runtime.admission.limit
+        error = Overloaded(f"server is at capacity ({limit} requests in progress); retry later", headers=retry)
+        raise _refused(runtime, "queue_full", error)
     try:
         handle = runtime.engine.submit(request)
-    except QueueFullError:
-        runtime.admission.release()
-        runtime.metrics.rejections.labels("queue_full").inc()
-        raise Overloaded("server is at capacity; retry later", headers=retry) from None
-    except EngineNotReadyError:
-        runtime.admission.release()
-        runtime.metrics.rejections.labels("not_ready").inc()
-        raise NotReady("engine is not accepting requests; retry later", headers=retry) from None
-    except ValueError as e:  # options the engine refuses (e.g. text longer than its token limit)
-        runtime.admission.release()
-        message = str(e)
-        raise InvalidField(message, param="text" if message.startswith("text") else None) from None
-    except BaseException:
-        runtime.admission.release()
+    except BaseException as e:
+        runtime.admission.release()  # the one release before a Job owns the slot
+        if isinstance(e, QueueFullError):
+            error = Overloaded("server is at capacity; retry later", headers=retry)
+            raise _refused(runtime, "queue_full", error) from None
+        if isinstance(e, EngineNotReadyError):
+            error = NotReady("engine is not accepting requests; retry later", headers=retry)
+            raise _refused(runtime, "not_ready", error) from None
+        if isinstance(e, ValueError):  # options the engine refuses (e.g. text longer than its token limit)
+            message = str(e)
+            raise InvalidField(message, param="text" if message.startswith("text") else None) from None
         raise
     return Job(runtime, handle, request_id)
+
+
+def _refused(runtime: Runtime, reason: str, error: ApiError) -> ApiError:
+    """Count a refusal by reason (tts_rejections_total) and hand back the error to raise."""
+    runtime.metrics.rejections.labels(reason).inc()
+    return error
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -214,9 +219,9 @@ async def guarded(job: Job, receive: Receive, awaitable: Awaitable[T]) -> T:
         if work in done:
             return work.result()
         if watch in done:
-            job.outcome = "disconnected"
+            job.outcome = Outcome.DISCONNECTED
             raise ClientDisconnected()
-        job.outcome = "timeout"
+        job.outcome = Outcome.TIMEOUT
         raise RequestTimeout(
             f"request took longer than the limit of {job.runtime.settings.request_timeout:g} s and was cancelled",
             code="request_timeout",
@@ -235,7 +240,7 @@ async def collect(job: Job, receive: Receive) -> np.ndarray:
     except RequestFailedError as e:
         logger.error("request %s failed in the engine: %s", job.request_id, e)
         raise EngineFailure(f"synthesis failed (request id {job.request_id})") from None
-    job.outcome = "ok"
+    job.outcome = Outcome.OK
     return pcm
 
 
@@ -262,12 +267,12 @@ async def rest(job: Job) -> AsyncIterator[np.ndarray]:
     while True:
         remaining = job.deadline - time.monotonic()
         if remaining <= 0:
-            job.outcome = "timeout"
+            job.outcome = Outcome.TIMEOUT
             raise RequestTimeout("request timed out")
         try:
             chunk = await asyncio.wait_for(_next_or_none(job.handle), timeout=remaining)
         except asyncio.TimeoutError:
-            job.outcome = "timeout"
+            job.outcome = Outcome.TIMEOUT
             raise RequestTimeout("request timed out") from None
         if chunk is None:
             return

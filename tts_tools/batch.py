@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,10 +23,25 @@ import soundfile as sf
 import torch
 from tqdm import tqdm
 
-from qwen_tts.engine_api import SAMPLE_RATE, Engine, QueueFullError, SynthesisRequest
-from qwen_tts.profiles import ProfileError, is_valid_speaker_id, load_profile
+from qwen_tts.engine_api import (
+    SAMPLE_RATE,
+    Engine,
+    EngineSettings,
+    EngineSettingsError,
+    QueueFullError,
+    SynthesisRequest,
+)
+from qwen_tts.engines import create_engine
+from qwen_tts.voices import (
+    DEFAULT_PROFILES_DIR,
+    InvalidProfileError,
+    SpeakerError,
+    VoiceRegistry,
+    atomic_write,
+    profile_path,
+)
 
-from .common import CliError, resolve_model
+from .common import CliError
 from .manifest import AUDIO_FORMATS, ManifestError, ManifestItem, check_items, collect_items, load_json, resolve_output
 
 # soundfile (libsndfile) container and sample encoding per output format.
@@ -40,30 +53,29 @@ SOUNDFILE_FORMATS = {
 }
 BACKENDS = ("native", "vllm-omni")
 SUMMARY_NAME = "summary.json"
-PROFILE_SUFFIX = ".safetensors"
 QUEUE_FULL_RETRY_S = 0.05
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-# mkstemp creates 0600 files; outputs get the usual mode. Read once here: umask() is process-wide and not
-# safe to toggle while writer threads run.
-FILE_MODE = 0o666 & ~_umask()
+_ENGINE = EngineSettings()  # the engine's defaults
+# BatchOptions field -> EngineSettings field: the one mapping (engine_settings() and error messages use it).
+ENGINE_FIELDS = {
+    "model": "model_path",
+    "backend": "backend",
+    "stage_configs_path": "stage_config",
+    "device": "device",
+    "dtype": "dtype",
+    "concurrency": "max_slots",
+}
+FLAGS = {"stage_configs_path": "--stage-configs-path"}  # where a flag is not the field name
 
 
 @dataclass
 class BatchOptions:
     manifest: Path
-    profiles_dir: Path = Path("voice_profiles")
+    profiles_dir: Path = DEFAULT_PROFILES_DIR
     output_dir: Path = Path("batch_output")
-    model: str = "demo"
-    device: str = "auto"
-    dtype: str | None = None
-    backend: str = "native"
+    model: str = _ENGINE.model_path
+    device: str = _ENGINE.device
+    dtype: str | None = _ENGINE.dtype
+    backend: str = _ENGINE.backend
     stage_configs_path: Path | None = None
     concurrency: int = 8
     format: str = "wav"
@@ -71,6 +83,19 @@ class BatchOptions:
     resume: bool = False
     summary_path: Path | None = None  # default: <output_dir>/summary.json
     progress: bool = True
+
+    def engine_settings(self) -> EngineSettings:
+        """What the engine is built from: the one mapping from these options to `EngineSettings`. Items in flight
+        are capped at --concurrency, so that many slots and as many queue places suffice."""
+        mapped = {engine: getattr(self, name) for name, engine in ENGINE_FIELDS.items()}
+        return EngineSettings(**mapped, max_queue=self.concurrency)
+
+    def describe_engine_setting(self, engine_field: str) -> str:
+        """`--flag 'value'` for the option behind an EngineSettings field (for one-line errors)."""
+        for name, engine in ENGINE_FIELDS.items():
+            if engine == engine_field:
+                return f"{FLAGS.get(name, '--' + name)} {str(getattr(self, name))!r}"
+        return f"engine setting {engine_field}"
 
 
 @dataclass
@@ -105,21 +130,19 @@ def _load_voices(
     speaker_ids: set[str], profiles_dir: Path, xvector_dim: int
 ) -> tuple[dict[str, torch.Tensor], set[str], list[str]]:
     """(usable voices, ids that have a profile file, problems); a wrong-width profile is a problem, not a skip."""
+    registry = VoiceRegistry(profiles_dir, xvector_dim=xvector_dim)
     voices: dict[str, torch.Tensor] = {}
     present: set[str] = set()
     problems = []
-    root = profiles_dir.resolve()
     for sid in sorted(speaker_ids):
-        if not is_valid_speaker_id(sid):
-            continue  # reported once per item by check_items as an unknown speaker
-        path = (root / f"{sid}{PROFILE_SUFFIX}").resolve()
-        if os.path.commonpath([root, path]) != str(root) or not path.is_file():
-            continue
-        present.add(sid)
         try:
-            voices[sid] = load_profile(path, expected_dim=xvector_dim).x_vector
-        except ProfileError as e:
-            problems.append(f"voice {sid!r} ({profiles_dir / (sid + PROFILE_SUFFIX)}): {e}")
+            voices[sid] = registry.get(sid)
+            present.add(sid)
+        except InvalidProfileError as e:
+            present.add(sid)
+            problems.append(f"voice {sid!r} ({profile_path(profiles_dir, sid)}): {e.reason}")
+        except SpeakerError:
+            continue  # reported once per item by check_items as an unknown speaker
     return voices, present, problems
 
 
@@ -173,33 +196,20 @@ def plan_batch(opts: BatchOptions, *, xvector_dim: int, languages: Sequence[str]
     return plan
 
 
-def write_audio_atomic(path: Path, audio: np.ndarray, fmt: str) -> None:
+def write_audio_atomic(path: Path, audio: np.ndarray, fmt: str, sample_rate: int = SAMPLE_RATE) -> None:
     """Encode into a temp file beside the target, then rename: a reader never sees a partial file."""
     container, subtype = SOUNDFILE_FORMATS[fmt]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        sf.write(tmp, np.clip(audio, -1.0, 1.0), SAMPLE_RATE, subtype=subtype, format=container)
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    clipped = np.clip(audio, -1.0, 1.0)
+    atomic_write(path, lambda tmp: sf.write(tmp, clipped, sample_rate, subtype=subtype, format=container))
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2, ensure_ascii=False)
             f.write("\n")
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+
+    atomic_write(path, write)
 
 
 def _request(item: ManifestItem, xvector: torch.Tensor) -> SynthesisRequest:
@@ -230,9 +240,10 @@ async def _run_item(engine: Engine, plan: BatchPlan, item: ManifestItem) -> Item
         audio = await handle.collect()
         if audio.size == 0:
             raise RuntimeError("the engine returned no audio")
-        await asyncio.to_thread(write_audio_atomic, plan.targets[item.id], audio, item.format)
+        rate = engine.sample_rate
+        await asyncio.to_thread(write_audio_atomic, plan.targets[item.id], audio, item.format, rate)
         result.status = "ok"
-        result.duration = round(audio.shape[0] / SAMPLE_RATE, 4)
+        result.duration = round(audio.shape[0] / rate, 4)
     except Exception as e:  # one bad item is reported and the batch goes on
         result.error = f"{type(e).__name__}: {e}"
     if handle is not None:
@@ -303,58 +314,19 @@ def summarize(opts: BatchOptions, results: list[ItemResult], *, started_at: str,
     }
 
 
-def _model_facts(opts: BatchOptions) -> tuple[Path, int, list[str]]:
-    """Checkpoint folder, x-vector width and languages, from config.json alone (before loading any weights)."""
-    from qwen_tts.config import ModelConfig
-
-    path = resolve_model(opts.model)
+def _create_engine(opts: BatchOptions) -> Engine:
+    """The engine the options describe (not started: only the model's config is read)."""
     try:
-        cfg = ModelConfig.from_pretrained(path)
-    except Exception as e:
-        raise CliError(f"--model {opts.model!r}: {e}") from None
-    return path, cfg.xvector_dim, cfg.languages
-
-
-def _create_engine(opts: BatchOptions, model_path: Path) -> Engine:
-    if opts.backend == "vllm-omni":
-        return _create_vllm_omni_engine(opts, model_path)
-    from qwen_tts.engine import EngineConfig, create_engine
-
-    config = EngineConfig(
-        model_path=str(model_path),
-        device=opts.device,
-        dtype=opts.dtype,
-        max_slots=opts.concurrency,
-        max_queue=opts.concurrency,
-    )
-    try:
-        return create_engine(config, backend=opts.backend)
-    except ValueError as e:
-        raise CliError(str(e)) from None
-
-
-def _create_vllm_omni_engine(opts: BatchOptions, model_path: Path) -> Engine:
-    from qwen_tts.engines.vllm_omni import VllmOmniConfig, VllmOmniEngine
-
-    stage_config = opts.stage_configs_path or Path("stage_config_optimized.yaml")
-    try:
-        return VllmOmniEngine(
-            VllmOmniConfig(
-                model_path=str(model_path),
-                stage_config=str(stage_config),
-                max_slots=opts.concurrency,
-                max_queue=opts.concurrency,
-            )
-        )
-    except (ValueError, ImportError) as e:  # vllm-omni not installed in this environment
-        raise CliError(f"--backend vllm-omni: {e}") from None
+        return create_engine(opts.engine_settings())
+    except EngineSettingsError as e:  # no such model, no CUDA, a backend this build lacks: one line
+        raise CliError(f"{opts.describe_engine_setting(e.setting)}: {e}") from None
 
 
 def run_batch(opts: BatchOptions, engine: Engine | None = None) -> dict[str, Any]:
     """Validate, run and summarize a batch; returns the summary (also written to disk).
 
-    `engine` (not started) replaces the one built from `opts.model`; its `xvector_dim` and `languages` must be
-    readable before `start()`. Raises ManifestError (every problem) or CliError (one line) on bad input.
+    `engine` (not started) replaces the one built from the options. Raises ManifestError (every problem) or
+    CliError (one line) on bad input.
     """
     if opts.concurrency < 1:
         raise CliError(f"--concurrency must be >= 1, got {opts.concurrency}")
@@ -364,19 +336,12 @@ def run_batch(opts: BatchOptions, engine: Engine | None = None) -> dict[str, Any
         raise CliError(f"--backend must be one of {', '.join(BACKENDS)}")
     if opts.stage_configs_path is not None and not opts.stage_configs_path.is_file():
         raise CliError(f"--stage-configs-path {opts.stage_configs_path}: no such file")
-    if engine is None:
-        model_path, xvector_dim, languages = _model_facts(opts)
-    else:
-        model_path, xvector_dim, languages = None, engine.xvector_dim, engine.languages
-    plan = plan_batch(opts, xvector_dim=xvector_dim, languages=languages)
+    engine = engine or _create_engine(opts)
+    plan = plan_batch(opts, xvector_dim=engine.xvector_dim, languages=engine.languages)
     summary_path = opts.summary_path or opts.output_dir / SUMMARY_NAME
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     t0 = time.monotonic()
-    if plan.todo:
-        engine = engine or _create_engine(opts, model_path)
-        results = asyncio.run(_serve(engine, plan, opts))
-    else:
-        results = [*plan.skipped]
+    results = asyncio.run(_serve(engine, plan, opts)) if plan.todo else [*plan.skipped]
     summary = summarize(opts, results, started_at=started_at, wall_time=time.monotonic() - t0)
     write_json_atomic(summary_path, summary)
     return summary
@@ -409,11 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--manifest", required=True, type=Path, help="manifest JSON file")
-    p.add_argument("--profiles-dir", type=Path, default=Path("voice_profiles"), help="voice profiles folder")
-    p.add_argument("--output-dir", type=Path, default=Path("batch_output"), help="where audio files go")
-    p.add_argument("--model", default="demo", help="checkpoint folder, hub id in the local HF cache, or 'demo'")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU)")
+    d = BatchOptions  # the defaults, as class attributes
+    p.add_argument("--profiles-dir", type=Path, default=d.profiles_dir, help="voice profiles folder")
+    p.add_argument("--output-dir", type=Path, default=d.output_dir, help="where audio files go")
+    p.add_argument("--model", default=d.model, help="checkpoint folder, hub id in the local HF cache, or 'demo'")
+    p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (default: auto)")
+    p.add_argument("--dtype", default=d.dtype, help="float32 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -428,8 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM-Omni deploy config YAML (implies --backend vllm-omni; default for that backend: "
         "stage_config_optimized.yaml)",
     )
-    p.add_argument("--concurrency", type=int, default=8, help="items in flight at once (default: 8)")
-    p.add_argument("--format", choices=AUDIO_FORMATS, default="wav", help="format of items without one (default wav)")
+    p.add_argument(
+        "--concurrency", type=int, default=d.concurrency, help=f"items in flight at once (default: {d.concurrency})"
+    )
+    p.add_argument(
+        "--format", choices=AUDIO_FORMATS, default=d.format, help="format of items without one (default wav)"
+    )
     p.add_argument("--seed", type=int, default=None, help="base seed: items without a seed get one derived from it")
     p.add_argument("--resume", action="store_true", help="skip items whose output file already exists")
     p.add_argument("--summary", type=Path, default=None, help=f"summary path (default: <output-dir>/{SUMMARY_NAME})")
@@ -438,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def options_from_args(args: argparse.Namespace) -> BatchOptions:
-    backend = args.backend or ("vllm-omni" if args.stage_configs_path else "native")
+    backend = args.backend or ("vllm-omni" if args.stage_configs_path else BatchOptions.backend)
     return BatchOptions(
         manifest=args.manifest,
         profiles_dir=args.profiles_dir,

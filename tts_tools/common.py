@@ -6,6 +6,9 @@ from pathlib import Path
 
 import torch
 
+from qwen_tts.loading import resolve_device as _resolve_device
+from qwen_tts.model_paths import resolve_model_path
+
 
 class CliError(Exception):
     """Bad input from the user: printed as `error: <line>` lines, exit status 1, no traceback."""
@@ -13,8 +16,6 @@ class CliError(Exception):
 
 def resolve_model(spec: str) -> Path:
     """`--model` -> checkpoint folder, as the server does ('demo', a folder, or a hub id in the local HF cache)."""
-    from qwen_tts.demo import resolve_model_path
-
     try:
         return Path(resolve_model_path(spec))
     except Exception as e:  # not found, not a checkpoint, cache missing: the reason is what the user needs
@@ -22,15 +23,11 @@ def resolve_model(spec: str) -> Path:
 
 
 def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """`--device` -> a torch device (auto: cuda when available)."""
     try:
-        dev = torch.device(spec)
-    except RuntimeError:
-        raise CliError(f"--device {spec!r}: expected auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CliError(f"--device {spec!r}: CUDA is not available on this machine")
-    return dev
+        return _resolve_device(spec)
+    except ValueError as e:
+        raise CliError(f"--device {spec!r}: {e}") from None
 
 
 def model_label(spec: str, path: Path, cfg: object) -> str:

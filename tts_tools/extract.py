@@ -1,8 +1,8 @@
 """Voice enrollment: reference clips -> speaker x-vector profiles (`voice_profiles/<name>.safetensors`).
 
 Runs only the ECAPA-TDNN speaker encoder (qwen-tts 0.1.1 `extract_speaker_embedding`, reimplemented in
-`qwen_tts.speaker_encoder`), loaded alone from the checkpoint. Profiles use the shared format of
-`qwen_tts.profiles`, which the server's embedding cache reads; that format records the model and the x-vector
+`qwen_tts.speaker_encoder`), loaded alone from the checkpoint. Profiles use the shared format and directory rules
+of `qwen_tts.voices`, which the server's voice registry reads; that format records the model and the x-vector
 width, so a profile made with one model size is refused by a server running the other.
 """
 
@@ -16,17 +16,24 @@ from pathlib import Path
 
 import numpy as np
 import soundfile as sf
-import torch
 from tqdm import tqdm
 
-from qwen_tts.profiles import VoiceProfile, is_valid_speaker_id, save_profile, sha256_file
+from qwen_tts.audio import SAMPLE_RATE
+from qwen_tts.model_paths import DEMO
+from qwen_tts.voices import (
+    DEFAULT_PROFILES_DIR,
+    VoiceEncoder,
+    VoiceProfile,
+    is_valid_speaker_id,
+    profile_path,
+    save_profile,
+    sha256_file,
+)
 
 from .common import CliError, model_label, resolve_device, resolve_model
 
-SAMPLE_RATE = 24000
 AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".oga", ".mp3")
 LIST_SEPARATOR = "|"
-PROFILE_SUFFIX = ".safetensors"
 
 MIN_SECONDS, MAX_SECONDS = 1.0, 60.0  # refused outside
 RECOMMENDED_SECONDS = (5.0, 30.0)  # warned outside: too little speech gives an unstable voice, more adds nothing
@@ -184,7 +191,7 @@ def plan_problems(jobs: Sequence[ClipJob], output_dir: Path, force: bool) -> lis
                 "up to 64, starting with a letter or digit); pass --output-name or rename the file"
             )
             continue
-        target = output_dir / f"{job.name}{PROFILE_SUFFIX}"
+        target = profile_path(output_dir, job.name)
         if target.exists() and not force:
             problems.append(f"{target} exists (use --force to overwrite)")
         # Case-folded: on a case-insensitive filesystem 'Ann' and 'ann' would be one file.
@@ -194,13 +201,6 @@ def plan_problems(jobs: Sequence[ClipJob], output_dir: Path, force: bool) -> lis
         else:
             seen[key] = job.audio
     return problems
-
-
-@torch.inference_mode()
-def embed_clip(encoder: torch.nn.Module, mono24k: np.ndarray, device: torch.device) -> torch.Tensor:
-    """The clip's x-vector as a float32 (D,) CPU tensor."""
-    x = encoder.embed(torch.from_numpy(mono24k).to(device))
-    return x.detach().to("cpu", torch.float32).reshape(-1)
 
 
 @dataclass
@@ -215,7 +215,7 @@ def extract_voices(
     jobs: Sequence[ClipJob],
     *,
     model: str,
-    output_dir: str | Path = "voice_profiles",
+    output_dir: str | Path = DEFAULT_PROFILES_DIR,
     device: str = "auto",
     force: bool = False,
     progress: bool = True,
@@ -225,16 +225,13 @@ def extract_voices(
     problems = plan_problems(jobs, output_dir, force)
     if problems:
         raise CliError("\n".join(problems))
-    from qwen_tts.loading import load_speaker_encoder
-
     model_path = resolve_model(model)
     dev = resolve_device(device)
     try:
-        encoder, cfg = load_speaker_encoder(model_path, device=str(dev))
+        encoder = VoiceEncoder(model_path, device=dev)
     except Exception as e:  # a wrong folder or a checkpoint without a speaker encoder: one line, no traceback
         raise CliError(f"cannot load the speaker encoder from {model!r}: {e}") from None
-    encoder.eval()
-    label = model_label(model, model_path, cfg)
+    label = model_label(model, model_path, encoder.config)
 
     results = []
     bar = tqdm(jobs, desc="voices", unit="clip", disable=not progress or len(jobs) < 2, file=sys.stderr)
@@ -247,9 +244,11 @@ def extract_voices(
             result.levels = check_clip(samples, sr, mono, str(job.audio))
             for w in result.levels.warnings:
                 tqdm.write(f"warning: {w}", file=sys.stderr)
-            x = embed_clip(encoder, mono, dev)
-            if x.shape[0] != cfg.xvector_dim:
-                raise ClipRefused(f"{job.audio}: encoder gave width {x.shape[0]}, the model needs {cfg.xvector_dim}")
+            x = encoder.embed(mono)
+            if x.shape[0] != encoder.xvector_dim:
+                raise ClipRefused(
+                    f"{job.audio}: encoder gave width {x.shape[0]}, the model needs {encoder.xvector_dim}"
+                )
             profile = VoiceProfile(
                 x_vector=x,
                 model=label,
@@ -257,7 +256,7 @@ def extract_voices(
                 source_seconds=result.levels.seconds,
                 ref_text=job.ref_text,
             )
-            result.profile = save_profile(output_dir / f"{job.name}{PROFILE_SUFFIX}", profile, overwrite=force)
+            result.profile = save_profile(profile_path(output_dir, job.name), profile, overwrite=force)
         except (ClipRefused, FileExistsError) as e:
             result.error = str(e)
         except Exception as e:  # keep going with the other clips; name the clip and the failure
@@ -279,14 +278,16 @@ def build_parser() -> argparse.ArgumentParser:
             "optional). Exit status: 0 all written, 1 any clip refused or failed or bad arguments."
         ),
     )
-    p.add_argument("--model", default="demo", help="checkpoint folder, hub id in the local HF cache, or 'demo'")
+    p.add_argument("--model", default=DEMO, help="checkpoint folder, hub id in the local HF cache, or 'demo'")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     p.add_argument(
         "--ref-audio", required=True, nargs="+", metavar="PATH", help="audio file(s), folder(s) or list file(s)"
     )
     p.add_argument("--ref-text", default="", help="transcript of the clip (metadata for a later in-context mode)")
     p.add_argument("--output-name", default=None, help="voice name for a single clip (default: the file stem)")
-    p.add_argument("--output-dir", default="voice_profiles", help="where profiles go (default: voice_profiles)")
+    p.add_argument(
+        "--output-dir", default=str(DEFAULT_PROFILES_DIR), help="where profiles go (default: voice_profiles)"
+    )
     p.add_argument("--force", action="store_true", help="overwrite existing profiles")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

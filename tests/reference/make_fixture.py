@@ -232,10 +232,10 @@ def last_hidden(tts, prefill: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def record_tiny(out: Path, seed: int, device: str) -> None:
-    ours = import_ours(["checkpoint"])
+    ours = import_ours(["random_checkpoint"])
     off = import_official()
     work = Path(tempfile.mkdtemp(prefix="qwen_tts_fixture_"))
-    ckpt = ours.checkpoint.write_random_checkpoint(work / "tiny", size="tiny", seed=seed)
+    ckpt = ours.random_checkpoint.write_random_checkpoint(work / "tiny", size="tiny", seed=seed)
     tts = load_official(off, ckpt, device)
     model, talker = tts.model, tts.model.talker
     hidden = talker.config.hidden_size
@@ -244,7 +244,7 @@ def record_tiny(out: Path, seed: int, device: str) -> None:
         "meta": {
             "size": "tiny",
             "seed": seed,
-            "weights_digest": ours.checkpoint.weights_digest(ckpt),
+            "weights_digest": ours.random_checkpoint.weights_digest(ckpt),
             "qwen_tts": importlib.metadata.version("qwen-tts"),
             "transformers": importlib.metadata.version("transformers"),
             "torch": str(torch.__version__),
@@ -290,12 +290,12 @@ def record_tiny(out: Path, seed: int, device: str) -> None:
     fx["code2wav"] = {"codes": codes, "wav": decoder(codes.to(device))[:, 0].float().cpu()}
 
     # tiny-mtp: the code predictor behind a small_to_mtp_projection, as in 1.7B.
-    mtp_ckpt = ours.checkpoint.write_random_checkpoint(work / "tiny-mtp", size="tiny-mtp", seed=seed)
+    mtp_ckpt = ours.random_checkpoint.write_random_checkpoint(work / "tiny-mtp", size="tiny-mtp", seed=seed)
     mtp = load_official(off, mtp_ckpt, device)
     mtp_cases = record_cases(mtp, CASES[:2], {"randn": randn, "clip": randn})
     fx["mtp"] = {
         "size": "tiny-mtp",
-        "weights_digest": ours.checkpoint.weights_digest(mtp_ckpt),
+        "weights_digest": ours.random_checkpoint.weights_digest(mtp_ckpt),
         "cases": mtp_cases,
         "code_predictor": record_code_predictor(
             mtp, last_hidden(mtp, mtp_cases[0]["prefill"]), int(mtp_cases[0]["codes"][0, 0])
@@ -313,12 +313,12 @@ def compare_full_size(size: str, device: str, frames: int, dtype: torch.dtype, w
     # cuDNN may use TF32 for convolutions by default; both sides would round differently (seen: 8.5e-4 on Code2Wav).
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    ours = import_ours(["checkpoint", "loading", "generate"])
+    ours = import_ours(["random_checkpoint", "loading", "reference_loop"])
     off = import_official()
     ckpt = workdir / f"random-{size}-seed{seed}"
     t0 = time.time()
     if not (ckpt / "speech_tokenizer/model.safetensors").is_file():
-        ours.checkpoint.write_random_checkpoint(ckpt, size=size, seed=seed)
+        ours.random_checkpoint.write_random_checkpoint(ckpt, size=size, seed=seed)
         print(f"wrote {ckpt} in {time.time() - t0:.0f}s")
     tts = load_official(off, ckpt, device, dtype, values=False)
     mine = ours.loading.load_model(ckpt, device=device, dtype=dtype)
@@ -328,7 +328,7 @@ def compare_full_size(size: str, device: str, frames: int, dtype: torch.dtype, w
     for text_index, language, non_streaming, _ in CASES[:3]:
         text = TEXTS[text_index]
         ref_codes, seen = official_codes(tts, text, language, non_streaming, x.to(dtype), frames)
-        our_codes = ours.generate.generate_codes(
+        our_codes = ours.reference_loop.generate_codes(
             mine.talker, mine.config, mine.tokenizer, text, x, language, non_streaming,
             max_frames=frames, min_new_tokens=frames,
         ).cpu()  # fmt: skip

@@ -22,15 +22,18 @@ from typing import Any
 
 import torch
 
-from qwen_tts.config import ModelConfig
+from qwen_tts.config import ConfigError, ModelConfig
 from qwen_tts.engine_api import (
     Engine,
     EngineNotReadyError,
+    EngineSettings,
+    EngineSettingsError,
     FinishReason,
     QueueFullError,
     RequestHandle,
     SynthesisRequest,
 )
+from qwen_tts.model_paths import DEMO, ModelPathError, resolve_model_path
 from qwen_tts.prompt import normalize_language
 from qwen_tts.tokenizer import TextTokenizer
 
@@ -48,13 +51,14 @@ log = logging.getLogger("qwen_tts.engines.vllm_omni")
 # Same budget rule as the native engine: generous for normal speech, never unbounded.
 BUDGET_BASE_FRAMES = 25
 BUDGET_FRAMES_PER_TOKEN = 8
+DEFAULT_STAGE_CONFIG = "stage_config_optimized.yaml"
 FAST_PATH_PLUGIN = "myfi_qwen3_tts"  # vllm-omni-myfi's talker (group vllm_omni.general_plugins)
 
 
 @dataclass
 class VllmOmniConfig:
     model_path: str
-    stage_config: str = "stage_config_optimized.yaml"  # vLLM-Omni deploy config (its `deploy_config`)
+    stage_config: str = DEFAULT_STAGE_CONFIG  # vLLM-Omni deploy config (its `deploy_config`)
     stage_init_timeout: float = 600.0  # seconds each stage may take to start
     max_slots: int = 16  # requests in the pipeline at once (keep <= stage 0's max_num_seqs)
     max_queue: int = 64  # requests waiting for a slot; beyond that, QueueFullError
@@ -78,6 +82,31 @@ def fast_path_installed() -> bool:
 
 
 class VllmOmniEngine(Engine):
+    @classmethod
+    def from_settings(cls, settings: EngineSettings) -> VllmOmniEngine:
+        """From the one engine-settings type; the model path is resolved as for the native engine ('demo' too)."""
+        try:
+            model_dir = resolve_model_path(settings.model_path, demo_dir=settings.demo_dir)
+        except (ModelPathError, OSError) as e:
+            raise EngineSettingsError("model_path", str(e)) from None
+        try:
+            config = VllmOmniConfig(
+                model_path=str(model_dir),
+                stage_config=str(settings.stage_config or DEFAULT_STAGE_CONFIG),
+                stage_init_timeout=settings.stage_init_timeout,
+                max_slots=settings.max_slots,
+                max_queue=settings.max_queue,
+                max_frames=settings.max_frames,
+                max_text_tokens=settings.max_text_tokens,
+                speaker_transport=settings.vllm_speaker_transport,
+                warmup=settings.warmup,
+            )
+        except ValueError as e:
+            raise EngineSettingsError("vllm_speaker_transport", str(e)) from None
+        engine = cls(config)
+        engine._model_info["name"] = DEMO if settings.model_path == DEMO else model_dir.name
+        return engine
+
     def __init__(self, config: VllmOmniConfig):
         if importlib.util.find_spec("vllm_omni") is None or importlib.util.find_spec("vllm") is None:
             raise ImportError(
@@ -85,12 +114,15 @@ class VllmOmniEngine(Engine):
                 "(CPU: scripts/setup_vllm_omni.sh; GPU: pip install '.[vllm]' ./vllm-omni-myfi)"
             )
         self.config = config
-        self.device = torch.device("cpu")  # speaker vectors are sent from host memory
         # config.json and the tokenizer are read here, so width, languages and model info are known before start().
         path = Path(config.model_path)
-        self._cfg = ModelConfig.from_pretrained(path)
-        self._tokenizer = TextTokenizer.from_pretrained(path)
-        self.model_info: dict = {
+        try:
+            self._cfg = ModelConfig.from_pretrained(path)
+            self._tokenizer = TextTokenizer.from_pretrained(path)
+        except (ConfigError, OSError) as e:
+            raise EngineSettingsError("model_path", str(e)) from None
+        self._model_info: dict[str, Any] = {
+            "name": path.name,
             "path": str(path),
             "size": self._cfg.tts_model_size,
             "xvector_dim": self._cfg.xvector_dim,
@@ -153,7 +185,7 @@ class VllmOmniEngine(Engine):
             dtype = str(self._omni.engine.stage_vllm_configs[0].model_config.dtype).removeprefix("torch.")
         from vllm.platforms import current_platform
 
-        self.model_info.update(
+        self._model_info.update(
             device=current_platform.device_type,
             dtype=dtype,
             speaker_transport=self._transport,
@@ -230,6 +262,14 @@ class VllmOmniEngine(Engine):
                 await asyncio.sleep(5.0)
 
     # ------------------------------------------------------------------ interface
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # speaker vectors are sent from host memory
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        return dict(self._model_info)
+
     @property
     def ready(self) -> bool:
         return self._ready and self._dead is None and self._omni is not None

@@ -1,4 +1,8 @@
-"""The engine's per-frame batched decode step as one fixed-shape function, replayed from CUDA graphs.
+"""The native engine's frame step: one batched decode step as a fixed-shape function, and its two runners.
+
+`frame_step` advances every row by one codec frame. `EagerFrameStep` calls it at exact shapes (the CPU path);
+`FrameStepRunner` pads rows to fixed (batch, kv-length) buckets and replays a CUDA graph per bucket (or runs the
+same padded step eagerly, to test its padding on CPU). Both share the slot-indexed `SlotState` and the KV cache.
 
 Our own code (no official counterpart): the batched equivalent of one iteration of qwen-tts 0.1.1 MQ
 `Qwen3TTSForConditionalGeneration.generate`'s talker loop (talker logits -> HF logits processors -> sample cb0 ->
@@ -27,12 +31,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
+from qwen_tts import fused
 from qwen_tts.layers import KVCache
 from qwen_tts.sampling import apply_repetition_penalty, mask_eos, sample, suppress
 from qwen_tts.talker import Talker
 
-log = logging.getLogger("qwen_tts.cuda_graph")
+log = logging.getLogger("qwen_tts.frame_step")
 
 # Codebook positions per frame in the sampling counter (cb0 + 15 residual codebooks).
 COUNTER_STRIDE = 16
@@ -96,12 +102,19 @@ def frame_step(
     is the text-track row added to each next input. Fixed shapes, no host sync: safe to capture.
     """
     h = state.h[slots]
-    logits = talker.logits(h).float()
-    logits = apply_repetition_penalty(logits, state.seen[slots], state.rep[slots])
-    logits = suppress(logits, suppressed)
-    logits = mask_eos(logits, eos_id, frames < min_frames)
+    fast = talker.model.layers[0].fused is not None  # fused.py: the same function in fewer kernels
+    if fast:
+        logits = fused.compiled("talker_logits")(
+            talker.logits(h), state.seen[slots], state.rep[slots], suppressed, eos_id, frames < min_frames
+        )
+    else:
+        logits = talker.logits(h).float()
+        logits = apply_repetition_penalty(logits, state.seen[slots], state.rep[slots])
+        logits = suppress(logits, suppressed)
+        logits = mask_eos(logits, eos_id, frames < min_frames)
     counters = frames * COUNTER_STRIDE
-    cb0 = sample(
+    sampler = fused.compiled("sample") if fast else sample
+    cb0 = sampler(
         logits,
         state.temp[slots],
         state.top_k[slots],
@@ -113,16 +126,35 @@ def frame_step(
     cp = (state.cp_temp[slots], state.cp_top_k[slots], state.cp_top_p[slots], state.cp_greedy[slots], state.seed[slots])
 
     def sample_residual(j: int, cp_logits: Tensor) -> Tensor:
-        return sample(cp_logits.float(), *cp, counters + (j + 1))
+        return sampler(cp_logits.float(), *cp, counters + (j + 1))
 
     cb0_emb = talker.embed_codec(cb0)
-    residual, emb_sum = talker.code_predictor(h, cb0_emb, sample_residual)
+    with record_function("code_predictor"):  # profiler ranges (host side only: free inside a graph)
+        residual, emb_sum = talker.code_predictor(h, cb0_emb, sample_residual)
     # A tensor value, not a Python scalar: index_put_ of a host scalar is not capturable.
     state.seen[slots, cb0] = torch.ones((), dtype=torch.bool, device=slots.device)
     nxt = (cb0_emb + emb_sum + text.to(cb0_emb.dtype))[:, None]
-    out = talker(nxt, positions[:, None], cache, slots, kv_len)
+    with record_function("talker"):
+        out = talker(nxt, positions[:, None], cache, slots, kv_len)
     state.h[slots] = out[:, 0]
     return torch.cat([cb0[:, None], residual], dim=1)
+
+
+class EagerFrameStep:
+    """Runs `frame_step` eagerly at the exact shapes of each step (no padding, no buckets)."""
+
+    use_graphs = False
+
+    def __init__(self, talker: Talker, state: SlotState, cache: KVCache, suppressed: Tensor, eos_id: int) -> None:
+        self._fixed = (talker, state, cache, suppressed, eos_id)  # frame_step's leading arguments
+        self._device = state.h.device
+
+    def step(
+        self, slots: list[int], frames: list[int], min_frames: list[int], positions: list[int], text: list[Tensor]
+    ) -> Tensor:
+        """One frame for each row; returns the codes (n, 16) on the CPU (the step's one host sync)."""
+        rows = torch.tensor([slots, frames, min_frames, positions], device=self._device)
+        return frame_step(*self._fixed, *rows, torch.stack(text), max(positions) + 1).cpu()
 
 
 def batch_buckets(max_rows: int) -> list[int]:
@@ -175,7 +207,13 @@ class FrameStepRunner:
         self.suppressed, self.eos_id, self.scratch = suppressed, eos_id, scratch
         self.use_graphs = use_graphs
         self.batch_buckets = batch_buckets(max_rows)
-        self.kv_buckets = kv_buckets(cache.max_len, MIN_KV_BUCKET)
+        if fused.is_enabled(talker) and self.batch_buckets[0] == 1 and max_rows > 1:
+            # The fused path runs a lone row as two copies (fused.compiled); a graph padded to two rows with the
+            # scratch slot gets the same bits without the copies.
+            self.batch_buckets = self.batch_buckets[1:]
+        # The fused path attends over each row's own positions whatever kv_len: one kv bucket is enough.
+        fast = fused.is_enabled(talker)
+        self.kv_buckets = [cache.max_len] if fast else kv_buckets(cache.max_len, MIN_KV_BUCKET)
         dev = state.h.device
         B = self.batch_buckets[-1]
         # Rows: slot, frames, min_frames, position. Pinned, so the per-step upload is one async copy.

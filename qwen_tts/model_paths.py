@@ -1,6 +1,6 @@
-"""Model path resolution ('demo', a checkpoint directory, or a hub id in the local cache) and the demo voice.
+"""Model path resolution: 'demo', a checkpoint directory, or a hub id in the local Hugging Face cache.
 
-`demo` is the built-in tiny random checkpoint (`qwen_tts.checkpoint.write_random_checkpoint`), written once
+`demo` is the built-in tiny random checkpoint (`qwen_tts.random_checkpoint.write_random_checkpoint`), written once
 into a cache directory: built in a temporary sibling directory and renamed into place, so two processes
 starting together never see a half-written checkpoint. Nothing here touches the network.
 """
@@ -16,22 +16,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from .profiles import ProfileError, VoiceProfile, load_profile, save_profile
-
-log = logging.getLogger("qwen_tts.demo")
+log = logging.getLogger("qwen_tts.model_paths")
 
 DEMO = "demo"
 DEMO_SEED = 0
-DEMO_VOICE_ID = "demo"
 DEMO_DIR_ENV = "TTS_DEMO_DIR"
 _STAMP = "demo.json"  # records which writer produced the cached checkpoint
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 
-class DemoError(ValueError):
+class ModelPathError(ValueError):
     """A model path cannot be resolved; the message says what to do."""
 
 
@@ -45,9 +39,9 @@ def default_demo_dir() -> Path:
 
 def _writer_stamp() -> dict[str, str]:
     """Identifies the checkpoint writer's code, so a cached demo from an older writer is rebuilt."""
-    from . import checkpoint
+    from . import random_checkpoint
 
-    source = Path(checkpoint.__file__).read_bytes()
+    source = Path(random_checkpoint.__file__).read_bytes()
     return {"size": "tiny", "seed": str(DEMO_SEED), "writer_sha256": hashlib.sha256(source).hexdigest()}
 
 
@@ -60,7 +54,7 @@ def _is_current(path: Path, stamp: dict[str, str]) -> bool:
 
 def ensure_demo_checkpoint(path: str | Path | None = None) -> Path:
     """The tiny demo checkpoint directory, written on first use (atomically, safe against racing writers)."""
-    from .checkpoint import write_random_checkpoint
+    from .random_checkpoint import write_random_checkpoint
 
     final = Path(path).expanduser() if path is not None else default_demo_dir()
     stamp = _writer_stamp()
@@ -121,70 +115,26 @@ def find_in_hub_cache(repo_id: str) -> Path | None:
 
 def resolve_model_path(spec: str, demo_dir: str | Path | None = None) -> Path:
     """'demo' -> the cached tiny checkpoint (written once); a directory -> itself (it must hold config.json);
-    'Org/Name' -> its snapshot in the local Hugging Face cache. Raises DemoError with what to do."""
+    'Org/Name' -> its snapshot in the local Hugging Face cache. Raises ModelPathError with what to do."""
     spec = spec.strip()
     if spec == DEMO:
         return ensure_demo_checkpoint(demo_dir)
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise DemoError(f"{spec} is a file; expected a checkpoint directory")
+            raise ModelPathError(f"{spec} is a file; expected a checkpoint directory")
         if not (path / "config.json").is_file():
-            raise DemoError(f"{spec} has no config.json (is this a Qwen3-TTS checkpoint directory?)")
+            raise ModelPathError(f"{spec} has no config.json (is this a Qwen3-TTS checkpoint directory?)")
         return path
     if _HUB_ID.fullmatch(spec):
         snap = find_in_hub_cache(spec)
         if snap is not None:
             return snap
         name = spec.split("/")[1]
-        raise DemoError(
+        raise ModelPathError(
             f"{spec} is not in the local Hugging Face cache and nothing is downloaded at run time; "
             f"run: huggingface-cli download {spec} --local-dir ./models/{name} and use that folder"
         )
-    raise DemoError(f"{spec}: no such directory (expected 'demo', a checkpoint directory or a hub id like Org/Name)")
-
-
-def synthetic_clip(seconds: float = 3.0, sample_rate: int = 24000) -> np.ndarray:
-    """A deterministic voice-like signal (a gliding harmonic tone with a little noise) for the demo voice."""
-    t = np.arange(int(seconds * sample_rate)) / sample_rate
-    f0 = 140.0 + 25.0 * np.sin(2 * np.pi * 0.7 * t)
-    phase = 2 * np.pi * np.cumsum(f0) / sample_rate
-    wav = sum(0.4 / k * np.sin(k * phase) for k in range(1, 8))
-    wav = wav * (0.6 + 0.4 * np.sin(2 * np.pi * 3.0 * t) ** 2)
-    noise = np.random.default_rng(DEMO_SEED).standard_normal(t.shape[0])
-    return (0.5 * wav + 0.01 * noise).astype(np.float32)
-
-
-def _demo_xvector(model_path: Path, dim: int) -> tuple[torch.Tensor, str]:
-    """The demo checkpoint's speaker encoder on the synthetic clip; a seeded random vector if the loader is
-    not available. Returns (vector, sha256 of the clip or '')."""
-    try:
-        from .loading import load_speaker_encoder
-    except ImportError:
-        load_speaker_encoder = None
-    if load_speaker_encoder is not None:
-        clip = synthetic_clip()
-        encoder, _ = load_speaker_encoder(model_path, device="cpu")
-        x = encoder.eval().embed(torch.from_numpy(clip)).detach().to("cpu", torch.float32).reshape(-1)
-        return x, hashlib.sha256(clip.tobytes()).hexdigest()
-    return torch.randn(dim, generator=torch.Generator().manual_seed(DEMO_SEED)), ""
-
-
-def ensure_demo_voice(profiles_dir: str | Path, model_path: str | Path) -> Path:
-    """`<profiles_dir>/demo.safetensors` for the demo checkpoint at `model_path`, (re)written unless it already
-    holds exactly this checkpoint's demo vector. A valid profile whose metadata names another model is
-    someone's own voice called 'demo': kept as is."""
-    from .config import ModelConfig
-
-    path = Path(profiles_dir) / f"{DEMO_VOICE_ID}.safetensors"
-    dim = ModelConfig.from_pretrained(model_path).xvector_dim
-    x, clip_sha = _demo_xvector(Path(model_path), dim)
-    try:
-        existing = load_profile(path, expected_dim=dim)
-        if existing.model != DEMO or torch.equal(existing.x_vector, x):
-            return path
-    except ProfileError:
-        pass
-    seconds = 3.0 if clip_sha else None
-    profile = VoiceProfile(x_vector=x, model=DEMO, source_sha256=clip_sha, source_seconds=seconds)
-    return save_profile(path, profile, overwrite=True)
+    raise ModelPathError(
+        f"{spec}: no such directory (expected 'demo', a checkpoint directory or a hub id like Org/Name)"
+    )

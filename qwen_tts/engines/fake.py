@@ -2,7 +2,7 @@
 
 It implements `qwen_tts.engine_api.Engine` on the event loop (no model, no thread), so HTTP-level behaviour
 (admission, timeouts, cancellation, failure mapping) can be tested exactly and quickly. `TTS_BACKEND=fake`
-serves it, for load-testing the HTTP layer without a model. Text markers drive failures:
+(backend "fake" of the factory) serves it, for load-testing the HTTP layer without a model. Text markers drive failures:
 `[fail]` fails before any audio, `[fail-mid]` after the first chunk.
 """
 
@@ -12,13 +12,13 @@ import asyncio
 import time
 
 import numpy as np
-import torch
 
 from qwen_tts.engine_api import (
     FRAME_SAMPLES,
     SAMPLE_RATE,
     Engine,
     EngineNotReadyError,
+    EngineSettings,
     FinishReason,
     QueueFullError,
     RequestHandle,
@@ -26,21 +26,25 @@ from qwen_tts.engine_api import (
 )
 
 DEFAULT_LANGUAGES = ("auto", "chinese", "english", "french", "german", "japanese", "korean", "spanish")
+_DEFAULTS = EngineSettings()
 
 
 class FakeEngine(Engine):
-    """Frames per request = min(cap, frames_per_char * len(text)); each frame is FRAME_SAMPLES of a tone."""
+    """Frames per request = min(cap, frames_per_char * len(text)); each frame is FRAME_SAMPLES of a tone.
+
+    The small default capacity (4 slots, 8 waiting) keeps admission tests short; the factory passes the settings'.
+    """
 
     def __init__(
         self,
         xvector_dim: int = 16,
         max_slots: int = 4,
         max_queue: int = 8,
-        max_frames: int = 2048,
+        max_frames: int = _DEFAULTS.max_frames,
         frames_per_char: float = 1.0,
         frame_delay: float = 0.0,
-        first_chunk_frames: int = 3,
-        chunk_frames: int = 12,
+        first_chunk_frames: int = _DEFAULTS.first_chunk_frames,
+        chunk_frames: int = _DEFAULTS.chunk_frames,
         start_delay: float = 0.0,
         languages: tuple[str, ...] = DEFAULT_LANGUAGES,
     ):
@@ -54,16 +58,27 @@ class FakeEngine(Engine):
         self.chunk_frames = chunk_frames
         self.start_delay = start_delay
         self._languages = list(languages)
-        self.device = torch.device("cpu")
-        self.model_info = {"name": "fake", "xvector_dim": xvector_dim, "device": "cpu", "dtype": "float32"}
         self._ready = False
         self._accepting = False
         self._slots: asyncio.Semaphore | None = None
         self._tasks: dict[str, asyncio.Task] = {}
+        self._cancel_requested: dict[RequestHandle, bool] = {}  # requests not yet ended
         self._running = 0
         self._waiting = 0
         self.submitted: list[SynthesisRequest] = []
         self.cancelled: list[str] = []
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings) -> FakeEngine:
+        """The fake backend of the factory: the settings' capacity and chunking, 10 ms per frame."""
+        return cls(
+            max_slots=settings.max_slots,
+            max_queue=settings.max_queue,
+            max_frames=settings.max_frames,
+            first_chunk_frames=settings.first_chunk_frames,
+            chunk_frames=settings.chunk_frames,
+            frame_delay=0.01,
+        )
 
     async def start(self) -> None:
         if self.start_delay:
@@ -96,6 +111,10 @@ class FakeEngine(Engine):
         return self._languages
 
     @property
+    def model_info(self) -> dict:
+        return {"name": "fake", "xvector_dim": self._dim, "device": "cpu", "dtype": "float32"}
+
+    @property
     def num_running(self) -> int:
         return self._running
 
@@ -120,15 +139,15 @@ class FakeEngine(Engine):
             raise QueueFullError(f"{self._waiting} requests waiting (limit {self.max_queue})")
         handle = RequestHandle(request)
         handle.stats.frame_budget = self.frames_for(request)
-        handle._cancel_requested = False  # type: ignore[attr-defined]
+        self._cancel_requested[handle] = False
         self.submitted.append(request)
         self._waiting += 1
         self._tasks[request.request_id] = asyncio.get_running_loop().create_task(self._serve(handle))
         return handle
 
     def cancel(self, handle: RequestHandle) -> None:
-        if not getattr(handle, "_cancel_requested", True):
-            handle._cancel_requested = True  # type: ignore[attr-defined]
+        if self._cancel_requested.get(handle) is False:
+            self._cancel_requested[handle] = True
             self.cancelled.append(handle.request_id)
 
     def tone(self, request: SynthesisRequest, start_frame: int, frames: int) -> np.ndarray:
@@ -156,6 +175,7 @@ class FakeEngine(Engine):
             if waiting:
                 self._waiting -= 1
             self._tasks.pop(req.request_id, None)
+            self._cancel_requested.pop(handle, None)
 
     async def _generate(self, handle: RequestHandle) -> None:
         req, stats = handle.request, handle.stats
@@ -165,7 +185,7 @@ class FakeEngine(Engine):
             return
         total, done = stats.frame_budget, 0
         while done < total:
-            if handle._cancel_requested:  # type: ignore[attr-defined]
+            if self._cancel_requested.get(handle):
                 handle.finish_threadsafe(FinishReason.CANCELLED)
                 return
             n = min(self.first_chunk_frames if done == 0 else self.chunk_frames, total - done)

@@ -1,5 +1,5 @@
-"""Helpers for testing the server: an in-process app over any engine, and a real `inference_server.py`
-process on a free loopback port (always killed on exit)."""
+"""Test helpers for the server: an in-process app over any engine, and a real `inference_server.py` process on
+a free loopback port (always killed on exit)."""
 
 from __future__ import annotations
 
@@ -19,20 +19,18 @@ import httpx
 import torch
 from fastapi import FastAPI
 
-from inference_config import ServerSettings, load_settings
 from qwen_tts.engine_api import Engine
-from qwen_tts.profiles import VoiceProfile, save_profile
-
-from .app import create_app
-from .runtime import Runtime
+from qwen_tts.voices import VoiceProfile, profile_path, save_profile
+from tts_server.app import create_app
+from tts_server.runtime import Runtime
+from tts_server.settings import ServerSettings, load_settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def write_voice(profiles_dir: Path, speaker_id: str, dim: int, seed: int = 0) -> Path:
     x = torch.randn(dim, generator=torch.Generator().manual_seed(seed))
-    path = Path(profiles_dir) / f"{speaker_id}.safetensors"
-    return save_profile(path, VoiceProfile(x_vector=x, model="test"), overwrite=True)
+    return save_profile(profile_path(profiles_dir, speaker_id), VoiceProfile(x_vector=x, model="test"), overwrite=True)
 
 
 def clean_settings(**overrides: Any) -> ServerSettings:

@@ -1,0 +1,258 @@
+"""Where one frame step's time goes, on CUDA: graph replays, kernel counts by part, fused vs eager, and Code2Wav.
+
+For each variant of the frame step (the eager kernels, the fused path) and each batch size it replays the graphed
+step back to back (CUDA events: ms per step, and the weights-read bandwidth that implies), counts the kernels of
+one eager step with torch.profiler and groups their device time by the step's record_function ranges, and checks
+the variants agree (talker logits, teacher-forced top-1). Then it times a 12-frame streaming Code2Wav chunk in
+float32, TF32 and bf16 and measures each against the float64-free exact reference: max |stream - whole| and the
+largest extra jump at a chunk join, in dB below full scale. Prints a table last, writes JSON.
+
+    python3 benchmarks/profile_step.py --size 1.7b --batches 1,64 --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from qwen_tts import fused
+from qwen_tts.engines.native.frame_step import FrameStepRunner, SlotState, bucket
+from qwen_tts.loading import load_model
+from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.sampling import suppress_mask
+
+
+def dbfs(x: float) -> float:
+    return 20 * math.log10(max(x, 1e-12))
+
+
+def weight_bytes(talker) -> int:
+    """Bytes of weights one frame step reads: the talker once, the code predictor 15 times (1 + 14 passes + heads)."""
+    cp = talker.code_predictor
+    cp_layers = sum(p.numel() * p.element_size() for p in cp.model.layers.parameters())
+    heads = sum(p.numel() * p.element_size() for p in cp.lm_head.parameters())
+    proj = sum(p.numel() * p.element_size() for p in cp.small_to_mtp_projection.parameters())
+    tk = sum(p.numel() * p.element_size() for p in talker.model.layers.parameters())
+    tk += talker.codec_head.weight.numel() * talker.codec_head.weight.element_size()
+    return tk + 16 * cp_layers + heads + 16 * proj
+
+
+def build(path: Path, fast: bool, max_rows: int, max_len: int):
+    model = load_model(path, device="cuda", dtype=torch.bfloat16)
+    talker = model.talker.eval()
+    if fast:
+        fused.enable(talker)
+    t = model.config.talker
+    S = max_rows
+    cache = talker.new_cache(S + 1, max_len)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    state = SlotState.zeros(S + 1, t.hidden_size, t.vocab_size, torch.device("cuda"), torch.bfloat16)
+    state.h.normal_(generator=g)
+    state.rep.fill_(1.05)
+    state.greedy.fill_(True)
+    state.cp_greedy.fill_(True)
+    sup = suppress_mask(t.vocab_size, t.codebook_size, t.codec_eos_token_id, "cuda")
+    runner = FrameStepRunner(talker, state, cache, sup, t.codec_eos_token_id, S, scratch=S, use_graphs=True)
+    return model, talker, state, cache, runner
+
+
+def step_inputs(B: int, hidden: int, pos: int):
+    g = torch.Generator().manual_seed(B)
+    text = [torch.randn(hidden, generator=g).to("cuda", torch.bfloat16) for _ in range(B)]
+    return list(range(B)), [50] * B, [10_000] * B, [pos] * B, text
+
+
+def time_replays(runner: FrameStepRunner, B: int, args, iters: int) -> dict:
+    runner.step(*args)  # captures this bucket
+    kv = bucket(max(args[3]) + 1, runner.kv_buckets)
+    graph = runner._graphs[(bucket(B, runner.batch_buckets), kv)]
+    for _ in range(5):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    replay_ms = start.elapsed_time(end) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        runner.step(*args)  # the engine's call: upload inputs, replay, read the codes back (one sync)
+    step_ms = 1000 * (time.perf_counter() - t0) / iters
+    return {"replay_ms": round(replay_ms, 3), "step_call_ms": round(step_ms, 3)}
+
+
+def profile_eager(runner: FrameStepRunner, B: int, args) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    kv = max(runner.kv_buckets)
+    n = len(args[0])
+    host = torch.tensor(args[:4], dtype=torch.long)
+    runner._inputs[:, :n].copy_(host)
+    runner._text[:n].copy_(torch.stack(args[4]))
+    runner._run(B, kv)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner._run(B, kv)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        key = e.name[:48]
+        by_name[key][0] += 1
+        by_name[key][1] += e.device_time if hasattr(e, "device_time") else e.cuda_time
+    ranges = {}
+    for ev in prof.key_averages():
+        if ev.key in ("code_predictor", "talker"):
+            ranges[ev.key + "_device_ms"] = round(getattr(ev, "device_time_total", 0.0) / 1000, 3)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
+    return {
+        "kernels": len(kernels),
+        "kernel_device_ms": round(sum(v[1] for v in by_name.values()) / 1000, 3),
+        **ranges,
+        "top": [(k, v[0], round(v[1] / 1000, 3)) for k, v in top],
+    }
+
+
+def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int) -> list[dict]:
+    model = load_model(path, device="cuda", dtype=torch.bfloat16)
+    c2w = model.code2wav.float().eval()
+    Q = c2w.cfg.num_quantizers
+    size = c2w.cfg.codebook_size
+    out = []
+    for B in batches:
+        g = torch.Generator(device="cuda").manual_seed(B)
+        codes = torch.randint(0, size, (B, Q, chunk * chunks), device="cuda", generator=g)
+        torch.backends.cudnn.allow_tf32 = False
+        with torch.inference_mode():
+            whole = c2w(codes[:1]).float()[0]  # exact reference for row 0 (float32, TF32 off)
+        for name, tf32, dtype in (
+            ("fp32", False, torch.float32),
+            ("tf32", True, torch.float32),
+            ("bf16", False, torch.bfloat16),
+        ):
+            torch.backends.cudnn.allow_tf32 = tf32
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            dec = copy.deepcopy(c2w).to(dtype) if dtype != torch.float32 else c2w
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            with torch.inference_mode():
+                stream = dec.new_stream(B)
+                pieces, times = [], []
+                for i in range(chunks):
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    w = dec.decode_chunk(codes[:, :, i * chunk : (i + 1) * chunk], stream)
+                    e.record()
+                    pieces.append(w[0].float())
+                    torch.cuda.synchronize()
+                    times.append(s.elapsed_time(e))
+                streamed = torch.cat(pieces)
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            diff = (streamed - whole).abs()
+            joins = torch.arange(1, chunks, device="cuda") * chunk * 1920
+            jump = ((streamed[joins] - streamed[joins - 1]) - (whole[joins] - whole[joins - 1])).abs().max()
+            out.append(
+                {
+                    "batch": B,
+                    "variant": name,
+                    "ms_per_chunk": round(sorted(times[1:])[len(times[1:]) // 2], 2),
+                    "peak_extra_gib": round(peak, 2),
+                    "max_abs_diff_dbfs": round(dbfs(diff.max().item()), 1),
+                    "max_join_jump_dbfs": round(dbfs(jump.item()), 1),
+                }
+            )
+            print(json.dumps(out[-1]), flush=True)
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="1.7b", choices=["tiny", "0.6b", "1.7b"])
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--variants", default="eager,fused")
+    ap.add_argument("--position", type=int, default=300, help="cache position of every row (the kv length)")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--codec-batches", default="1,64")
+    ap.add_argument("--out", default="profile.json")
+    a = ap.parse_args()
+    batches = [int(x) for x in a.batches.split(",")]
+    results: dict = {"size": a.size, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        path = write_random_checkpoint(Path(tmp) / a.size, size=a.size, seed=0)
+        results["write_s"] = round(time.perf_counter() - t0, 1)
+        rows, logits = [], {}
+        for variant in a.variants.split(","):
+            t0 = time.perf_counter()
+            model, talker, state, cache, runner = build(path, variant == "fused", max(batches), 1024)
+            gbytes = weight_bytes(talker) / 1e9
+            for B in batches:
+                args = step_inputs(B, talker.cfg.hidden_size, a.position)
+                h0 = state.h[:B].clone()
+                with torch.inference_mode():
+                    tm = time_replays(runner, B, args, a.iters)
+                    state.h[:B] = h0
+                    pr = profile_eager(runner, B, args)
+                    state.h[:B] = h0
+                    # Teacher-forced agreement: the same h through each variant's cb0 logits.
+                    lg = talker.logits(h0).float()
+                    codes = runner.step(*args)
+                logits.setdefault(B, {})[variant] = (lg.cpu(), codes)
+                row = {
+                    "variant": variant,
+                    "batch": B,
+                    **tm,
+                    "weights_gb": round(gbytes, 2),
+                    "tb_per_s": round(gbytes / tm["replay_ms"], 2),
+                    **{k: v for k, v in pr.items() if k != "top"},
+                    "graphs": runner.num_graphs,
+                    "setup_s": round(time.perf_counter() - t0, 1),
+                }
+                rows.append(row)
+                print(json.dumps(row), "\n  top kernels:", json.dumps(pr["top"]), flush=True)
+            del model, talker, state, cache, runner
+            torch.cuda.empty_cache()
+        agree = {}
+        for B, v in logits.items():
+            if "eager" in v and "fused" in v:
+                (le, ce), (lf, cf) = v["eager"], v["fused"]
+                agree[B] = {
+                    "logits_max_abs_diff": round((le - lf).abs().max().item(), 4),
+                    "logits_scale": round(le.abs().max().item(), 2),
+                    "codes_equal_fraction": round((ce == cf).float().mean().item(), 4),
+                }
+        results["agreement"] = agree
+        results["steps"] = rows
+        results["codec"] = codec_variants(path, [int(x) for x in a.codec_batches.split(",")], 12, 6)
+    Path(a.out).write_text(json.dumps(results, indent=2))
+    print("\nagreement eager vs fused:", json.dumps(agree))
+    cols = ["variant", "batch", "replay_ms", "step_call_ms", "tb_per_s", "kernels", "kernel_device_ms",
+            "code_predictor_device_ms", "talker_device_ms", "setup_s"]  # fmt: skip
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    cc = ["batch", "variant", "ms_per_chunk", "peak_extra_gib", "max_abs_diff_dbfs", "max_join_jump_dbfs"]
+    print("| " + " | ".join(cc) + " |\n|" + "---|" * len(cc))
+    for r in results["codec"]:
+        print("| " + " | ".join(str(r[c]) for c in cc) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""The CUDA fast path of the one-token decoder step: fused weights, compiled pre/post-attention blocks, in-place
+attention, a compiled sampler. Our own code; it computes the same function as `layers.py` (no official counterpart).
+
+Eager, one decoder layer at T = 1 is ~60 small kernels (RMSNorm alone is five, RoPE ten) and the talker plus the
+15 code-predictor passes run ~100 layers per frame. Here each layer is
+  1. `pre_attention` (compiled): input RMSNorm, one q|k|v matmul over fused weights, q/k RMSNorm, RoPE;
+  2. `decode_attention` (Triton): the K/V write and attention over the slot's positions, read in place;
+  3. `post_attention` (compiled): o_proj + residual, RMSNorm, one gate|up matmul, SiLU * up, down_proj + residual;
+about ten kernels. The compiled functions take weights as arguments, so one compilation serves every layer of
+every model of a width (torch.compile with dynamic shapes: one artifact for all batch buckets). Nothing in them
+mutates an input (the KV cache is written by the Triton kernel only), so the cache update stays in place and
+the whole step still captures into one CUDA graph. CPU runs keep the eager modules.
+
+`enable(module)` turns it on for every `Attention`/`MLP` under a module, after re-laying the q/k/v and gate/up
+weights into one tensor each (the parameters become views into it: no extra memory, same state dict).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qwen_tts.decode_attention import HAVE_TRITON, decode_attention
+from qwen_tts.sampling import apply_repetition_penalty, mask_eos, sample, suppress
+
+log = logging.getLogger("qwen_tts.fused")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """`layers.RMSNorm` as a function: normalise in float32, cast back, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _pre_attention(
+    x: Tensor,
+    ln_w: Tensor,
+    w_qkv: Tensor,
+    q_norm_w: Tensor,
+    k_norm_w: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    eps: float,
+    n_q: int,
+    n_kv: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """x (B, H), cos/sin (B, D) -> q (B, Hq, D), k and v (B, Hkv, D), each contiguous in its last dim."""
+    B = x.shape[0]
+    D = cos.shape[-1]
+    qkv = F.linear(rms_norm(x, ln_w, eps), w_qkv)
+    q, k, v = qkv.split([n_q * D, n_kv * D, n_kv * D], dim=-1)
+    c, s = cos[:, None], sin[:, None]
+    q = _rope(rms_norm(q.reshape(B, n_q, D), q_norm_w, eps), c, s)
+    k = _rope(rms_norm(k.reshape(B, n_kv, D), k_norm_w, eps), c, s)
+    # No .contiguous(): decode_attention takes row and head strides, so v stays a view of the q|k|v output.
+    return q, k, v.reshape(B, n_kv, D)
+
+
+def _post_attention(
+    x: Tensor, attn: Tensor, w_o: Tensor, ln_w: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float
+) -> Tensor:
+    """x (B, H), attn (B, Hq, D) -> the layer output (B, H)."""
+    x = x + F.linear(attn.reshape(attn.shape[0], -1), w_o)
+    gate, up = F.linear(rms_norm(x, ln_w, eps), w_gate_up).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, w_down)
+
+
+def _rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    freqs = positions[:, None].float() * inv_freq  # (B, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _talker_logits(
+    logits: Tensor, seen: Tensor, penalty: Tensor, suppressed: Tensor, eos_id: int, eos_masked: Tensor
+) -> Tensor:
+    """The talker's logits processors (penalty, suppression, min-length), in float32."""
+    logits = apply_repetition_penalty(logits.float(), seen, penalty)
+    return mask_eos(suppress(logits, suppressed), eos_id, eos_masked)
+
+
+_SOURCES = {
+    "pre": _pre_attention,
+    "post": _post_attention,
+    "rope": _rope_tables,
+    "norm": rms_norm,
+    "sample": sample,
+    "talker_logits": _talker_logits,
+}
+# Which positional arguments of each function carry the batch in dim 0.
+_BATCHED = {
+    "pre": (0, 5, 6),
+    "post": (0, 1),
+    "rope": (0,),
+    "norm": (0,),
+    "sample": (0, 1, 2, 3, 4, 5, 6),
+    "talker_logits": (0, 1, 2, 5),
+}
+_compiled: dict[str, object] = {}
+
+
+def compiled(name: str):
+    """The compiled version of one of this module's functions (compiled once per process, on first use).
+
+    Compiled with dynamic shapes, so one artifact serves every batch size >= 2; torch.compile specialises a batch
+    of one (other kernels, other reduction orders), so a single row is run as two copies of itself: a row then
+    gets the same bits alone as in any batch.
+    """
+    fn = _compiled.get(name)
+    if fn is not None:
+        return fn
+    # No split reductions: they are chosen by shape, so a row's sums would depend on how many rows came along.
+    inner = torch.compile(_SOURCES[name], dynamic=True, fullgraph=True, options={"split_reductions": False})
+    batched = _BATCHED[name]
+
+    def run(*args):
+        if args[0].shape[0] != 1:
+            return inner(*args)
+        args = tuple(a.expand(2, *a.shape[1:]).contiguous() if i in batched else a for i, a in enumerate(args))
+        out = inner(*args)
+        return tuple(o[:1] for o in out) if isinstance(out, tuple) else out[:1]
+
+    _compiled[name] = run
+    return run
+
+
+def supported(module: nn.Module) -> bool:
+    """Whether the fast path can run this module's decoder layers (CUDA weights, Triton importable)."""
+    try:
+        p = next(module.parameters())
+    except StopIteration:
+        return False
+    from qwen_tts.layers import Attention
+
+    # The kernel's head dimension is one power-of-two block.
+    dims_ok = all(m.head_dim & (m.head_dim - 1) == 0 for m in module.modules() if isinstance(m, Attention))
+    return HAVE_TRITON and p.is_cuda and dims_ok
+
+
+def _fuse_linear_weights(linears: list[nn.Linear]) -> Tensor:
+    """Concatenate the weights of `linears` along the output dim into one tensor; each weight becomes a view."""
+    fused = torch.cat([lin.weight.data for lin in linears], dim=0)
+    start = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = fused[start : start + n]
+        start += n
+    return fused
+
+
+def enable(module: nn.Module) -> int:
+    """Turn the fast path on for every decoder layer under `module`; returns how many layers it took."""
+    from qwen_tts.layers import DecoderLayer
+
+    n = 0
+    for layer in module.modules():
+        if isinstance(layer, DecoderLayer) and layer.fused is None:
+            a, m = layer.self_attn, layer.mlp
+            layer.fused = FusedWeights(
+                w_qkv=_fuse_linear_weights([a.q_proj, a.k_proj, a.v_proj]),
+                w_gate_up=_fuse_linear_weights([m.gate_proj, m.up_proj]),
+                n_q=a.q_proj.weight.shape[0] // a.head_dim,
+                n_kv=a.k_proj.weight.shape[0] // a.head_dim,
+            )
+            n += 1
+    log.info("fused decode path on for %d decoder layers", n)
+    return n
+
+
+class FusedWeights:
+    """The re-laid weights of one decoder layer (views of its parameters share their storage)."""
+
+    def __init__(self, w_qkv: Tensor, w_gate_up: Tensor, n_q: int, n_kv: int) -> None:
+        self.w_qkv, self.w_gate_up, self.n_q, self.n_kv = w_qkv, w_gate_up, n_q, n_kv
+
+
+def layer_step(layer, x: Tensor, cos: Tensor, sin: Tensor, cache_k: Tensor, cache_v: Tensor, slots, positions):
+    """One token through a fused decoder layer: x (B, H), cos/sin (B, D), positions (B,) -> (B, H)."""
+    f, a = layer.fused, layer.self_attn
+    eps = layer.input_layernorm.eps
+    q, k, v = compiled("pre")(
+        x, layer.input_layernorm.weight, f.w_qkv, a.q_norm.weight, a.k_norm.weight, cos, sin, eps, f.n_q, f.n_kv
+    )
+    attn = decode_attention(q, k, v, cache_k, cache_v, slots, positions)
+    return compiled("post")(
+        x, attn, a.o_proj.weight, layer.post_attention_layernorm.weight, f.w_gate_up, layer.mlp.down_proj.weight, eps
+    )
+
+
+def is_enabled(module: nn.Module) -> bool:
+    """Whether `enable` ran on this module's decoder layers."""
+    from qwen_tts.layers import DecoderLayer
+
+    return any(isinstance(m, DecoderLayer) and m.fused is not None for m in module.modules())

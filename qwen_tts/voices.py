@@ -1,0 +1,491 @@
+"""Voices: the profile file format, the profiles directory's rules, the registry the server caches, and the
+demo voice. The extractor writes profiles, the server and the batch CLI read them, all through this module.
+
+Format: one speaker x-vector plus metadata in a small `.safetensors` file: tensor `x_vector` (D,) float32; string
+metadata `format`, `model`, `dim`, `created_at`, `source_sha256`, `source_seconds`, `ref_text` (docs/voice_profiles.md).
+
+Directory: `<profiles_dir>/<speaker_id>.safetensors`, ids of a strict portable alphabet; a name never leaves the
+directory (strict id pattern, then resolve + commonpath, which also rejects symlinks that point out). Every file is
+written atomically (a temp file beside the target, then a rename) with the usual file mode.
+
+Registry (`VoiceRegistry`, the seed's EmbeddingCacheManager): every profile in the directory is loaded at startup (a
+bad file is skipped with a warning naming it and the reason), a profile added later is loaded on first use, a changed
+file is reloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from .audio import SAMPLE_RATE
+
+logger = logging.getLogger("qwen_tts.voices")
+
+PROFILE_FORMAT = "qwen3-tts-voice/1"
+TENSOR_NAME = "x_vector"
+PROFILE_SUFFIX = ".safetensors"
+DEFAULT_PROFILES_DIR = Path("voice_profiles")
+# Ids become file names: keep them to a strict, portable alphabet.
+MAX_SPEAKER_ID_CHARS = 64
+SPEAKER_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+MAX_PROFILE_BYTES = 1 << 20  # a 2048-wide float32 vector plus metadata is ~8.5 KB
+DEMO_VOICE_ID = "demo"
+DEMO_SEED = 0
+
+
+class ProfileError(ValueError):
+    """A profile file is unreadable or does not hold a usable x-vector."""
+
+
+@dataclass(frozen=True)
+class VoiceProfile:
+    x_vector: torch.Tensor  # (D,) float32
+    model: str = ""
+    created_at: str = ""
+    source_sha256: str = ""
+    source_seconds: float | None = None
+    ref_text: str = ""
+
+    @property
+    def dim(self) -> int:
+        return int(self.x_vector.shape[0])
+
+    def metadata(self) -> dict[str, str]:
+        md = {
+            "format": PROFILE_FORMAT,
+            "model": self.model,
+            "dim": str(self.dim),
+            "created_at": self.created_at or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "source_sha256": self.source_sha256,
+            "ref_text": self.ref_text,
+        }
+        if self.source_seconds is not None:
+            md["source_seconds"] = f"{self.source_seconds:.3f}"
+        return md
+
+
+# --- the profiles directory --------------------------------------------------------------------------------
+def is_valid_speaker_id(speaker_id: str) -> bool:
+    """True for ids matching SPEAKER_ID_PATTERN that are not '.'-only names."""
+    return bool(SPEAKER_ID_PATTERN.fullmatch(speaker_id)) and speaker_id.strip(".") != ""
+
+
+def profile_path(profiles_dir: str | Path, speaker_id: str) -> Path:
+    """Where the profile of `speaker_id` lives (not resolved; see `VoiceRegistry.path_for` for untrusted ids)."""
+    return Path(profiles_dir) / f"{speaker_id}{PROFILE_SUFFIX}"
+
+
+def file_mode() -> int:
+    """0o666 less the process umask: the mode our files get (mkstemp makes private 0600 files)."""
+    try:  # Linux: read it without changing it (os.umask is process-wide, and writer threads may be running)
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
+    """`write(temp_path)` into a temp file beside `path`, then rename it into place with `file_mode()`: a reader
+    sees the old file or the whole new one, never a partial one. The temp file is removed on any failure."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, file_mode())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def validate_xvector(x: torch.Tensor, expected_dim: int | None = None) -> torch.Tensor:
+    """Check shape, dtype and values; return a contiguous float32 (D,) tensor or raise ProfileError."""
+    if not isinstance(x, torch.Tensor):
+        raise ProfileError("x_vector is not a tensor")
+    if x.dim() != 1:
+        raise ProfileError(f"x_vector must be 1-D, got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        raise ProfileError(f"x_vector must be floating point, got {x.dtype}")
+    if expected_dim is not None and x.shape[0] != expected_dim:
+        raise ProfileError(f"x_vector has width {x.shape[0]}, the loaded model needs {expected_dim}")
+    x = x.to(torch.float32).contiguous()
+    if not torch.isfinite(x).all():
+        raise ProfileError("x_vector contains NaN or Inf")
+    if float(x.abs().max()) == 0.0:
+        raise ProfileError("x_vector is all zeros")
+    return x
+
+
+# --- the file format ---------------------------------------------------------------------------------------
+def save_profile(path: str | Path, profile: VoiceProfile, *, overwrite: bool = False) -> Path:
+    """Write atomically, readable by a server running as another user. Refuses to overwrite unless asked."""
+    path = Path(path)
+    x = validate_xvector(profile.x_vector)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists (use --force to overwrite)")
+    return atomic_write(path, lambda tmp: save_file({TENSOR_NAME: x}, tmp, metadata=profile.metadata()))
+
+
+def load_profile(path: str | Path, expected_dim: int | None = None) -> VoiceProfile:
+    """Read and validate a profile. Raises ProfileError with the reason (never a raw library error)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise ProfileError(f"cannot read: {e.strerror}") from None
+    if size > MAX_PROFILE_BYTES:
+        raise ProfileError(f"file is {size} bytes, larger than a profile can be ({MAX_PROFILE_BYTES})")
+    try:
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            md = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ProfileError(f"not a readable safetensors file ({type(e).__name__})") from None
+    if TENSOR_NAME not in tensors:
+        # Accept a single-tensor file from other tools, but never guess among several.
+        if len(tensors) != 1:
+            raise ProfileError(f"no {TENSOR_NAME!r} tensor (found {sorted(tensors)[:5]})")
+        (x,) = tensors.values()
+    else:
+        x = tensors[TENSOR_NAME]
+    if md.get("format") not in (None, PROFILE_FORMAT):
+        raise ProfileError(f"unknown profile format {md.get('format')!r}")
+    x = validate_xvector(x, expected_dim)
+    secs = md.get("source_seconds")
+    return VoiceProfile(
+        x_vector=x,
+        model=md.get("model", ""),
+        created_at=md.get("created_at", ""),
+        source_sha256=md.get("source_sha256", ""),
+        source_seconds=float(secs) if secs else None,
+        ref_text=md.get("ref_text", ""),
+    )
+
+
+# --- the registry ------------------------------------------------------------------------------------------
+class SpeakerError(LookupError):
+    """Base class: the speaker id cannot be served."""
+
+
+class InvalidSpeakerIdError(SpeakerError):
+    """The id does not match the id pattern (it never reaches the file system)."""
+
+
+class UnknownSpeakerError(SpeakerError):
+    """No usable profile has this id (missing, or its file resolves outside the directory)."""
+
+
+class InvalidProfileError(SpeakerError):
+    """A profile file exists for this id but cannot be used (wrong width, NaN, corrupt...)."""
+
+    def __init__(self, speaker_id: str, reason: str):
+        super().__init__(f"voice profile {speaker_id!r} is unusable: {reason}")
+        self.speaker_id = speaker_id
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class SpeakerInfo:
+    """What /speakers reports about a loaded voice (no tensors, no absolute paths)."""
+
+    speaker_id: str
+    dim: int
+    file: str
+    model: str = ""
+    created_at: str = ""
+    source_sha256: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "id": self.speaker_id,
+            "dim": self.dim,
+            "file": self.file,
+            "model": self.model,
+            "created_at": self.created_at,
+            "source_sha256": self.source_sha256,
+        }
+
+
+@dataclass
+class LoadReport:
+    loaded: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (file name, reason)
+
+
+@dataclass
+class _Entry:
+    signature: tuple[int, int, int]  # (mtime_ns, size, inode): any change means reload
+    xvector: torch.Tensor | None = None
+    info: SpeakerInfo | None = None
+    error: str | None = None  # remembered so a bad file is parsed (and logged) once per version
+
+
+def validate_speaker_id(speaker_id: object) -> str:
+    """Return the id if it is a well-formed speaker id, else raise InvalidSpeakerIdError."""
+    if not isinstance(speaker_id, str):
+        raise InvalidSpeakerIdError("speaker id must be a string")
+    if len(speaker_id) > MAX_SPEAKER_ID_CHARS or "\x00" in speaker_id or not is_valid_speaker_id(speaker_id):
+        raise InvalidSpeakerIdError(
+            f"speaker id must be 1-{MAX_SPEAKER_ID_CHARS} characters of letters, digits, '_', '-', '.', "
+            "starting with a letter or digit"
+        )
+    return speaker_id
+
+
+def list_profile_files(profiles_dir: str | Path) -> list[tuple[str, str | None]]:
+    """(file name, id or None when the name is not a valid id) for each profile-looking file, sorted by name."""
+    try:
+        names = sorted(os.listdir(profiles_dir))
+    except OSError:
+        return []
+    out: list[tuple[str, str | None]] = []
+    for name in names:
+        # Hidden files include the temp files of an atomic save in progress.
+        if not name.endswith(PROFILE_SUFFIX) or name.startswith("."):
+            continue
+        stem = name[: -len(PROFILE_SUFFIX)]
+        try:
+            out.append((name, validate_speaker_id(stem)))
+        except InvalidSpeakerIdError:
+            out.append((name, None))
+    return out
+
+
+class VoiceRegistry:
+    """Loads, validates, caches and refreshes voice profiles; safe to call from several threads."""
+
+    def __init__(
+        self,
+        profiles_dir: str | Path,
+        xvector_dim: int | None = None,
+        device: str | torch.device = "cpu",
+    ):
+        self.profiles_dir = Path(profiles_dir)
+        self.xvector_dim = xvector_dim
+        self.device = torch.device(device)
+        self._root = os.path.realpath(self.profiles_dir)
+        self._entries: dict[str, _Entry] = {}
+        self._lock = threading.RLock()
+
+    # --- paths ------------------------------------------------------------------------------------
+    def path_for(self, speaker_id: str) -> Path:
+        """The profile path of a valid id, resolved; raises if the id is malformed or escapes the directory."""
+        validate_speaker_id(speaker_id)
+        resolved = os.path.realpath(os.path.join(self._root, speaker_id + PROFILE_SUFFIX))
+        # commonpath, not startswith: /profiles-evil is not inside /profiles.
+        if os.path.commonpath([self._root, resolved]) != self._root:
+            raise UnknownSpeakerError(f"unknown speaker {speaker_id!r}")
+        return Path(resolved)
+
+    # --- loading ----------------------------------------------------------------------------------
+    def load_all(self) -> LoadReport:
+        """Load every profile in the directory; skip (and report) the unusable ones."""
+        report = LoadReport()
+        if not self.profiles_dir.is_dir():
+            logger.warning("voice profiles directory %s does not exist; no voices loaded", self.profiles_dir)
+            return report
+        for name, speaker_id in self._scan():
+            if speaker_id is None:
+                reason = "file name is not a valid speaker id"
+                logger.warning("skipping voice profile %s: %s", name, reason)
+                report.skipped.append((name, reason))
+                continue
+            try:
+                self.get(speaker_id)
+                report.loaded.append(speaker_id)
+            except InvalidProfileError as e:
+                report.skipped.append((name, e.reason))
+            except SpeakerError as e:
+                logger.warning("skipping voice profile %s: %s", name, e)
+                report.skipped.append((name, str(e)))
+        return report
+
+    def get(self, speaker_id: str) -> torch.Tensor:
+        """The (D,) float32 x-vector on the cache's device; loads or reloads the file when needed."""
+        entry = self._refresh(speaker_id)
+        if entry.xvector is None:
+            raise InvalidProfileError(speaker_id, entry.error or "unusable")
+        return entry.xvector
+
+    def info(self, speaker_id: str) -> SpeakerInfo:
+        entry = self._refresh(speaker_id)
+        if entry.info is None:
+            raise InvalidProfileError(speaker_id, entry.error or "unusable")
+        return entry.info
+
+    def list_speakers(self) -> list[SpeakerInfo]:
+        """All usable voices now in the directory (rescanned, so added and removed files show up)."""
+        found: list[SpeakerInfo] = []
+        seen: set[str] = set()
+        for _, speaker_id in self._scan():
+            if speaker_id is None:
+                continue
+            seen.add(speaker_id)
+            try:
+                found.append(self.info(speaker_id))
+            except SpeakerError:
+                continue
+        with self._lock:
+            for gone in set(self._entries) - seen:
+                del self._entries[gone]
+        return sorted(found, key=lambda s: s.speaker_id)
+
+    def to(self, device: str | torch.device) -> VoiceRegistry:
+        """Move every cached vector (and future loads) to `device`."""
+        with self._lock:
+            self.device = torch.device(device)
+            for entry in self._entries.values():
+                if entry.xvector is not None:
+                    entry.xvector = entry.xvector.to(self.device)
+        return self
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.xvector is not None)
+
+    def __contains__(self, speaker_id: object) -> bool:
+        try:
+            self.get(speaker_id)  # type: ignore[arg-type]
+        except SpeakerError:
+            return False
+        return True
+
+    # --- internals --------------------------------------------------------------------------------
+    def _scan(self) -> list[tuple[str, str | None]]:
+        return list_profile_files(self.profiles_dir)
+
+    def _refresh(self, speaker_id: str) -> _Entry:
+        path = self.path_for(speaker_id)
+        try:
+            st = path.stat()
+        except OSError:
+            with self._lock:
+                self._entries.pop(speaker_id, None)
+            raise UnknownSpeakerError(f"unknown speaker {speaker_id!r}") from None
+        signature = (st.st_mtime_ns, st.st_size, st.st_ino)
+        with self._lock:
+            entry = self._entries.get(speaker_id)
+            if entry is not None and entry.signature == signature:
+                return entry
+            entry = self._load(speaker_id, path, signature)
+            self._entries[speaker_id] = entry
+            return entry
+
+    def _load(self, speaker_id: str, path: Path, signature: tuple[int, int, int]) -> _Entry:
+        name = speaker_id + PROFILE_SUFFIX
+        try:
+            profile: VoiceProfile = load_profile(path, expected_dim=self.xvector_dim)
+        except ProfileError as e:
+            logger.warning("skipping voice profile %s: %s", name, e)
+            return _Entry(signature, error=str(e))
+        info = SpeakerInfo(
+            speaker_id=speaker_id,
+            dim=profile.dim,
+            file=name,
+            model=profile.model,
+            created_at=profile.created_at,
+            source_sha256=profile.source_sha256,
+        )
+        logger.debug("loaded voice profile %s (dim %d)", name, profile.dim)
+        return _Entry(signature, xvector=profile.x_vector.to(self.device), info=info)
+
+
+# --- x-vectors from audio -------------------------------------------------------------------------------------
+class VoiceEncoder:
+    """A checkpoint's speaker encoder loaded alone: mono `SAMPLE_RATE` audio -> x-vector. Enrollment and the demo
+    voice both use it."""
+
+    def __init__(self, model_path: str | Path, device: str | torch.device = "cpu"):
+        from .loading import load_speaker_encoder
+
+        self.device = torch.device(device)
+        self.encoder, self.config = load_speaker_encoder(Path(model_path), device=self.device)
+        self.encoder.eval()
+
+    @property
+    def xvector_dim(self) -> int:
+        return self.config.xvector_dim
+
+    @torch.inference_mode()
+    def embed(self, mono: np.ndarray) -> torch.Tensor:
+        """The clip's x-vector as a float32 (D,) CPU tensor."""
+        x = self.encoder.embed(torch.from_numpy(mono).to(self.device))
+        return x.detach().to("cpu", torch.float32).reshape(-1)
+
+
+# --- the demo voice --------------------------------------------------------------------------------------------
+def synthetic_clip(seconds: float = 3.0, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+    """A deterministic voice-like signal (a gliding harmonic tone with a little noise) for the demo voice."""
+    t = np.arange(int(seconds * sample_rate)) / sample_rate
+    f0 = 140.0 + 25.0 * np.sin(2 * np.pi * 0.7 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / sample_rate
+    wav = sum(0.4 / k * np.sin(k * phase) for k in range(1, 8))
+    wav = wav * (0.6 + 0.4 * np.sin(2 * np.pi * 3.0 * t) ** 2)
+    noise = np.random.default_rng(DEMO_SEED).standard_normal(t.shape[0])
+    return (0.5 * wav + 0.01 * noise).astype(np.float32)
+
+
+def ensure_demo_voice(profiles_dir: str | Path, model_path: str | Path | None, dim: int | None = None) -> Path:
+    """`<profiles_dir>/demo.safetensors`, the one writer of the demo voice.
+
+    With `model_path` (the demo checkpoint): that checkpoint's speaker encoder on `synthetic_clip()`, (re)written
+    unless the file already holds exactly this vector. A valid profile whose metadata names another model is
+    someone's own voice called 'demo': kept as is. Without (an engine that has no checkpoint, like the fake): a
+    seeded random vector of width `dim`, written only when no usable profile of that width is there.
+    """
+    path = profile_path(profiles_dir, DEMO_VOICE_ID)
+    if model_path is None:
+        if dim is None:
+            raise ValueError("the demo voice needs a checkpoint or a width")
+        try:
+            load_profile(path, expected_dim=dim)
+            return path
+        except ProfileError:
+            pass
+        x = torch.randn(dim, generator=torch.Generator().manual_seed(DEMO_SEED))
+        return save_profile(path, VoiceProfile(x_vector=x, model="fake"), overwrite=True)
+
+    from .model_paths import DEMO
+
+    clip = synthetic_clip()
+    encoder = VoiceEncoder(model_path)
+    x = encoder.embed(clip)
+    try:
+        existing = load_profile(path, expected_dim=encoder.xvector_dim)
+        if existing.model != DEMO or torch.equal(existing.x_vector, x):
+            return path
+    except ProfileError:
+        pass
+    clip_sha = hashlib.sha256(clip.tobytes()).hexdigest()
+    profile = VoiceProfile(x_vector=x, model=DEMO, source_sha256=clip_sha, source_seconds=3.0)
+    return save_profile(path, profile, overwrite=True)

@@ -1,0 +1,182 @@
+"""benchmarks/bench_gpu.py: the continuity replay, the trace attribution, the baseline plumbing, a tiny run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "benchmarks" / "bench_gpu.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_stall_replays_arrivals_against_a_player_started_at_the_first_chunk():
+    # 240 ms first chunk; the second lands before it has played out; the third 100 ms after the player ran dry.
+    arrivals = [(10.0, 0.24), (10.2, 0.96), (11.3, 0.96)]
+    assert bench.stall_seconds(arrivals) == pytest.approx(0.1)
+    # A stall shifts the rest of the playback: the fourth chunk is due at 11.3 + 0.96, not 11.2 + 0.96.
+    assert bench.stall_seconds([*arrivals, (12.2, 0.5)]) == pytest.approx(0.1)
+    assert bench.stall_seconds([*arrivals, (12.36, 0.5)]) == pytest.approx(0.1 + 0.1)
+    assert bench.stall_seconds([(5.0, 1.0)]) == 0.0
+    assert bench.stall_seconds([]) == 0.0
+
+
+def test_stream_stats_report_ttfa_percentiles_and_zero_stall_share():
+    def stream(sent: float, arrivals: list[tuple[float, float]]) -> object:
+        s = bench.Stream()
+        s.sent, s.arrivals = sent, arrivals
+        return s
+
+    smooth = stream(0.0, [(0.1, 0.5), (0.3, 0.5)])
+    stalled = stream(0.0, [(0.3, 0.2), (0.9, 1.0)])  # runs dry at 0.5, next chunk at 0.9: 400 ms stall
+    failed = stream(0.0, [])
+    failed.error = "queue_full"
+    out = bench.stream_stats([smooth, stalled, failed], wall=2.0)
+    assert (out["requests"], out["ok"], out["errors"]) == (3, 2, {"queue_full": 1})
+    assert out["audio_s"] == pytest.approx(2.2)
+    assert out["audio_s_per_s"] == pytest.approx(1.1)
+    assert (out["ttfa_p50_ms"], out["ttfa_max_ms"]) == (100.0, 300.0)
+    assert out["stall_max_ms"] == pytest.approx(400.0)
+    assert out["zero_stall_share"] == 0.5
+    assert out["xrt_per_stream_median"] == pytest.approx(statistics_median([1.0 / 0.3, 1.2 / 0.9]), abs=1e-3)
+
+
+def statistics_median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return (xs[0] + xs[1]) / 2
+
+
+def _x(cat: str, name: str, ts: float, dur: float, tid: int = 7, **args) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+
+def test_attribute_groups_kernels_by_the_range_around_their_launch():
+    trace = {
+        "traceEvents": [
+            _x("user_annotation", "module:Talker<-frame_step", 0, 100),
+            _x("user_annotation", "sub:TalkerModel", 10, 40),
+            _x("user_annotation", "sample", 70, 20),  # the engine's own range wins over the module's
+            _x("cuda_runtime", "cudaLaunchKernel", 20, 2, correlation=1),
+            _x("cuda_runtime", "cudaLaunchKernel", 60, 2, correlation=2),
+            _x("cuda_runtime", "cudaLaunchKernel", 75, 2, correlation=3),
+            _x("cuda_runtime", "cudaGraphLaunch", 200, 30, correlation=4),
+            _x(
+                "kernel",
+                "void at::native::vectorized_elementwise_kernel<4, Foo>(int, Bar)",
+                900,
+                5,
+                tid=1,
+                correlation=1,
+            ),
+            _x("kernel", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", 910, 7, tid=1, correlation=2),
+            _x("kernel", "void at::native::(anonymous namespace)::topk_kernel<float>(X)", 920, 4, tid=1, correlation=3),
+            _x("kernel", "triton_poi_fused_add_0", 1000, 3, tid=1, correlation=4),
+            _x("kernel", "triton_poi_fused_add_0", 1004, 3, tid=1, correlation=4),
+            _x("gpu_memcpy", "Memcpy HtoD", 990, 1, tid=1, correlation=5),
+        ]
+    }
+    a = bench.attribute(trace, on_cuda=True)
+    assert dict(a["groups"]) == {
+        "module:Talker<-frame_step/TalkerModel": [1, 5],
+        "module:Talker<-frame_step/own ops": [1, 7],
+        "sample": [1, 4],
+        "(cuda graph)": [2, 6],
+    }
+    assert dict(a["names"]) == {
+        "native::vectorized_elementwise_kernel": [1, 5],
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n": [1, 7],
+        "native::topk_kernel": [1, 4],
+        "triton_poi_fused_add_0": [2, 6],
+    }
+    assert dict(a["api"]) == {"cudaLaunchKernel": [3, 6], "cudaGraphLaunch": [1, 30]}
+    assert len(a["memcpy"]) == 1
+    # per step, in ms (trace times are in us)
+    assert bench.by_caller(a["groups"], 2) == {"frame_step": 0.006, "(cuda graph)": 0.003, "sample": 0.002}
+
+
+def test_a_baseline_runs_with_only_its_own_python_path(tmp_path):
+    script = tmp_path / "fake_baseline.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "print('building...')\n"
+        "print(json.dumps({'batch': 1, 'pp': os.environ.get('PYTHONPATH'), 'frames': os.environ.get('FRAMES'),"
+        " 'cwd': os.getcwd()}))\n"
+    )
+    site = str(tmp_path / "site")
+    res = bench.run_baseline("fake", [sys.executable, str(script)], site, {"FRAMES": "7"}, timeout=60)
+    assert res["rc"] == 0 and "error" not in res
+    [row] = res["rows"]
+    assert (row["pp"], row["frames"]) == (site, "7")
+    assert Path(row["cwd"]).resolve() != ROOT  # not the repository: our qwen_tts must not shadow the official one
+
+    script.write_text("import sys\nprint('boom', file=sys.stderr)\nsys.exit(3)\n")
+    res = bench.run_baseline("fake", [sys.executable, str(script)], site, {}, timeout=60)
+    assert res["rc"] == 3 and "boom" in res["error"] and res["rows"] == []
+
+
+def test_baseline_rows_and_ratios_from_the_scripts_output_lines():
+    results = {
+        "args": {"reference_size": "full"},
+        "sizes": {
+            "1.7b": {
+                "engine": [
+                    {"concurrency": 1, "xrt_per_stream_median": 6.0, "audio_s_per_s": 6.0},
+                    {"concurrency": 64, "xrt_per_stream_median": 2.0, "audio_s_per_s": 128.0},
+                ]
+            }
+        },
+        "baselines": {
+            "reference": {
+                "rows": [
+                    {"batch": 1, "frames": 100, "ms_per_step": 205.0, "gen_xRT": 0.39},
+                    {"batch": 32, "frames": 3200, "ms_per_step": 156.0, "gen_xRT": 16.0},
+                ]
+            },
+            "peer": {
+                "rows": [
+                    {"system": "faster-qwen3-tts", "mode": "whole", "audio_s": 8.0, "wall_s": 2.2, "xRT": 3.6},
+                    {"system": "faster-qwen3-tts", "mode": "whole", "audio_s": 8.0, "wall_s": 2.0, "xRT": 4.0},
+                    {"system": "faster-qwen3-tts", "mode": "stream chunk=4", "ttfa_ms": 140.0, "xRT": 3.2},
+                    {"system": "official (tf5 build)", "batch": 16, "audio_s": 128.0, "audio_s_per_s": 6.0},
+                ]
+            },
+        },
+    }
+    rows = {r[1] + f" n={r[2]}": r for r in bench.baseline_rows(results)}
+    assert rows["official (HF generate) n=32"][3:6] == ["0.50", "16.0", "156.0"]
+    assert rows["faster-qwen3-tts whole n=1"][3] == "4.00"  # the best of the repeats
+    assert rows["faster-qwen3-tts stream chunk=4 n=1"][6] == "140/-"
+    assert rows["official tf5 batch 16 n=16"][3:5] == ["0.38", "6.0"]
+    assert bench.ratios(results) == {
+        "engine c=1 / official b=1 (audio-s/s)": round(6.0 / 0.39, 2),
+        "engine c=64 / official b=32 (audio-s/s)": 8.0,
+        "engine c=1 / faster-qwen3-tts whole (x real time)": 1.5,
+    }
+
+
+def test_tiny_run_end_to_end(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["--sizes", "tiny", "--parts", "engine,poisson", "--concurrency", "1,2", "--frames", "6"]
+    argv += ["--poisson-rates", "50", "--poisson-count", "2", "--workdir", str(tmp_path), "--out", str(out)]
+    results = bench.main(argv)
+    assert json.loads(out.read_text())["sizes"]["tiny"]["engine"] == results["sizes"]["tiny"]["engine"]
+    levels = results["sizes"]["tiny"]["engine"]
+    assert [r["concurrency"] for r in levels] == [1, 2]
+    for r in levels:
+        n = r["concurrency"]
+        assert (r["requests"], r["ok"], r["errors"]) == (n, n, {})
+        assert r["audio_s"] == pytest.approx(n * 6 * 0.08)  # end-of-speech held off: every request 6 frames
+        assert r["engine_steps"] == 6
+        assert r["chunks_per_stream"] == 2  # a 3-frame first chunk, then the rest
+        assert 0 < r["ttfa_p50_ms"] <= r["ttfa_p95_ms"]
+        assert 0.0 <= r["zero_stall_share"] <= 1.0
+    [p] = results["sizes"]["tiny"]["poisson"]
+    assert (p["requests"], p["ok"], p["audio_s"]) == (2, 2, pytest.approx(2 * 6 * 0.08))
+    text = bench.report(results)
+    assert text.splitlines()[-1].startswith("| tiny | poisson 50/s | 2 ")
+    assert "| tiny | engine | 2 |" in text

@@ -1,0 +1,227 @@
+"""Server configuration from the environment (`TTS_*` variables), one typed pydantic-settings object.
+
+The seed's variables keep their names and defaults (TTS_MODEL_PATH, TTS_STAGE_CONFIG, TTS_PROFILES_DIR,
+TTS_DEVICE, TTS_HOST, TTS_PORT=8090, TTS_MAX_CONCURRENT=16, TTS_STAGE_INIT_TIMEOUT, TTS_TEMPERATURE,
+TTS_TOP_K, TTS_MAX_NEW_TOKENS); the rest are the limits and switches of the hardened server.
+`load_settings()` turns any bad value into one `SettingsError` line naming the variable.
+
+Engine defaults are not repeated here: they come from `EngineSettings` and `SynthesisRequest`, and
+`ServerSettings.engine_settings()` is the one mapping from these variables to the engine's settings.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from qwen_tts.engine_api import EngineSettings, SynthesisRequest
+from qwen_tts.voices import DEFAULT_PROFILES_DIR
+
+ENV_PREFIX = "TTS_"
+_ENGINE = EngineSettings()  # the engine's defaults, read below
+# Server setting -> EngineSettings field: the one mapping (engine_settings() and error messages both use it).
+ENGINE_FIELDS = {
+    "model_path": "model_path",
+    "backend": "backend",
+    "demo_dir": "demo_dir",
+    "stage_config": "stage_config",
+    "stage_init_timeout": "stage_init_timeout",
+    "vllm_speaker_transport": "vllm_speaker_transport",
+    "device": "device",
+    "dtype": "dtype",
+    "max_concurrent": "max_slots",
+    "max_queue": "max_queue",
+    "max_new_tokens": "max_frames",
+    "first_chunk_frames": "first_chunk_frames",
+    "chunk_frames": "chunk_frames",
+}
+_DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
+
+
+class SettingsError(ValueError):
+    """A configuration value is unusable; the message is one line naming the variable."""
+
+
+def _split_list(value: Any) -> Any:
+    """Accept `a,b,c` as well as a JSON list, so shell users need no quoting gymnastics."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            import json
+
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    return value
+
+
+class ServerSettings(BaseSettings):
+    """Every knob of the server. Each field: what it controls and why it has its default."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    # --- model and engine --------------------------------------------------------------------
+    # "demo" (the built-in tiny random checkpoint, written on first use), a checkpoint directory, or a hub id
+    # found in the local Hugging Face cache. Default demo so the server runs offline out of the box.
+    model_path: str = _ENGINE.model_path
+    # vLLM-Omni deploy config (stage layout); read only by the vllm-omni backend.
+    stage_config: Path = Path("stage_config_optimized.yaml")
+    # vllm-omni backend: how the speaker vector reaches the talker. auto: the raw-tensor fast path when the
+    # vllm-omni-myfi plugins are installed, else a float list (what stock vLLM-Omni takes).
+    vllm_speaker_transport: Literal["auto", "tensor", "list"] = "auto"
+    # native: our PyTorch engine; vllm-omni: the optional AsyncOmni pipeline; fake: sine tones, for HTTP tests.
+    backend: Literal["native", "vllm-omni", "fake"] = _ENGINE.backend  # type: ignore[assignment]
+    # auto picks cuda when available, else cpu.
+    device: str = _ENGINE.device
+    # None: float32 on CPU, bfloat16 on CUDA (the engine decides). No float16: the code predictor overflows in it.
+    dtype: Literal["float32", "bfloat16"] | None = None
+    # Seconds allowed for loading and warming the engine before startup fails.
+    stage_init_timeout: float = Field(600.0, gt=0)
+    # Streaming granularity: a small first chunk for fast first audio, then larger ones for throughput.
+    first_chunk_frames: int = Field(_ENGINE.first_chunk_frames, ge=1, le=256)
+    chunk_frames: int = Field(_ENGINE.chunk_frames, ge=1, le=256)
+
+    # --- voices ---------------------------------------------------------------------------------
+    # Directory of `<speaker_id>.safetensors` profiles; nothing outside it is ever read.
+    profiles_dir: Path = DEFAULT_PROFILES_DIR
+    # Where the demo checkpoint is written on first use (None: a per-user cache directory).
+    demo_dir: Path | None = None
+
+    # --- sampling defaults (a request may override within the limits below) ----------------------
+    temperature: float = Field(SynthesisRequest.temperature, ge=0.0, le=2.0)
+    top_k: int = Field(SynthesisRequest.top_k, ge=1, le=4096)
+    # Hard cap on generated codec frames per request (12.5 frames/s: 2048 frames = 164 s of audio).
+    max_new_tokens: int = Field(_ENGINE.max_frames, ge=1, le=65536)
+
+    # --- network ---------------------------------------------------------------------------------
+    host: str = "0.0.0.0"
+    port: int = Field(8090, ge=1, le=65535)
+    # Browser origins allowed by CORS; empty means no CORS headers at all (never a wildcard by default).
+    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Bearer keys; empty disables auth. /health, /ready and /metrics stay public.
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    # --- admission and limits -------------------------------------------------------------------
+    # Requests decoding at once in the engine (its batch slots).
+    max_concurrent: int = Field(_ENGINE.max_slots, ge=1, le=4096)
+    # Requests waiting behind the slots; beyond this the server answers 429 instead of queueing without bound.
+    max_queue: int = Field(_ENGINE.max_queue, ge=0, le=100_000)
+    # Open connections uvicorn accepts before answering 503: idle or slow clients cannot pile up without bound.
+    max_connections: int = Field(1024, ge=1, le=1_000_000)
+    # Seconds a client is told to wait (Retry-After) when refused for overload.
+    retry_after: int = Field(1, ge=0, le=3600)
+    # Longest text accepted (characters); OpenAI's speech API uses 4096.
+    max_text_chars: int = Field(4096, ge=1, le=1_000_000)
+    # Largest request body in bytes; 4096 characters of \\u-escaped JSON fit comfortably.
+    max_body_bytes: int = Field(65536, ge=1024, le=64 * 1024 * 1024)
+    # Seconds a client has to send its whole request body; then 408 (a trickling client cannot hold a slot).
+    body_timeout: float = Field(30.0, gt=0)
+    # Seconds a request may take end to end (queue + synthesis); then 504 and its engine work is cancelled.
+    request_timeout: float = Field(300.0, gt=0)
+    # Seconds SIGTERM waits for in-flight requests before cancelling them.
+    drain_timeout: float = Field(30.0, ge=0)
+    # Name reported by /v1/models; any `model` value is accepted on /v1/audio/speech.
+    served_model_name: str = Field("qwen3-tts", min_length=1, max_length=128)
+
+    @field_validator("cors_origins", "api_keys", mode="before")
+    @classmethod
+    def _lists(cls, value: Any) -> Any:
+        return _split_list(value)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        value = value.strip().lower()
+        if not _DEVICE_PATTERN.fullmatch(value):
+            raise ValueError("must be auto, cpu, cuda, cuda:N or mps")
+        return value
+
+    @field_validator("model_path", "host")
+    @classmethod
+    def _non_empty(cls, value: str) -> str:
+        value = value.strip()
+        if not value:
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, value: list[SecretStr]) -> list[SecretStr]:
+        for key in value:
+            if len(key.get_secret_value()) < 8:
+                raise ValueError("each API key must be at least 8 characters")
+        return value
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        for origin in value:
+            if origin == "*":
+                raise ValueError("'*' is not allowed; list the origins explicitly")
+            if not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(f"{origin!r} is not an origin like https://example.com")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServerSettings:
+        if self.first_chunk_frames > self.chunk_frames:
+            raise ValueError("TTS_FIRST_CHUNK_FRAMES must not exceed TTS_CHUNK_FRAMES")
+        if self.max_connections <= self.max_concurrent + self.max_queue:
+            raise ValueError("TTS_MAX_CONNECTIONS must exceed TTS_MAX_CONCURRENT + TTS_MAX_QUEUE")
+        return self
+
+    def public_dict(self) -> dict[str, Any]:
+        """The settings for the startup log, with secrets reduced to a count."""
+        d = self.model_dump(mode="json")
+        d["api_keys"] = len(self.api_keys)
+        return d
+
+    def engine_settings(self) -> EngineSettings:
+        """What the engine is built from: the one mapping from TTS_* variables to `EngineSettings`."""
+        return EngineSettings(**{engine: getattr(self, name) for name, engine in ENGINE_FIELDS.items()})
+
+    def describe_engine_setting(self, engine_field: str) -> str:
+        """`TTS_<NAME>='value'` for the variable behind an EngineSettings field (for one-line startup errors)."""
+        for name, engine in ENGINE_FIELDS.items():
+            if engine == engine_field:
+                return f"{ENV_PREFIX}{name.upper()}={str(getattr(self, name))!r}"
+        return f"engine setting {engine_field}"
+
+
+def _describe(err: dict[str, Any]) -> str:
+    loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
+    field = loc[0] if loc else ""
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    if not field:
+        return msg
+    name = ENV_PREFIX + field.upper()
+    raw = os.environ.get(name)
+    if field == "api_keys" or raw is None:
+        return f"{name}: {msg}"
+    shown = raw if len(raw) <= 60 else raw[:57] + "..."
+    return f"{name}={shown!r}: {msg}"
+
+
+def load_settings(**overrides: Any) -> ServerSettings:
+    """Read the environment (overrides win); raise SettingsError with one line per the first bad value."""
+    try:
+        return ServerSettings(**overrides)
+    except ValidationError as e:
+        errors = e.errors()
+        first = _describe(errors[0])
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise SettingsError(f"invalid configuration: {first}{more}") from None
+    except ValueError as e:  # a JSON list that does not parse, raised before validation
+        raise SettingsError(f"invalid configuration: {e}") from None
+
+
+def unknown_env_vars(environ: dict[str, str] | None = None) -> list[str]:
+    """TTS_* variables that match no setting: usually typos that would otherwise be silently ignored."""
+    environ = os.environ if environ is None else environ
+    known = {ENV_PREFIX + name.upper() for name in ServerSettings.model_fields}
+    return sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
