@@ -288,6 +288,12 @@ class Engine(ABC):
         """Loaded, warmed up, and accepting work."""
 
     @property
+    def restarting_itself(self) -> bool:
+        """Not ready because the engine is bringing itself back (a backend that restarts its own pipeline): a
+        supervisor above must wait rather than replace it."""
+        return False
+
+    @property
     @abstractmethod
     def xvector_dim(self) -> int:
         """Width of the x-vectors this engine's model takes."""

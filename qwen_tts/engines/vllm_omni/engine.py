@@ -263,6 +263,10 @@ class VllmOmniEngine(Engine):
 
     # ------------------------------------------------------------------ interface
     @property
+    def restarting_itself(self) -> bool:
+        return self._restart_task is not None and not self._restart_task.done()
+
+    @property
     def device(self) -> torch.device:
         return torch.device("cpu")  # speaker vectors are sent from host memory
 
