@@ -87,8 +87,10 @@ class Runtime:
     @property
     def recovering(self) -> bool:
         """The engine is down and the supervisor is on it (or about to be: it polls)."""
-        return self.restarting or (
-            self.supervised and not self.engine.ready and not self.draining and not self._stopped
+        return (
+            self.restarting
+            or self.engine.restarting_itself
+            or (self.supervised and not self.engine.ready and not self.draining and not self._stopped)
         )
 
     def begin_drain(self) -> None:
