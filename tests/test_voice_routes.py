@@ -368,3 +368,14 @@ def _real_socket_scenario(demo_model: Path, tmp_path: Path) -> None:
 
 def r_dim(client) -> int:  # the served x-vector width, from /health
     return client.get("/health").json()["model"]["xvector_dim"]
+
+
+async def test_uploads_without_keys_are_warned_about_at_startup(caplog: pytest.LogCaptureFixture) -> None:
+    from tts_server.serve import warn_if_open
+
+    warn_if_open(clean_settings(host="127.0.0.1", voice_upload=True))
+    assert "TTS_VOICE_UPLOAD is on with no API keys" in caplog.text
+    caplog.clear()
+    warn_if_open(clean_settings(host="127.0.0.1", voice_upload=True, api_keys=[KEY]))
+    warn_if_open(clean_settings(host="127.0.0.1"))
+    assert "TTS_VOICE_UPLOAD" not in caplog.text
