@@ -240,7 +240,7 @@ async def test_openai_sse_stream_carries_base64_deltas_then_done(server: InProce
     ("extra", "param", "fragment"),
     [
         ({"response_format": "aac"}, "response_format", "'aac' is not supported by this server"),
-        ({"speed": 1.5}, "speed", "only 1.0 is supported"),
+        ({"speed": 0.1}, "speed", "greater than or equal to 0.25"),
         ({"speed": 9.0}, "speed", "less than or equal to 4"),
         ({"instructions": "whisper"}, "instructions", "not supported by Base"),
         ({"stream_format": "chunks"}, "stream_format", "'audio' or 'sse'"),

@@ -31,6 +31,7 @@ from qwen_tts.engine_api import (
 )
 from qwen_tts.voices import InvalidProfileError, InvalidSpeakerIdError, UnknownSpeakerError
 
+from . import speed
 from .errors import ApiError, EngineFailure, InvalidField, NotFound, NotReady, Overloaded, RequestTimeout
 from .long_text import PieceChain, needs_split, split_text
 from .runtime import Runtime
@@ -84,6 +85,11 @@ def check_limits(runtime: Runtime, body: SynthesisOptions, text_field: str = "te
             raise InvalidField(
                 f"min_new_tokens: {body.min_new_tokens} is above max_new_tokens ({cap})", param="min_new_tokens"
             )
+    if not speed.is_identity(body.speed) and not speed.available():
+        raise InvalidField(
+            "speed: only 1.0 on this server (time-stretching needs the optional 'speed' extra: pip install .[speed])",
+            param="speed",
+        )
     accepted = runtime.engine.languages
     if body.language.strip().lower() not in accepted:
         raise InvalidField(
@@ -121,7 +127,7 @@ def _title(names: list[str]) -> list[str]:
 class Job:
     """One admitted engine request and its cleanup."""
 
-    def __init__(self, runtime: Runtime, handle: RequestHandle | PieceChain, request_id: str):
+    def __init__(self, runtime: Runtime, handle: RequestHandle | PieceChain | speed.StretchedHandle, request_id: str):
         self.runtime = runtime
         self.handle = handle
         self.request_id = request_id
@@ -140,10 +146,10 @@ class Job:
         self._closed = True
         rt, stats = self.runtime, self.handle.stats
         if not self.handle.finished:
-            if isinstance(self.handle, PieceChain):
-                self.handle.cancel()
-            else:
+            if isinstance(self.handle, RequestHandle):
                 rt.engine.cancel(self.handle)
+            else:  # a long-text chain or a stretched stream cancels the engine work it owns
+                self.handle.cancel()
         rt.admission.release()
         m = rt.metrics
         m.syntheses.labels(self.outcome.value).inc()
@@ -192,6 +198,8 @@ def submit(runtime: Runtime, body: SynthesisOptions, request_id: str, speaker_fi
         raise _refused(runtime, "queue_full", error)
     try:
         handle = _submit_to_engine(runtime.engine, request)
+        if not speed.is_identity(body.speed):
+            handle = speed.StretchedHandle(handle, runtime.engine, body.speed)
     except BaseException as e:
         runtime.admission.release()  # the one release before a Job owns the slot
         if isinstance(e, QueueFullError):
