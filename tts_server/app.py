@@ -16,6 +16,8 @@ from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, JsonCORSMiddlewar
 from .routes import PUBLIC_PATHS, ROUTES, router
 from .runtime import Runtime
 from .settings import ServerSettings, load_settings
+from .web import WEB_PATHS
+from .web import router as web_router
 
 EXPOSED_HEADERS = [
     "X-Request-Id",
@@ -62,6 +64,7 @@ def create_app(
     app.state.runtime = runtime
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(web_router)
     openapi.install(app)  # error shape and media types in the schema (fuzzed against in the tests)
 
     def count_response(route: str, status: int) -> None:
@@ -72,7 +75,7 @@ def create_app(
     # add_middleware wraps: the last added is the outermost.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
     keys = [k.get_secret_value() for k in settings.api_keys]
-    app.add_middleware(ApiKeyMiddleware, keys=keys, public=PUBLIC_PATHS)
+    app.add_middleware(ApiKeyMiddleware, keys=keys, public=(*PUBLIC_PATHS, *WEB_PATHS))
     if settings.cors_origins:
         app.add_middleware(
             JsonCORSMiddleware,
@@ -82,5 +85,5 @@ def create_app(
             expose_headers=EXPOSED_HEADERS,
             max_age=600,
         )
-    app.add_middleware(RequestContextMiddleware, on_response=count_response, routes=ROUTES)
+    app.add_middleware(RequestContextMiddleware, on_response=count_response, routes=(*ROUTES, *WEB_PATHS))
     return app
