@@ -7,6 +7,7 @@ the bottom run the real native engine on the tiny random checkpoint.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import math
 import subprocess
@@ -373,7 +374,7 @@ def test_help_runs_as_a_script():
     assert r.returncode == 0
     for flag in ("--manifest", "--profiles-dir", "--output-dir", "--model", "--stage-configs-path", "--resume"):
         assert flag in r.stdout
-    assert "not available in this build" in r.stdout
+    assert "vllm-omni-myfi" in r.stdout
 
 
 # ---------------------------------------------------------------------------------------------- real engine
@@ -455,10 +456,11 @@ def test_end_to_end_manifest_on_the_tiny_checkpoint_then_resume(tiny_setup, tmp_
     np.testing.assert_allclose(again, first_a1, atol=4 / 32768, rtol=0)
 
 
-def test_vllm_omni_backend_is_a_clear_error_in_this_build(tiny_setup, tmp_path, capsys):
+@pytest.mark.skipif(importlib.util.find_spec("vllm_omni") is not None, reason="vllm-omni is installed here")
+def test_vllm_omni_backend_without_vllm_is_a_clear_error(tiny_setup, tmp_path, capsys):
     stage = tmp_path / "stage.yaml"
-    stage.write_text("stage_args: []\n")
+    stage.write_text("stages: []\n")
     rc = run_real(tiny_setup, tmp_path / "out", E2E_MANIFEST, "--stage-configs-path", str(stage))
     assert rc == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not available in this build" in err[0]
+    assert len(err) == 1 and "--backend 'vllm-omni': vllm and vllm-omni are not installed" in err[0]

@@ -30,6 +30,8 @@ ENGINE_FIELDS = {
     "backend": "backend",
     "demo_dir": "demo_dir",
     "stage_config": "stage_config",
+    "stage_init_timeout": "stage_init_timeout",
+    "vllm_speaker_transport": "vllm_speaker_transport",
     "device": "device",
     "dtype": "dtype",
     "max_concurrent": "max_slots",
@@ -67,8 +69,11 @@ class ServerSettings(BaseSettings):
     # "demo" (the built-in tiny random checkpoint, written on first use), a checkpoint directory, or a hub id
     # found in the local Hugging Face cache. Default demo so the server runs offline out of the box.
     model_path: str = _ENGINE.model_path
-    # vLLM-Omni stage layout; read only by the vllm-omni backend.
+    # vLLM-Omni deploy config (stage layout); read only by the vllm-omni backend.
     stage_config: Path = Path("stage_config_optimized.yaml")
+    # vllm-omni backend: how the speaker vector reaches the talker. auto: the raw-tensor fast path when the
+    # vllm-omni-myfi plugins are installed, else a float list (what stock vLLM-Omni takes).
+    vllm_speaker_transport: Literal["auto", "tensor", "list"] = "auto"
     # native: our PyTorch engine; vllm-omni: the optional AsyncOmni pipeline; fake: sine tones, for HTTP tests.
     backend: Literal["native", "vllm-omni", "fake"] = _ENGINE.backend  # type: ignore[assignment]
     # auto picks cuda when available, else cpu.

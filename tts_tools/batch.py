@@ -385,14 +385,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=BACKENDS,
         default=None,
         help="engine implementation (default: native; vllm-omni when --stage-configs-path is given). "
-        "The vLLM-Omni backend is not available in this build.",
+        "vllm-omni needs vllm, vllm-omni and vllm-omni-myfi installed (see README).",
     )
     p.add_argument(
         "--stage-configs-path",
         type=Path,
         default=None,
-        help="stage config YAML for the vLLM-Omni backend (implies --backend vllm-omni; "
-        "that backend is not available in this build yet)",
+        help="vLLM-Omni deploy config YAML (implies --backend vllm-omni; default for that backend: "
+        "stage_config_optimized.yaml)",
     )
     p.add_argument(
         "--concurrency", type=int, default=d.concurrency, help=f"items in flight at once (default: {d.concurrency})"
