@@ -104,11 +104,34 @@ def test_the_page_plays_a_streamed_result_in_headless_chromium(demo_server, tmp_
             assert set(api) <= {"/speakers", "/v1/audio/voices", "/v1/audio/speech"}, api
             assert "/v1/audio/speech" in api
 
-            # A server that reports uploads gets the upload control (the feature check, on a stubbed answer).
-            page.route("**/v1/audio/voices", lambda route: route.fulfill(json={"voices": [], "upload_enabled": True}))
+            # A server that reports uploads gets the upload control (the feature check, on stubbed answers), and
+            # the upload is the voices API's multipart form: name, audio_sample, ref_text.
+            uploads: list[bytes] = []
+
+            def voices_api(route) -> None:
+                if route.request.method == "POST":
+                    uploads.append(route.request.post_data_buffer)
+                    route.fulfill(status=201, json={"id": "newvoice", "object": "voice"})
+                else:
+                    route.fulfill(json={"object": "list", "voices": ["demo"], "data": [], "upload_enabled": True})
+
+            page.route("**/v1/audio/voices", voices_api)
             page.reload()
             page.wait_for_function("document.getElementById('status').textContent === 'ready'", timeout=30_000)
             page.wait_for_selector("#upload", state="visible", timeout=10_000)
+            clip = tmp_path / "clip.wav"
+            clip.write_bytes(b"RIFF-not-really-a-wav")
+            page.fill("#upname", "newvoice")
+            page.set_input_files("#upfile", str(clip))
+            page.fill("#uptext", "what the clip says")
+            page.click("#upsend")
+            page.wait_for_function("document.getElementById('upstatus').textContent === 'added newvoice'")
+            assert len(uploads) == 1
+            form = uploads[0]
+            for part in (b'name="name"', b"newvoice", b'name="audio_sample"; filename="clip.wav"', b'name="ref_text"'):
+                assert part in form, part
+            # (the intercepted copy of a multipart body carries file parts empty: only the text parts are checked)
+            assert b"what the clip says" in form and b"Content-Type: audio/wav" in form
         finally:
             context.close()
     assert (OUTPUT / "page-played.png").stat().st_size > 1000
