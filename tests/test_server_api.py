@@ -332,3 +332,11 @@ async def test_greedy_audio_is_the_same_whatever_the_seed(server: InProcess) -> 
     b = await server.client.post("/synthesize", json=_body(response_format="pcm", temperature=0, seed=2))
     assert a.status_code == b.status_code == 200
     assert a.content == b.content
+
+
+async def test_every_synthesize_answer_has_a_documented_media_type(server: InProcess) -> None:
+    documented = server.app.openapi()["paths"]["/synthesize"]["post"]["responses"]["200"]["content"]
+    for extra in ({}, {"stream": True}, {"stream": True, "response_format": "pcm"}, {"response_format": "flac"}):
+        r = await server.client.post("/synthesize", json=_body(**extra))
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"].split(";")[0] in documented, (extra, r.headers["content-type"])
