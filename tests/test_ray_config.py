@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from typing import Any
 
 import httpx
@@ -150,3 +153,11 @@ def test_the_kuberay_manifest_names_a_real_builder_and_valid_settings() -> None:
         ).profiles_dir.as_posix()
         == "/voices"
     )
+
+
+def test_the_cli_refuses_a_bad_setting_before_starting_ray() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TTS_")}
+    env["TTS_RAY_MAX_QUEUED_REQUESTS"] = "-5"
+    r = subprocess.run([sys.executable, "-m", "tts_serve"], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "TTS_RAY_MAX_QUEUED_REQUESTS: Input should be greater than or equal to -1"
