@@ -49,6 +49,33 @@ if _missing:
     pytest.skip(_missing, allow_module_level=True)
 
 
+def test_a_replica_that_cannot_start_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """Runs before the module's server starts (no second Ray cluster at once)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TTS_", "RAY_"))}
+    env.update(
+        {
+            "TTS_MODEL_PATH": str(tmp_path / "no-such-checkpoint"),
+            "TTS_HOST": "127.0.0.1",
+            "TTS_PORT": str(free_port()),
+            "TTS_RAY_NUM_CPUS": "0.25",
+            "TTS_RAY_DASHBOARD": "false",
+        }
+    )
+    r = subprocess.run(
+        [str(RAY_PYTHON), "-m", "tts_serve", "--replicas", "1"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 1
+    (line,) = [line for line in (r.stdout + r.stderr).splitlines() if "startup failed:" in line]
+    assert line.endswith(f"startup failed: TTS_MODEL_PATH='{tmp_path / 'no-such-checkpoint'}': "
+                         f"{tmp_path / 'no-such-checkpoint'}: no such directory "
+                         "(expected 'demo', a checkpoint directory or a hub id like Org/Name)")  # fmt: skip
+
+
 @dataclass
 class RayServer:
     proc: subprocess.Popen

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -53,6 +54,19 @@ def replica_counts(app_name: str) -> dict[str, int]:
     return {str(k): v for k, v in app.deployments[DEPLOYMENT].replica_states.items()}
 
 
+def _failure_reason(app_name: str) -> str | None:
+    """The replicas' own one-line StartupError (bad model path, ...), from Serve's deployment status."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(app_name)
+        text = app.deployments[DEPLOYMENT].message if app and DEPLOYMENT in app.deployments else ""
+    except Exception:  # the cluster is going down; the generic error is all there is
+        return None
+    found = re.findall(r"StartupError: ([^\n]+)", text)
+    return found[-1].strip() if found else None
+
+
 def main(argv: list[str] | None = None) -> int:
     overrides = _parse(argv)
     try:
@@ -92,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         app = build_app(ray_settings, cluster_gpus=gpus)
         serve.run(app, name=ray_settings.app_name, route_prefix="/", blocking=False)
     except Exception as e:
-        logger.error("startup failed: %s: %s", type(e).__name__, e)
+        logger.error("startup failed: %s", _failure_reason(ray_settings.app_name) or f"{type(e).__name__}: {e}")
         _shutdown(ray_settings, local)
         return 1
     logger.info(

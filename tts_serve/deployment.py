@@ -110,6 +110,8 @@ class TTSReplica:
 
     async def __del__(self) -> None:
         """Serve calls this after the replica's requests finished (or graceful_shutdown_timeout_s passed)."""
+        if not hasattr(self, "supervisor"):  # the constructor failed (StartupError): nothing was started
+            return
         logger.info("replica %s stopping", self.replica_id)
         self.runtime.begin_drain()
         await self.supervisor.stop()
