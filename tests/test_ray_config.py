@@ -51,6 +51,8 @@ def test_autoscaling_bounds() -> None:
         "initial_replicas": 2,
         "max_replicas": 6,
         "target_ongoing_requests": 16.0,
+        "upscale_delay_s": 30.0,
+        "downscale_delay_s": 600.0,
     }
     with pytest.raises(SettingsError, match="TTS_RAY_MAX_REPLICAS"):
         _ray(min_replicas=4, max_replicas=2)

@@ -36,6 +36,10 @@ class RayServeSettings(BaseSettings):
     max_replicas: int | None = Field(None, ge=1, le=1024)
     # Ongoing requests per replica the autoscaler aims at. None: the engine's slots (TTS_MAX_CONCURRENT).
     target_ongoing_requests: float | None = Field(None, gt=0)
+    # Seconds the load must stay above (below) the target before the autoscaler adds (removes) a replica;
+    # Serve's defaults. A removed replica drains first (graceful_shutdown_timeout_s).
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
     # Resources one replica reserves. num_gpus None: 1 when the cluster has GPUs, else 0. Fractions are allowed
     # (two replicas per GPU: 0.5; tests on a small CPU box: num_cpus 0.25).
     num_gpus: float | None = Field(None, ge=0)
@@ -95,6 +99,8 @@ class RayServeSettings(BaseSettings):
                 "initial_replicas": max(1, self.min_replicas),
                 "max_replicas": self.max_replicas,
                 "target_ongoing_requests": self.target_ongoing_requests or float(server.max_concurrent),
+                "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s,
             }
         else:
             per_gpu = int(cluster_gpus // num_gpus) if num_gpus > 0 else 0
