@@ -112,8 +112,9 @@ def decode_attention(
     if cache_k.stride() != cache_v.stride():
         raise ValueError("cache_k and cache_v must share one layout")
     out = torch.empty_like(q)
-    # Enough positions per block to keep loads wide, few enough that (G, T, D) float32 stays in registers.
-    block_t = 16 if group > 2 else 32
+    # Enough positions per block to keep loads wide, few enough that (G, T, D) float32 stays in registers; a cache
+    # of at most 16 positions (the code predictor's) in one block of 16.
+    block_t = 16 if group > 2 or cache_k.shape[2] <= 16 else 32
     _decode_attention_kernel[(B, Hkv)](
         q,
         k,

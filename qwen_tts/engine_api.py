@@ -94,7 +94,11 @@ class EngineSettings:
     model_path: str = "demo"  # 'demo' (the tiny random checkpoint), a checkpoint directory, or a hub id in the cache
     backend: str = "native"  # native | vllm-omni | fake (sine tones, for HTTP load tests)
     demo_dir: Path | None = None  # where the demo checkpoint is written (None: a per-user cache directory)
-    stage_config: Path | None = None  # vLLM-Omni stage layout; read only by that backend
+    stage_config: Path | None = None  # vLLM-Omni deploy config; read only by that backend
+    stage_init_timeout: float = 600.0  # vllm-omni: seconds each stage process may take to start
+    # vllm-omni: how the speaker vector reaches the talker: tensor (raw bytes, needs vllm-omni-myfi), list (floats,
+    # stock vLLM-Omni), auto (tensor when the plugins are installed)
+    vllm_speaker_transport: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA (Code2Wav always float32)
     max_slots: int = 16  # requests decoding at once
@@ -282,6 +286,12 @@ class Engine(ABC):
     @abstractmethod
     def ready(self) -> bool:
         """Loaded, warmed up, and accepting work."""
+
+    @property
+    def restarting_itself(self) -> bool:
+        """Not ready because the engine is bringing itself back (a backend that restarts its own pipeline): a
+        supervisor above must wait rather than replace it."""
+        return False
 
     @property
     @abstractmethod

@@ -6,7 +6,7 @@ Eager, one decoder layer at T = 1 is ~60 small kernels (RMSNorm alone is five, R
   1. `pre_attention` (compiled): input RMSNorm, one q|k|v matmul over fused weights, q/k RMSNorm, RoPE;
   2. `decode_attention` (Triton): the K/V write and attention over the slot's positions, read in place;
   3. `post_attention` (compiled): o_proj + residual, RMSNorm, one gate|up matmul, SiLU * up, down_proj + residual;
-about ten kernels. The compiled functions take weights as arguments, so one compilation serves every layer of
+about ten kernels; a layer's step 3 and the next layer's step 1 are one compiled region (`stack_step`). The compiled functions take weights as arguments, so one compilation serves every layer of
 every model of a width (torch.compile with dynamic shapes: one artifact for all batch buckets). Nothing in them
 mutates an input (the KV cache is written by the Triton kernel only), so the cache update stays in place and
 the whole step still captures into one CUDA graph. CPU runs keep the eager modules.
@@ -75,6 +75,38 @@ def _post_attention(
     return x + F.linear(F.silu(gate) * up, w_down)
 
 
+def _post_then_pre(
+    x: Tensor,
+    attn: Tensor,
+    w_o: Tensor,
+    ln_w: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    eps: float,
+    next_ln_w: Tensor,
+    next_w_qkv: Tensor,
+    next_q_norm_w: Tensor,
+    next_k_norm_w: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    next_eps: float,
+    n_q: int,
+    n_kv: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One layer's post-attention block and the next layer's pre-attention block in one compiled region, so the
+    residual add and the next RMSNorm share a kernel: (x, q, k, v) for the next layer's attention."""
+    x = _post_attention(x, attn, w_o, ln_w, w_gate_up, w_down, eps)
+    return (x, *_pre_attention(x, next_ln_w, next_w_qkv, next_q_norm_w, next_k_norm_w, cos, sin, next_eps, n_q, n_kv))
+
+
+def _post_then_norm(
+    x: Tensor, attn: Tensor, w_o: Tensor, ln_w: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float,
+    norm_w: Tensor, norm_eps: float,
+) -> Tensor:  # fmt: skip
+    """The last layer's post-attention block and the stack's final RMSNorm."""
+    return rms_norm(_post_attention(x, attn, w_o, ln_w, w_gate_up, w_down, eps), norm_w, norm_eps)
+
+
 def _rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     freqs = positions[:, None].float() * inv_freq  # (B, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -91,18 +123,18 @@ def _talker_logits(
 
 _SOURCES = {
     "pre": _pre_attention,
-    "post": _post_attention,
+    "post_pre": _post_then_pre,
+    "post_norm": _post_then_norm,
     "rope": _rope_tables,
-    "norm": rms_norm,
     "sample": sample,
     "talker_logits": _talker_logits,
 }
 # Which positional arguments of each function carry the batch in dim 0.
 _BATCHED = {
     "pre": (0, 5, 6),
-    "post": (0, 1),
+    "post_pre": (0, 1, 11, 12),
+    "post_norm": (0, 1),
     "rope": (0,),
-    "norm": (0,),
     "sample": (0, 1, 2, 3, 4, 5, 6),
     "talker_logits": (0, 1, 2, 5),
 }
@@ -184,17 +216,40 @@ class FusedWeights:
         self.w_qkv, self.w_gate_up, self.n_q, self.n_kv = w_qkv, w_gate_up, n_q, n_kv
 
 
-def layer_step(layer, x: Tensor, cos: Tensor, sin: Tensor, cache_k: Tensor, cache_v: Tensor, slots, positions):
-    """One token through a fused decoder layer: x (B, H), cos/sin (B, D), positions (B,) -> (B, H)."""
+def _pre_args(layer) -> tuple:
     f, a = layer.fused, layer.self_attn
-    eps = layer.input_layernorm.eps
+    return layer.input_layernorm.weight, f.w_qkv, a.q_norm.weight, a.k_norm.weight
+
+
+def _post_args(layer) -> tuple:
+    f, a = layer.fused, layer.self_attn
+    w = (a.o_proj.weight, layer.post_attention_layernorm.weight, f.w_gate_up, layer.mlp.down_proj.weight)
+    return (*w, layer.post_attention_layernorm.eps)
+
+
+def stack_step(stack, x: Tensor, positions: Tensor, cache, slots: Tensor) -> Tensor:
+    """One token through every layer of a fused `layers.DecoderStack` and its final norm: x (B, H) -> (B, H).
+
+    Region boundaries sit at the attention calls only: pre(0), attention(0), post(0)+pre(1), attention(1), ...,
+    post(n-1)+final norm.
+    """
+    layers = stack.layers
+    cos, sin = compiled("rope")(positions, stack.rotary_emb.inv_freq, x.dtype)
+    first = layers[0]
     q, k, v = compiled("pre")(
-        x, layer.input_layernorm.weight, f.w_qkv, a.q_norm.weight, a.k_norm.weight, cos, sin, eps, f.n_q, f.n_kv
+        x, *_pre_args(first), cos, sin, first.input_layernorm.eps, first.fused.n_q, first.fused.n_kv
     )
-    attn = decode_attention(q, k, v, cache_k, cache_v, slots, positions)
-    return compiled("post")(
-        x, attn, a.o_proj.weight, layer.post_attention_layernorm.weight, f.w_gate_up, layer.mlp.down_proj.weight, eps
-    )
+    for i, layer in enumerate(layers):
+        attn = decode_attention(q, k, v, cache.k[i], cache.v[i], slots, positions)
+        if i + 1 < len(layers):
+            nxt = layers[i + 1]
+            x, q, k, v = compiled("post_pre")(
+                x, attn, *_post_args(layer), *_pre_args(nxt), cos, sin, nxt.input_layernorm.eps,
+                nxt.fused.n_q, nxt.fused.n_kv,
+            )  # fmt: skip
+        else:
+            x = compiled("post_norm")(x, attn, *_post_args(layer), stack.norm.weight, stack.norm.eps)
+    return x
 
 
 def is_enabled(module: nn.Module) -> bool:

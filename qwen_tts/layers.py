@@ -198,8 +198,4 @@ class DecoderStack(nn.Module):
 
     def _fused_token_step(self, x: Tensor, positions: Tensor, cache: KVCache, slots: Tensor) -> Tensor:
         """T = 1 on the fast path (fused.py): same result; attends to positions <= each row's, whatever kv_len."""
-        cos, sin = fused.compiled("rope")(positions, self.rotary_emb.inv_freq, x.dtype)
-        h = x[:, 0]
-        for i, layer in enumerate(self.layers):
-            h = fused.layer_step(layer, h, cos, sin, cache.k[i], cache.v[i], slots, positions)
-        return fused.compiled("norm")(h, self.norm.weight, self.norm.eps)[:, None]
+        return fused.stack_step(self, x[:, 0], positions, cache, slots)[:, None]

@@ -102,19 +102,26 @@ def filter_logits(logits: Tensor, temperature: Tensor, top_k: LongTensor, top_p:
 
     temperature divides; top-k keeps ids >= the k-th largest (ties kept; k <= 0 disables); top-p sorts ascending
     and drops ids whose cumulative probability is <= 1 - top_p, always keeping the largest (top_p >= 1 disables).
+
+    One descending sort serves both: the k-th largest is read off it, and HF's ascending cumulative sum is the
+    same sum (smallest first) taken over the flipped order, so values match HF's bit for bit where logits do not
+    tie (with ties, which tied ids top-p keeps depends on the sort, in HF too).
     """
     neg_inf = float("-inf")
     vocab = logits.shape[-1]
     logits = logits / temperature.to(logits.dtype)[:, None]
 
+    desc, order = logits.sort(dim=-1, descending=True)
     k = top_k.long().clamp(1, vocab)
-    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
-    logits = logits.masked_fill((logits < kth) & (top_k > 0)[:, None], neg_inf)
+    kth = desc.gather(1, (k - 1)[:, None])
+    top_k_on = (top_k > 0)[:, None]
+    logits = logits.masked_fill((logits < kth) & top_k_on, neg_inf)
 
-    sorted_logits, order = logits.sort(dim=-1)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    not_last = torch.arange(vocab, device=logits.device) < vocab - 1  # the largest id is always kept
-    drop_sorted = (cum <= (1 - top_p.to(cum.dtype))[:, None]) & not_last
+    # top-p on the top-k survivors, in the same descending order.
+    desc = desc.masked_fill((desc < kth) & top_k_on, neg_inf)
+    ascending_cum = desc.softmax(dim=-1).flip(-1).cumsum(dim=-1).flip(-1)
+    not_largest = torch.arange(vocab, device=logits.device) > 0
+    drop_sorted = (ascending_cum <= (1 - top_p.to(ascending_cum.dtype))[:, None]) & not_largest
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return logits.masked_fill(drop & (top_p < 1)[:, None], neg_inf)
 

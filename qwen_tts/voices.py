@@ -25,8 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
+import soundfile as sf
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
@@ -224,6 +226,8 @@ class SpeakerInfo:
     model: str = ""
     created_at: str = ""
     source_sha256: str = ""
+    source_seconds: float | None = None
+    ref_text: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -360,6 +364,51 @@ class VoiceRegistry:
                 del self._entries[gone]
         return sorted(found, key=lambda s: s.speaker_id)
 
+    def sync(self) -> tuple[list[str], list[str]]:
+        """Bring the cache in line with the directory now (the server calls it when the directory changes): load
+        new and changed profiles, drop removed ones. Returns (ids loaded or reloaded, ids dropped)."""
+        present = {sid for _, sid in self._scan() if sid is not None}
+        with self._lock:
+            before = {sid: e.signature for sid, e in self._entries.items()}
+            dropped = sorted(set(before) - present)
+            for gone in dropped:
+                del self._entries[gone]
+        loaded = []
+        for speaker_id in sorted(present):
+            try:
+                entry = self._refresh(speaker_id)
+            except SpeakerError:  # gone again meanwhile, or a link that leaves the directory
+                continue
+            if entry.xvector is not None and before.get(speaker_id) != entry.signature:
+                loaded.append(speaker_id)
+        return loaded, dropped
+
+    def add(self, speaker_id: str, profile: VoiceProfile) -> SpeakerInfo:
+        """Write a new profile (atomically) and load it: usable at once. FileExistsError when the id, or one that
+        differs only in case (one file on a case-insensitive filesystem), is taken."""
+        self.path_for(speaker_id)  # a well-formed id whose file stays inside the directory
+        path = profile_path(self.profiles_dir, speaker_id)
+        with self._lock:
+            taken = [sid for _, sid in self._scan() if sid is not None and sid.casefold() == speaker_id.casefold()]
+            if taken or os.path.lexists(path):
+                raise FileExistsError(f"voice {(taken or [speaker_id])[0]!r} exists; delete it first")
+            save_profile(path, profile)
+            return self.info(speaker_id)
+
+    def delete(self, speaker_id: str) -> None:
+        """Remove a profile file (a link is removed, never what it points to) and forget it."""
+        self.path_for(speaker_id)  # malformed ids and links that leave the directory never reach unlink
+        path = profile_path(self.profiles_dir, speaker_id)
+        with self._lock:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                raise UnknownSpeakerError(f"unknown speaker {speaker_id!r}") from None
+            except OSError as e:  # a directory by that name, a read-only filesystem...
+                raise InvalidProfileError(speaker_id, f"cannot delete it ({e.strerror or e})") from None
+            finally:
+                self._entries.pop(speaker_id, None)
+
     def to(self, device: str | torch.device) -> VoiceRegistry:
         """Move every cached vector (and future loads) to `device`."""
         with self._lock:
@@ -415,6 +464,8 @@ class VoiceRegistry:
             model=profile.model,
             created_at=profile.created_at,
             source_sha256=profile.source_sha256,
+            source_seconds=profile.source_seconds,
+            ref_text=profile.ref_text,
         )
         logger.debug("loaded voice profile %s (dim %d)", name, profile.dim)
         return _Entry(signature, xvector=profile.x_vector.to(self.device), info=info)
@@ -441,6 +492,119 @@ class VoiceEncoder:
         """The clip's x-vector as a float32 (D,) CPU tensor."""
         x = self.encoder.embed(torch.from_numpy(mono).to(self.device))
         return x.detach().to("cpu", torch.float32).reshape(-1)
+
+
+# --- reference clips: the checks every enrollment applies ------------------------------------------------------
+# The extractor (tts_tools/extract.py) and the server's upload route (tts_server/voice_routes.py) both enroll
+# through `embed_clip`, so a clip one refuses the other refuses too, with the same message.
+MIN_CLIP_SECONDS, MAX_CLIP_SECONDS = 1.0, 60.0  # refused outside
+RECOMMENDED_SECONDS = (5.0, 30.0)  # warned outside: too little speech gives an unstable voice, more adds nothing
+SILENCE_RMS_DBFS = -50.0  # quieter than this is room noise, not speech
+SILENCE_PEAK = 1e-3  # -60 dBFS peak: nothing audible anywhere in the clip
+CLIP_LEVEL = 0.999  # |x| at or above this counts as clipped (int16 full scale is 0.99997)
+MAX_CLIPPED_FRACTION = 0.01  # speech peaks touch full scale briefly; 1% of all samples on the rail is distortion
+
+
+class ClipRefused(ValueError):
+    """A reference clip is unusable; the message is one line naming the clip and the measured value."""
+
+
+@dataclass
+class ClipLevels:
+    seconds: float
+    rms_dbfs: float
+    peak: float
+    clipped_fraction: float
+    warnings: list[str] = field(default_factory=list)
+
+
+def _dbfs(x: float) -> float:
+    return 20.0 * float(np.log10(max(x, 1e-12)))
+
+
+def _too_long(label: str, seconds: float, max_seconds: float) -> ClipRefused:
+    return ClipRefused(f"{label}: too long ({seconds:.1f} s; the limit is {max_seconds:g} s, trim it to 5-30 s)")
+
+
+def check_clip(
+    samples: np.ndarray, sample_rate: int, mono: np.ndarray, label: str, *, max_seconds: float = MAX_CLIP_SECONDS
+) -> ClipLevels:
+    """Duration and level checks. `samples` is the file as read (N, C); `mono` is what the encoder will see."""
+    seconds = samples.shape[0] / sample_rate
+    if seconds < MIN_CLIP_SECONDS:
+        raise ClipRefused(
+            f"{label}: too short ({seconds:.2f} s; a reference clip needs at least {MIN_CLIP_SECONDS:g} s)"
+        )
+    if seconds > max_seconds:
+        raise _too_long(label, seconds, max_seconds)
+    # Clipping is measured on the file's own samples: resampling smears flat tops and hides them.
+    clipped = float(np.mean(np.abs(samples) >= CLIP_LEVEL)) if samples.size else 0.0
+    rms = float(np.sqrt(np.mean(np.square(mono, dtype=np.float64)))) if mono.size else 0.0
+    peak = float(np.max(np.abs(mono))) if mono.size else 0.0
+    levels = ClipLevels(seconds=seconds, rms_dbfs=_dbfs(rms), peak=peak, clipped_fraction=clipped)
+    if levels.rms_dbfs < SILENCE_RMS_DBFS or peak < SILENCE_PEAK:
+        raise ClipRefused(
+            f"{label}: silent or nearly (RMS {levels.rms_dbfs:.1f} dBFS, peak {_dbfs(peak):.1f} dBFS; "
+            f"need RMS above {SILENCE_RMS_DBFS:g} dBFS)"
+        )
+    if clipped > MAX_CLIPPED_FRACTION:
+        raise ClipRefused(
+            f"{label}: heavily clipped ({clipped:.1%} of samples at full scale; the limit is "
+            f"{MAX_CLIPPED_FRACTION:.0%}) - record again at a lower level"
+        )
+    lo, hi = RECOMMENDED_SECONDS
+    if not lo <= seconds <= hi:
+        levels.warnings.append(f"{label}: {seconds:.1f} s is outside the recommended {lo:g}-{hi:g} s")
+    return levels
+
+
+def load_clip(
+    source: str | Path | BinaryIO, label: str | None = None, *, max_seconds: float = MAX_CLIP_SECONDS
+) -> tuple[np.ndarray, int, np.ndarray]:
+    """(samples (N, C) as read, their rate, mono float32 at 24 kHz) of a file path or an open binary file (an
+    upload's bytes). `label` names the clip in messages (default: the path)."""
+    from . import audio
+
+    if isinstance(source, (str, os.PathLike)):
+        source = name = str(source)  # a str, so soundfile's and load_audio's messages carry the whole path
+    else:
+        name = getattr(source, "name", None) or "<stream>"
+    label = label if label is not None else name
+    # Refuse an hour-long recording from its header instead of decoding gigabytes of samples first.
+    try:
+        info = sf.info(source)
+        if info.samplerate > 0 and info.frames / info.samplerate > 2 * max_seconds:
+            raise _too_long(label, info.frames / info.samplerate, max_seconds)
+    except (sf.LibsndfileError, RuntimeError, TypeError):
+        pass  # unreadable: load_audio below says why
+    finally:
+        if hasattr(source, "seek"):
+            source.seek(0)
+    try:
+        samples, sr = audio.load_audio(source)
+    except audio.AudioError as e:  # its message is '<name>: <reason>': name the clip as the caller does
+        raise ClipRefused(f"{label}: {str(e).removeprefix(f'{name}: ')}") from None
+    except OSError as e:
+        raise ClipRefused(f"{label}: cannot read ({e.strerror or e})") from None
+    mono = audio.resample(audio.to_mono(samples), sr, SAMPLE_RATE) if samples.size else np.zeros(0, np.float32)
+    return samples, sr, np.ascontiguousarray(mono, dtype=np.float32)
+
+
+def embed_clip(
+    encoder: VoiceEncoder,
+    source: str | Path | BinaryIO,
+    label: str | None = None,
+    *,
+    max_seconds: float = MAX_CLIP_SECONDS,
+) -> tuple[torch.Tensor, ClipLevels]:
+    """Read, check and embed one reference clip: (x-vector, its levels with any warnings), or ClipRefused."""
+    label = label if label is not None else str(source)
+    samples, sr, mono = load_clip(source, label, max_seconds=max_seconds)
+    levels = check_clip(samples, sr, mono, label, max_seconds=max_seconds)
+    x = encoder.embed(mono)
+    if x.shape[0] != encoder.xvector_dim:
+        raise ClipRefused(f"{label}: encoder gave width {x.shape[0]}, the model needs {encoder.xvector_dim}")
+    return x, levels
 
 
 # --- the demo voice --------------------------------------------------------------------------------------------

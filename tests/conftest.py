@@ -12,7 +12,8 @@ import pytest
 import torch
 
 # Without a GPU, Triton kernels (qwen_tts/decode_attention.py) run in Triton's CPU interpreter. It must be chosen
-# before any kernel is defined, so before qwen_tts is imported.
+# before any kernel is defined, so before qwen_tts is imported. Processes the tests start do not inherit it
+# (server_helpers.ServerProcess drops it): another environment's Triton must not be forced into the interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     try:

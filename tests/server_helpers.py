@@ -72,16 +72,17 @@ def free_port() -> int:
 class ServerProcess:
     """`python inference_server.py` on 127.0.0.1:<free port>; stdout+stderr go to `log_path`."""
 
-    def __init__(self, env: dict[str, str], log_path: Path, startup_timeout: float = 120.0):
+    def __init__(self, env: dict[str, str], log_path: Path, startup_timeout: float = 120.0, python: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("TTS_")}
+        # Not TRITON_INTERPRET either (conftest sets it for this process's CPU kernel tests).
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("TTS_") and k != "TRITON_INTERPRET"}
         full_env.update({"TTS_HOST": "127.0.0.1", "TTS_PORT": str(self.port), "PYTHONUNBUFFERED": "1"})
         full_env.update(env)
         self._log = open(self.log_path, "wb")  # noqa: SIM115  (closed in stop)
         self.proc = subprocess.Popen(
-            [sys.executable, str(REPO_ROOT / "inference_server.py")],
+            [python or sys.executable, str(REPO_ROOT / "inference_server.py")],
             cwd=REPO_ROOT,
             env=full_env,
             stdout=self._log,

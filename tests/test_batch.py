@@ -7,6 +7,7 @@ the bottom run the real native engine on the tiny random checkpoint.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import math
 import subprocess
@@ -373,7 +374,7 @@ def test_help_runs_as_a_script():
     assert r.returncode == 0
     for flag in ("--manifest", "--profiles-dir", "--output-dir", "--model", "--stage-configs-path", "--resume"):
         assert flag in r.stdout
-    assert "not available in this build" in r.stdout
+    assert "vllm-omni-myfi" in r.stdout
 
 
 # ---------------------------------------------------------------------------------------------- real engine
@@ -455,10 +456,30 @@ def test_end_to_end_manifest_on_the_tiny_checkpoint_then_resume(tiny_setup, tmp_
     np.testing.assert_allclose(again, first_a1, atol=4 / 32768, rtol=0)
 
 
-def test_vllm_omni_backend_is_a_clear_error_in_this_build(tiny_setup, tmp_path, capsys):
+def test_the_seed_manifest_runs_as_written(tiny_setup, tmp_path):
+    """The seed README's manifest, unchanged: no ids, capitalised languages, outputs named per item."""
+    seed_example = [
+        {"speaker_id": "alice", "text": "First.", "language": "English", "output": "a.wav"},
+        {"speaker_id": "bob", "text": "Second.", "language": "English", "output": "b.wav"},
+    ]
+    out = tmp_path / "out"
+    assert run_real(tiny_setup, out, seed_example, "--seed", "5") == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["totals"]["ok"] == 2
+    got = {r["id"]: (r["output"], r["speaker_id"], r["seed"]) for r in summary["items"]}
+    assert got == {"a": ("a.wav", "alice", derive_seed(5, "a")), "b": ("b.wav", "bob", derive_seed(5, "b"))}
+    for name in ("a.wav", "b.wav"):
+        audio, rate = sf.read(str(out / name))
+        assert rate == SAMPLE_RATE and audio.ndim == 1
+        assert audio.shape[0] > 0 and audio.shape[0] % FRAME_SAMPLES == 0
+        assert np.isfinite(audio).all() and np.abs(audio).max() > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm_omni") is not None, reason="vllm-omni is installed here")
+def test_vllm_omni_backend_without_vllm_is_a_clear_error(tiny_setup, tmp_path, capsys):
     stage = tmp_path / "stage.yaml"
-    stage.write_text("stage_args: []\n")
+    stage.write_text("stages: []\n")
     rc = run_real(tiny_setup, tmp_path / "out", E2E_MANIFEST, "--stage-configs-path", str(stage))
     assert rc == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not available in this build" in err[0]
+    assert len(err) == 1 and "--backend 'vllm-omni': vllm and vllm-omni are not installed" in err[0]

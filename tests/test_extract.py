@@ -12,9 +12,9 @@ import pytest
 import soundfile as sf
 import torch
 
-from qwen_tts.voices import ProfileError, load_profile, sha256_file
+from qwen_tts.voices import ClipRefused, ProfileError, check_clip, load_clip, load_profile, sha256_file
 from tts_tools import extract
-from tts_tools.extract import ClipRefused, check_clip, collect_jobs
+from tts_tools.extract import collect_jobs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -289,4 +289,4 @@ def test_very_long_clip_is_refused_from_its_header_without_decoding(tmp_path, mo
 
     monkeypatch.setattr(qwen_tts.audio, "load_audio", must_not_decode)
     with pytest.raises(ClipRefused, match=r"podcast.wav: too long \(200.0 s; the limit is 60 s"):
-        extract.load_clip(clip)
+        load_clip(clip)

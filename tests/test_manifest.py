@@ -77,7 +77,7 @@ def test_every_problem_is_reported_at_once():
         {"id": "../evil", "speaker_id": "s", "text": "t"},
         {"id": "o1", "speaker_id": "s", "text": "t", "output": "../escape.wav"},
         {"id": "o2", "speaker_id": "s", "text": "t", "output": "/abs/path.wav"},
-        {"id": "o3", "speaker_id": "s", "text": "t", "output": "x.flac"},
+        {"id": "o3", "speaker_id": "s", "text": "t", "format": "wav", "output": "x.flac"},
         {"id": "f1", "speaker_id": "s", "text": "t", "format": "aiff"},
         {"id": "k1", "speaker_id": "s", "text": "t", "options": {"temprature": 1.0}},
         {"id": "k2", "speaker_id": "s", "text": "t", "options": {"top_p": 1.5, "top_k": True}},
@@ -103,6 +103,50 @@ def test_every_problem_is_reported_at_once():
     assert "unknown key(s) ['speaker']" in joined
     assert "'seed' must be an integer >= 0" in joined
     assert "item 13: must be an object" in joined
+
+
+def test_the_seed_manifest_needs_no_id_it_comes_from_the_output():
+    # The seed README's example, as written: no `id`, a capitalised language, an output file per item.
+    seed_example = [
+        {"speaker_id": "alice", "text": "First.", "language": "English", "output": "a.wav"},
+        {"speaker_id": "bob", "text": "Second.", "language": "English", "output": "b.wav"},
+    ]
+    a, b = parse_manifest(seed_example, base_seed=1)
+    assert (a.id, a.speaker_id, a.text, a.language, a.output, a.format) == (
+        "a",
+        "alice",
+        "First.",
+        "english",
+        "a.wav",
+        "wav",
+    )
+    assert (b.id, b.output) == ("b", "b.wav")
+    assert a.seed == derive_seed(1, "a")
+
+
+def test_derived_ids_and_formats_follow_the_output():
+    data = [
+        {"speaker_id": "s", "text": "t", "output": "ch1/003.mp3"},
+        {"speaker_id": "s", "text": "t", "output": "x.flac"},
+        {"id": "given", "speaker_id": "s", "text": "t", "output": "y.wav"},
+    ]
+    nested, flac, given = parse_manifest(data, default_format="ogg")
+    assert (nested.id, nested.format, nested.output) == ("ch1.003", "mp3", "ch1/003.mp3")
+    assert (flac.id, flac.format) == ("x", "flac")
+    assert given.id == "given"
+
+
+def test_items_without_id_or_usable_output_are_refused_with_the_reason():
+    data = [
+        {"speaker_id": "s", "text": "no id, no output"},
+        {"speaker_id": "s", "text": "t", "output": "../up.wav"},
+        {"speaker_id": "s", "text": "t", "output": "a.wav"},
+        {"speaker_id": "s", "text": "t", "output": "a.flac"},  # derived id 'a' again
+    ]
+    joined = "\n".join(problems_of(data))
+    assert "item 0: 'id' is missing (give an 'id', or an 'output' to derive it from)" in joined
+    assert "item 1 ('...up'): no 'id', and output '../up.wav' gives no usable one" in joined
+    assert "item 3 ('a'): duplicate id (first used by item 2)" in joined
 
 
 @pytest.mark.parametrize(

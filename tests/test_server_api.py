@@ -18,6 +18,7 @@ from qwen_tts.model_paths import resolve_model_path
 from qwen_tts.voices import ensure_demo_voice
 from server_helpers import InProcess, in_process
 from tts_server.audio_encoding import to_int16
+from tts_server.long_text import split_text
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -118,11 +119,14 @@ async def test_min_new_tokens_above_max_is_refused(server: InProcess) -> None:
     assert r.json()["error"]["message"] == "min_new_tokens: 30 is above max_new_tokens (10)"
 
 
-async def test_text_over_the_engine_token_limit_is_a_422(server: InProcess) -> None:
-    r = await server.client.post("/synthesize", json=_body(text="A long story. " * 250))  # 3500 chars, >1024 tokens
-    assert r.status_code == 422
-    err = r.json()["error"]
-    assert err["param"] == "text" and "the limit is 1024" in err["message"]
+async def test_text_over_the_engine_token_limit_is_synthesized_in_pieces(server: InProcess) -> None:
+    # 3500 characters, > 1024 tokens: one engine request would be refused; sentence pieces are not (long_text.py).
+    text = "A long story. " * 250
+    r = await server.client.post("/synthesize", json=_body(text=text, max_new_tokens=2, response_format="pcm"))
+    assert r.status_code == 200, r.text
+    pieces = split_text(text)
+    assert len(pieces) == 12
+    assert len(pieces) * FRAME <= len(r.content) // 2 <= len(pieces) * 2 * FRAME  # 1 or 2 frames a piece
     assert server.runtime.admission.active == 0
 
 
@@ -150,6 +154,40 @@ async def test_stream_formats_pcm_and_wav(server: InProcess) -> None:
     wav = await server.client.post("/synthesize/stream", json=_body(response_format="wav"))
     assert wav.headers["content-type"] == "audio/wav"
     np.testing.assert_array_equal(_int16(wav.content), np.frombuffer(whole.content, "<i2"))
+
+
+async def test_seed_stream_field_false_is_the_whole_file_and_true_is_the_stream(server: InProcess) -> None:
+    """The seed's /synthesize body carries `stream`: false gives the same file as without it, true answers exactly
+    as /synthesize/stream does (its headers, its default float32 format, or pcm/wav when asked)."""
+    whole = await server.client.post("/synthesize", json=_body())
+    off = await server.client.post("/synthesize", json=_body(stream=False))
+    assert off.status_code == 200 and off.headers["content-type"] == "audio/wav"
+    assert off.content == whole.content
+
+    stream = await server.client.post("/synthesize/stream", json=_body())
+    on = await server.client.post("/synthesize", json=_body(stream=True))
+    assert on.status_code == 200, on.text
+    assert on.headers["x-audio-format"] == "f32le" and on.headers["content-type"] == "application/octet-stream"
+    assert float(on.headers["x-time-to-first-audio"]) > 0
+    assert len(on.content) > 0 and on.content == stream.content
+    np.testing.assert_array_equal(to_int16(np.frombuffer(on.content, "<f4")), _int16(whole.content))
+
+    pcm = await server.client.post("/synthesize", json=_body(stream=True, response_format="pcm"))
+    assert pcm.headers["x-audio-format"] == "pcm"
+    np.testing.assert_array_equal(np.frombuffer(pcm.content, "<i2"), _int16(whole.content))
+
+
+async def test_seed_stream_field_refusals_name_the_field(server: InProcess) -> None:
+    r = await server.client.post("/synthesize", json=_body(stream=True, response_format="mp3"))
+    assert r.status_code == 422
+    error = r.json()["error"]
+    assert error["param"] == "response_format"
+    assert (
+        error["message"].startswith('with "stream": true, response_format:')
+        and "'f32le', 'pcm' or 'wav'" in error["message"]
+    )
+    r = await server.client.post("/synthesize", json=_body(stream="yes"))
+    assert r.status_code == 422 and r.json()["error"]["param"] == "stream"
 
 
 async def test_speakers_lists_ids_with_width_and_file(server: InProcess) -> None:
@@ -236,7 +274,7 @@ async def test_openai_sse_stream_carries_base64_deltas_then_done(server: InProce
     ("extra", "param", "fragment"),
     [
         ({"response_format": "aac"}, "response_format", "'aac' is not supported by this server"),
-        ({"speed": 1.5}, "speed", "only 1.0 is supported"),
+        ({"speed": 0.1}, "speed", "greater than or equal to 0.25"),
         ({"speed": 9.0}, "speed", "less than or equal to 4"),
         ({"instructions": "whisper"}, "instructions", "not supported by Base"),
         ({"stream_format": "chunks"}, "stream_format", "'audio' or 'sse'"),

@@ -16,6 +16,10 @@ from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, JsonCORSMiddlewar
 from .routes import PUBLIC_PATHS, ROUTES, router
 from .runtime import Runtime
 from .settings import ServerSettings, load_settings
+from .voice_routes import VOICE_ROUTES, VOICES_PATH
+from .voice_routes import router as voice_router
+from .web import WEB_PATHS
+from .web import router as web_router
 
 EXPOSED_HEADERS = [
     "X-Request-Id",
@@ -62,6 +66,14 @@ def create_app(
     app.state.runtime = runtime
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(voice_router)  # /v1/audio/voices, /v1/models/{id}
+    app.include_router(web_router)  # the page at /
+    # For the Allow header of a 405 (errors.allowed_methods): every route's path pattern and methods.
+    app.state.route_methods = [
+        (route.path_regex, set(route.methods))
+        for route in (*router.routes, *voice_router.routes, *web_router.routes, *app.router.routes)
+        if getattr(route, "path_regex", None) is not None and getattr(route, "methods", None)
+    ]
     openapi.install(app)  # error shape and media types in the schema (fuzzed against in the tests)
 
     def count_response(route: str, status: int) -> None:
@@ -70,17 +82,23 @@ def create_app(
             rt.metrics.requests.labels(route, str(status)).inc()
 
     # add_middleware wraps: the last added is the outermost.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
+    # An upload's clip may be larger than any JSON body, but only where uploads are on.
+    upload_limit = {VOICES_PATH: settings.voice_upload_max_bytes} if settings.voice_upload else {}
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout, per_path=upload_limit
+    )
     keys = [k.get_secret_value() for k in settings.api_keys]
-    app.add_middleware(ApiKeyMiddleware, keys=keys, public=PUBLIC_PATHS)
+    app.add_middleware(ApiKeyMiddleware, keys=keys, public=(*PUBLIC_PATHS, *WEB_PATHS))
     if settings.cors_origins:
         app.add_middleware(
             JsonCORSMiddleware,
             allow_origins=settings.cors_origins,
-            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
             expose_headers=EXPOSED_HEADERS,
             max_age=600,
         )
-    app.add_middleware(RequestContextMiddleware, on_response=count_response, routes=ROUTES)
+    app.add_middleware(
+        RequestContextMiddleware, on_response=count_response, routes=(*ROUTES, *VOICE_ROUTES, *WEB_PATHS)
+    )
     return app

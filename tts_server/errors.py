@@ -48,6 +48,10 @@ class Unauthorized(ApiError):
     status, type, code = 401, "authentication_error", "invalid_api_key"
 
 
+class Forbidden(ApiError):
+    status, type, code = 403, "permission_error", "forbidden"
+
+
 class NotFound(ApiError):
     status, type, code = 404, "not_found_error", "not_found"
 
@@ -58,6 +62,10 @@ class BodyTimeout(ApiError):
 
 class PayloadTooLarge(ApiError):
     status, type, code = 413, "invalid_request_error", "body_too_large"
+
+
+class Conflict(ApiError):
+    status, type, code = 409, "invalid_request_error", "conflict"
 
 
 class InvalidField(ApiError):
@@ -129,6 +137,18 @@ def validation_error(exc: ValidationError, allowed: list[str] | None = None) -> 
     return InvalidField(message, param=param or None)
 
 
+def allowed_methods(request: Request) -> str:
+    """Every method some route serves at this path, from the app's `state.route_methods` ((path regex, methods)
+    pairs, set by the app factory): Starlette's own 405 names only the first matching route's, and the voice
+    routes serve GET and POST at one path from two routes."""
+    path = request.scope.get("path", "")
+    methods: set[str] = set()
+    for regex, route_methods in getattr(request.app.state, "route_methods", ()):
+        if regex.match(path):
+            methods |= route_methods
+    return ", ".join(sorted(methods))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -144,7 +164,10 @@ def install_error_handlers(app: FastAPI) -> None:
         kinds = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed")}
         type_, code = kinds.get(exc.status_code, ("invalid_request_error", "http_error"))
         body = error_body(exc.status_code, str(exc.detail), type_, code, None, request_id_of(request))
-        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            headers["Allow"] = allowed_methods(request)
+        return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

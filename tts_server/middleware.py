@@ -147,21 +147,23 @@ class BodyLimitMiddleware:
     408 if it does not arrive within `timeout` s (a trickling client cannot hold a connection forever),
     before any route code runs; then replays it, and passes later messages (disconnects) through."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float):
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float, per_path: dict[str, int] | None = None):
         self.app = app
         self.max_bytes = max_bytes
         self.timeout = timeout
+        self.per_path = per_path or {}  # paths with their own limit (the voice upload's clip)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
         request_id = scope.get("state", {}).get("request_id", "")
-        too_large = PayloadTooLarge(f"request body is larger than the limit of {self.max_bytes} bytes")
+        max_bytes = self.per_path.get(scope.get("path", ""), self.max_bytes)
+        too_large = PayloadTooLarge(f"request body is larger than the limit of {max_bytes} bytes")
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None:
             try:
-                if int(declared) > self.max_bytes:
+                if int(declared) > max_bytes:
                     await send_error(send, too_large, request_id)
                     return
             except ValueError:
@@ -178,7 +180,7 @@ class BodyLimitMiddleware:
             if message["type"] == "http.disconnect":
                 return  # the client left before sending its body: nothing to answer
             body += message.get("body", b"")
-            if len(body) > self.max_bytes:
+            if len(body) > max_bytes:
                 await send_error(send, too_large, request_id)
                 return
             if not message.get("more_body", False):

@@ -76,6 +76,8 @@ def _document(schema: dict[str, Any]) -> dict[str, Any]:
             elif path == "/metrics":
                 ok["content"] = _media([METRICS_CONTENT_TYPE.split(";")[0]])
             statuses = _SYNTHESIS if path in audio else _COMMON
+            if path.startswith("/v1/audio/voices"):  # voice management: off (403), name taken (409), bad clip (422)
+                statuses = (*_COMMON, "403", "409", "422")
             for status in statuses:
                 responses.setdefault(status, _error("error (see docs/api.md, Errors)"))
             if path in ("/health", "/ready"):  # probes answer 503 with their status, not an error

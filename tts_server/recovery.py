@@ -76,7 +76,7 @@ class EngineSupervisor:
 
     def _dead(self) -> bool:
         rt = self.runtime
-        return not (rt.engine.ready or rt.draining or rt.restarting)
+        return not (rt.engine.ready or rt.draining or rt.restarting or rt.engine.restarting_itself)
 
     async def _watch(self) -> None:
         while True:

@@ -152,6 +152,8 @@ async def synthesize(request: Request) -> Response:
     """The whole utterance as one file (wav by default)."""
     runtime = runtime_of(request)
     body = await parse_body(request, SynthesizeRequest)
+    if body.stream:
+        return await _stream_response(request, runtime, as_stream_request(body))
     check_limits(runtime, body)
     if body.response_format not in FORMATS:
         raise InvalidField(
@@ -166,6 +168,22 @@ async def synthesize_stream(request: Request) -> Response:
     """Chunked raw audio as it is decoded: float32 LE mono 24 kHz by default."""
     runtime = runtime_of(request)
     body = await parse_body(request, StreamRequest)
+    return await _stream_response(request, runtime, body)
+
+
+def as_stream_request(body: SynthesizeRequest) -> StreamRequest:
+    """The seed's `"stream": true` on /synthesize: the same fields as a /synthesize/stream body (its default
+    format, f32le, unless pcm or wav was asked for); a format streams cannot carry is a 422 naming the field."""
+    fields = body.model_dump(exclude={"stream"}, exclude_unset=True)
+    try:
+        return StreamRequest.model_validate(fields)
+    except ValidationError as e:
+        error = validation_error(e, allowed_fields(StreamRequest))
+        error.message = f'with "stream": true, {error.message}'
+        raise error from None
+
+
+async def _stream_response(request: Request, runtime: Runtime, body: StreamRequest) -> Response:
     check_limits(runtime, body)
     job = submit(runtime, body, _rid(request))
     first = await _start_stream(request, job)

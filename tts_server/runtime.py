@@ -15,10 +15,11 @@ from collections.abc import Callable
 from qwen_tts.engine_api import Engine, EngineSettingsError
 from qwen_tts.engines import create_engine
 from qwen_tts.model_paths import DEMO
-from qwen_tts.voices import DEMO_VOICE_ID, VoiceRegistry, ensure_demo_voice
+from qwen_tts.voices import DEMO_VOICE_ID, VoiceEncoder, VoiceRegistry, ensure_demo_voice
 
 from .metrics import Metrics
 from .settings import ServerSettings, unknown_env_vars
+from .voice_watch import ProfileWatcher
 
 logger = logging.getLogger("tts_server")
 
@@ -67,6 +68,11 @@ class Runtime:
         self.draining = False
         self.started_at = time.monotonic()
         self._stopped = False
+        # Voice management (tts_server/voice_routes.py): the speaker encoder only when TTS_VOICE_UPLOAD is on, one
+        # enrollment at a time, and the directory watch that serves hand-copied profiles without a restart.
+        self.voice_encoder: VoiceEncoder | None = None
+        self.enroll_lock = asyncio.Lock()
+        self.profile_watcher: ProfileWatcher | None = None
 
     # --- state ------------------------------------------------------------------------------------
     @property
@@ -81,8 +87,10 @@ class Runtime:
     @property
     def recovering(self) -> bool:
         """The engine is down and the supervisor is on it (or about to be: it polls)."""
-        return self.restarting or (
-            self.supervised and not self.engine.ready and not self.draining and not self._stopped
+        return (
+            self.restarting
+            or self.engine.restarting_itself
+            or (self.supervised and not self.engine.ready and not self.draining and not self._stopped)
         )
 
     def begin_drain(self) -> None:
@@ -110,8 +118,12 @@ class Runtime:
             await asyncio.to_thread(_ensure_demo_voice, settings, engine)
         voices = VoiceRegistry(settings.profiles_dir, xvector_dim=engine.xvector_dim, device=engine.device)
         await _load_voices(voices)
+        encoder = await asyncio.to_thread(_load_voice_encoder, settings, engine) if settings.voice_upload else None
         await _start_engine(engine, settings)
         runtime = cls(settings, engine, voices)
+        runtime.voice_encoder = encoder
+        runtime.profile_watcher = ProfileWatcher(voices)
+        runtime.profile_watcher.start()
         if built:
             runtime.engine_factory = lambda: _create_engine(settings)
         logger.info("Ready with %d speakers", len(voices))
@@ -122,6 +134,8 @@ class Runtime:
             return
         self.begin_drain()
         self._stopped = True
+        if self.profile_watcher is not None:
+            await self.profile_watcher.stop()
         await self.engine.stop(drain_timeout=drain_timeout)
         logger.info("engine stopped")
 
@@ -177,6 +191,26 @@ def _create_engine(settings: ServerSettings) -> Engine:
         raise StartupError(f"{settings.describe_engine_setting(e.setting)}: {e}") from None
     except ImportError as e:  # a backend whose optional dependencies are not installed
         raise StartupError(f"{settings.describe_engine_setting('backend')}: {e}") from None
+
+
+def _load_voice_encoder(settings: ServerSettings, engine: Engine) -> VoiceEncoder:
+    """The served checkpoint's speaker encoder, for TTS_VOICE_UPLOAD (loaded alone, on the engine's device)."""
+    path = engine.model_info.get("path")
+    if not path:
+        raise StartupError(
+            f"TTS_VOICE_UPLOAD=true needs a checkpoint with a speaker encoder; the {settings.backend} engine has none"
+        )
+    try:
+        encoder = VoiceEncoder(path, device=engine.device)
+    except Exception as e:  # a checkpoint without speaker_encoder weights, or unreadable ones
+        raise StartupError(f"TTS_VOICE_UPLOAD=true: cannot load the speaker encoder ({type(e).__name__}: {e})") from e
+    if encoder.xvector_dim != engine.xvector_dim:
+        raise StartupError(
+            f"TTS_VOICE_UPLOAD=true: the speaker encoder gives width {encoder.xvector_dim}, the engine needs "
+            f"{engine.xvector_dim}"
+        )
+    logger.info("Voice upload enabled: speaker encoder loaded (x-vector width %d)", encoder.xvector_dim)
+    return encoder
 
 
 def _ensure_demo_voice(settings: ServerSettings, engine: Engine) -> None:

@@ -34,6 +34,9 @@ class SynthesisOptions(_Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 selects greedy decoding.")
     top_k: int | None = Field(None, ge=1, le=4096)
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed + same request = same audio.")
+    speed: float = Field(
+        1.0, ge=0.25, le=4.0, description="Playback rate, pitch preserved (a time-stretch of the audio)."
+    )
 
 
 class SynthesizeRequest(SynthesisOptions):
@@ -44,6 +47,9 @@ class SynthesizeRequest(SynthesisOptions):
     response_format: Literal["wav", "pcm", "mp3", "flac", "opus"] = Field(
         "wav", description="pcm is raw signed 16-bit little-endian mono at 24 kHz."
     )
+    # The seed's body has it: false (the default) is this route's whole file; true is answered as
+    # /synthesize/stream answers (float32 LE unless response_format is pcm or wav).
+    stream: bool = Field(False, description="true: stream as /synthesize/stream does (formats f32le, pcm, wav).")
 
 
 class StreamRequest(SynthesisOptions):
@@ -67,17 +73,8 @@ class SpeechRequest(SynthesisOptions):
     input: str = Field(min_length=1)
     voice: str | VoiceRef = Field(description="A speaker id (a voice profile in TTS_PROFILES_DIR).")
     response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
-    speed: float = Field(1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
     instructions: str | None = Field(None, max_length=4096)
-
-    @field_validator("speed")
-    @classmethod
-    def _speed(cls, value: float) -> float:
-        # Qwen3-TTS has no rate control, and resampling would shift the pitch: refuse rather than pretend.
-        if abs(value - 1.0) > 1e-6:
-            raise ValueError("only 1.0 is supported (the model has no speaking-rate control)")
-        return value
 
     @field_validator("instructions")
     @classmethod

@@ -69,6 +69,12 @@ def warn_if_open(settings: ServerSettings) -> None:
             settings.host,
             settings.port,
         )
+    if settings.voice_upload and not settings.api_keys:
+        logger.warning(
+            "TTS_VOICE_UPLOAD is on with no API keys: anyone who can reach port %d can add and delete voices; "
+            "set TTS_API_KEYS",
+            settings.port,
+        )
 
 
 async def serve(settings: ServerSettings) -> int:

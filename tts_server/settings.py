@@ -20,7 +20,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from qwen_tts.engine_api import EngineSettings, SynthesisRequest
-from qwen_tts.voices import DEFAULT_PROFILES_DIR
+from qwen_tts.voices import DEFAULT_PROFILES_DIR, MAX_CLIP_SECONDS, MIN_CLIP_SECONDS
 
 ENV_PREFIX = "TTS_"
 _ENGINE = EngineSettings()  # the engine's defaults, read below
@@ -30,6 +30,8 @@ ENGINE_FIELDS = {
     "backend": "backend",
     "demo_dir": "demo_dir",
     "stage_config": "stage_config",
+    "stage_init_timeout": "stage_init_timeout",
+    "vllm_speaker_transport": "vllm_speaker_transport",
     "device": "device",
     "dtype": "dtype",
     "max_concurrent": "max_slots",
@@ -67,8 +69,11 @@ class ServerSettings(BaseSettings):
     # "demo" (the built-in tiny random checkpoint, written on first use), a checkpoint directory, or a hub id
     # found in the local Hugging Face cache. Default demo so the server runs offline out of the box.
     model_path: str = _ENGINE.model_path
-    # vLLM-Omni stage layout; read only by the vllm-omni backend.
+    # vLLM-Omni deploy config (stage layout); read only by the vllm-omni backend.
     stage_config: Path = Path("stage_config_optimized.yaml")
+    # vllm-omni backend: how the speaker vector reaches the talker. auto: the raw-tensor fast path when the
+    # vllm-omni-myfi plugins are installed, else a float list (what stock vLLM-Omni takes).
+    vllm_speaker_transport: Literal["auto", "tensor", "list"] = "auto"
     # native: our PyTorch engine; vllm-omni: the optional AsyncOmni pipeline; fake: sine tones, for HTTP tests.
     backend: Literal["native", "vllm-omni", "fake"] = _ENGINE.backend  # type: ignore[assignment]
     # auto picks cuda when available, else cpu.
@@ -93,6 +98,16 @@ class ServerSettings(BaseSettings):
     profiles_dir: Path = DEFAULT_PROFILES_DIR
     # Where the demo checkpoint is written on first use (None: a per-user cache directory).
     demo_dir: Path | None = None
+    # --- voice management over HTTP (tts_server/voice_routes.py) ---------------------------------
+    # POST /v1/audio/voices (enroll an uploaded clip) and DELETE /v1/audio/voices/{name}. Off by default: whoever
+    # may call them changes the voices every client uses. With TTS_API_KEYS set they need a key, like every route.
+    # On, the checkpoint's speaker encoder is loaded at startup (never otherwise: synthesis does not need it).
+    voice_upload: bool = False
+    # Largest upload request in bytes (the whole multipart body): 10 MiB, as vLLM-Omni; 60 s of 44.1 kHz 16-bit
+    # mono WAV is 5.3 MB.
+    voice_upload_max_bytes: int = Field(10 * 1024 * 1024, ge=64 * 1024, le=256 * 1024 * 1024)
+    # Longest reference clip accepted, in seconds (the extractor's limit; 5-30 s of clean speech is best).
+    voice_upload_max_seconds: float = Field(MAX_CLIP_SECONDS, ge=MIN_CLIP_SECONDS, le=600)
 
     # --- sampling defaults (a request may override within the limits below) ----------------------
     temperature: float = Field(SynthesisRequest.temperature, ge=0.0, le=2.0)

@@ -22,6 +22,7 @@ import torch
 from starlette.types import Receive
 
 from qwen_tts.engine_api import (
+    Engine,
     EngineNotReadyError,
     QueueFullError,
     RequestFailedError,
@@ -30,7 +31,9 @@ from qwen_tts.engine_api import (
 )
 from qwen_tts.voices import InvalidProfileError, InvalidSpeakerIdError, UnknownSpeakerError
 
+from . import speed
 from .errors import ApiError, EngineFailure, InvalidField, NotFound, NotReady, Overloaded, RequestTimeout
+from .long_text import PieceChain, needs_split, split_text
 from .runtime import Runtime
 from .schemas import SynthesisOptions
 from .settings import ServerSettings
@@ -82,6 +85,11 @@ def check_limits(runtime: Runtime, body: SynthesisOptions, text_field: str = "te
             raise InvalidField(
                 f"min_new_tokens: {body.min_new_tokens} is above max_new_tokens ({cap})", param="min_new_tokens"
             )
+    if not speed.is_identity(body.speed) and not speed.available():
+        raise InvalidField(
+            "speed: only 1.0 on this server (time-stretching needs the optional 'speed' extra: pip install .[speed])",
+            param="speed",
+        )
     accepted = runtime.engine.languages
     if body.language.strip().lower() not in accepted:
         raise InvalidField(
@@ -119,7 +127,7 @@ def _title(names: list[str]) -> list[str]:
 class Job:
     """One admitted engine request and its cleanup."""
 
-    def __init__(self, runtime: Runtime, handle: RequestHandle, request_id: str):
+    def __init__(self, runtime: Runtime, handle: RequestHandle | PieceChain | speed.StretchedHandle, request_id: str):
         self.runtime = runtime
         self.handle = handle
         self.request_id = request_id
@@ -138,7 +146,10 @@ class Job:
         self._closed = True
         rt, stats = self.runtime, self.handle.stats
         if not self.handle.finished:
-            rt.engine.cancel(self.handle)
+            if isinstance(self.handle, RequestHandle):
+                rt.engine.cancel(self.handle)
+            else:  # a long-text chain or a stretched stream cancels the engine work it owns
+                self.handle.cancel()
         rt.admission.release()
         m = rt.metrics
         m.syntheses.labels(self.outcome.value).inc()
@@ -186,7 +197,9 @@ def submit(runtime: Runtime, body: SynthesisOptions, request_id: str, speaker_fi
         error = Overloaded(f"server is at capacity ({limit} requests in progress); retry later", headers=retry)
         raise _refused(runtime, "queue_full", error)
     try:
-        handle = runtime.engine.submit(request)
+        handle = _submit_to_engine(runtime.engine, request)
+        if not speed.is_identity(body.speed):
+            handle = speed.StretchedHandle(handle, runtime.engine, body.speed)
     except BaseException as e:
         runtime.admission.release()  # the one release before a Job owns the slot
         if isinstance(e, QueueFullError):
@@ -200,6 +213,15 @@ def submit(runtime: Runtime, body: SynthesisOptions, request_id: str, speaker_fi
             raise InvalidField(message, param="text" if message.startswith("text") else None) from None
         raise
     return Job(runtime, handle, request_id)
+
+
+def _submit_to_engine(engine: Engine, request: SynthesisRequest) -> RequestHandle | PieceChain:
+    """One engine request, or a `PieceChain` when the text is longer than one comfortable piece."""
+    if needs_split(request.text):
+        pieces = split_text(request.text, request.language)
+        if len(pieces) > 1:
+            return PieceChain(engine, request, pieces)
+    return engine.submit(request)
 
 
 def _refused(runtime: Runtime, reason: str, error: ApiError) -> ApiError:

@@ -367,8 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
             "engine as the server. The whole manifest is checked first and every problem is listed at once."
         ),
         epilog=(
-            'Manifest: a list of items, or {"defaults": {...}, "items": [...]}; an item has id, speaker_id, '
-            "text and optionally language, seed, format, output, options (see docs/tools.md). "
+            'Manifest: a list of items, or {"defaults": {...}, "items": [...]}; an item has speaker_id, '
+            "text and optionally id (default: from output), language, seed, format, output, options (see docs/tools.md). "
             f"A summary JSON is written to <output-dir>/{SUMMARY_NAME}. "
             "Exit status: 0 all items written, 1 bad input or any item failed."
         ),
@@ -385,14 +385,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=BACKENDS,
         default=None,
         help="engine implementation (default: native; vllm-omni when --stage-configs-path is given). "
-        "The vLLM-Omni backend is not available in this build.",
+        "vllm-omni needs vllm, vllm-omni and vllm-omni-myfi installed (see README).",
     )
     p.add_argument(
         "--stage-configs-path",
         type=Path,
         default=None,
-        help="stage config YAML for the vLLM-Omni backend (implies --backend vllm-omni; "
-        "that backend is not available in this build yet)",
+        help="vLLM-Omni deploy config YAML (implies --backend vllm-omni; default for that backend: "
+        "stage_config_optimized.yaml)",
     )
     p.add_argument(
         "--concurrency", type=int, default=d.concurrency, help=f"items in flight at once (default: {d.concurrency})"

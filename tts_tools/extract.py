@@ -11,19 +11,19 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import soundfile as sf
 from tqdm import tqdm
 
-from qwen_tts.audio import SAMPLE_RATE
 from qwen_tts.model_paths import DEMO
 from qwen_tts.voices import (
     DEFAULT_PROFILES_DIR,
+    ClipLevels,
+    ClipRefused,
     VoiceEncoder,
     VoiceProfile,
+    embed_clip,
     is_valid_speaker_id,
     profile_path,
     save_profile,
@@ -35,16 +35,8 @@ from .common import CliError, model_label, resolve_device, resolve_model
 AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".oga", ".mp3")
 LIST_SEPARATOR = "|"
 
-MIN_SECONDS, MAX_SECONDS = 1.0, 60.0  # refused outside
-RECOMMENDED_SECONDS = (5.0, 30.0)  # warned outside: too little speech gives an unstable voice, more adds nothing
-SILENCE_RMS_DBFS = -50.0  # quieter than this is room noise, not speech
-SILENCE_PEAK = 1e-3  # -60 dBFS peak: nothing audible anywhere in the clip
-CLIP_LEVEL = 0.999  # |x| at or above this counts as clipped (int16 full scale is 0.99997)
-MAX_CLIPPED_FRACTION = 0.01  # speech peaks touch full scale briefly; 1% of all samples on the rail is distortion
-
-
-class ClipRefused(ValueError):
-    """A reference clip is unusable; the message is one line naming the file and the measured value."""
+# The clip checks (duration, silence, clipping) and their limits live in qwen_tts.voices, shared with the server's
+# upload route: MIN_CLIP_SECONDS, MAX_CLIP_SECONDS, RECOMMENDED_SECONDS, SILENCE_RMS_DBFS, MAX_CLIPPED_FRACTION.
 
 
 @dataclass(frozen=True)
@@ -52,72 +44,6 @@ class ClipJob:
     audio: Path
     name: str
     ref_text: str = ""
-
-
-@dataclass
-class ClipLevels:
-    seconds: float
-    rms_dbfs: float
-    peak: float
-    clipped_fraction: float
-    warnings: list[str] = field(default_factory=list)
-
-
-def _dbfs(x: float) -> float:
-    return 20.0 * float(np.log10(max(x, 1e-12)))
-
-
-def _too_long(label: str, seconds: float) -> ClipRefused:
-    return ClipRefused(f"{label}: too long ({seconds:.1f} s; the limit is {MAX_SECONDS:g} s, trim it to 5-30 s)")
-
-
-def check_clip(samples: np.ndarray, sample_rate: int, mono: np.ndarray, label: str) -> ClipLevels:
-    """Duration and level checks. `samples` is the file as read (N, C); `mono` is what the encoder will see."""
-    seconds = samples.shape[0] / sample_rate
-    if seconds < MIN_SECONDS:
-        raise ClipRefused(f"{label}: too short ({seconds:.2f} s; a reference clip needs at least {MIN_SECONDS:g} s)")
-    if seconds > MAX_SECONDS:
-        raise _too_long(label, seconds)
-    # Clipping is measured on the file's own samples: resampling smears flat tops and hides them.
-    clipped = float(np.mean(np.abs(samples) >= CLIP_LEVEL)) if samples.size else 0.0
-    rms = float(np.sqrt(np.mean(np.square(mono, dtype=np.float64)))) if mono.size else 0.0
-    peak = float(np.max(np.abs(mono))) if mono.size else 0.0
-    levels = ClipLevels(seconds=seconds, rms_dbfs=_dbfs(rms), peak=peak, clipped_fraction=clipped)
-    if levels.rms_dbfs < SILENCE_RMS_DBFS or peak < SILENCE_PEAK:
-        raise ClipRefused(
-            f"{label}: silent or nearly (RMS {levels.rms_dbfs:.1f} dBFS, peak {_dbfs(peak):.1f} dBFS; "
-            f"need RMS above {SILENCE_RMS_DBFS:g} dBFS)"
-        )
-    if clipped > MAX_CLIPPED_FRACTION:
-        raise ClipRefused(
-            f"{label}: heavily clipped ({clipped:.1%} of samples at full scale; the limit is "
-            f"{MAX_CLIPPED_FRACTION:.0%}) - record again at a lower level"
-        )
-    lo, hi = RECOMMENDED_SECONDS
-    if not lo <= seconds <= hi:
-        levels.warnings.append(f"{label}: {seconds:.1f} s is outside the recommended {lo:g}-{hi:g} s")
-    return levels
-
-
-def load_clip(path: Path) -> tuple[np.ndarray, int, np.ndarray]:
-    """(samples (N, C) as read, their rate, mono float32 at 24 kHz)."""
-    from qwen_tts.audio import AudioError, load_audio, resample, to_mono
-
-    # Refuse an hour-long recording from its header instead of decoding gigabytes of samples first.
-    try:
-        info = sf.info(str(path))
-        if info.samplerate > 0 and info.frames / info.samplerate > 2 * MAX_SECONDS:
-            raise _too_long(str(path), info.frames / info.samplerate)
-    except (sf.LibsndfileError, RuntimeError):
-        pass  # unreadable: load_audio below says why
-    try:
-        samples, sr = load_audio(str(path))  # a str, so its error messages carry the whole path
-    except AudioError as e:  # its message names the file and the reason
-        raise ClipRefused(str(e)) from None
-    except OSError as e:
-        raise ClipRefused(f"{path}: cannot read ({e.strerror or e})") from None
-    mono = resample(to_mono(samples), sr, SAMPLE_RATE) if samples.size else np.zeros(0, np.float32)
-    return samples, sr, np.ascontiguousarray(mono, dtype=np.float32)
 
 
 def _jobs_from_list(list_file: Path) -> list[ClipJob]:
@@ -240,15 +166,9 @@ def extract_voices(
         result = ClipResult(job)
         results.append(result)
         try:
-            samples, sr, mono = load_clip(job.audio)
-            result.levels = check_clip(samples, sr, mono, str(job.audio))
+            x, result.levels = embed_clip(encoder, job.audio)
             for w in result.levels.warnings:
                 tqdm.write(f"warning: {w}", file=sys.stderr)
-            x = encoder.embed(mono)
-            if x.shape[0] != encoder.xvector_dim:
-                raise ClipRefused(
-                    f"{job.audio}: encoder gave width {x.shape[0]}, the model needs {encoder.xvector_dim}"
-                )
             profile = VoiceProfile(
                 x_vector=x,
                 model=label,

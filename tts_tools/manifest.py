@@ -1,8 +1,10 @@
 """The batch manifest: a JSON list of synthesis items, parsed and validated as a whole before any work starts.
 
-Format (docs/tools.md): either a list of items or `{"defaults": {...}, "items": [...]}`. An item has `id` (also the
-default output file stem), `speaker_id`, `text`, and optionally `language`, `seed`, `format`, `output` (a relative
-path under the output directory) and `options` (sampling settings of `qwen_tts.engine_api.SynthesisRequest`).
+Format (docs/tools.md): either a list of items or `{"defaults": {...}, "items": [...]}`. An item has `speaker_id`,
+`text`, and optionally `id` (also the default output file stem; derived from `output` when absent, so the seed's
+`{"speaker_id", "text", "language", "output"}` items work as written), `language`, `seed`, `format` (derived from
+the output's extension when absent), `output` (a relative path under the output directory) and `options` (sampling
+settings of `qwen_tts.engine_api.SynthesisRequest`).
 Every problem is collected, so a user fixes a manifest in one pass instead of one error per run.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -71,6 +74,21 @@ def derive_seed(base_seed: int, item_id: str) -> int:
 
 def _is_name(s: str) -> bool:
     return bool(NAME_PATTERN.fullmatch(s))
+
+
+def derive_id(output: str) -> str:
+    """The id of an item that has only an `output`: its path without the extension, '/' turned into '.'
+    ('a.wav' -> 'a', 'ch1/003.mp3' -> 'ch1.003'), so it is a name of the id alphabet."""
+    return posixpath.splitext(output)[0].replace("/", ".")
+
+
+def _format_of(output: Any) -> str | None:
+    """The audio format an output name's extension states, if it is one of ours."""
+    if isinstance(output, str) and "." in output:
+        ext = output.rpartition(".")[2].lower()
+        if ext in AUDIO_FORMATS:
+            return ext
+    return None
 
 
 def _check_options(opts: Any, where: str, problems: list[str]) -> dict[str, Any]:
@@ -152,13 +170,22 @@ def collect_items(
             problems.append(f"{where}: must be an object")
             continue
         item_id = raw.get("id")
+        derived = item_id is None and isinstance(raw.get("output"), str) and bool(raw["output"])
+        if derived:
+            item_id = derive_id(raw["output"])
         if isinstance(item_id, str):
             where = f"item {i} ({item_id!r})"
         n_before = len(problems)
         unknown = set(raw) - ITEM_KEYS
         if unknown:
             problems.append(f"{where}: unknown key(s) {sorted(unknown)} (allowed: {sorted(ITEM_KEYS)})")
-        if not isinstance(item_id, str) or not _is_name(item_id):
+        if item_id is None:
+            problems.append(f"{where}: 'id' is missing (give an 'id', or an 'output' to derive it from)")
+        elif derived and not _is_name(item_id):
+            problems.append(
+                f"{where}: no 'id', and output {raw['output']!r} gives no usable one ({item_id!r}); add an 'id'"
+            )
+        elif not isinstance(item_id, str) or not _is_name(item_id):
             problems.append(f"{where}: 'id' must be a name of letters, digits, '_', '.', '-' (got {item_id!r})")
         elif item_id in seen_ids:
             problems.append(f"{where}: duplicate id (first used by item {seen_ids[item_id]})")
@@ -174,7 +201,7 @@ def collect_items(
         language = merged.get("language", "auto")
         if not isinstance(language, str) or not language:
             problems.append(f"{where}: 'language' must be a non-empty string")
-        fmt = merged.get("format", default_format)
+        fmt = merged.get("format", _format_of(raw.get("output")) or default_format)
         if fmt not in AUDIO_FORMATS:
             problems.append(f"{where}: format {fmt!r} is not one of {', '.join(AUDIO_FORMATS)}")
         seed = raw.get("seed")

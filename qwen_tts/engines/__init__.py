@@ -1,7 +1,7 @@
 """Engine implementations and the one factory that builds them from `EngineSettings`.
 
-Each backend is a package or module here (native/, fake.py; a vLLM-Omni backend goes beside them) that
-implements `qwen_tts.engine_api.Engine`. Callers import only this factory and the interface, never a backend.
+Each backend is a package or module here (native/, vllm_omni/, fake.py) that implements
+`qwen_tts.engine_api.Engine`. Callers import only this factory and the interface, never a backend.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from qwen_tts.engine_api import Engine, EngineSettings, EngineSettingsError
 
 # Names a setting may give; `create_engine` says which of them this build lacks.
 BACKENDS = ("native", "vllm-omni", "fake")
-AVAILABLE_BACKENDS = ("native", "fake")
+AVAILABLE_BACKENDS = ("native", "vllm-omni", "fake")  # vllm-omni: where vllm and vllm-omni are installed
 
 
 def create_engine(settings: EngineSettings) -> Engine:
@@ -20,6 +20,13 @@ def create_engine(settings: EngineSettings) -> Engine:
         from .native import NativeEngine
 
         return NativeEngine(settings)
+    if settings.backend == "vllm-omni":
+        from .vllm_omni import VllmOmniEngine
+
+        try:
+            return VllmOmniEngine.from_settings(settings)
+        except ImportError as e:
+            raise EngineSettingsError("backend", str(e)) from None
     if settings.backend == "fake":
         from .fake import FakeEngine
 

@@ -1,0 +1,236 @@
+"""Long input (tts_server/long_text.py): sentence splitting, pieces synthesized in order with one seed, the next
+piece submitted while the current one decodes, click-free joins, on the fake engine (exact samples) and on the
+native engine with the tiny demo checkpoint (the real decoder)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_server_errors import _call_and_disconnect, _cut_short
+
+from qwen_tts.engine_api import FRAME_SAMPLES, EngineSettings, RequestHandle, SynthesisRequest
+from qwen_tts.engines.fake import FakeEngine
+from qwen_tts.engines.native import NativeEngine
+from qwen_tts.model_paths import resolve_model_path
+from qwen_tts.voices import ensure_demo_voice
+from server_helpers import in_process, write_voice
+from tts_server.long_text import FADE_SAMPLES, PIECE_BYTES, split_text
+
+_EN_SENTENCES = [
+    "The lighthouse keeper climbed the stairs at dusk.",
+    "Dr. Lane had left a note on the table, folded twice.",
+    "Was the storm coming from the west, or from the sea?",
+    "Nobody in the village could say for sure!",
+    "She counted 3.5 miles of coastline before the fog rolled in.",
+    "Each evening the lamp turned, and the ships answered with their horns; the rhythm never changed.",
+]
+_ZH_SENTENCES = [
+    "灯塔看守人在黄昏时爬上了楼梯。",
+    "桌子上放着一张对折了两次的纸条。",
+    "暴风雨是从西边来的，还是从海上来的？",
+    "村子里没有人能说得清楚！",
+    "雾气涌来之前，她数了三公里半的海岸线。",
+    "每天晚上灯都会转动，船只用汽笛回应；这个节奏从未改变。",
+]
+
+
+def english_text(chars: int = 4000) -> str:
+    paragraphs, out, i = [], [], 0
+    while sum(len(p) + 2 for p in paragraphs) + sum(len(s) + 1 for s in out) < chars:
+        out.append(_EN_SENTENCES[i % len(_EN_SENTENCES)])
+        i += 1
+        if i % 7 == 0:
+            paragraphs.append(" ".join(out))
+            out = []
+    paragraphs.append(" ".join(out))
+    return "\n\n".join(p for p in paragraphs if p)[:chars].rstrip()
+
+
+def chinese_text(chars: int = 4000) -> str:
+    paragraphs, i = [], 0
+    while sum(len(p) + 1 for p in paragraphs) < chars:
+        paragraphs.append("".join(_ZH_SENTENCES[(i + k) % len(_ZH_SENTENCES)] for k in range(9)))
+        i += 1
+    return "\n".join(paragraphs)[:chars]
+
+
+def _squash(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
+# --- splitting --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("text", "language"), [(english_text(), "english"), (chinese_text(), "chinese")])
+def test_pieces_keep_every_character_in_order_within_the_limit(text: str, language: str) -> None:
+    assert len(text) >= 3990
+    pieces = split_text(text, language)
+    assert len(pieces) > 5
+    assert all(0 < len(p.encode()) <= PIECE_BYTES for p in pieces)
+    assert _squash("".join(pieces)) == _squash(text)
+
+
+def test_pieces_end_at_sentence_ends() -> None:
+    for text, language, ends in [
+        (english_text(), "english", ".?!"),
+        (chinese_text(), "chinese", "。？！"),
+        (chinese_text(), "auto", "。？！"),
+    ]:
+        pieces = split_text(text, language)
+        assert all(p[-1] in ends for p in pieces[:-1]), [p[-12:] for p in pieces if p[-1] not in ends]
+
+
+def test_abbreviations_and_decimals_do_not_end_a_sentence() -> None:
+    pieces = split_text("Dr. Lane walked 3.5 miles. " * 3 + "x" * 10, "english", limit=60)
+    assert pieces[0] == "Dr. Lane walked 3.5 miles. Dr. Lane walked 3.5 miles."
+
+
+def test_a_sentence_longer_than_a_piece_is_cut_at_clauses_then_spaces() -> None:
+    long_sentence = ", ".join(f"clause number {i} goes here" for i in range(30)) + "."
+    pieces = split_text(long_sentence, "english", limit=100)
+    assert all(len(p) <= 100 for p in pieces)
+    assert all(p.endswith(",") for p in pieces[:-1])
+    words = " ".join(["word"] * 100)
+    assert all(len(p) <= 30 for p in split_text(words, "english", limit=30))
+    assert split_text("字" * 250, "chinese", limit=300) == ["字" * 100, "字" * 100, "字" * 50]
+
+
+def test_short_text_is_one_piece() -> None:
+    assert split_text("Hello there. How are you?", "english") == ["Hello there. How are you?"]
+
+
+# --- the chain on the fake engine: exact samples -------------------------------------------------------------
+def _spy_submissions(engine) -> tuple[list[RequestHandle], list[bool]]:
+    """Record every submitted handle, and for each one after the first whether the one before it was still
+    running (had not finished) when it was submitted."""
+    handles: list[RequestHandle] = []
+    overlapped: list[bool] = []
+    submit = engine.submit
+
+    def spy(request: SynthesisRequest) -> RequestHandle:
+        if handles:
+            overlapped.append(handles[-1].stats.finish_reason is None)
+        handle = submit(request)
+        handles.append(handle)
+        return handle
+
+    engine.submit = spy
+    return handles, overlapped
+
+
+# Pieces of one length (8 frames: more than one chunk): each piece then ends after the one before it, so the
+# chain's cap of two pieces in the engine never delays a submission past the end of the piece before.
+_EIGHT = {"min_new_tokens": 8, "max_new_tokens": 8}
+
+
+def _expected_fake(engine: FakeEngine, requests: list[SynthesisRequest]) -> np.ndarray:
+    ramp = np.arange(FADE_SAMPLES, dtype=np.float32) / FADE_SAMPLES
+    parts = []
+    for i, req in enumerate(requests):
+        x = engine.tone(req, 0, engine.frames_for(req)).copy()
+        if i > 0:
+            x[:FADE_SAMPLES] *= ramp
+        if i < len(requests) - 1:
+            x[-FADE_SAMPLES:] *= ramp[::-1]
+        parts.append(x)
+    return np.concatenate(parts)
+
+
+@pytest.mark.parametrize("text_of", [english_text, chinese_text])
+async def test_a_4000_character_text_streams_its_pieces_in_order_with_one_seed(text_of, tmp_path: Path) -> None:
+    text = text_of()
+    engine = FakeEngine(frames_per_char=0.05, frame_delay=0.01)
+    write_voice(tmp_path, "alice", 16)
+    handles, overlapped = _spy_submissions(engine)
+    async with in_process(engine, profiles_dir=tmp_path) as s:
+        body = {"speaker_id": "alice", "text": text, "seed": 11, **_EIGHT}
+        async with s.client.stream("POST", "/synthesize/stream", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            got = np.frombuffer(await r.aread(), "<f4")
+    pieces = split_text(text, "auto")
+    assert [h.request.text for h in handles] == pieces
+    assert {h.request.seed for h in handles} == {11}
+    assert all(overlapped) and len(overlapped) == len(pieces) - 1
+    expected = _expected_fake(engine, [h.request for h in handles])
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+async def test_openai_speech_takes_the_4096_character_limit(tmp_path: Path) -> None:
+    engine = FakeEngine(frames_per_char=0.01)
+    write_voice(tmp_path, "alice", 16)
+    async with in_process(engine, profiles_dir=tmp_path) as s:
+        text = english_text(4096)
+        body = {"model": "m", "input": text, "voice": "alice", "response_format": "pcm"}
+        r = await s.client.post("/v1/audio/speech", json=body)
+        assert r.status_code == 200, r.text
+        assert len(engine.submitted) == len(split_text(text)) > 10
+        r = await s.client.post("/v1/audio/speech", json={**body, "input": text + " more"})
+        assert r.status_code == 422 and "the limit is 4096" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/synthesize", "/synthesize/stream"])
+async def test_a_client_leaving_mid_chain_cancels_every_piece(path: str, tmp_path: Path) -> None:
+    engine = FakeEngine(frames_per_char=0.1, frame_delay=0.01)
+    write_voice(tmp_path, "alice", 16)
+    text = english_text(2000)
+    async with in_process(engine, profiles_dir=tmp_path) as s:
+        body = {"speaker_id": "alice", "text": text}
+        await _call_and_disconnect(s.app, path, body, disconnect_after=0.15)
+        submitted = len(engine.submitted)
+        await asyncio.sleep(0.3)  # a chain still running would submit its next piece by now
+        assert len(engine.submitted) == submitted < len(split_text(text))
+        assert engine.num_running == 0 and s.runtime.admission.active == 0
+        assert set(engine.cancelled) <= {r.request_id for r in engine.submitted} and engine.cancelled
+
+
+async def test_a_failing_piece_cuts_the_stream_and_stops_the_chain(tmp_path: Path) -> None:
+    engine = FakeEngine(frames_per_char=0.02, frame_delay=0.001)
+    write_voice(tmp_path, "alice", 16)
+    paragraphs = english_text(3000).split("\n\n")
+    paragraphs[2] = "[fail] " + paragraphs[2]
+    text = "\n\n".join(paragraphs)
+    async with in_process(engine, profiles_dir=tmp_path) as s:
+        sent = await _call_and_disconnect(s.app, "/synthesize/stream", {"speaker_id": "alice", "text": text}, None)
+        assert _cut_short(sent)
+        failing = next(i for i, p in enumerate(split_text(text)) if "[fail]" in p)
+        assert len(engine.submitted) <= failing + 2  # nothing submitted after the failure was seen
+        assert s.runtime.admission.active == 0
+        assert 'tts_syntheses_total{outcome="error"} 1.0' in (await s.client.get("/metrics")).text
+
+
+# --- the chain on the native engine: the real decoder ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return resolve_model_path("demo", demo_dir=tmp_path_factory.mktemp("model") / "demo-tiny")
+
+
+@pytest.mark.parametrize(("text_of", "language"), [(english_text, "English"), (chinese_text, "Chinese")])
+async def test_long_text_on_the_native_engine_joins_without_clicks(
+    text_of, language: str, demo_model: Path, tmp_path: Path
+) -> None:
+    ensure_demo_voice(tmp_path, demo_model)
+    engine = NativeEngine(EngineSettings(model_path=str(demo_model), max_slots=4, max_frames=64))
+    text = text_of()
+    async with in_process(engine, profiles_dir=tmp_path, max_new_tokens=64) as s:
+        handles, overlapped = _spy_submissions(engine)  # after the warm-up request
+        body = {"speaker_id": "demo", "text": text, "language": language, "seed": 5, **_EIGHT}
+        async with s.client.stream("POST", "/synthesize/stream", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            got = np.frombuffer(await r.aread(), "<f4")
+    pieces = split_text(text, language)
+    assert [h.request.text for h in handles] == pieces and all(overlapped)
+    lengths = [h.stats.samples for h in handles]
+    assert all(n > 0 for n in lengths)
+    assert len(got) == sum(lengths) <= sum(h.stats.frame_budget for h in handles) * FRAME_SAMPLES
+    joins = np.cumsum(lengths)[:-1]
+    steps = np.abs(np.diff(got))
+    inside = np.ones(len(steps), bool)
+    for j in joins:  # the decoder's own: every sample step away from the joins' fades
+        inside[max(0, j - FADE_SAMPLES - 1) : j + FADE_SAMPLES] = False
+    own = steps[inside].max()
+    assert own > 0
+    at_joins = np.array([abs(float(got[j]) - float(got[j - 1])) for j in joins])
+    assert at_joins.max() <= own
+    assert np.abs(got[joins]).max() == 0.0  # each piece starts from silence
