@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 import soundfile as sf
+from test_voice_routes import GOOD_CLIP
 
 from server_helpers import REPO_ROOT, free_port, write_voice
 
@@ -112,6 +113,7 @@ def ray_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayServer]:
             "TTS_RAY_DASHBOARD": "false",
             "TTS_RAY_HEALTH_CHECK_PERIOD_S": "1",
             "TTS_DRAIN_TIMEOUT": "5",
+            "TTS_VOICE_UPLOAD": "true",
             "PYTHONUNBUFFERED": "1",
         }
     )
@@ -290,6 +292,31 @@ def test_a_voice_in_the_shared_directory_is_served_by_both_replicas(ray_server: 
         _until_both(ray_server, lambda: c.get("/speakers"), lambda r: not listed(r), both)
         gone = _until_both(ray_server, lambda: c.post("/synthesize", json=body), lambda r: r.status_code == 404, both)
         assert all(r.json()["error"]["code"] == "unknown_speaker" for r in gone.values())
+
+
+def test_a_voice_uploaded_through_one_replica_is_served_by_both(ray_server: RayServer) -> None:
+    both = set(list(ray_server.replicas())[:2])
+    with httpx.Client(base_url=ray_server.url, timeout=60) as c:
+        up = c.post("/v1/audio/voices", data={"name": "uploaded"}, files={"audio_sample": ("me.wav", GOOD_CLIP)})
+        assert up.status_code == 201, up.text
+        t_up = time.monotonic()
+        assert (ray_server.profiles / "uploaded.safetensors").is_file()
+
+        def listed(r: httpx.Response) -> bool:
+            return "uploaded" in {v["id"] for v in r.json()["data"]}
+
+        _until_both(ray_server, lambda: c.get("/v1/audio/voices"), listed, both)
+        body = _body() | {"speaker_id": "uploaded"}
+        _until_both(ray_server, lambda: c.post("/synthesize", json=body), lambda r: r.status_code == 200, both)
+        print(f"\nuploaded through {_replica(up)}: served by both within {time.monotonic() - t_up:.2f} s")
+
+        gone = c.delete("/v1/audio/voices/uploaded")
+        assert gone.status_code == 200, gone.text
+        _until_both(ray_server, lambda: c.get("/v1/audio/voices"), lambda r: not listed(r), both)
+        refused = _until_both(
+            ray_server, lambda: c.post("/synthesize", json=body), lambda r: r.status_code == 404, both
+        )
+        assert all(r.json()["error"]["code"] == "unknown_speaker" for r in refused.values())
 
 
 def test_killing_a_replica_under_load(ray_server: RayServer) -> None:
