@@ -62,7 +62,8 @@ def _document(schema: dict[str, Any]) -> dict[str, Any]:
     components["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
     components.update(components["ErrorResponse"].pop("$defs", {}))
     audio = {
-        "/synthesize": _audio_types(["wav", "pcm", "mp3", "flac", "opus"]),
+        # stream: true answers as /synthesize/stream does (f32le by default).
+        "/synthesize": _audio_types(["wav", "pcm", "mp3", "flac", "opus", "f32le"]),
         "/synthesize/stream": _audio_types(["f32le", "pcm", "wav"]),
         "/v1/audio/speech": [*_audio_types(["mp3", "opus", "flac", "wav", "pcm"]), "text/event-stream"],
     }
