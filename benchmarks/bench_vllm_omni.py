@@ -24,20 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from bench_engine import TEXT, pct  # the same text and percentile as the native engine's bench
 
 from qwen_tts.engine_api import FRAME_SAMPLES, Engine, EngineSettings, SynthesisRequest
 from qwen_tts.engines import create_engine
 from qwen_tts.random_checkpoint import write_random_checkpoint
-
-TEXT = (
-    "The quick brown fox jumps over the lazy dog. Hello world, this is a test of speech synthesis for "
-    "many voices. The quick brown fox jumps over the lazy dog."
-)
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 async def level(engine: Engine, n: int, frames: int, dim: int, greedy: bool) -> dict:
