@@ -12,6 +12,7 @@ from qwen_tts.engines.vllm_omni.requests import (
     AudioTail,
     additional_information,
     finish_reason,
+    stage0_finish_reason,
     stage0_sampling,
     validate_xvector,
 )
@@ -70,6 +71,19 @@ def test_finish_reasons() -> None:
     assert finish_reason("stop", 10, 40) is FinishReason.EOS
     assert finish_reason("length", 39, 40) is FinishReason.BUDGET
     assert finish_reason(None, 40, 40) is FinishReason.BUDGET
+
+
+def test_stage0_finish_reason_from_either_versions_metrics() -> None:
+    # vLLM-Omni 0.30 reports stage 0's reason; it wins over the token count.
+    assert stage0_finish_reason({"0": {"finish_reason": "stop", "num_tokens_out": 41}}, 41) == "stop"
+    assert stage0_finish_reason({"0": {"finish_reason": "length", "num_tokens_out": 7}}, 41) == "length"
+    # 0.26 reports only the tokens stage 0 produced: max_tokens of them is a length stop.
+    assert stage0_finish_reason({"0": {"num_tokens_out": 41}, "1": {"num_tokens_out": 0}}, 41) == "length"
+    assert stage0_finish_reason({"0": {"num_tokens_out": 17}}, 41) == "stop"
+    # Nothing usable: unknown, and finish_reason() falls back on the frame count.
+    for metrics in (None, {}, {"1": {"finish_reason": "stop"}}, {"0": {"num_tokens_out": 0}}, {"0": "x"}, []):
+        assert stage0_finish_reason(metrics, 41) is None
+    assert finish_reason(stage0_finish_reason({"0": {"num_tokens_out": 17}}, 41), 16, 40) is FinishReason.EOS
 
 
 def test_audio_tail_hands_out_only_new_samples_up_to_the_budget() -> None:

@@ -42,6 +42,7 @@ from .requests import (
     SpeakerTransport,
     additional_information,
     finish_reason,
+    stage0_finish_reason,
     stage0_sampling,
     validate_xvector,
 )
@@ -362,7 +363,7 @@ class VllmOmniEngine(Engine):
                     if out.finished:
                         # per-stage timings (benchmarks: which stage limits throughput)
                         handle.stage_metrics = (getattr(out, "metrics", None) or {}).get("stage_metrics")
-                        stage0_reason = _stage0_finish_reason(out)
+                        stage0_reason = stage0_finish_reason(handle.stage_metrics, sampling.max_tokens)
                         in_pipeline = False
                         break
                     if tail.sent >= tail.limit:  # budget reached: what follows is not ours to send
@@ -383,10 +384,3 @@ class VllmOmniEngine(Engine):
             if stats.started_at is None:
                 stats.started_at = time.monotonic()
             handle.finish_threadsafe(reason, error)
-
-
-def _stage0_finish_reason(out: Any) -> str | None:
-    """Stage 0's finish reason ('stop' or 'length') from the final output's per-stage metrics."""
-    metrics = getattr(out, "metrics", None) or {}
-    stage0 = (metrics.get("stage_metrics") or {}).get("0") or {}
-    return stage0.get("finish_reason")

@@ -90,6 +90,24 @@ def stage0_sampling(request: SynthesisRequest, frame_budget: int) -> Stage0Sampl
     )
 
 
+def stage0_finish_reason(stage_metrics: Any, max_tokens: int) -> str | None:
+    """Stage 0's vLLM finish reason ('stop' or 'length') from a finished request's per-stage metrics.
+
+    vLLM-Omni 0.30 reports it (`stage_metrics["0"]["finish_reason"]`); 0.26 does not, so there it is inferred from
+    the tokens stage 0 produced (`num_tokens_out`): `max_tokens` of them means it was stopped by length. None when
+    neither is there."""
+    stage0 = (stage_metrics or {}).get("0") if isinstance(stage_metrics, dict) else None
+    if not isinstance(stage0, dict):
+        return None
+    reason = stage0.get("finish_reason")
+    if reason is not None:
+        return str(reason)
+    tokens = stage0.get("num_tokens_out")
+    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0:
+        return "length" if tokens >= max_tokens else "stop"
+    return None
+
+
 def finish_reason(stage0_reason: str | None, frames: int, frame_budget: int) -> FinishReason:
     """Stage 0's vLLM finish reason ('stop' at end-of-speech, 'length' at max_tokens) as ours."""
     if stage0_reason == "length" or frames >= frame_budget:
