@@ -138,6 +138,8 @@ async def main() -> None:
     ap.add_argument("--no-cuda-graphs", action="store_true", help="eager frame steps on CUDA")
     ap.add_argument("--no-fused", action="store_true", help="the eager kernels instead of the fused decode path")
     ap.add_argument("--decoder-tf32", action="store_true", help="TF32 convolutions in Code2Wav")
+    ap.add_argument("--inline-decode", action="store_true", help="Code2Wav in the engine loop, not its own thread")
+    ap.add_argument("--no-decode-graphs", action="store_true", help="Code2Wav eager on CUDA")
     ap.add_argument("--verify", action="store_true", help="first compare graphs with eager on codes")
     ap.add_argument("--eager-frames", type=int, default=0, help="also time the eager path at this many frames")
     ap.add_argument("--json", help="write results here")
@@ -160,6 +162,8 @@ async def main() -> None:
             chunk_frames=a.chunk,
             frame_step="eager" if a.no_cuda_graphs else "auto",
             fused_kernels=not a.no_fused,
+            decode_thread=not a.inline_decode,
+            decode_graphs=not a.no_decode_graphs,
             decoder_tf32=a.decoder_tf32,
         )
         t0 = time.perf_counter()

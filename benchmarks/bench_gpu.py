@@ -69,6 +69,13 @@ TEXT = (
 FRAME_S = 0.08  # one codec frame = 80 ms of audio
 GIB = 1024**3
 PARTS = ("engine", "poisson", "http", "profile", "reference", "peer")
+# Engine settings compared in the same run (--engine-variants): "" is the default engine.
+VARIANTS: dict[str, dict] = {
+    "": {},
+    "inline-decode": {"decode_thread": False, "decode_graphs": False},  # Code2Wav eager, in the engine loop
+    "eager-decode": {"decode_graphs": False},  # on its own thread, without CUDA graphs
+    "decode-thread-off": {"decode_thread": False},  # graphed, in the engine loop
+}
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints
 
 
@@ -224,6 +231,8 @@ def timing_delta(before: dict, after: dict, n: int) -> dict:
             out[f"{name}_ms_per_req" if name == "prefill" else f"{name}_ms_per_step"] = round(
                 1000 * v / (n if name == "prefill" else steps), 2
             )
+    if d.get("decode_chunks"):
+        out["decode_rows_per_chunk"] = round(d["decode_rows"] / d["decode_chunks"], 1)
     return out
 
 
@@ -740,7 +749,7 @@ def table(results: dict) -> str:
         for r in res.get("engine", []):
             gen, dec = r.get("step_ms_per_step"), r.get("decode_ms_per_step")
             step = f"{fmt(gen)}+{fmt(dec)}" if gen is not None else "-"
-            rows.append([size, "engine", r["concurrency"], fmt(r["xrt_per_stream_median"], 2), fmt(r["audio_s_per_s"]),
+            rows.append([size, f"engine {r['variant']}" if r.get("variant") else "engine", r["concurrency"], fmt(r["xrt_per_stream_median"], 2), fmt(r["audio_s_per_s"]),
                          step, pair(r["ttfa_p50_ms"], r["ttfa_p95_ms"]), fmt(r["stall_p95_ms"], 0),
                          share(r["zero_stall_share"]), pair(r["peak_alloc_gib"], r["peak_reserved_gib"], 1)])  # fmt: skip
         for r in res.get("poisson", []):
@@ -920,9 +929,10 @@ class Run:
             Path(self.a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(self.a.out).write_text(json.dumps(self.results, indent=2, default=str))
 
-    def engine_config(self, ckpt: Path, slots: int, graphs: bool = True) -> EngineSettings:
+    def engine_config(self, ckpt: Path, slots: int, graphs: bool = True, variant: str = "") -> EngineSettings:
         a = self.a
         return EngineSettings(
+            **VARIANTS[variant],
             model_path=str(ckpt),
             device=a.device,
             dtype=a.dtype,
@@ -990,6 +1000,24 @@ class Run:
                 await engine.stop()
                 del engine
                 free_memory()
+            for variant in a.engine_variants if "engine" in parts else []:
+                if not self.time_left(f"{size} engine {variant}"):
+                    break
+                levels = a.variant_concurrency or a.concurrency
+                engine, _ = await self.start_engine(self.engine_config(ckpt, max(levels), variant=variant))
+                try:
+                    for n in levels:
+                        if not self.time_left(f"{size} engine {variant} c={n}"):
+                            break
+                        await closed_level(engine, n, min(a.frames, 8), greedy)
+                        r = {"variant": variant, **await closed_level(engine, n, a.frames, greedy)}
+                        emit({"size": size, "part": "engine", **r})
+                        res["engine"].append(r)
+                        self.save()
+                finally:
+                    await engine.stop()
+                    del engine
+                    free_memory()
             if "profile" in parts and a.profile_eager and cuda() and self.time_left(f"{size} profile eager"):
                 engine, _ = await self.start_engine(self.engine_config(ckpt, max(a.profile_batches), graphs=False))
                 try:
@@ -1134,6 +1162,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--first-chunk", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=12)
     ap.add_argument("--exact-decoder", action="store_true", help="float32 Code2Wav without TF32 (exact streaming)")
+    ap.add_argument(
+        "--engine-variants",
+        type=lambda s: [v for v in s.split(",") if v],
+        default=[],
+        help=f"also run the engine levels with these settings, in the same run: {', '.join(VARIANTS)[2:]}",
+    )
+    ap.add_argument("--variant-concurrency", type=ints, default=None, help="the variants' levels (default: all)")
     ap.add_argument("--sampling", action="store_true", help="sample (default: greedy, as the baselines' figures)")
     ap.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64, 128, 256])
     ap.add_argument("--poisson-rates", type=floats, default=[5.0, 20.0])

@@ -125,9 +125,29 @@ class EngineSettings:
     # is then a function of the request's codes alone, bit for bit, whatever else runs (a batched convolution
     # rounds differently: 1 int16 LSB on ~1% of samples). Costs the batching of Code2Wav; docs/security.md.
     batch_invariant_decode: bool = False
+    # Run Code2Wav on a thread (and, on CUDA, a stream) of its own beside the frame steps, so decoding overlaps
+    # generation; False decodes inline in the engine loop (same audio, for A/B measurements).
+    decode_thread: bool = True
+    # With CUDA-graph frame steps, also replay Code2Wav from a CUDA graph per (batch bucket, chunk length):
+    # one launch instead of ~1,000 per chunk. Chunks shorter than their bucket are padded and trimmed.
+    decode_graphs: bool = True
+    # Chunks of one request that may wait in or for the decoder before that request's generation pauses.
+    decode_lookahead: int = 2
+    # Most rows in one Code2Wav call (and its largest graph bucket): a 12-frame chunk of 64 rows already fills an
+    # H200, and larger buckets only add graph memory. More rows due at once are decoded in several calls.
+    decode_max_batch: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_slots", "max_frames", "max_text_tokens", "first_chunk_frames", "chunk_frames"):
+        names = (
+            "max_slots",
+            "max_frames",
+            "max_text_tokens",
+            "first_chunk_frames",
+            "chunk_frames",
+            "decode_lookahead",
+            "decode_max_batch",
+        )
+        for name in names:
             if getattr(self, name) < 1:
                 raise EngineSettingsError(name, f"{name} must be >= 1")
         if self.max_queue < 0:

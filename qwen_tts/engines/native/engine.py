@@ -3,10 +3,13 @@
 One worker thread owns the model. Each iteration it
   1. admits waiting requests into free KV-cache slots (scheduler.py) and prefills them, batched,
   2. runs ONE batched frame step (frame_step.py: talker step + code-predictor pass) for every live request,
-  3. decodes the frames that are due (a small first chunk, then larger ones) with the stateful, exact
-     streaming Code2Wav, batching requests whose chunks have the same length,
-and pushes float32 PCM chunks to each request's handle. Finished and cancelled requests leave at once and
-free their slot; no request waits for another to finish.
+  3. hands the frames that are due (a small first chunk, then larger ones) to the decoder (decoder.py): the
+     stateful, exact streaming Code2Wav over slot-indexed state, batching requests whose chunks have the same
+     length, on a thread and CUDA stream of its own (CUDA graphs per batch and chunk bucket on CUDA), which
+     pushes float32 PCM chunks to each request's handle while the loop goes on stepping.
+Finished and cancelled requests leave as soon as their audio is out and free their slot; no request waits for
+another to finish. A request whose decoder is `decode_lookahead` chunks behind skips steps until it catches up,
+so the frame steps never run far ahead of the audio.
 
 Per-request state that the batched step needs lives in slot-indexed device tensors (sampling settings, seeds,
 the repetition-penalty mask, the last hidden state), so a step gathers by slot index instead of rebuilding
@@ -47,6 +50,7 @@ from qwen_tts.model_paths import DEMO, ModelPathError, resolve_model_path
 from qwen_tts.prompt import Prompt, build_prompt, normalize_language
 from qwen_tts.sampling import suppress_mask
 
+from .decoder import DecodeJob, DecodeWorker, SlotDecoder
 from .frame_step import EagerFrameStep, FrameStepRunner, SlotState
 from .scheduler import RequestState, Scheduler, frame_budget
 
@@ -91,7 +95,16 @@ class NativeEngine(Engine):
         self._thread: threading.Thread | None = None
         self._runner: EagerFrameStep | FrameStepRunner | None = None
         # Worker-thread wall time by phase (host clock; the step and decode end in a host sync, prefill does not).
-        self._timings = {"steps": 0, "step_s": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
+        # decode_s is the decoder's busy time (its own thread when decode_thread), decode_chunks its batches.
+        self._timings = {
+            "steps": 0,
+            "step_s": 0.0,
+            "prefill_s": 0.0,
+            "decode_s": 0.0,
+            "decode_chunks": 0,
+            "decode_rows": 0,
+        }
+        self._decoder: DecodeWorker | None = None
         self._running = False
         self._accepting = False
         self._ready = False
@@ -165,6 +178,32 @@ class NativeEngine(Engine):
                     self._runner.capture_all()
         else:
             self._runner = EagerFrameStep(self._talker, self._state, self._cache, self._suppress, self._eos)
+        self._decode_batch = min(S, self.config.decode_max_batch)
+        if graphs and self.config.decode_graphs:
+            mode = "graphs"
+        else:
+            mode = "padded" if self.config.frame_step == "padded" else "exact"
+        with torch.inference_mode():
+            slot_decoder = SlotDecoder(
+                self._code2wav,
+                S,
+                [self.config.first_chunk_frames, self.config.chunk_frames],
+                mode,
+                max_batch=self._decode_batch,
+            )
+            if self.config.warmup:
+                slot_decoder.capture_all()
+        self._model_info["decode_graphs"] = mode == "graphs"
+        self._model_info["decode_thread"] = self.config.decode_thread
+        self._decoder = DecodeWorker(
+            slot_decoder,
+            self._deliver,
+            self._decode_failed,
+            self._cv,
+            self.config.decode_thread,
+            self._decode_batch,
+            self._timings,
+        )
         log.info("engine initialised: %s", self._model_info)
 
     async def _warmup(self) -> None:
@@ -260,6 +299,7 @@ class NativeEngine(Engine):
                     while self._running and not sched.has_work:
                         self._cv.wait()
                     if not self._running and not sched.has_work:
+                        self._decoder.close()
                         return
                 if idle and self.config.admission_window_s > 0:
                     # Woken from idle by the first of a burst: let the rest arrive so they share one prefill.
@@ -273,6 +313,8 @@ class NativeEngine(Engine):
                     for lv in list(self._live.values()):
                         lv.done = FinishReason.CANCELLED
                     self._retire()
+                    if self._live:  # their last chunks are still in the decoder
+                        self._wait_for_decoder()
                     continue
                 if self._live:
                     if self.fault_hook is not None:  # fault injection (tests only)
@@ -287,6 +329,8 @@ class NativeEngine(Engine):
                 self._finish(lv, FinishReason.ERROR, self._dead)
             for lv in sched.drain_waiting():
                 lv.handle.finish_threadsafe(FinishReason.ERROR, self._dead)
+            if self._decoder is not None:
+                self._decoder.close(timeout=5)
 
     def _admit(self, admitted: list[RequestState]) -> None:
         """Build prompts and prefill newly admitted requests, batched (padded at the end) to spare launches."""
@@ -342,7 +386,6 @@ class NativeEngine(Engine):
                 self._state.h[slots] = last
                 for lv in group:
                     self._set_slot_params(lv.slot, lv.request)
-                streams = [self._code2wav.new_stream(1) for _ in group]
         except Exception as e:
             if len(group) > 1:  # find the culprit: prefill each request on its own
                 for lv in group:
@@ -350,8 +393,8 @@ class NativeEngine(Engine):
                 return
             self._fail_admission(group[0], e)
             return
-        for lv, n, stream in zip(group, lens, streams, strict=True):
-            lv.pos, lv.stream = n, stream
+        for lv, n in zip(group, lens, strict=True):
+            lv.pos = n
             self._live[lv.slot] = lv
 
     def _fail_admission(self, lv: RequestState, e: Exception) -> None:
@@ -373,13 +416,20 @@ class NativeEngine(Engine):
         st.seed[slot] = req.seed & ((1 << 62) - 1)
 
     def _step(self) -> None:
-        # Requests that were cancelled or ran out of budget leave before any work is done for them.
+        # Requests that were cancelled, failed in the decoder or ran out of budget leave before any work is done.
         for lv in self._live.values():
             if lv.cancelled:
                 lv.done = FinishReason.CANCELLED
-            elif lv.frames >= lv.budget:
+            elif lv.decode_error is not None:
+                lv.done, lv.error = FinishReason.ERROR, lv.decode_error
+                lv.pending.clear()
+            elif lv.done is None and lv.frames >= lv.budget:
                 lv.done = FinishReason.BUDGET
-        rows = [lv for lv in self._live.values() if lv.done is None]
+        lookahead = self.config.decode_lookahead
+        dec = self._decoder
+        rows = [lv for lv in self._live.values() if lv.done is None and dec.inflight(lv) < lookahead]
+        if not rows and dec.busy:  # nothing to step until the decoder catches up
+            self._wait_for_decoder()
         t0 = time.perf_counter()
         if rows:
             try:
@@ -449,60 +499,88 @@ class NativeEngine(Engine):
         return out
 
     def _decode_due(self) -> None:
-        """Decode pending frames of rows whose next chunk is due (or that finished), batched by chunk length."""
-        groups: dict[tuple[int, int], list[RequestState]] = collections.defaultdict(list)
-        for lv in self._live.values():
-            if not lv.pending or lv.done in (FinishReason.CANCELLED, FinishReason.ERROR):
-                continue
-            target = self.config.first_chunk_frames if lv.decoded == 0 else self.config.chunk_frames
-            if len(lv.pending) >= target or lv.done is not None:
-                alone = lv.slot if self.config.batch_invariant_decode else -1  # a group of its own
-                groups[(min(len(lv.pending), target), alone)].append(lv)
-        for (t, _), rows in groups.items():
-            try:
-                self._decode_rows(rows, t)
-            except Exception:
-                log.exception("batched decode failed; retrying rows one by one")
-                for lv in rows:
-                    try:
-                        self._decode_rows([lv], t)
-                    except Exception as e:
-                        lv.done = FinishReason.ERROR
-                        lv.error = f"decode failed: {type(e).__name__}"
-        # A finished row may still hold more than one chunk: keep flushing until empty.
-        if any(lv.pending and lv.done in (FinishReason.EOS, FinishReason.BUDGET) for lv in self._live.values()):
-            self._decode_due()
+        """Hand the decoder the pending frames of rows whose next chunk is due (or that finished), one job per
+        chunk shape; a finished row that still holds more than a chunk gets several jobs, in order."""
+        cfg, dec = self.config, self._decoder.decoder
+        while True:
+            groups: dict[tuple, list[tuple[RequestState, int]]] = collections.defaultdict(list)
+            for lv in self._live.values():
+                if not lv.pending or lv.done in (FinishReason.CANCELLED, FinishReason.ERROR):
+                    continue
+                first = lv.queued == 0
+                target = cfg.first_chunk_frames if first else cfg.chunk_frames
+                if len(lv.pending) >= target or lv.done is not None:
+                    t = min(len(lv.pending), target)
+                    alone = lv.slot if cfg.batch_invariant_decode else -1  # a group of its own
+                    groups[(dec.padded_len(t), first, alone)].append((lv, t))
+            if not groups:
+                return
+            jobs = [
+                (key, items[i : i + self._decode_batch])
+                for key, items in groups.items()
+                for i in range(0, len(items), self._decode_batch)
+            ]
+            for key, items in jobs:
+                T = key[0]
+                codes = torch.zeros(len(items), dec.num_quantizers, T, dtype=torch.long)
+                for i, (lv, t) in enumerate(items):
+                    codes[i, :, :t] = torch.stack(lv.pending[:t]).T
+                    del lv.pending[:t]
+                    lv.queued += t
+                rows = [lv for lv, _ in items]
+                self._decoder.submit(
+                    DecodeJob(
+                        rows=rows,
+                        slots=[lv.slot for lv in rows],
+                        lengths=[t for _, t in items],
+                        codes=codes,
+                        first=key[1],
+                        fresh=[key[1]] * len(rows),
+                        key=key,
+                    )
+                )
 
-    def _decode_rows(self, rows: list[RequestState], t: int) -> None:
-        codes = torch.stack([torch.stack(lv.pending[:t]) for lv in rows]).transpose(1, 2)  # (B, 16, t)
-        codes = codes.to(self.device)
-        if len(rows) == 1:
-            wav = self._code2wav.decode_chunk(codes, rows[0].stream)
-        else:
-            stream = type(rows[0].stream).cat([lv.stream for lv in rows])
-            wav = self._code2wav.decode_chunk(codes, stream)
-            for lv, s in zip(rows, stream.split(), strict=True):
-                lv.stream = s
-        wav = wav.float().cpu().numpy()
-        now = time.monotonic()
-        for i, (lv, w) in enumerate(zip(rows, wav, strict=True)):
-            if lv.handle.request.return_codes:
-                lv.handle.codes.append(codes[i].T.cpu())
-            del lv.pending[:t]
-            lv.decoded += t
-            st = lv.handle.stats
-            if st.first_audio_at is None:
-                st.first_audio_at = now
-            st.frames = lv.decoded
-            st.samples += w.shape[0]
-            lv.handle.put_threadsafe(np.ascontiguousarray(w, dtype=np.float32))
+    def _deliver(self, lv: RequestState, codes: torch.Tensor, wav: torch.Tensor) -> None:
+        """A decoded chunk of `lv` (decoder thread): codes (16, t), wav (t * upsample,) float32 on the CPU."""
+        if lv.handle.request.return_codes:
+            lv.handle.codes.append(codes.T.clone())
+        lv.decoded += codes.shape[1]
+        st = lv.handle.stats
+        if st.first_audio_at is None:
+            st.first_audio_at = time.monotonic()
+        st.frames = lv.decoded
+        st.samples += wav.shape[0]
+        lv.handle.put_threadsafe(np.ascontiguousarray(wav.numpy(), dtype=np.float32))
+
+    def _decode_failed(self, lv: RequestState, message: str) -> None:
+        """A chunk of `lv` failed in the decoder (decoder thread): the engine loop ends the request."""
+        if lv.decode_error is None:
+            lv.decode_error = message
+
+    def _wait_for_decoder(self) -> None:
+        """Block until the decoder finishes a chunk, a request arrives or the engine stops (short timeout)."""
+        with self._cv:
+            mark, running = self._decoder.completed, self._running
+            self._cv.wait_for(
+                lambda: (
+                    self._decoder.completed != mark
+                    or (self._running and bool(self._scheduler.waiting))
+                    or self._running != running
+                ),
+                timeout=0.1,
+            )
 
     def _retire(self) -> None:
         for lv in list(self._live.values()):
+            if lv.decode_error is not None and lv.done not in (FinishReason.CANCELLED, FinishReason.ERROR):
+                lv.done, lv.error = FinishReason.ERROR, lv.decode_error
+                lv.pending.clear()
             if lv.done is None:
                 continue
             if lv.done in (FinishReason.EOS, FinishReason.BUDGET) and lv.pending:
                 continue  # flushed by the next _decode_due
+            if self._decoder.inflight(lv):
+                continue  # its audio is still in the decoder
             self._finish(lv, lv.done, lv.error)
 
     def _finish(self, lv: RequestState, reason: FinishReason, error: str | None = None) -> None:

@@ -44,9 +44,10 @@ class RequestState:
     prompt: Prompt | None = None
     pos: int = 0  # next cache position to write
     frames: int = 0  # frames generated so far
-    pending: list[torch.Tensor] = field(default_factory=list)  # (16,) frames not yet decoded
-    stream: object = None  # Code2WavStream
-    decoded: int = 0  # frames already turned into audio
+    pending: list[torch.Tensor] = field(default_factory=list)  # (16,) frames not yet handed to the decoder
+    queued: int = 0  # frames handed to the decoder (engine loop)
+    decoded: int = 0  # frames already turned into audio (decoder)
+    decode_error: str | None = None  # set by the decoder when a chunk of this request failed
     done: FinishReason | None = None
     error: str | None = None
 
