@@ -249,3 +249,28 @@ def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w):
     finally:
         c2w.to("cpu")
         torch.backends.cudnn.allow_tf32 = True
+
+
+# ------------------------------------------------------------------------------------------------- prefill
+def test_padded_prefill_equals_exact_prefill(tiny_model):
+    from qwen_tts.engines.native.prefill import PrefillRunner, len_buckets
+
+    talker = tiny_model.talker
+    H = talker.codec_head.weight.shape[1]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randn(n, H, generator=g) for n in (5, 37, 20)]  # lengths pad to 64; batch 3 pads to 4
+    out, caches = {}, {}
+    for mode in ("exact", "padded"):
+        cache = talker.new_cache(6, 128)
+        runner = PrefillRunner(talker, cache, scratch=5, max_batch=4, max_len=100, max_tokens=256, mode=mode)
+        with torch.inference_mode():
+            out[mode] = runner.run(prompts, [2, 0, 4])
+        caches[mode] = cache
+    assert runner.shape(3, 37) == (4, 64) and runner.len_buckets == len_buckets(100) == [32, 64, 100]
+    torch.testing.assert_close(out["padded"], out["exact"], rtol=1e-5, atol=1e-5)
+    for slot, n in ((2, 5), (0, 37), (4, 20)):  # the real positions' K/V; later ones are overwritten by decoding
+        for a, b in zip(caches["padded"].k, caches["exact"].k, strict=True):
+            torch.testing.assert_close(a[slot, :, :n], b[slot, :, :n], rtol=1e-5, atol=1e-5)
+    assert caches["padded"].k[0][1].abs().sum() == 0  # a slot outside the group is untouched
+    # Grouping: a padded group stays within max_tokens unless it is a single prompt.
+    assert runner.fits(2, 64) and not runner.fits(4, 100) and runner.fits(1, 100) and not runner.fits(5, 10)

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from qwen_tts import fused
 from qwen_tts.config import ConfigError, ModelConfig
@@ -52,12 +53,15 @@ from qwen_tts.sampling import suppress_mask
 
 from .decoder import DecodeJob, DecodeWorker, SlotDecoder
 from .frame_step import EagerFrameStep, FrameStepRunner, SlotState
+from .prefill import PrefillRunner
 from .scheduler import RequestState, Scheduler, frame_budget
 
 log = logging.getLogger("qwen_tts.engine")
 
 # Padded tokens per batched prefill forward (bounds memory when many requests arrive at once).
 PREFILL_TOKENS_PER_BATCH = 4096
+PREFILL_MAX_BATCH = 16  # prompts per prefill forward
+PROMPT_EXTRA_TOKENS = 16  # prompt tokens beyond the text's (role, control and codec prefix)
 
 
 class NativeEngine(Engine):
@@ -156,7 +160,7 @@ class NativeEngine(Engine):
         self._code2wav = m.code2wav.eval()
         self._tokenizer = m.tokenizer
         self._role_ids = self._tokenizer.chat_ids("")[:3]
-        self._max_len = self.config.max_text_tokens + 16 + self.config.max_frames
+        self._max_len = self.config.max_text_tokens + PROMPT_EXTRA_TOKENS + self.config.max_frames
         S = self.config.max_slots
         # One slot more than requests: the scratch slot (index S) that padding rows of a graphed step write to.
         self._cache = self._talker.new_cache(S + 1, self._max_len, device=self.device, dtype=self.dtype)
@@ -178,6 +182,27 @@ class NativeEngine(Engine):
                     self._runner.capture_all()
         else:
             self._runner = EagerFrameStep(self._talker, self._state, self._cache, self._suppress, self._eos)
+        # Prefill: graphed with graphed frame steps; padded to the same buckets on CUDA otherwise, so an eager
+        # engine prefills at the graphed one's shapes; at exact shapes on CPU.
+        if graphs:
+            prefill_mode = "graphs"
+        elif self.device.type == "cuda" or self.config.frame_step == "padded":
+            prefill_mode = "padded"
+        else:
+            prefill_mode = "exact"
+        with torch.inference_mode():
+            self._prefiller = PrefillRunner(
+                self._talker,
+                self._cache,
+                scratch=S,
+                max_batch=min(S, PREFILL_MAX_BATCH),
+                max_len=self.config.max_text_tokens + PROMPT_EXTRA_TOKENS,
+                max_tokens=PREFILL_TOKENS_PER_BATCH,
+                mode=prefill_mode,
+            )
+            if self.config.warmup:
+                self._prefiller.capture_all()
+        self._model_info["prefill_graphs"] = self._prefiller.num_graphs
         self._decode_batch = min(S, self.config.decode_max_batch)
         if graphs and self.config.decode_graphs:
             mode = "graphs"
@@ -342,7 +367,7 @@ class NativeEngine(Engine):
                 self._finish(lv, FinishReason.CANCELLED)
                 continue
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), record_function("prefill.prompt"):
                     lv.prompt = self._build_prompt(lv)
                 ready.append(lv)
             except Exception as e:
@@ -352,7 +377,7 @@ class NativeEngine(Engine):
         group: list[RequestState] = []
         for lv in ready:
             longest = lv.prompt.prefill.shape[0]
-            if group and longest * (len(group) + 1) > PREFILL_TOKENS_PER_BATCH:
+            if group and not self._prefiller.fits(len(group) + 1, longest):
                 self._prefill(group)
                 group = []
             group.append(lv)
@@ -373,19 +398,12 @@ class NativeEngine(Engine):
         try:
             with torch.inference_mode():
                 lens = [lv.prompt.prefill.shape[0] for lv in group]
-                T = max(lens)
-                embeds = torch.zeros(
-                    len(group), T, group[0].prompt.prefill.shape[1], device=self.device, dtype=self.dtype
-                )
-                for i, lv in enumerate(group):
-                    embeds[i, : lens[i]] = lv.prompt.prefill
-                pos = torch.arange(T, device=self.device).expand(len(group), T)
-                slots = torch.tensor([lv.slot for lv in group], device=self.device)
-                hidden = self._talker(embeds, pos, self._cache, slots, T)
-                last = hidden[torch.arange(len(group), device=self.device), torch.tensor(lens, device=self.device) - 1]
-                self._state.h[slots] = last
-                for lv in group:
-                    self._set_slot_params(lv.slot, lv.request)
+                with record_function("prefill.talker"):
+                    last = self._prefiller.run([lv.prompt.prefill for lv in group], [lv.slot for lv in group])
+                self._state.h[torch.tensor([lv.slot for lv in group], device=self.device)] = last
+                with record_function("prefill.slots"):
+                    for lv in group:
+                        self._set_slot_params(lv.slot, lv.request)
         except Exception as e:
             if len(group) > 1:  # find the culprit: prefill each request on its own
                 for lv in group:
