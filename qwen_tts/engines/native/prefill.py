@@ -79,7 +79,7 @@ class PrefillRunner:
         if n > self.batch_buckets[-1]:
             return False
         B, T = self.shape(n, longest)
-        return B * T <= self.max_tokens
+        return self.max_tokens >= B * T
 
     def _forward(self, embeds: Tensor, slots: Tensor, last: Tensor) -> Tensor:
         B, T, _ = embeds.shape
@@ -144,7 +144,7 @@ class PrefillRunner:
         t0 = time.perf_counter()
         for T in reversed(self.len_buckets):
             for B in reversed(self.batch_buckets):
-                if (B == 1 or B * T <= self.max_tokens) and (B, T) not in self._graphs:
+                if (B == 1 or self.max_tokens >= B * T) and (B, T) not in self._graphs:
                     self._capture(B, T)
                     if self.mode != "graphs":
                         return
