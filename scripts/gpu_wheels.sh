@@ -24,7 +24,7 @@ SERVER_PACKAGES=(
   pydantic pydantic-core pydantic-settings python-dotenv typing-inspection annotated-types typing-extensions
   uvicorn h11 click anyio idna
   soundfile cffi pycparser soxr
-  tokenizers prometheus-client tqdm watchfiles
+  tokenizers prometheus-client tqdm watchfiles python-multipart sentencex
 )
 
 download() {  # download <folder> <spec>...
