@@ -142,6 +142,8 @@ async def run(
         await engine.start()
         result["startup_s"] = round(time.perf_counter() - t0, 1)
         result["gpu_memory_after_startup"] = gpu_memory()
+        if getattr(engine, "_transport", None):  # vllm-omni: how the speaker vector travels (tensor = fast path)
+            result["speaker_transport"] = engine._transport
         log(f"{result['backend']}: started in {result['startup_s']} s; GPU memory {result['gpu_memory_after_startup']}")
         report()
         for n in levels:
