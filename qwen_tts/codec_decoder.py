@@ -129,8 +129,11 @@ class SnakeBeta(nn.Module):
         super().__init__()
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
+        self.fast = None  # fused.snake_beta once fused.enable_decoder() turned the CUDA fast path on
 
     def forward(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
+        if self.fast is not None:
+            return self.fast(x, self.alpha, self.beta)
         alpha = self.alpha.exp()[:, None]
         beta = self.beta.exp()[:, None]
         return x + torch.sin(x * alpha).pow(2) / (beta + 1e-9)

@@ -274,3 +274,27 @@ def test_padded_prefill_equals_exact_prefill(tiny_model):
     assert caches["padded"].k[0][1].abs().sum() == 0  # a slot outside the group is untouched
     # Grouping: a padded group stays within max_tokens unless it is a single prompt.
     assert runner.fits(2, 64) and not runner.fits(4, 100) and runner.fits(1, 100) and not runner.fits(5, 10)
+
+
+# ------------------------------------------------------------------------------------------------- SnakeBeta
+def test_compiled_snake_beta_equals_eager_and_code2wav_still_streams_exactly(c2w):
+    import copy
+
+    from test_codec_decoder import stream_decode
+
+    from qwen_tts import fused
+    from qwen_tts.codec_decoder import SnakeBeta
+
+    snakes = [m for m in c2w.modules() if isinstance(m, SnakeBeta)]
+    m = snakes[1]
+    x = 3 * torch.randn(3, m.alpha.shape[0], 50, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(fused.snake_beta(x, m.alpha, m.beta), m(x), rtol=1e-6, atol=1e-6)
+    model = copy.deepcopy(c2w)
+    assert fused.enable_decoder(model) == len(snakes) > 0
+    assert all(s.fast is fused.snake_beta for s in model.modules() if isinstance(s, SnakeBeta))
+    codes = random_codes(c2w.cfg, 2, 20, seed=9)
+    with torch.inference_mode():
+        whole = c2w(codes)
+        streamed = stream_decode(model, codes, [3, 5, 12])
+    torch.testing.assert_close(streamed, whole, rtol=1e-5, atol=1e-5)

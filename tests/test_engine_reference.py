@@ -151,3 +151,37 @@ async def test_a_code_outside_the_codebook_ends_only_its_request(tiny_qwen3tts, 
         assert handles[i].stats.finish_reason is FinishReason.BUDGET
         assert torch.equal(torch.cat(handles[i].codes), reference(model, reqs[i]))
     assert after.stats.finish_reason is FinishReason.BUDGET and after.stats.frames == MAX_FRAMES
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("frame_step", ["eager", "graphs"])
+async def test_engine_codes_equal_the_reference_loop_on_cuda_in_float32(tiny_checkpoint, frame_step) -> None:
+    """The same mixed requests on CUDA in float32: the reference loop eager, the engine eager or on its full fast
+    path (fused kernels, CUDA-graph frame steps and prefill, the decoder thread)."""
+    from qwen_tts.loading import load_model
+
+    model = load_model(tiny_checkpoint, device="cuda", dtype=torch.float32)
+    reqs = [request(model, i, text, opts) for i, (text, opts) in enumerate(CASES)]
+    expected = [reference(model, r) for r in reqs]
+    cfg = EngineSettings(
+        model_path=str(model.path),
+        device="cuda",
+        dtype="float32",
+        warmup=frame_step == "graphs",
+        max_slots=8,
+        frame_step=frame_step,
+        decoder_tf32=False,
+    )
+    eng = NativeEngine(cfg, model=model)
+    await eng.start()
+    try:
+        handles = [eng.submit(r) for r in reqs]
+        await asyncio.gather(*(h.collect() for h in handles))
+    finally:
+        await eng.stop()
+    assert eng.model_info["cuda_graphs"] == (frame_step == "graphs")
+    for (text, _), h, ref in zip(CASES, handles, expected, strict=True):
+        got = torch.cat(h.codes) if h.codes else torch.zeros(0, 16, dtype=torch.long)
+        n = min(len(got), len(ref))
+        same = int((got[:n] == ref[:n].cpu()).all(1).cumprod(0).sum())
+        assert got.shape == ref.shape and same == n, f"{text}: {same} of {len(ref)} frames agree, got {len(got)}"

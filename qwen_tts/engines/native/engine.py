@@ -172,6 +172,9 @@ class NativeEngine(Engine):
         if self.device.type == "cuda" and self.config.fused_kernels and fused.supported(self._talker):
             fused.enable(self._talker)
         self._model_info["fused_kernels"] = fused.is_enabled(self._talker)
+        if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
+            fused.enable_decoder(self._code2wav)
+        self._model_info["fused_decoder"] = any(getattr(m, "fast", None) for m in self._code2wav.modules())
         graphs = self._uses_graphs
         if graphs or self.config.frame_step == "padded":
             self._runner = FrameStepRunner(
