@@ -75,7 +75,7 @@ VARIANTS: dict[str, dict] = {
     "inline-decode": {"decode_thread": False, "decode_graphs": False},  # Code2Wav eager, in the engine loop
     "eager-decode": {"decode_graphs": False},  # on its own thread, without CUDA graphs
     "decode-thread-off": {"decode_thread": False},  # graphed, in the engine loop
-    "eager-snake": {"fused_decoder": False},  # Code2Wav's SnakeBeta as five eager kernels
+    "fused-snake": {"fused_decoder": True},  # Code2Wav's SnakeBeta as one compiled kernel
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints
 

@@ -176,11 +176,15 @@ _snake_compiled = None
 
 def snake_beta(x: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
     """`_snake_beta` as one compiled kernel (eager: five passes over the activation, the largest tensors in
-    Code2Wav). Pointwise, so its bits do not depend on the batch; compiled with dynamic shapes on first use."""
+    Code2Wav). Pointwise, so its bits do not depend on the batch; compiled with dynamic shapes on first use.
+
+    The input is made contiguous first: on the H200 the sliced outputs of the transposed convolutions gave one
+    recompile per stride pattern until torch.compile's recompile limit (8) stopped the 1.7B's start-up. Not
+    fullgraph, so hitting the limit again would run the eager expression instead of failing."""
     global _snake_compiled
     if _snake_compiled is None:
-        _snake_compiled = torch.compile(_snake_beta, dynamic=True, fullgraph=True)
-    return _snake_compiled(x, alpha, beta)
+        _snake_compiled = torch.compile(_snake_beta, dynamic=True)
+    return _snake_compiled(x.contiguous(), alpha, beta)
 
 
 def enable_decoder(code2wav: nn.Module) -> int:
