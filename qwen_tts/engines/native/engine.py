@@ -579,13 +579,15 @@ class NativeEngine(Engine):
             lv.decode_error = message
 
     def _wait_for_decoder(self) -> None:
-        """Block until the decoder finishes a chunk, a request arrives or the engine stops (short timeout)."""
+        """Block until the decoder finishes a chunk, a request can be admitted or the engine stops (short timeout).
+        A request waiting for a slot does not end the wait (it would spin the loop): slots free up as the decoder
+        delivers the last chunks of finished requests, or within the timeout after a cancel."""
         with self._cv:
             mark, running = self._decoder.completed, self._running
             self._cv.wait_for(
                 lambda: (
                     self._decoder.completed != mark
-                    or (self._running and bool(self._scheduler.waiting))
+                    or (self._running and self._scheduler.can_admit)
                     or self._running != running
                 ),
                 timeout=0.1,

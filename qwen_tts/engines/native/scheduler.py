@@ -103,6 +103,11 @@ class Scheduler:
                 state.cancelled = True
             self.cv.notify_all()
 
+    @property
+    def can_admit(self) -> bool:
+        """A request is waiting and a slot is free for it (cv held, or a racy hint)."""
+        return bool(self.waiting and self._free_slots)
+
     def take_admissions(self) -> list[RequestState]:
         """Pop waiting requests into free slots (FIFO); each gets its `slot`."""
         with self.cv:
