@@ -25,20 +25,16 @@ from torch import Tensor
 from qwen_tts.layers import KVCache
 from qwen_tts.talker import Talker
 
-from .frame_step import batch_buckets, bucket
+from .frame_step import batch_buckets, bucket, kv_buckets
 
 log = logging.getLogger("qwen_tts.prefill")
 
 MIN_LEN_BUCKET = 32
 
 
-def len_buckets(max_len: int, smallest: int = MIN_LEN_BUCKET) -> list[int]:
-    """Powers of two from `smallest` below max_len, then max_len."""
-    out, n = [], smallest
-    while n < max_len:
-        out.append(n)
-        n *= 2
-    return [*out, max_len]
+def len_buckets(max_len: int) -> list[int]:
+    """Prompt-length buckets: powers of two from MIN_LEN_BUCKET below max_len, then max_len."""
+    return kv_buckets(max_len, MIN_LEN_BUCKET)
 
 
 class PrefillRunner:
