@@ -959,6 +959,20 @@ class Run:
         await engine.start()
         return engine, round(time.perf_counter() - t0, 1)
 
+    async def engine_levels(self, engine, size: str, levels: list[int], out: list, variant: str = "") -> None:
+        """The closed-loop levels on one engine, each warmed first; rows appended to `out` as they end."""
+        greedy = not self.a.sampling
+        for n in levels:
+            if not self.time_left(" ".join(filter(None, (size, "engine", variant, f"c={n}")))):
+                break
+            await closed_level(engine, n, min(self.a.frames, 8), greedy)  # warm this batch size
+            r = await closed_level(engine, n, self.a.frames, greedy)
+            if variant:
+                r = {"variant": variant, **r}
+            emit({"size": size, "part": "engine", **r})
+            out.append(r)
+            self.save()
+
     async def size(self, size: str, root: Path) -> None:
         a, parts = self.a, self.a.parts
         res: dict = self.results["sizes"].setdefault(size, {})
@@ -974,14 +988,7 @@ class Run:
             try:
                 if "engine" in parts:
                     res["engine"] = []
-                    for n in a.concurrency:
-                        if not self.time_left(f"{size} engine c={n}"):
-                            break
-                        await closed_level(engine, n, min(a.frames, 8), greedy)  # warm this batch size
-                        r = await closed_level(engine, n, a.frames, greedy)
-                        emit({"size": size, "part": "engine", **r})
-                        res["engine"].append(r)
-                        self.save()
+                    await self.engine_levels(engine, size, a.concurrency, res["engine"])
                 if "poisson" in parts:
                     res["poisson"] = []
                     for rate in a.poisson_rates:
@@ -1013,14 +1020,7 @@ class Run:
                 levels = a.variant_concurrency or a.concurrency
                 engine, _ = await self.start_engine(self.engine_config(ckpt, max(levels), variant=variant))
                 try:
-                    for n in levels:
-                        if not self.time_left(f"{size} engine {variant} c={n}"):
-                            break
-                        await closed_level(engine, n, min(a.frames, 8), greedy)
-                        r = {"variant": variant, **await closed_level(engine, n, a.frames, greedy)}
-                        emit({"size": size, "part": "engine", **r})
-                        res["engine"].append(r)
-                        self.save()
+                    await self.engine_levels(engine, size, levels, res["engine"], variant)
                 finally:
                     await engine.stop()
                     del engine

@@ -80,11 +80,8 @@ def reference(model, req: SynthesisRequest) -> torch.Tensor:
     )
 
 
-async def engine_codes(model, requests: list[SynthesisRequest], padded: bool) -> list:
-    # "padded": the graph runner's padded, bucketed step, run eagerly
-    cfg = EngineSettings(
-        model_path=str(model.path), device="cpu", warmup=False, max_slots=8, frame_step="padded" if padded else "eager"
-    )
+async def run_engine(model, requests: list[SynthesisRequest], **settings) -> tuple[NativeEngine, list]:
+    cfg = EngineSettings(model_path=str(model.path), max_slots=8, **{"device": "cpu", "warmup": False, **settings})
     eng = NativeEngine(cfg, model=model)
     await eng.start()
     try:
@@ -92,6 +89,12 @@ async def engine_codes(model, requests: list[SynthesisRequest], padded: bool) ->
         await asyncio.gather(*(h.collect() for h in handles))
     finally:
         await eng.stop()
+    return eng, handles
+
+
+async def engine_codes(model, requests: list[SynthesisRequest], padded: bool) -> list:
+    # "padded": the graph runner's padded, bucketed step, run eagerly
+    eng, handles = await run_engine(model, requests, frame_step="padded" if padded else "eager")
     assert type(eng._runner).__name__ == ("FrameStepRunner" if padded else "EagerFrameStep")
     return handles
 
@@ -163,22 +166,15 @@ async def test_engine_codes_equal_the_reference_loop_on_cuda_in_float32(tiny_che
     model = load_model(tiny_checkpoint, device="cuda", dtype=torch.float32)
     reqs = [request(model, i, text, opts) for i, (text, opts) in enumerate(CASES)]
     expected = [reference(model, r) for r in reqs]
-    cfg = EngineSettings(
-        model_path=str(model.path),
+    eng, handles = await run_engine(
+        model,
+        reqs,
         device="cuda",
         dtype="float32",
         warmup=frame_step == "graphs",
-        max_slots=8,
         frame_step=frame_step,
         decoder_tf32=False,
     )
-    eng = NativeEngine(cfg, model=model)
-    await eng.start()
-    try:
-        handles = [eng.submit(r) for r in reqs]
-        await asyncio.gather(*(h.collect() for h in handles))
-    finally:
-        await eng.stop()
     assert eng.model_info["cuda_graphs"] == (frame_step == "graphs")
     for (text, _), h, ref in zip(CASES, handles, expected, strict=True):
         got = torch.cat(h.codes) if h.codes else torch.zeros(0, 16, dtype=torch.long)
