@@ -76,6 +76,7 @@ VARIANTS: dict[str, dict] = {
     "eager-decode": {"decode_graphs": False},  # on its own thread, without CUDA graphs
     "decode-thread-off": {"decode_thread": False},  # graphed, in the engine loop
     "fused-snake": {"fused_decoder": True},  # Code2Wav's SnakeBeta as one compiled kernel
+    "default-stream": {"step_stream_priority": False},  # frame steps on the default stream, not a high-priority one
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints
 

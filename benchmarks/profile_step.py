@@ -95,6 +95,24 @@ def time_replays(runner: FrameStepRunner, B: int, args, iters: int) -> dict:
     return {"replay_ms": round(replay_ms, 3), "step_call_ms": round(step_ms, 3)}
 
 
+# Kernel families by name (first match wins): where a step's kernels and device time go.
+CATEGORIES = (
+    ("gemm", ("gemm", "gemv", "cutlass", "cublas", "sm90_", "sm80_", "xmma", "splitk")),
+    ("attention", ("decode_attention", "_attn")),
+    ("sort", ("sort", "radix", "cub::")),
+    ("compiled", ("triton_",)),
+    ("copy/index", ("copy", "memcpy", "memset", "index", "gather", "scatter", "cat")),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
 def profile_eager(runner: FrameStepRunner, B: int, args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -110,10 +128,14 @@ def profile_eager(runner: FrameStepRunner, B: int, args) -> dict:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_cat: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in kernels:
         key = e.name[:48]
+        t = e.device_time if hasattr(e, "device_time") else e.cuda_time
         by_name[key][0] += 1
-        by_name[key][1] += e.device_time if hasattr(e, "device_time") else e.cuda_time
+        by_name[key][1] += t
+        by_cat[category(e.name)][0] += 1
+        by_cat[category(e.name)][1] += t
     ranges = {}
     for ev in prof.key_averages():
         if ev.key in ("code_predictor", "talker"):
@@ -124,10 +146,11 @@ def profile_eager(runner: FrameStepRunner, B: int, args) -> dict:
         "kernel_device_ms": round(sum(v[1] for v in by_name.values()) / 1000, 3),
         **ranges,
         "top": [(k, v[0], round(v[1] / 1000, 3)) for k, v in top],
+        "by_category": {k: (v[0], round(v[1] / 1000, 3)) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1][1])},
     }
 
 
-def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int) -> list[dict]:
+def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, variants: list[str]) -> list[dict]:
     model = load_model(path, device="cuda", dtype=torch.bfloat16)
     c2w = model.code2wav.float().eval()
     Q = c2w.cfg.num_quantizers
@@ -139,14 +162,19 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int) -> l
         torch.backends.cudnn.allow_tf32 = False
         with torch.inference_mode():
             whole = c2w(codes[:1]).float()[0]  # exact reference for row 0 (float32, TF32 off)
-        for name, tf32, dtype in (
-            ("fp32", False, torch.float32),
-            ("tf32", True, torch.float32),
-            ("bf16", False, torch.bfloat16),
+        for name, tf32, dtype, snake in (
+            ("fp32", False, torch.float32, False),
+            ("tf32", True, torch.float32, False),
+            ("tf32+compiled-snake", True, torch.float32, True),
+            ("bf16", False, torch.bfloat16, False),
         ):
+            if name not in variants:
+                continue
             torch.backends.cudnn.allow_tf32 = tf32
             torch.backends.cuda.matmul.allow_tf32 = tf32
-            dec = copy.deepcopy(c2w).to(dtype) if dtype != torch.float32 else c2w
+            dec = copy.deepcopy(c2w).to(dtype) if dtype != torch.float32 or snake else c2w
+            if snake:
+                fused.enable_decoder(dec)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -189,7 +217,8 @@ def main() -> None:
     ap.add_argument("--variants", default="eager,fused")
     ap.add_argument("--position", type=int, default=300, help="cache position of every row (the kv length)")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--codec-batches", default="1,64")
+    ap.add_argument("--codec-batches", default="1,64", help="empty: no Code2Wav part")
+    ap.add_argument("--codec-variants", default="fp32,tf32,tf32+compiled-snake,bf16")
     ap.add_argument("--out", default="profile.json")
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
@@ -221,12 +250,14 @@ def main() -> None:
                     **tm,
                     "weights_gb": round(gbytes, 2),
                     "tb_per_s": round(gbytes / tm["replay_ms"], 2),
-                    **{k: v for k, v in pr.items() if k != "top"},
+                    **{k: v for k, v in pr.items() if k not in ("top", "by_category")},
+                    "by_category": pr["by_category"],
                     "graphs": runner.num_graphs,
                     "setup_s": round(time.perf_counter() - t0, 1),
                 }
                 rows.append(row)
                 print(json.dumps(row), "\n  top kernels:", json.dumps(pr["top"]), flush=True)
+                print("  by category (kernels, device ms):", json.dumps(pr["by_category"]), flush=True)
             del model, talker, state, cache, runner
             torch.cuda.empty_cache()
         agree = {}
@@ -240,7 +271,8 @@ def main() -> None:
                 }
         results["agreement"] = agree
         results["steps"] = rows
-        results["codec"] = codec_variants(path, [int(x) for x in a.codec_batches.split(",")], 12, 6)
+        codec_batches = [int(x) for x in a.codec_batches.split(",") if x]
+        results["codec"] = codec_variants(path, codec_batches, 12, 6, a.codec_variants.split(","))
     Path(a.out).write_text(json.dumps(results, indent=2))
     print("\nagreement eager vs fused:", json.dumps(agree))
     cols = ["variant", "batch", "replay_ms", "step_call_ms", "tb_per_s", "kernels", "kernel_device_ms",

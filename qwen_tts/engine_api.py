@@ -135,6 +135,10 @@ class EngineSettings:
     # With CUDA-graph frame steps, also replay Code2Wav from a CUDA graph per (batch bucket, chunk length):
     # one launch instead of ~1,000 per chunk. Chunks shorter than their bucket are padded and trimmed.
     decode_graphs: bool = True
+    # On CUDA, run the engine loop's work (prefill, frame steps) on a high-priority CUDA stream: Code2Wav's long
+    # convolution kernels on the decoder's stream then fill the SMs the frame step leaves idle instead of making
+    # its ~1,800 short kernels wait behind them. False: the engine loop uses the default stream.
+    step_stream_priority: bool = True
     # Chunks of one request that may wait in or for the decoder before that request's generation pauses.
     decode_lookahead: int = 2
     # Most rows in one Code2Wav call (and its largest graph bucket): a 12-frame chunk of 64 rows already fills an

@@ -58,8 +58,9 @@ FRAMES = 32
 
 
 def stub_missing_modules() -> None:
-    """torchaudio and sox are imported by the package but unused on the 12 Hz path (reference doc section 9)."""
-    for group in (("torchaudio", "torchaudio.compliance", "torchaudio.compliance.kaldi"), ("sox",)):
+    """torchaudio, sox and onnxruntime (the 25 Hz tokenizer's) are imported by the package but unused on the 12 Hz
+    path (reference doc section 9)."""
+    for group in (("torchaudio", "torchaudio.compliance", "torchaudio.compliance.kaldi"), ("sox",), ("onnxruntime",)):
         try:
             importlib.import_module(group[0])
         except Exception:
@@ -359,6 +360,135 @@ def compare_full_size(size: str, device: str, frames: int, dtype: torch.dtype, w
     print("ALL CODES IDENTICAL" if all_equal else "CODES DIFFER")
 
 
+def _ours_talker_tf(model, seq: torch.Tensor, prefill_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our talker over a teacher-forced sequence (L + F - 1, H): the prompt as one prefill, then one token per step
+    (the engine's order; the fused decode path when it is on). -> (hidden, logits) at positions L-1 .. end."""
+    talker = model.talker
+    dev = seq.device
+    n = len(seq)
+    cache = talker.new_cache(1, n)
+    slot = torch.zeros(1, dtype=torch.long, device=dev)
+    hs = [talker(seq[None, :prefill_len], torch.arange(prefill_len, device=dev)[None], cache, slot, prefill_len)[0, -1]]
+    for p in range(prefill_len, n):
+        hs.append(talker(seq[None, p : p + 1], torch.full((1, 1), p, device=dev), cache, slot, p + 1)[0, -1])
+    h = torch.stack(hs)
+    return h, talker.logits(h).float()
+
+
+def _ours_cp_tf(model, h: torch.Tensor, cp_in: torch.Tensor) -> torch.Tensor:
+    """Our code predictor, teacher-forced, one token per step for every frame at once: h (F, H), cp_in (F, 15, H)
+    = [C(cb0), E_0(cb1), ..., E_13(cb14)] -> logits (F, 15, V) of cb1..cb15."""
+    cp = model.talker.code_predictor
+    F_, dev = h.shape[0], h.device
+    x = cp.small_to_mtp_projection(torch.cat((h[:, None], cp_in), dim=1))  # (F, 16, H_cp)
+    cache = cp.model.new_cache(F_, 16, dev, x.dtype)
+    slots = torch.arange(F_, device=dev)
+    pos = torch.arange(16, device=dev)[None].expand(F_, -1)
+    hidden = [cp.model(x[:, t : t + 1], pos[:, t : t + 1], cache, slots, 16)[:, 0] for t in range(16)]
+    return torch.stack([cp.lm_head[j](hidden[j + 1]) for j in range(15)], dim=1).float()
+
+
+def _official_tf(tts, seq: torch.Tensor, prefill_len: int, cp_in_of) -> tuple[torch.Tensor, torch.Tensor]:
+    """The official talker and code predictor over the same inputs: (talker logits at L-1.., cp logits (F, 15, V))."""
+    talker = tts.model.talker
+    h = talker.model(inputs_embeds=seq[None], use_cache=False).last_hidden_state[0, prefill_len - 1 :]
+    logits = talker.codec_head(h).float()
+    cpm = talker.code_predictor
+    x = cpm.small_to_mtp_projection(torch.cat((h[:, None], cp_in_of(h.dtype)), dim=1))
+    hc = cpm.model(inputs_embeds=x, use_cache=False).last_hidden_state
+    cp_logits = torch.stack([cpm.lm_head[j](hc[:, j + 1]) for j in range(15)], dim=1).float()
+    return logits, cp_logits
+
+
+def _agreement(a: torch.Tensor, b: torch.Tensor, ref_scale: torch.Tensor) -> dict:
+    """Top-1 agreement, max |diff| and RMS diff relative to the reference's RMS, of two logit tensors (..., V); and
+    where the top-1 differs, b's gap between the two ids (how near a tie the flip was) against b's median top-2 gap."""
+    same = a.argmax(-1) == b.argmax(-1)
+    top2 = b.topk(2, dim=-1).values
+    gap = top2[..., 0] - top2[..., 1]
+    flipped = gap[~same]
+    return {
+        "top1_agreement": round(same.float().mean().item(), 4),
+        "flip_gap_max": round(flipped.max().item(), 4) if flipped.numel() else None,
+        "median_top2_gap": round(gap.median().item(), 4),
+        "max_abs_diff": round((a - b).abs().max().item(), 4),
+        "rel_rms_diff": round(((a - b).pow(2).mean().sqrt() / ref_scale.pow(2).mean().sqrt()).item(), 5),
+        "positions": int(a[..., 0].numel()),
+    }
+
+
+@torch.inference_mode()
+def teacher_forced(size: str, device: str, frames: int, workdir: Path, seed: int, out: Path | None) -> dict:
+    """Teacher-forced agreement on a full-size random checkpoint: the same input sequence (a prompt and `frames`
+    frames our float32 model generated greedily) through our talker and code predictor in float32, in bf16 on
+    the eager path and in bf16 on the fused CUDA path, and through the official package in bf16. Talker logits are
+    compared over the codebook ids (the sampler suppresses the rest), code-predictor logits over its vocabulary."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ours = import_ours(["random_checkpoint", "loading", "reference_loop", "prompt", "tokenizer", "fused"])
+    off = import_official()
+    ckpt = workdir / f"random-{size}-seed{seed}"
+    if not (ckpt / "speech_tokenizer/model.safetensors").is_file():
+        ours.random_checkpoint.write_random_checkpoint(ckpt, size=size, seed=seed)
+    m32 = ours.loading.load_model(ckpt, device=device, dtype=torch.float32)
+    cfg = m32.config
+    tc = cfg.talker
+    x = torch.randn(tc.hidden_size, generator=torch.Generator().manual_seed(7)).to(device)
+    text, language = TEXTS[0], "english"
+    codes = ours.reference_loop.generate_codes(
+        m32.talker, cfg, m32.tokenizer, text, x, language, True, max_frames=frames, min_new_tokens=frames
+    )  # (F, 16)
+    ids = m32.tokenizer.chat_ids(text)
+    R, T_ = ours.tokenizer.ROLE_LEN, ours.tokenizer.TAIL_LEN
+    prompt = ours.prompt.build_prompt(cfg, m32.talker, ids[R:-T_], ids[:R], x, language, True)
+    L = prompt.prefill.shape[0]
+    cp_emb = m32.talker.code_predictor.model.codec_embedding
+    c0 = m32.talker.embed_codec(codes[:, 0])  # (F, H)
+    resid = [cp_emb[j](codes[:, j + 1]) for j in range(15)]  # each (F, H)
+    track = torch.stack([prompt.trailing[k] if k < len(prompt.trailing) else prompt.pad for k in range(frames)])
+    steps = c0 + torch.stack(resid).sum(0) + track  # input of the step after frame k
+    seq32 = torch.cat((prompt.prefill, steps[:-1]))  # (L + F - 1, H)
+    cp_in32 = torch.stack([c0, *resid[:14]], dim=1)  # (F, 15, H)
+    V = tc.codebook_size
+
+    results: dict = {"size": size, "frames": frames, "prefill_len": L, "device": device}
+    h32, lg32 = _ours_talker_tf(m32, seq32, L)
+    cp32 = _ours_cp_tf(m32, h32, cp_in32)
+    ref = {"fp32": (lg32[:, :V], cp32)}
+    m16 = ours.loading.load_model(ckpt, device=device, dtype=torch.bfloat16)
+    seq16, cp_in16 = seq32.bfloat16(), cp_in32.bfloat16()
+    h, lg = _ours_talker_tf(m16, seq16, L)
+    ref["bf16"] = (lg[:, :V], _ours_cp_tf(m16, h, cp_in16))
+    if device.startswith("cuda") and ours.fused.supported(m16.talker):
+        ours.fused.enable(m16.talker)
+        h, lg = _ours_talker_tf(m16, seq16, L)
+        ref["bf16-fused"] = (lg[:, :V], _ours_cp_tf(m16, h, cp_in16))
+    del m16
+    # float32 official == float32 ours first: the teacher-forced inputs reach both implementations alike.
+    tts = load_official(off, ckpt, device, torch.float32, values=False)
+    lo, co = _official_tf(tts, seq32, L, lambda dt: cp_in32.to(dt))
+    ref["official-fp32"] = (lo[:, :V], co)
+    del tts
+    tts = load_official(off, ckpt, device, torch.bfloat16, values=False)
+    lo, co = _official_tf(tts, seq16, L, lambda dt: cp_in16.to(dt))
+    ref["official-bf16"] = (lo[:, :V], co)
+    pairs = [("official-fp32", "fp32"), ("bf16", "fp32"), ("bf16-fused", "fp32"), ("official-bf16", "fp32"),
+             ("bf16", "official-bf16"), ("bf16-fused", "official-bf16")]  # fmt: skip
+    for a, b in pairs:
+        if a in ref and b in ref:
+            results[f"{a} vs {b}"] = {
+                "talker": _agreement(ref[a][0], ref[b][0], ref["fp32"][0]),
+                "code_predictor": _agreement(ref[a][1], ref[b][1], ref["fp32"][1]),
+            }
+    for key, val in results.items():
+        print(key, val)
+    if out is not None:
+        import json
+
+        out.write_text(json.dumps(results, indent=2))
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("fixture_tiny.pt"), help="tiny fixture path")
@@ -368,9 +498,13 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=16, help="frames per generation in --size 0.6b/1.7b mode")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="full-size mode dtype")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()), help="where full-size checkpoints go")
+    ap.add_argument("--teacher-forced", action="store_true", help="full-size: teacher-forced top-1 agreement")
+    ap.add_argument("--json", type=Path, default=None, help="--teacher-forced: write the figures here")
     a = ap.parse_args()
     torch.manual_seed(0)
-    if a.size == "tiny":
+    if a.teacher_forced:
+        teacher_forced(a.size, a.device, a.frames, a.workdir, a.seed, a.json)
+    elif a.size == "tiny":
         record_tiny(a.out, a.seed, a.device)
     else:
         compare_full_size(a.size, a.device, a.frames, getattr(torch, a.dtype), a.workdir, a.seed)

@@ -319,6 +319,16 @@ class NativeEngine(Engine):
         torch.set_grad_enabled(False)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
+        if self.device.type == "cuda" and self.config.step_stream_priority:
+            # Negative is higher; graph replays take the priority of the stream they are launched into.
+            stream = torch.cuda.Stream(self.device, priority=-1)
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # what _load and the warm-up wrote
+            with torch.cuda.stream(stream):
+                self._loop()
+        else:
+            self._loop()
+
+    def _loop(self) -> None:
         sched = self._scheduler
         try:
             while True:
