@@ -666,9 +666,13 @@ async def http_level(url: str, n: int, frames: int, greedy: bool) -> dict:
     import httpx
 
     streams = [Stream() for _ in range(n)]
+    server_ttfa: list[float] = []  # the server's own submit-to-first-audio (X-Time-To-First-Audio)
     # One client with a connection per stream, made before the clock starts: an AsyncClient per request spends
     # ~10-20 ms of this process's CPU on its set-up (its SSL context), which serialises the first bytes of 64
-    # clients (fake engine on 2 cores: TTFA p50 697 -> 104 ms with the client shared).
+    # clients (fake engine on 2 cores: TTFA p50 697 -> 104 ms with the client shared). A new client per level,
+    # never one reused from an earlier wave: httpcore 1.0's pool hands a burst of requests the same kept-alive
+    # connection, and all but one retry (ConnectionNotAvailable) pass after pass, so a second wave over kept-alive
+    # connections waits 300-460 ms in the pool before its headers go out (benchmarks/bench_http_waves.py).
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=n, max_keepalive_connections=n)
     )
@@ -692,6 +696,8 @@ async def http_level(url: str, n: int, frames: int, greedy: bool) -> dict:
                     st.error = f"http_{resp.status_code}"
                     await resp.aread()
                     return
+                with contextlib.suppress(ValueError):
+                    server_ttfa.append(float(resp.headers.get("x-time-to-first-audio", "")))
                 async for piece in resp.aiter_raw():
                     st.chunk(len(piece) / 4 / SAMPLE_RATE)  # f32le mono
         except httpx.HTTPError as e:
@@ -701,7 +707,11 @@ async def http_level(url: str, n: int, frames: int, greedy: bool) -> dict:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i, s) for i, s in enumerate(streams)))
         wall = time.perf_counter() - t0
-    return {"clients": n, "frames": frames, **stream_stats(streams, wall)}
+    server = {
+        "server_ttfa_p50_ms": r1(pct(server_ttfa, 0.5), 1000),
+        "server_ttfa_p95_ms": r1(pct(server_ttfa, 0.95), 1000),
+    }
+    return {"clients": n, "frames": frames, **stream_stats(streams, wall), **server}
 
 
 # ---------------------------------------------------------------------------------------------------- baselines

@@ -180,3 +180,29 @@ def test_tiny_run_end_to_end(tmp_path):
     text = bench.report(results)
     assert text.splitlines()[-1].startswith("| tiny | poisson 50/s | 2 ")
     assert "| tiny | engine | 2 |" in text
+
+
+def _waves(argv: list[str]) -> list[dict]:
+    spec = importlib.util.spec_from_file_location("bench_http_waves", ROOT / "benchmarks" / "bench_http_waves.py")
+    waves = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(waves)
+    return waves.main(["--clients", "3", "--frames", "5", "--waves", "2", "--pause", "0", *argv])
+
+
+@pytest.mark.slow
+def test_bench_gpus_http_level_reports_the_servers_first_audio_beside_the_clients():
+    rows = _waves(["--client", "bench-gpu"])  # the fake engine's server; bench_gpu.http_level as its http part
+    assert [r["wave"] for r in rows] == [1, 2]
+    for r in rows:
+        assert (r["ok"], r["errors"]) == (3, {})
+        # 10 ms per frame, a 3-frame first chunk: the server's own clock, inside the client's
+        assert 30 <= r["server_ttfa_p50_ms"] <= r["server_ttfa_p95_ms"] <= r["ttfa_max_ms"]
+
+
+@pytest.mark.slow
+def test_the_wave_driver_streams_a_second_wave_over_the_same_kept_alive_connections():
+    rows = _waves(["--client", "h11"])
+    assert [r["connections_opened"] for r in rows] == [3, 0]
+    for r in rows:
+        assert (r["ok"], r["errors"]) == (3, {})
+        assert 30 <= r["server_ttfa_p50_ms"] <= r["ttfa_p50_ms"]

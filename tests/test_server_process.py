@@ -11,6 +11,7 @@ import base64
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -104,6 +105,16 @@ def test_startup_logs_the_seed_sequence(server: ServerProcess) -> None:
     positions = [log.find(s) for s in steps]
     assert all(p >= 0 for p in positions), log
     assert positions == sorted(positions)
+
+
+def test_the_startup_heap_is_frozen_before_the_server_serves(server: ServerProcess) -> None:
+    """Full garbage collections while serving must not walk torch, the engine and the app (tts_server/heap.py):
+    each such walk stopped every stream for ~100 ms on 2 cores."""
+    log = server.log()
+    match = re.search(r"startup heap frozen: (\d+) objects", log)
+    assert match, log
+    assert int(match.group(1)) > 50_000  # torch and the app alone leave ~200,000 tracked objects
+    assert match.start() < log.find("Uvicorn running")
 
 
 def test_whole_file_over_the_socket(client: httpx.Client) -> None:

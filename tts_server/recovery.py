@@ -23,6 +23,7 @@ import torch
 
 from qwen_tts.engine_api import Engine
 
+from .heap import freeze_startup_heap, thaw_and_collect
 from .runtime import Runtime, StartupError, start_engine
 
 logger = logging.getLogger("tts_server")
@@ -106,6 +107,7 @@ class EngineSupervisor:
             with contextlib.suppress(Exception):
                 await old.stop(0.0)
             del old
+            thaw_and_collect()  # the old engine's reference cycles (which may hold device memory) are freed now
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             engine = rt.engine_factory()
@@ -116,6 +118,7 @@ class EngineSupervisor:
             rt.restarting = False
             return self._fatal(f"{reason}; the restart failed: {e}")
         rt.engine = engine
+        freeze_startup_heap()  # the new engine's long-lived objects, out of the collector's walks again
         rt.engine_restarts += 1
         rt.metrics.engine_restarts.inc()
         rt.restarting = False

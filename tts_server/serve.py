@@ -22,6 +22,7 @@ from inference_config import ENV_PREFIX, ServerSettings, SettingsError, load_set
 
 from . import faults
 from .app import create_app
+from .heap import freeze_startup_heap
 from .http_server import ConnectionLimits, uvicorn_options
 from .recovery import EXIT_ENGINE_FAILED, EngineSupervisor
 from .runtime import Runtime, StartupError
@@ -123,6 +124,8 @@ async def serve(settings: ServerSettings) -> int:
         on_engine=faults.installer(settings.fault_file),
     )
     supervisor.start()
+    config.load()  # uvicorn's own imports and app wrapping, so that they are part of the frozen startup heap
+    freeze_startup_heap()
     try:
         await server.serve()
     finally:

@@ -1,0 +1,96 @@
+"""The startup heap is frozen out of the garbage collector's full collections, and thawed when an engine is
+replaced (tts_server/heap.py): what serving allocates must not make each full collection walk torch and the app."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from qwen_tts.engines.fake import FakeEngine
+from server_helpers import clean_settings, write_voice
+from tts_server.heap import freeze_startup_heap, thaw_and_collect
+from tts_server.recovery import EngineSupervisor
+from tts_server.runtime import Runtime
+
+DIM = 16
+
+
+class Node:
+    def __init__(self) -> None:
+        self.me = self  # a reference cycle: only the cyclic collector can free it
+
+
+def walked(obj: object) -> bool:
+    """Whether a full collection looks at `obj` (gc.get_objects lists generations 0-2, not the frozen one)."""
+    return any(o is obj for o in gc.get_objects())
+
+
+@pytest.fixture
+def thawed() -> Iterator[None]:
+    """Leave this test process's heap as collectable as it found it."""
+    yield
+    gc.unfreeze()
+
+
+def test_objects_alive_at_the_freeze_are_out_of_full_collections_later_ones_are_not(thawed) -> None:
+    before = Node()
+    assert walked(before)
+    frozen = freeze_startup_heap()
+    assert frozen == gc.get_freeze_count() > 0
+    after = Node()
+    assert not walked(before)
+    assert walked(after)
+
+
+def test_garbage_startup_left_is_collected_before_the_freeze_not_kept(thawed) -> None:
+    dropped = weakref.ref(Node())
+    assert dropped() is not None  # a cycle: reference counting alone does not free it
+    freeze_startup_heap()
+    assert dropped() is None
+
+
+def test_a_frozen_cycle_outlives_collections_until_thawed(thawed) -> None:
+    node = Node()
+    ref = weakref.ref(node)
+    freeze_startup_heap()
+    del node
+    gc.collect()
+    assert ref() is not None  # why an engine replacement must thaw: its old cycles would stay (device memory)
+    thaw_and_collect()
+    assert ref() is None
+
+
+@pytest.fixture
+def voices(tmp_path: Path) -> Path:
+    root = tmp_path / "voices"
+    write_voice(root, "alice", DIM)
+    return root
+
+
+async def test_an_engine_restart_frees_the_old_engine_even_in_a_cycle_and_freezes_again(voices: Path, thawed) -> None:
+    rt = await Runtime.start(clean_settings(profiles_dir=voices), engine=FakeEngine(xvector_dim=DIM))
+    supervisor = EngineSupervisor(rt, lambda reason: None, restart_delay=0.0, max_restarts=3)
+    try:
+        rt.engine_factory = lambda: FakeEngine(xvector_dim=DIM)
+        old = rt.engine
+        old.me = old  # type: ignore[attr-defined]  # engines hold cycles (threads, callbacks, modules)
+        ref = weakref.ref(old)
+        freeze_startup_heap()  # as the server does before it serves
+        supervisor.start()
+        await old.stop()  # the engine dies: not ready any more
+        del old
+        for _ in range(200):
+            if rt.engine_restarts:
+                break
+            await asyncio.sleep(0.01)
+        assert rt.engine_restarts == 1 and rt.engine.ready
+        assert ref() is None  # freed at the restart, not left frozen
+        assert not walked(rt.engine)  # the new engine is out of full collections again
+    finally:
+        await supervisor.stop()
+        await rt.stop()
