@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import json
 import math
 import os
@@ -58,6 +57,7 @@ from qwen_tts.engine_api import SAMPLE_RATE, EngineSettings, QueueFullError, Syn
 from qwen_tts.engines import create_engine
 from qwen_tts.random_checkpoint import write_random_checkpoint
 from qwen_tts.voices import VoiceProfile, save_profile
+from tts_server.heap import freeze_startup_heap, thaw_and_collect
 
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -75,8 +75,9 @@ VARIANTS: dict[str, dict] = {
     "inline-decode": {"decode_thread": False, "decode_graphs": False},  # Code2Wav eager, in the engine loop
     "eager-decode": {"decode_graphs": False},  # on its own thread, without CUDA graphs
     "decode-thread-off": {"decode_thread": False},  # graphed, in the engine loop
-    "fused-snake": {"fused_decoder": True},  # Code2Wav's SnakeBeta as one compiled kernel
     "default-stream": {"step_stream_priority": False},  # frame steps on the default stream, not a high-priority one
+    "eager-snake": {"fused_decoder": False},  # Code2Wav's SnakeBeta as five eager passes
+    "cudnn-benchmark": {"decoder_cudnn_benchmark": True},  # cuDNN picks Code2Wav's convolution algorithms by timing
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints
 
@@ -968,6 +969,9 @@ class Run:
         t0 = time.perf_counter()
         engine = create_engine(cfg)
         await engine.start()
+        # As the server does after start-up (tts_server/heap.py): full collections then skip the engine's heap,
+        # instead of stopping its loop for tens of ms.
+        freeze_startup_heap()
         return engine, round(time.perf_counter() - t0, 1)
 
     async def engine_levels(self, engine, size: str, levels: list[int], out: list, variant: str = "") -> None:
@@ -1151,7 +1155,7 @@ def merge(paths: list[str]) -> dict:
 
 
 def free_memory() -> None:
-    gc.collect()
+    thaw_and_collect()  # an engine's frozen reference cycles (which may hold device memory) go too
     if cuda():
         torch.cuda.empty_cache()
 

@@ -122,9 +122,12 @@ class EngineSettings:
     # in-place Triton attention, compiled sampler): the same function in far fewer kernels. Ignored on CPU.
     fused_kernels: bool = True
     # On CUDA, run Code2Wav's SnakeBeta activations (its largest tensors) as one compiled kernel each instead of
-    # five eager passes. Off by default until measured on the GPU: the first try stopped the 1.7B's start-up at
-    # torch.compile's recompile limit (docs/benchmarks.md); ignored on CPU.
-    fused_decoder: bool = False
+    # five eager passes: a 64-row 12-frame chunk 79 -> 65 ms on an H200, 64 streams 277 -> 313 audio-s/s, 256
+    # streams 448 -> 525, the audio as close to the exact decode as without it (docs/benchmarks.md). Ignored on CPU.
+    fused_decoder: bool = True
+    # cuDNN benchmark mode for Code2Wav's convolutions on CUDA: each (batch bucket, chunk length) shape times the
+    # available algorithms once, at graph capture, and keeps the fastest. A process-wide cuDNN setting.
+    decoder_cudnn_benchmark: bool = False
     # Decode each request's chunks on their own instead of batched with others' of the same length: the waveform
     # is then a function of the request's codes alone, bit for bit, whatever else runs (a batched convolution
     # rounds differently: 1 int16 LSB on ~1% of samples). Costs the batching of Code2Wav; docs/security.md.
