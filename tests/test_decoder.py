@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections import defaultdict
 from types import SimpleNamespace
 
 import numpy as np
@@ -125,6 +127,38 @@ def test_worker_merges_no_more_rows_than_its_largest_batch():
     w._queue = list(jobs)
     assert w._take() == jobs[:2]
     assert w._take() == jobs[2:]
+
+
+def test_worker_decodes_inside_its_gpu_guard_on_its_own_thread():
+    """The engine passes a lock while graphs are captured lazily: every decode call must run holding it."""
+    lock = threading.Lock()
+    held = []
+
+    def decode(slots, fresh, codes):
+        held.append((lock.locked(), len(slots)))
+        return torch.zeros(len(slots), codes.shape[-1] * 4)
+
+    dec = SimpleNamespace(device=torch.device("cpu"), decode=decode, upsample=4)
+    delivered, cv = [], threading.Condition()
+    w = DecodeWorker(
+        dec, lambda row, c, wav: delivered.append(row), None, cv, True, 8, defaultdict(float), gpu_guard=lock
+    )
+    try:
+        rows = [SimpleNamespace(cancelled=False) for _ in range(3)]
+        for r in rows:
+            w.submit(_job([r], (1, False, -1)))
+        with cv:
+            assert cv.wait_for(lambda: w.completed == 3, timeout=10)
+        with lock:  # the engine holding it: the worker must wait
+            w.submit(_job([SimpleNamespace(cancelled=False)], (1, False, -1)))
+            time.sleep(0.2)
+            assert sum(n for _, n in held) == 3
+        with cv:
+            assert cv.wait_for(lambda: not w.busy, timeout=10)
+    finally:
+        w.close()
+    assert sum(n for _, n in held) == 4 and all(locked for locked, _ in held)
+    assert len(delivered) == 4
 
 
 def test_worker_keeps_batch_invariant_rows_apart():

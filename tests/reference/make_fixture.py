@@ -70,6 +70,9 @@ def stub_missing_modules() -> None:
                 sys.modules[name] = module
 
 
+_OURS: dict[str, types.ModuleType] = {}  # our qwen_tts modules, kept after they leave sys.modules
+
+
 def import_ours(names: list[str]) -> types.SimpleNamespace:
     """Import qwen_tts.<name> from this repository, then hide the repository package from later imports."""
     sys.path.insert(0, str(REPO))
@@ -78,8 +81,21 @@ def import_ours(names: list[str]) -> types.SimpleNamespace:
     finally:
         sys.path.remove(str(REPO))
         for key in [k for k in sys.modules if k == "qwen_tts" or k.startswith("qwen_tts.")]:
-            del sys.modules[key]
+            _OURS[key] = sys.modules.pop(key)
     return types.SimpleNamespace(**mods)
+
+
+@contextlib.contextmanager
+def ours_active():
+    """Our modules back in sys.modules for code of ours that imports lazily (e.g. qwen_tts.fused)."""
+    theirs = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "qwen_tts" or k.startswith("qwen_tts.")}
+    sys.modules.update(_OURS)
+    try:
+        yield
+    finally:
+        for key in _OURS:
+            sys.modules.pop(key, None)
+        sys.modules.update(theirs)
 
 
 def import_official() -> types.SimpleNamespace:
@@ -425,7 +441,7 @@ def teacher_forced(size: str, device: str, frames: int, workdir: Path, seed: int
     compared over the codebook ids (the sampler suppresses the rest), code-predictor logits over its vocabulary."""
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    ours = import_ours(["random_checkpoint", "loading", "reference_loop", "prompt", "tokenizer", "fused"])
+    ours = import_ours(["random_checkpoint", "loading", "reference_loop", "prompt", "tokenizer", "fused", "layers"])
     off = import_official()
     ckpt = workdir / f"random-{size}-seed{seed}"
     if not (ckpt / "speech_tokenizer/model.safetensors").is_file():
@@ -459,10 +475,11 @@ def teacher_forced(size: str, device: str, frames: int, workdir: Path, seed: int
     seq16, cp_in16 = seq32.bfloat16(), cp_in32.bfloat16()
     h, lg = _ours_talker_tf(m16, seq16, L)
     ref["bf16"] = (lg[:, :V], _ours_cp_tf(m16, h, cp_in16))
-    if device.startswith("cuda") and ours.fused.supported(m16.talker):
-        ours.fused.enable(m16.talker)
-        h, lg = _ours_talker_tf(m16, seq16, L)
-        ref["bf16-fused"] = (lg[:, :V], _ours_cp_tf(m16, h, cp_in16))
+    with ours_active():
+        if device.startswith("cuda") and ours.fused.supported(m16.talker):
+            ours.fused.enable(m16.talker)
+            h, lg = _ours_talker_tf(m16, seq16, L)
+            ref["bf16-fused"] = (lg[:, :V], _ours_cp_tf(m16, h, cp_in16))
     del m16
     # float32 official == float32 ours first: the teacher-forced inputs reach both implementations alike.
     tts = load_official(off, ckpt, device, torch.float32, values=False)

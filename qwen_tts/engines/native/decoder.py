@@ -18,10 +18,12 @@ when the worker gets to them, so a worker that falls behind decodes bigger batch
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,8 +186,11 @@ class DecodeWorker:
         threaded: bool,
         max_batch: int,
         timings: dict[str, float],
+        gpu_guard: AbstractContextManager | None = None,
     ):
         self.decoder = decoder
+        # Held around each decode call: the engine's lock while graphs are captured lazily (engine.py), else none.
+        self._gpu_guard = gpu_guard if gpu_guard is not None else contextlib.nullcontext()
         self._deliver, self._fail, self._cv = deliver, fail, cv
         self.threaded = threaded
         self.max_batch = max_batch
@@ -286,7 +291,7 @@ class DecodeWorker:
         if live:
             codes = torch.cat([job.codes[i : i + 1] for job, i in live])
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), self._gpu_guard:
                     wav = self.decoder.decode(
                         [job.slots[i] for job, i in live], [job.fresh[i] for job, i in live], codes
                     )
@@ -294,7 +299,7 @@ class DecodeWorker:
                 log.exception("batched decode failed; retrying rows one by one")
                 for job, i in live:
                     try:
-                        with torch.inference_mode():
+                        with torch.inference_mode(), self._gpu_guard:
                             wav = self.decoder.decode([job.slots[i]], [job.fresh[i]], job.codes[i : i + 1])
                     except Exception as e:
                         self._fail(job.rows[i], f"decode failed: {type(e).__name__}")

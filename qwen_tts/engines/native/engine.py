@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import random
 import threading
@@ -225,6 +226,13 @@ class NativeEngine(Engine):
                 slot_decoder.capture_all()
         self._model_info["decode_graphs"] = mode == "graphs"
         self._model_info["decode_thread"] = self.config.decode_thread
+        # Without warm-up, graphs are captured on first use, by the engine loop and by the decoder thread. A
+        # capture must not overlap the other thread's CUDA calls (torch.cuda.graph synchronises the device and
+        # empties the allocator's cache on entry; seen on an H200: "capturing stream has unjoined work"), so the
+        # two threads then take turns around their GPU work. With warm-up every graph exists before either thread
+        # starts and they run side by side.
+        lazy = self.device.type == "cuda" and (graphs or mode == "graphs") and not self.config.warmup
+        self._capture_guard = threading.Lock() if lazy else contextlib.nullcontext()
         self._decoder = DecodeWorker(
             slot_decoder,
             self._deliver,
@@ -233,6 +241,7 @@ class NativeEngine(Engine):
             self.config.decode_thread,
             self._decode_batch,
             self._timings,
+            gpu_guard=self._capture_guard,
         )
         log.info("engine initialised: %s", self._model_info)
 
@@ -413,7 +422,7 @@ class NativeEngine(Engine):
         try:
             with torch.inference_mode():
                 lens = [lv.prompt.prefill.shape[0] for lv in group]
-                with record_function("prefill.talker"):
+                with record_function("prefill.talker"), self._capture_guard:
                     last = self._prefiller.run([lv.prompt.prefill for lv in group], [lv.slot for lv in group])
                 self._state.h[torch.tensor([lv.slot for lv in group], device=self.device)] = last
                 with record_function("prefill.slots"):
@@ -497,7 +506,8 @@ class NativeEngine(Engine):
                 for lv in rows
             ],
         )
-        codes = self._runner.step(*args)  # (n, 16), host
+        with self._capture_guard:
+            codes = self._runner.step(*args)  # (n, 16), host
         bad = self._out_of_codebook(codes)
         for i, (lv, cb0, frame) in enumerate(zip(rows, codes[:, 0].tolist(), codes, strict=True)):
             if cb0 == self._eos:
