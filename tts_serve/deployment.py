@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tts_server import faults
 from tts_server.app import create_app
+from tts_server.heap import freeze_startup_heap
 from tts_server.recovery import EngineSupervisor
 from tts_server.runtime import Runtime
 from tts_server.serve import torch_threads
@@ -83,6 +84,7 @@ class TTSReplica:
             on_engine=faults.installer(settings.fault_file),
         )
         self.supervisor.start()
+        freeze_startup_heap()  # the engine and app live as long as the replica: out of the collector's full walks
         logger.info(
             "replica %s ready (pid %d) in %.1f s, torch threads %d",
             self.replica_id,
