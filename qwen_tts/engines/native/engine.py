@@ -231,7 +231,7 @@ class NativeEngine(Engine):
         # empties the allocator's cache on entry; seen on an H200: "capturing stream has unjoined work"), so the
         # two threads then take turns around their GPU work. With warm-up every graph exists before either thread
         # starts and they run side by side.
-        lazy = self.device.type == "cuda" and (graphs or mode == "graphs") and not self.config.warmup
+        lazy = graphs and not self.config.warmup  # graphed prefill and Code2Wav come only with graphed steps
         self._capture_guard = threading.Lock() if lazy else contextlib.nullcontext()
         self._decoder = DecodeWorker(
             slot_decoder,
