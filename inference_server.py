@@ -8,10 +8,20 @@ from __future__ import annotations
 
 import sys
 
-from tts_server.app import create_app
+from fastapi import FastAPI
+
+from tts_server import app as _app
 from tts_server.serve import main
 
 __all__ = ["create_app", "main"]
+
+
+def create_app(*args, **kwargs) -> FastAPI:
+    """`tts_server.app.create_app` for `uvicorn --factory`: the app starts its own engine and, once it is up,
+    freezes the start-up heap out of full garbage collections as `python inference_server.py` does."""
+    kwargs.setdefault("freeze_heap", True)
+    return _app.create_app(*args, **kwargs)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,6 +12,7 @@ from qwen_tts.engine_api import Engine
 
 from . import openapi
 from .errors import install_error_handlers
+from .heap import freeze_startup_heap, thaw_and_collect
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, JsonCORSMiddleware, RequestContextMiddleware
 from .routes import PUBLIC_PATHS, ROUTES, router
 from .runtime import Runtime
@@ -38,9 +39,13 @@ def create_app(
     *,
     runtime: Runtime | None = None,
     engine: Engine | None = None,
+    freeze_heap: bool = False,
 ) -> FastAPI:
     """Build the app. With `runtime` the caller owns the engine's lifecycle; otherwise the lifespan starts
-    one from `settings` (or `engine`, for tests) and stops it, draining for TTS_DRAIN_TIMEOUT, on shutdown."""
+    one from `settings` (or `engine`, for tests) and stops it, draining for TTS_DRAIN_TIMEOUT, on shutdown.
+
+    `freeze_heap`: once the lifespan's engine is up, freeze the heap out of full garbage collections, and thaw it
+    when the engine stops (heap.py; `serve` does the same around its own start-up)."""
     if settings is None:
         settings = runtime.settings if runtime is not None else load_settings()
 
@@ -51,11 +56,15 @@ def create_app(
             if not logging.getLogger().handlers:  # under plain uvicorn: make our startup lines visible too
                 logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
             owned = app.state.runtime = await Runtime.start(settings, engine=engine)
+            if freeze_heap:
+                freeze_startup_heap()
         try:
             yield
         finally:
             if owned is not None:
                 await owned.stop(drain_timeout=settings.drain_timeout)
+                if freeze_heap:
+                    thaw_and_collect()
 
     app = FastAPI(
         title="Qwen3-TTS voice-cloning server",
