@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,27 +36,17 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_gpu import free_port, http_level, pct  # noqa: E402  (the GPU benchmark's helpers and its HTTP level)
+
 SAMPLE_RATE = 24000
 TEXT = "A steady voice reads one long sentence so that every stream asks for the same number of frames."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, round(q * (len(v) - 1)))]
 
 
 class Record:
@@ -214,9 +203,6 @@ def summary(wave: int, recs: list[Record], wall: float, client_cpu: float, serve
 
 async def run_bench_gpu(a: argparse.Namespace, url: str, server_pid: int) -> list[dict]:
     """bench_gpu.py's own HTTP level (a new client per call), as its HTTP part runs it, once per wave."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from bench_gpu import http_level
-
     out = []
     for wave in range(1, a.waves + 1):
         c0, s0, t0 = time.process_time(), cpu_seconds(server_pid), time.perf_counter()
