@@ -78,6 +78,7 @@ VARIANTS: dict[str, dict] = {
     "default-stream": {"step_stream_priority": False},  # frame steps on the default stream, not a high-priority one
     "eager-snake": {"fused_decoder": False},  # Code2Wav's SnakeBeta as five eager passes
     "cudnn-benchmark": {"decoder_cudnn_benchmark": True},  # cuDNN picks Code2Wav's convolution algorithms by timing
+    "split-attention": {"split_attention": True},  # attention split over positions (decode_attention.py)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints
 

@@ -121,6 +121,11 @@ class EngineSettings:
     # On CUDA, run one-token decoder steps on the fast path (qwen_tts/fused.py: fused weights, compiled blocks,
     # in-place Triton attention, compiled sampler): the same function in far fewer kernels. Ignored on CPU.
     fused_kernels: bool = True
+    # On the fast path, attend with the kernel split over positions (decode_attention.split_decode_attention:
+    # ten programs per row and kv head at 300 positions instead of one, q.k and P.V on the tensor cores) instead
+    # of one program per row and kv head. Same function; an A/B variant until measured on the GPU
+    # (benchmarks/bench_attention.py, bench_gpu.py --engine-variants split-attention).
+    split_attention: bool = False
     # On CUDA, run Code2Wav's SnakeBeta activations (its largest tensors) as one compiled kernel each instead of
     # five eager passes: a 64-row 12-frame chunk 79 -> 65 ms on an H200, 64 streams 277 -> 313 audio-s/s, 256
     # streams 448 -> 525; the audio stays within -52 dBFS of the exact decode as without it, chunk joins -59 instead

@@ -239,8 +239,10 @@ def _fuse_linear_weights(linears: list[nn.Linear]) -> Tensor:
     return fused
 
 
-def enable(module: nn.Module) -> int:
-    """Turn the fast path on for every decoder layer under `module`; returns how many layers it took."""
+def enable(module: nn.Module, split_attention: bool = False) -> int:
+    """Turn the fast path on for every decoder layer under `module`; returns how many layers it took.
+
+    split_attention: attend with `split_decode_attention` (split over positions, tensor-core dot products)."""
     from qwen_tts.layers import DecoderLayer
 
     n = 0
@@ -252,6 +254,7 @@ def enable(module: nn.Module) -> int:
                 w_gate_up=_fuse_linear_weights([m.gate_proj, m.up_proj]),
                 n_q=a.q_proj.weight.shape[0] // a.head_dim,
                 n_kv=a.k_proj.weight.shape[0] // a.head_dim,
+                split_attention=split_attention,
             )
             n += 1
     log.info("fused decode path on for %d decoder layers", n)
@@ -261,8 +264,9 @@ def enable(module: nn.Module) -> int:
 class FusedWeights:
     """The re-laid weights of one decoder layer (views of its parameters share their storage)."""
 
-    def __init__(self, w_qkv: Tensor, w_gate_up: Tensor, n_q: int, n_kv: int) -> None:
+    def __init__(self, w_qkv: Tensor, w_gate_up: Tensor, n_q: int, n_kv: int, split_attention: bool = False) -> None:
         self.w_qkv, self.w_gate_up, self.n_q, self.n_kv = w_qkv, w_gate_up, n_q, n_kv
+        self.split_attention = split_attention
 
 
 def _pre_args(layer) -> tuple:
@@ -289,7 +293,7 @@ def stack_step(stack, x: Tensor, positions: Tensor, cache, slots: Tensor) -> Ten
         x, *_pre_args(first), cos, sin, first.input_layernorm.eps, first.fused.n_q, first.fused.n_kv
     )
     for i, layer in enumerate(layers):
-        attn = decode_attention(q, k, v, cache.k[i], cache.v[i], slots, positions)
+        attn = decode_attention(q, k, v, cache.k[i], cache.v[i], slots, positions, layer.fused.split_attention)
         if i + 1 < len(layers):
             nxt = layers[i + 1]
             x, q, k, v = compiled("post_pre")(

@@ -31,6 +31,24 @@ if not torch.cuda.is_available():
 
         _interpreter._patch_lang_tensor = _patch_lang_tensor
 
+        # Its tl.dot multiplies bf16 operands as their raw uint16 storage (it widens only fp8): widen bf16 to
+        # float32 first, which is what the tensor cores compute with a float32 accumulator.
+        _builder = _interpreter.InterpreterBuilder
+        _create_dot = _builder.create_dot
+
+        def _create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+            import triton.language as tl
+
+            def widen(x):
+                if x.dtype.scalar != tl.bfloat16:
+                    return x
+                data = _interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view("float32")
+                return _interpreter.TensorHandle(data, tl.float32)
+
+            return _create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+        _builder.create_dot = _create_dot_bf16
+
 from qwen_tts.random_checkpoint import write_random_checkpoint
 
 TINY_SEED = 0

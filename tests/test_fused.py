@@ -10,18 +10,25 @@ import pytest
 import torch
 
 from qwen_tts import fused
-from qwen_tts.decode_attention import HAVE_TRITON, decode_attention, reference_decode_attention
+from qwen_tts.decode_attention import (
+    HAVE_TRITON,
+    SPLIT_BLOCK,
+    SPLIT_PARTS,
+    decode_attention,
+    reference_decode_attention,
+)
 from qwen_tts.loading import load_model
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
 @pytest.mark.parametrize(
     ("B", "Hq", "Hkv", "D", "slots", "L"),
     [(3, 16, 8, 128, 5, 100), (2, 4, 2, 32, 4, 40), (1, 8, 8, 16, 2, 20), (2, 6, 2, 32, 3, 50)],
 )
-def test_decode_attention_equals_gather_and_sdpa(B, Hq, Hkv, D, slots, L) -> None:
+def test_decode_attention_equals_gather_and_sdpa(B, Hq, Hkv, D, slots, L, split) -> None:
     g = torch.Generator().manual_seed(B * 100 + Hq)
 
     def rand(*shape):
@@ -36,7 +43,7 @@ def test_decode_attention_equals_gather_and_sdpa(B, Hq, Hkv, D, slots, L) -> Non
     ref_k, ref_v = cache_k.double(), cache_v.double()
     slot_ids = torch.randperm(slots, generator=g)[:B].to(DEVICE)
     positions = torch.randint(0, L, (B,), generator=g).to(DEVICE)
-    out = decode_attention(q, k, v, cache_k, cache_v, slot_ids, positions)
+    out = decode_attention(q, k, v, cache_k, cache_v, slot_ids, positions, split)
     ref = reference_decode_attention(q.double(), k.double(), v.double(), ref_k, ref_v, slot_ids, positions)
     assert out.shape == (B, Hq, D)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
@@ -44,7 +51,58 @@ def test_decode_attention_equals_gather_and_sdpa(B, Hq, Hkv, D, slots, L) -> Non
     assert torch.equal(cache_k.double(), ref_k) and torch.equal(cache_v.double(), ref_v)
 
 
-def test_decode_attention_takes_one_position_expanded_over_the_batch() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_attention_across_partition_edges(dtype) -> None:
+    """Rows from one position to more than SPLIT_PARTS full blocks, on each side of block and partition edges,
+    against float64 gather + SDPA: the partition holding a row's position writes its key and value first, and the
+    partitions combine to the softmax over all of them."""
+    g = torch.Generator().manual_seed(11)
+    T, NP = SPLIT_BLOCK, SPLIT_PARTS
+    pos = [0, 1, T - 1, T, T + 1, 3 * T + 5, NP * T - 1, NP * T, NP * T + 1, 3 * NP * T + 7]
+    B, Hq, Hkv, D, L = len(pos), 16, 8, 32, 3 * NP * T + 8
+    q, k, v = (torch.randn(B, h, D, generator=g).to(DEVICE, dtype) for h in (Hq, Hkv, Hkv))
+    cache_k, cache_v = (torch.randn(B, Hkv, L, D, generator=g).to(DEVICE, dtype) for _ in range(2))
+    ref_k, ref_v = cache_k.double(), cache_v.double()
+    slots = torch.randperm(B, generator=g).to(DEVICE)
+    positions = torch.tensor(pos, device=DEVICE)
+    out = decode_attention(q, k, v, cache_k, cache_v, slots, positions, split=True)
+    ref = reference_decode_attention(q.double(), k.double(), v.double(), ref_k, ref_v, slots, positions)
+    assert torch.equal(cache_k.double(), ref_k) and torch.equal(cache_v.double(), ref_v)
+    rel = ((out.double() - ref).norm(dim=(1, 2)) / ref.norm(dim=(1, 2))).max().item()
+    # float32: exact arithmetic up to rounding; bf16: the output's own rounding (2^-9 relative) dominates.
+    assert rel < (1e-5 if dtype == torch.float32 else 4e-3)
+    # Position 0 attends to its own key alone: the output is its value, repeated over the query heads.
+    torch.testing.assert_close(out[0].float(), v[0].float().repeat_interleave(Hq // Hkv, 0), rtol=1e-2, atol=1e-2)
+
+
+def test_split_attention_gives_a_row_the_same_bits_alone_and_in_a_batch() -> None:
+    """Batch invariance: a row's arithmetic depends on its own position, not on the rows beside it."""
+    g = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, D, L = 5, 16, 8, 32, 4 * SPLIT_BLOCK
+    q, k, v = (torch.randn(B, h, D, generator=g).to(DEVICE, torch.bfloat16) for h in (Hq, Hkv, Hkv))
+    cache = [torch.randn(B, Hkv, L, D, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2)]
+    slots = torch.arange(B, device=DEVICE)
+    positions = torch.tensor([70, 3, 127, 40, 33], device=DEVICE)
+    together = decode_attention(q, k, v, *(c.clone() for c in cache), slots, positions, split=True)
+    for i in range(B):
+        alone = decode_attention(
+            q[i : i + 1], k[i : i + 1], v[i : i + 1], *(c.clone() for c in cache), slots[i : i + 1],
+            positions[i : i + 1], split=True,
+        )  # fmt: skip
+        assert torch.equal(alone, together[i : i + 1]), i
+
+
+def test_split_attention_rejects_a_head_dim_below_16() -> None:
+    q = torch.zeros(1, 2, 8, device=DEVICE)
+    kv = torch.zeros(1, 2, 8, device=DEVICE)
+    cache = torch.zeros(1, 2, 4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim 8 < 16"):
+        decode_attention(q, kv, kv, cache, cache.clone(), torch.zeros(1, dtype=torch.long, device=DEVICE),
+                         torch.zeros(1, dtype=torch.long, device=DEVICE), split=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
+def test_decode_attention_takes_one_position_expanded_over_the_batch(split) -> None:
     g = torch.Generator().manual_seed(7)
     B, H, D, L = 4, 2, 16, 24
     q, k, v = (torch.randn(B, H, D, generator=g).to(DEVICE) for _ in range(3))
@@ -52,12 +110,13 @@ def test_decode_attention_takes_one_position_expanded_over_the_batch() -> None:
     ref_k, ref_v = cache_k.clone(), cache_v.clone()
     slots = torch.arange(B, device=DEVICE)
     positions = torch.tensor([5], device=DEVICE).expand(B)  # stride 0, as the code predictor passes it
-    out = decode_attention(q, k, v, cache_k, cache_v, slots, positions)
+    out = decode_attention(q, k, v, cache_k, cache_v, slots, positions, split)
     ref = reference_decode_attention(q, k, v, ref_k, ref_v, slots, positions)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
+async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, split) -> None:
     import test_engine_reference as ref_tests
 
     model = load_model(tiny_checkpoint, device=DEVICE)  # a private copy: enable() re-lays its weights
@@ -66,7 +125,7 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint) -> N
     with ref_tests.eos_boost(model, 3.0):
         reqs = [ref_tests.request(model, i, text, opts) for i, (text, opts) in enumerate(cases)]
         expected = [ref_tests.reference(model, r) for r in reqs]  # eager modules
-        assert fused.enable(model.talker) == len(model.talker.model.layers) + len(
+        assert fused.enable(model.talker, split_attention=split) == len(model.talker.model.layers) + len(
             model.talker.code_predictor.model.layers
         )
         assert fused.is_enabled(model.talker)
@@ -77,3 +136,32 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint) -> N
         got = torch.cat(h.codes) if h.codes else torch.zeros(0, 16, dtype=torch.long)
         assert torch.equal(got, e), text
     assert len({e.shape[0] for e in expected}) >= 3  # EOS at different frames: the boundary rules are in play
+
+
+def test_attention_benchmark_times_both_kernels_and_checks_them_against_float64(tmp_path) -> None:
+    """benchmarks/bench_attention.py end to end on this machine (on CPU: the interpreter, timed by the clock)."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_attention", root / "benchmarks" / "bench_attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "attention.json"
+    argv = ["bench_attention.py", "--batches", "1,3", "--positions", "5,40", "--heads", "4", "--kv-heads", "2",
+            "--head-dim", "16", "--layers", "2", "--iters", "1", "--device", DEVICE, "--out", str(out)]  # fmt: skip
+    old, sys.argv = sys.argv, argv
+    try:
+        bench.main()
+    finally:
+        sys.argv = old
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["position"], r["kernel"]) for r in rows] == [
+        (b, p, k) for b in (1, 3) for p in (5, 40) for k in ("one-program", "split")
+    ]
+    for r in rows:
+        assert r["us_per_call"] > 0 and r["kv_tb_per_s"] > 0
+        assert r["rel_err_vs_fp64"] < 4e-3  # bf16 inputs and output
+    assert all(r["speedup"] == 1.0 for r in rows if r["kernel"] == "one-program")
