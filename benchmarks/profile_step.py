@@ -48,11 +48,14 @@ def weight_bytes(talker) -> int:
     return tk + 16 * cp_layers + heads + 16 * proj
 
 
-# Frame-step variants: the eager kernels, the fused path, the fused path with attention split over positions.
-STEP_VARIANTS = {"eager": None, "fused": {}, "fused-split": {"split_attention": True}}
+# Frame-step variants: the eager kernels, the fused path, the fused path with attention split over positions, the
+# fused path with its matmuls through cuBLASLt (the BLAS library is chosen when a graph is captured).
+STEP_VARIANTS = {"eager": None, "fused": {}, "fused-split": {"split_attention": True}, "fused-cublaslt": {}}
+STEP_BLAS = {"fused-cublaslt": "cublaslt"}
 
 
 def build(path: Path, variant: str, max_rows: int, max_len: int):
+    torch.backends.cuda.preferred_blas_library(STEP_BLAS.get(variant, "cublas"))
     model = load_model(path, device="cuda", dtype=torch.bfloat16)
     talker = model.talker.eval()
     if STEP_VARIANTS[variant] is not None:
@@ -273,6 +276,7 @@ def main() -> None:
                     "logits_scale": round(le.abs().max().item(), 2),
                     "codes_equal_fraction": round((ce == cf).float().mean().item(), 4),
                 }
+        torch.backends.cuda.preferred_blas_library("cublas")  # Code2Wav below as the engine runs it
         results["agreement"] = agree
         results["steps"] = rows
         codec_batches = [int(x) for x in a.codec_batches.split(",") if x]

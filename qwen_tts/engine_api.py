@@ -126,6 +126,10 @@ class EngineSettings:
     # of one program per row and kv head. Same function; an A/B variant until measured on the GPU
     # (benchmarks/bench_attention.py, bench_gpu.py --engine-variants split-attention).
     split_attention: bool = False
+    # The BLAS library for the frame step's matmuls on CUDA (process-wide, as decoder_tf32): cublas, or cublaslt,
+    # whose heuristics may split K for the 2-16-row GEMMs that cuBLAS runs on 16-96 of an H200's 132 SMs
+    # (docs/benchmarks.md). An A/B variant until measured (bench_gpu.py --engine-variants cublaslt).
+    step_blas: str = "cublas"
     # On CUDA, run Code2Wav's SnakeBeta activations (its largest tensors) as one compiled kernel each instead of
     # five eager passes: a 64-row 12-frame chunk 79 -> 65 ms on an H200, 64 streams 277 -> 313 audio-s/s, 256
     # streams 448 -> 525; the audio stays within -52 dBFS of the exact decode as without it, chunk joins -59 instead
@@ -169,6 +173,8 @@ class EngineSettings:
                 raise EngineSettingsError(name, f"{name} must be >= 1")
         if self.max_queue < 0:
             raise EngineSettingsError("max_queue", "max_queue must be >= 0")
+        if self.step_blas not in ("cublas", "cublaslt"):
+            raise EngineSettingsError("step_blas", f"step_blas must be cublas or cublaslt, not {self.step_blas!r}")
         if self.frame_step not in ("auto", "eager", "padded", "graphs"):
             raise EngineSettingsError(
                 "frame_step", f"frame_step must be auto, eager, padded or graphs, not {self.frame_step!r}"

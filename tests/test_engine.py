@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from qwen_tts.engine_api import EngineSettings, FinishReason, QueueFullError, RequestFailedError, SynthesisRequest
+from qwen_tts.engine_api import (
+    EngineSettings,
+    EngineSettingsError,
+    FinishReason,
+    QueueFullError,
+    RequestFailedError,
+    SynthesisRequest,
+)
 from qwen_tts.engines.native import engine as engine_mod
 from qwen_tts.engines.native import frame_step as cuda_graph
 from qwen_tts.engines.native import scheduler as scheduler_mod
@@ -103,6 +110,15 @@ async def test_batch_invariance(tiny_model, greedy):
         await eng.stop()
     assert torch.equal(codes_of(alone), codes_of(handles[3]))
     assert codes_of(alone).shape[0] > 0
+
+
+def test_engine_settings_name_the_field_and_its_choices():
+    with pytest.raises(EngineSettingsError, match="step_blas must be cublas or cublaslt, not 'mkl'") as e:
+        EngineSettings(step_blas="mkl")
+    assert e.value.setting == "step_blas"
+    with pytest.raises(EngineSettingsError, match="frame_step must be auto, eager, padded or graphs"):
+        EngineSettings(frame_step="fast")
+    assert EngineSettings(step_blas="cublaslt").step_blas == "cublaslt"
 
 
 async def test_different_inputs_give_different_codes(tiny_model):
@@ -402,11 +418,16 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
 
 
 @needs_cuda
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"split_attention": True}, {"step_blas": "cublaslt"}],
+    ids=["default", "split-attention", "cublaslt"],
+)
 @pytest.mark.parametrize("greedy", [True, False])
-async def test_cuda_graphs_batch_invariance(tiny_model, greedy):
+async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
     model = load_model(tiny_model.path, device="cuda")
     eng = NativeEngine(
-        EngineSettings(model_path=str(model.path), device="cuda", max_slots=8, warmup=False), model=model
+        EngineSettings(model_path=str(model.path), device="cuda", max_slots=8, warmup=False, **variant), model=model
     )
     await eng.start()
     try:
@@ -418,8 +439,11 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy):
         )
     finally:
         await eng.stop()
+        torch.backends.cuda.preferred_blas_library("cublas")  # process-wide: leave it as other tests expect
     assert eng._runner is not None and eng._runner.num_graphs > 1
     assert torch.equal(codes_of(alone), codes_of(handles[3]))
+    if variant.get("split_attention"):
+        assert all(layer.fused.split_attention for layer in model.talker.model.layers)
 
 
 async def test_batched_prefill_matches_prefill_alone(tiny_model, monkeypatch):

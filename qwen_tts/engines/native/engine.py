@@ -153,6 +153,7 @@ class NativeEngine(Engine):
             torch.backends.cudnn.allow_tf32 = self.config.decoder_tf32
             if self.config.decoder_cudnn_benchmark:
                 torch.backends.cudnn.benchmark = True
+            torch.backends.cuda.preferred_blas_library(self.config.step_blas)
         if self._model is None:
             self._model = load_model(self._model_dir, device=self.device, dtype=self.dtype)
         m = self._model
