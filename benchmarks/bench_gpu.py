@@ -79,6 +79,7 @@ VARIANTS: dict[str, dict] = {
     "eager-snake": {"fused_decoder": False},  # Code2Wav's SnakeBeta as five eager passes
     "cudnn-benchmark": {"decoder_cudnn_benchmark": True},  # cuDNN picks Code2Wav's convolution algorithms by timing
     "split-attention": {"split_attention": True},  # attention split over positions (decode_attention.py)
+    "small-m-gemm": {"small_m_gemm": True},  # the decoder layers' 2-16-row matmuls by our Triton kernel
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints

@@ -130,6 +130,10 @@ class EngineSettings:
     # whose heuristics may split K for the 2-16-row GEMMs that cuBLAS runs on 16-96 of an H200's 132 SMs
     # (docs/benchmarks.md). An A/B variant until measured (bench_gpu.py --engine-variants cublaslt).
     step_blas: str = "cublas"
+    # On the fast path, the decoder layers' matmuls of up to 16 rows through our Triton kernel
+    # (qwen_tts/small_m_gemm.py: more thread blocks than SMs for every weight) instead of cuBLAS's 64x8 tiles. An
+    # A/B variant until measured (benchmarks/bench_gemm.py, bench_gpu.py --engine-variants small-m-gemm).
+    small_m_gemm: bool = False
     # On CUDA, run Code2Wav's SnakeBeta activations (its largest tensors) as one compiled kernel each instead of
     # five eager passes: a 64-row 12-frame chunk 79 -> 65 ms on an H200, 64 streams 277 -> 313 audio-s/s, 256
     # streams 448 -> 525; the audio stays within -52 dBFS of the exact decode as without it, chunk joins -59 instead

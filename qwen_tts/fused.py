@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qwen_tts import small_m_gemm
 from qwen_tts.decode_attention import HAVE_TRITON, decode_attention
 from qwen_tts.sampling import apply_repetition_penalty, mask_eos, sample, suppress
 
@@ -53,11 +54,14 @@ def _pre_attention(
     eps: float,
     n_q: int,
     n_kv: int,
+    small_m: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """x (B, H), cos/sin (B, D) -> q (B, Hq, D), k and v (B, Hkv, D), each contiguous in its last dim."""
+    """x (B, H), cos/sin (B, D) -> q (B, Hq, D), k and v (B, Hkv, D), each contiguous in its last dim.
+
+    small_m: matmuls through small_m_gemm.linear (the few-row Triton kernel) instead of F.linear."""
     B = x.shape[0]
     D = cos.shape[-1]
-    qkv = F.linear(rms_norm(x, ln_w, eps), w_qkv)
+    qkv = _linear(small_m)(rms_norm(x, ln_w, eps), w_qkv)
     q, k, v = qkv.split([n_q * D, n_kv * D, n_kv * D], dim=-1)
     c, s = cos[:, None], sin[:, None]
     q = _rope(rms_norm(q.reshape(B, n_q, D), q_norm_w, eps), c, s)
@@ -66,13 +70,25 @@ def _pre_attention(
     return q, k, v.reshape(B, n_kv, D)
 
 
+def _linear(small_m: bool):
+    return small_m_gemm.linear if small_m else F.linear
+
+
 def _post_attention(
-    x: Tensor, attn: Tensor, w_o: Tensor, ln_w: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float
+    x: Tensor,
+    attn: Tensor,
+    w_o: Tensor,
+    ln_w: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    eps: float,
+    small_m: bool = False,
 ) -> Tensor:
     """x (B, H), attn (B, Hq, D) -> the layer output (B, H)."""
-    x = x + F.linear(attn.reshape(attn.shape[0], -1), w_o)
-    gate, up = F.linear(rms_norm(x, ln_w, eps), w_gate_up).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w_down)
+    linear = _linear(small_m)
+    x = x + linear(attn.reshape(attn.shape[0], -1), w_o)
+    gate, up = linear(rms_norm(x, ln_w, eps), w_gate_up).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, w_down)
 
 
 def _post_then_pre(
@@ -92,19 +108,21 @@ def _post_then_pre(
     next_eps: float,
     n_q: int,
     n_kv: int,
+    small_m: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One layer's post-attention block and the next layer's pre-attention block in one compiled region, so the
     residual add and the next RMSNorm share a kernel: (x, q, k, v) for the next layer's attention."""
-    x = _post_attention(x, attn, w_o, ln_w, w_gate_up, w_down, eps)
-    return (x, *_pre_attention(x, next_ln_w, next_w_qkv, next_q_norm_w, next_k_norm_w, cos, sin, next_eps, n_q, n_kv))
+    x = _post_attention(x, attn, w_o, ln_w, w_gate_up, w_down, eps, small_m)
+    nxt = _pre_attention(x, next_ln_w, next_w_qkv, next_q_norm_w, next_k_norm_w, cos, sin, next_eps, n_q, n_kv, small_m)
+    return (x, *nxt)
 
 
 def _post_then_norm(
     x: Tensor, attn: Tensor, w_o: Tensor, ln_w: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float,
-    norm_w: Tensor, norm_eps: float,
+    norm_w: Tensor, norm_eps: float, small_m: bool = False,
 ) -> Tensor:  # fmt: skip
     """The last layer's post-attention block and the stack's final RMSNorm."""
-    return rms_norm(_post_attention(x, attn, w_o, ln_w, w_gate_up, w_down, eps), norm_w, norm_eps)
+    return rms_norm(_post_attention(x, attn, w_o, ln_w, w_gate_up, w_down, eps, small_m), norm_w, norm_eps)
 
 
 def _rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -239,10 +257,11 @@ def _fuse_linear_weights(linears: list[nn.Linear]) -> Tensor:
     return fused
 
 
-def enable(module: nn.Module, split_attention: bool = False) -> int:
+def enable(module: nn.Module, split_attention: bool = False, small_m_gemm: bool = False) -> int:
     """Turn the fast path on for every decoder layer under `module`; returns how many layers it took.
 
-    split_attention: attend with `split_decode_attention` (split over positions, tensor-core dot products)."""
+    split_attention: attend with `split_decode_attention` (split over positions, tensor-core dot products).
+    small_m_gemm: the layers' matmuls through `small_m_gemm.linear` (a Triton kernel up to 16 rows)."""
     from qwen_tts.layers import DecoderLayer
 
     n = 0
@@ -255,6 +274,7 @@ def enable(module: nn.Module, split_attention: bool = False) -> int:
                 n_q=a.q_proj.weight.shape[0] // a.head_dim,
                 n_kv=a.k_proj.weight.shape[0] // a.head_dim,
                 split_attention=split_attention,
+                small_m_gemm=small_m_gemm,
             )
             n += 1
     log.info("fused decode path on for %d decoder layers", n)
@@ -264,9 +284,17 @@ def enable(module: nn.Module, split_attention: bool = False) -> int:
 class FusedWeights:
     """The re-laid weights of one decoder layer (views of its parameters share their storage)."""
 
-    def __init__(self, w_qkv: Tensor, w_gate_up: Tensor, n_q: int, n_kv: int, split_attention: bool = False) -> None:
+    def __init__(
+        self,
+        w_qkv: Tensor,
+        w_gate_up: Tensor,
+        n_q: int,
+        n_kv: int,
+        split_attention: bool = False,
+        small_m_gemm: bool = False,
+    ) -> None:
         self.w_qkv, self.w_gate_up, self.n_q, self.n_kv = w_qkv, w_gate_up, n_q, n_kv
-        self.split_attention = split_attention
+        self.split_attention, self.small_m_gemm = split_attention, small_m_gemm
 
 
 def _pre_args(layer) -> tuple:
@@ -290,18 +318,21 @@ def stack_step(stack, x: Tensor, positions: Tensor, cache, slots: Tensor) -> Ten
     cos, sin = compiled("rope")(positions, stack.rotary_emb.inv_freq, x.dtype)
     first = layers[0]
     q, k, v = compiled("pre")(
-        x, *_pre_args(first), cos, sin, first.input_layernorm.eps, first.fused.n_q, first.fused.n_kv
-    )
+        x, *_pre_args(first), cos, sin, first.input_layernorm.eps, first.fused.n_q, first.fused.n_kv,
+        first.fused.small_m_gemm,
+    )  # fmt: skip
     for i, layer in enumerate(layers):
         attn = decode_attention(q, k, v, cache.k[i], cache.v[i], slots, positions, layer.fused.split_attention)
         if i + 1 < len(layers):
             nxt = layers[i + 1]
             x, q, k, v = compiled("post_pre")(
                 x, attn, *_post_args(layer), *_pre_args(nxt), cos, sin, nxt.input_layernorm.eps,
-                nxt.fused.n_q, nxt.fused.n_kv,
+                nxt.fused.n_q, nxt.fused.n_kv, layer.fused.small_m_gemm,
             )  # fmt: skip
         else:
-            x = compiled("post_norm")(x, attn, *_post_args(layer), stack.norm.weight, stack.norm.eps)
+            x = compiled("post_norm")(
+                x, attn, *_post_args(layer), stack.norm.weight, stack.norm.eps, layer.fused.small_m_gemm
+            )
     return x
 
 

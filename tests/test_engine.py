@@ -420,8 +420,8 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
 @needs_cuda
 @pytest.mark.parametrize(
     "variant",
-    [{}, {"split_attention": True}, {"step_blas": "cublaslt"}],
-    ids=["default", "split-attention", "cublaslt"],
+    [{}, {"split_attention": True}, {"small_m_gemm": True}, {"step_blas": "cublaslt"}],
+    ids=["default", "split-attention", "small-m-gemm", "cublaslt"],
 )
 @pytest.mark.parametrize("greedy", [True, False])
 async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
@@ -442,8 +442,8 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
         torch.backends.cuda.preferred_blas_library("cublas")  # process-wide: leave it as other tests expect
     assert eng._runner is not None and eng._runner.num_graphs > 1
     assert torch.equal(codes_of(alone), codes_of(handles[3]))
-    if variant.get("split_attention"):
-        assert all(layer.fused.split_attention for layer in model.talker.model.layers)
+    for name in ("split_attention", "small_m_gemm"):
+        assert all(getattr(layer.fused, name) == variant.get(name, False) for layer in model.talker.model.layers)
 
 
 async def test_batched_prefill_matches_prefill_alone(tiny_model, monkeypatch):

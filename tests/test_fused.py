@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_tts import fused
+from qwen_tts import fused, small_m_gemm
 from qwen_tts.decode_attention import (
     HAVE_TRITON,
     SPLIT_BLOCK,
@@ -115,8 +115,10 @@ def test_decode_attention_takes_one_position_expanded_over_the_batch(split) -> N
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
-async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, split) -> None:
+@pytest.mark.parametrize(
+    "variant", [{}, {"split_attention": True}, {"small_m_gemm": True}], ids=["default", "split", "small-m-gemm"]
+)
+async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, variant) -> None:
     import test_engine_reference as ref_tests
 
     model = load_model(tiny_checkpoint, device=DEVICE)  # a private copy: enable() re-lays its weights
@@ -125,7 +127,7 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, spli
     with ref_tests.eos_boost(model, 3.0):
         reqs = [ref_tests.request(model, i, text, opts) for i, (text, opts) in enumerate(cases)]
         expected = [ref_tests.reference(model, r) for r in reqs]  # eager modules
-        assert fused.enable(model.talker, split_attention=split) == len(model.talker.model.layers) + len(
+        assert fused.enable(model.talker, **variant) == len(model.talker.model.layers) + len(
             model.talker.code_predictor.model.layers
         )
         assert fused.is_enabled(model.talker)
@@ -165,3 +167,56 @@ def test_attention_benchmark_times_both_kernels_and_checks_them_against_float64(
         assert r["us_per_call"] > 0 and r["kv_tb_per_s"] > 0
         assert r["rel_err_vs_fp64"] < 4e-3  # bf16 inputs and output
     assert all(r["speedup"] == 1.0 for r in rows if r["kernel"] == "one-program")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("M", "K", "N"), [(2, 64, 48), (16, 300, 70), (5, 32, 16), (1, 1024, 96)])
+def test_small_m_matmul_equals_float64(M, K, N, dtype) -> None:
+    """K and N off the block sizes (masked tails), one to sixteen rows."""
+    g = torch.Generator().manual_seed(M * K + N)
+    x = torch.randn(M, K, generator=g).to(DEVICE, dtype)
+    w = torch.randn(N, K, generator=g).to(DEVICE, dtype)
+    y = small_m_gemm.small_m_matmul(x, w)
+    ref = x.double() @ w.double().T
+    assert y.shape == (M, N) and y.dtype == dtype
+    # float32: IEEE products (no TF32); bf16: the output's own rounding (2^-9 relative) dominates.
+    assert ((y.double() - ref).norm() / ref.norm()).item() < (1e-6 if dtype == torch.float32 else 4e-3)
+
+
+def test_small_m_matmul_gives_a_row_the_same_bits_alone_and_in_a_batch() -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 512, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.randn(80, 512, generator=g).to(DEVICE, torch.bfloat16)
+    full = small_m_gemm.small_m_matmul(x, w)
+    for i in range(16):
+        assert torch.equal(small_m_gemm.small_m_matmul(x[i : i + 1], w), full[i : i + 1]), i
+    assert torch.equal(small_m_gemm.small_m_matmul(x[3:9], w), full[3:9])
+
+
+def test_small_m_matmul_refuses_what_it_cannot_take() -> None:
+    w = torch.zeros(8, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="17 rows > SMALL_M_MAX"):
+        small_m_gemm.small_m_matmul(torch.zeros(17, 32, device=DEVICE), w)
+    with pytest.raises(ValueError, match="x has 16 columns, w 32"):
+        small_m_gemm.small_m_matmul(torch.zeros(2, 16, device=DEVICE), w)
+    with pytest.raises(ValueError, match=r"x is torch\.bfloat16, w torch\.float32"):
+        small_m_gemm.small_m_matmul(torch.zeros(2, 32, device=DEVICE, dtype=torch.bfloat16), w)
+
+
+def test_small_m_linear_compiles_as_one_op_and_hands_large_batches_to_f_linear(monkeypatch) -> None:
+    """Inside a fullgraph torch.compile region (the fused blocks' use), with dynamic rows: the kernel up to 16 rows,
+    F.linear beyond."""
+    calls = []
+    real = small_m_gemm.small_m_matmul
+    monkeypatch.setattr(small_m_gemm, "small_m_matmul", lambda x, w: (calls.append(x.shape[0]), real(x, w))[1])
+
+    def block(x, w):
+        return torch.relu(small_m_gemm.linear(x * 2, w)) + 1
+
+    fn = torch.compile(block, dynamic=True, fullgraph=True)
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(32, 64, generator=g).to(DEVICE)
+    for rows in (4, 16, 40):
+        x = torch.randn(rows, 64, generator=g).to(DEVICE)
+        torch.testing.assert_close(fn(x, w), torch.relu(torch.nn.functional.linear(x * 2, w)) + 1)
+    assert calls == [4, 16]

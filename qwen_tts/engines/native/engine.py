@@ -174,7 +174,9 @@ class NativeEngine(Engine):
         self._eos = t.codec_eos_token_id
         self._codebook_size = t.codebook_size
         if self.device.type == "cuda" and self.config.fused_kernels and fused.supported(self._talker):
-            fused.enable(self._talker, split_attention=self.config.split_attention)
+            fused.enable(
+                self._talker, split_attention=self.config.split_attention, small_m_gemm=self.config.small_m_gemm
+            )
         self._model_info["fused_kernels"] = fused.is_enabled(self._talker)
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)
