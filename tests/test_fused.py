@@ -69,8 +69,9 @@ def test_split_attention_across_partition_edges(dtype) -> None:
     ref = reference_decode_attention(q.double(), k.double(), v.double(), ref_k, ref_v, slots, positions)
     assert torch.equal(cache_k.double(), ref_k) and torch.equal(cache_v.double(), ref_v)
     rel = ((out.double() - ref).norm(dim=(1, 2)) / ref.norm(dim=(1, 2))).max().item()
-    # float32: exact arithmetic up to rounding; bf16: the output's own rounding (2^-9 relative) dominates.
-    assert rel < (1e-5 if dtype == torch.float32 else 4e-3)
+    # float32: exact arithmetic up to rounding. bf16: the output's own rounding to 8 significant bits (RMS ~1.7e-3
+    # relative, what torch's own bf16 matmul shows) dominates.
+    assert rel < (1e-5 if dtype == torch.float32 else 2.5e-3)
     # Position 0 attends to its own key alone: the output is its value, repeated over the query heads.
     torch.testing.assert_close(out[0].float(), v[0].float().repeat_interleave(Hq // Hkv, 0), rtol=1e-2, atol=1e-2)
 
@@ -165,7 +166,7 @@ def test_attention_benchmark_times_both_kernels_and_checks_them_against_float64(
     ]
     for r in rows:
         assert r["us_per_call"] > 0 and r["kv_tb_per_s"] > 0
-        assert r["rel_err_vs_fp64"] < 4e-3  # bf16 inputs and output
+        assert r["rel_err_vs_fp64"] < 2.5e-3  # bf16 inputs and output: the output's rounding
     assert all(r["speedup"] == 1.0 for r in rows if r["kernel"] == "one-program")
 
 
@@ -179,8 +180,8 @@ def test_small_m_matmul_equals_float64(M, K, N, dtype) -> None:
     y = small_m_gemm.small_m_matmul(x, w)
     ref = x.double() @ w.double().T
     assert y.shape == (M, N) and y.dtype == dtype
-    # float32: IEEE products (no TF32); bf16: the output's own rounding (2^-9 relative) dominates.
-    assert ((y.double() - ref).norm() / ref.norm()).item() < (1e-6 if dtype == torch.float32 else 4e-3)
+    # float32: IEEE products (no TF32). bf16: the output's own rounding (RMS ~1.7e-3 relative, as F.linear's).
+    assert ((y.double() - ref).norm() / ref.norm()).item() < (1e-6 if dtype == torch.float32 else 2.5e-3)
 
 
 def test_small_m_matmul_gives_a_row_the_same_bits_alone_and_in_a_batch() -> None:
@@ -220,3 +221,36 @@ def test_small_m_linear_compiles_as_one_op_and_hands_large_batches_to_f_linear(m
         x = torch.randn(rows, 64, generator=g).to(DEVICE)
         torch.testing.assert_close(fn(x, w), torch.relu(torch.nn.functional.linear(x * 2, w)) + 1)
     assert calls == [4, 16]
+
+
+def test_gemm_benchmark_sweeps_configs_and_totals_the_step(tmp_path) -> None:
+    """benchmarks/bench_gemm.py end to end on this machine, on the tiny model's shapes."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_gemm", root / "benchmarks" / "bench_gemm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shapes = bench.layer_shapes("tiny")
+    # q|k|v, o, gate|up, down of both stacks; the code predictor's layers run once per pass.
+    assert [(s["stack"], s["name"]) for s in shapes][:4] == [("talker", n) for n in ("qkv", "o", "gate_up", "down")]
+    assert shapes[4]["calls"] == bench.CODE_PREDICTOR_PASSES * shapes[0]["calls"]
+    out = tmp_path / "gemm.json"
+    argv = ["bench_gemm.py", "--size", "tiny", "--rows", "2,5", "--configs", "16,32x64x2", "--reps", "2",
+            "--iters", "1", "--device", DEVICE, "--out", str(out)]  # fmt: skip
+    old, sys.argv = sys.argv, argv
+    try:
+        bench.main()
+    finally:
+        sys.argv = old
+    result = json.loads(out.read_text())
+    assert len(result["shapes"]) == 2 * len(shapes)
+    for r in result["shapes"]:
+        assert set(r["kernel_us"]) == {"16x64x2", "32x64x2"} and r["best_us"] == min(r["kernel_us"].values())
+    for step in result["step"]:
+        rs = [r for r in result["shapes"] if r["M"] == step["M"]]
+        assert step["cublas_ms"] == round(sum(r["calls"] * r["cublas_us"] for r in rs) / 1e3, 3)
+        assert step["per_shape_best_ms"] <= step["kernel_ms"] + 1e-3
