@@ -80,6 +80,7 @@ VARIANTS: dict[str, dict] = {
     "cudnn-benchmark": {"decoder_cudnn_benchmark": True},  # cuDNN picks Code2Wav's convolution algorithms by timing
     "split-attention": {"split_attention": True},  # attention split over positions (decode_attention.py)
     "small-m-gemm": {"small_m_gemm": True},  # the decoder layers' 2-16-row matmuls by our Triton kernel
+    "fp16-decoder": {"decoder_fp16": True},  # Code2Wav's final conv stack in float16
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints

@@ -179,13 +179,18 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             ("fp32", False, torch.float32, False),
             ("tf32", True, torch.float32, False),
             ("tf32+compiled-snake", True, torch.float32, True),
+            ("fp16-decoder", True, "decoder", True),  # the engine's decoder_fp16: the final conv stack in fp16
             ("bf16", False, torch.bfloat16, False),
         ):
             if name not in variants:
                 continue
             torch.backends.cudnn.allow_tf32 = tf32
             torch.backends.cuda.matmul.allow_tf32 = tf32
-            dec = copy.deepcopy(c2w).to(dtype) if dtype != torch.float32 or snake else c2w
+            if dtype == "decoder":
+                dec = copy.deepcopy(c2w)
+                dec.set_decoder_dtype(torch.float16)
+            else:
+                dec = copy.deepcopy(c2w).to(dtype) if dtype != torch.float32 or snake else c2w
             if snake:
                 fused.enable_decoder(dec)
             torch.cuda.synchronize()
@@ -231,7 +236,7 @@ def main() -> None:
     ap.add_argument("--position", type=int, default=300, help="cache position of every row (the kv length)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--codec-batches", default="1,64", help="empty: no Code2Wav part")
-    ap.add_argument("--codec-variants", default="fp32,tf32,tf32+compiled-snake,bf16")
+    ap.add_argument("--codec-variants", default="fp32,tf32,tf32+compiled-snake,fp16-decoder,bf16")
     ap.add_argument("--out", default="profile.json")
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]

@@ -408,9 +408,10 @@ class Code2Wav(nn.Module):
         for stage in self.upsample:
             for m in stage:
                 h = m(h, stream)
+        h = h.to(self.decoder_dtype)
         for m in self.decoder:
             h = m(h, stream)
-        return h[:, 0].clamp(-1.0, 1.0)  # (B, T * total_upsample)
+        return h[:, 0].float().clamp(-1.0, 1.0)  # (B, T * total_upsample)
 
     def forward(self, codes: Tensor) -> Tensor:
         """Decode whole sequences from frame 0 (same result as streaming them in any chunking)."""
@@ -419,18 +420,33 @@ class Code2Wav(nn.Module):
             return codes.new_zeros((codes.shape[0], 0), dtype=torch.float32)
         return self._decode(codes, None)
 
+    @property
+    def decoder_dtype(self) -> torch.dtype:
+        """The dtype the final conv stack (`decoder`, from the first conv at 50 Hz to the waveform) runs in."""
+        return self.decoder[0].conv.weight.dtype
+
+    def set_decoder_dtype(self, dtype: torch.dtype) -> None:
+        """Run the final conv stack in `dtype` (float16: half the bytes and twice the tensor-core rate of float32;
+        every op still accumulates in float32); the quantizer, transformer and upsampling stay as they are. Make
+        new streams afterwards: their state takes each layer's dtype."""
+        self.decoder.to(dtype)
+
     def new_stream(self, batch: int = 1) -> Code2WavStream:
-        """Fresh state for `batch` rows at frame 0 (zero histories == the causal zero padding)."""
+        """Fresh state for `batch` rows at frame 0 (zero histories == the causal zero padding), each state tensor
+        in its layer's dtype."""
         p = next(self.parameters())
-        zeros = dict(device=p.device, dtype=p.dtype)
         keep = self.cfg.sliding_window - 1
         kv_shape = (batch, self.cfg.num_key_value_heads, keep, self.cfg.head_dim)
+
+        def zeros(*shape, like: Tensor) -> Tensor:
+            return torch.zeros(*shape, device=like.device, dtype=like.dtype)
+
         return Code2WavStream(
             position=torch.zeros(batch, dtype=torch.long, device=p.device),
-            conv_history=[torch.zeros(batch, m.conv.in_channels, m.context, **zeros) for m in self._convs],
-            tconv_overlap=[torch.zeros(batch, m.conv.out_channels, m.overlap, **zeros) for m in self._tconvs],
-            keys=[torch.zeros(kv_shape, **zeros) for _ in self._attns],
-            values=[torch.zeros(kv_shape, **zeros) for _ in self._attns],
+            conv_history=[zeros(batch, m.conv.in_channels, m.context, like=m.conv.weight) for m in self._convs],
+            tconv_overlap=[zeros(batch, m.conv.out_channels, m.overlap, like=m.conv.weight) for m in self._tconvs],
+            keys=[zeros(*kv_shape, like=m.q_proj.weight) for m in self._attns],
+            values=[zeros(*kv_shape, like=m.q_proj.weight) for m in self._attns],
         )
 
     def decode_chunk(self, codes: Tensor, stream: Code2WavStream) -> Tensor:

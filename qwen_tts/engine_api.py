@@ -142,6 +142,12 @@ class EngineSettings:
     # cuDNN benchmark mode for Code2Wav's convolutions on CUDA: each (batch bucket, chunk length) shape times the
     # available algorithms once, at graph capture, and keeps the fastest. A process-wide cuDNN setting.
     decoder_cudnn_benchmark: bool = False
+    # On CUDA, run Code2Wav's final conv stack (50 Hz to the waveform, where its time goes) in float16 instead of
+    # float32 with TF32: half the bytes, twice the tensor-core rate, every op accumulating in float32. Emulated on
+    # the full-size random decoder the audio moves by -50 to -52 dBFS from the exact decode (TF32: -54); activations
+    # peak near 20, far inside float16's range. An A/B variant until measured (bench_gpu.py --engine-variants
+    # fp16-decoder, profile_step.py --codec-variants fp16-decoder).
+    decoder_fp16: bool = False
     # Decode each request's chunks on their own instead of batched with others' of the same length: the waveform
     # is then a function of the request's codes alone, bit for bit, whatever else runs (a batched convolution
     # rounds differently: 1 int16 LSB on ~1% of samples). Costs the batching of Code2Wav; docs/security.md.

@@ -259,9 +259,14 @@ def test_a_failing_chunk_ends_only_its_request(tiny_model, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w):
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16-decoder"])
+def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16):
+    import copy
+
     cfg = c2w.cfg
-    model = c2w.to("cuda")
+    model = copy.deepcopy(c2w).to("cuda")
+    if fp16:
+        model.set_decoder_dtype(torch.float16)
     try:
         torch.backends.cudnn.allow_tf32 = False
         graphs = SlotDecoder(model, max_slots=5, chunk_lens=[3, 5], mode="graphs")
@@ -277,11 +282,11 @@ def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w):
                 slots = [slot for _, slot, _ in call]
                 a = graphs.decode(slots, fresh, batch)
                 b = eager.decode(slots, fresh, batch)
-                torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+                # float16: the same kernels, but a float16 ulp at full scale is ~1e-3
+                torch.testing.assert_close(a, b, atol=2e-3 if fp16 else 1e-5, rtol=0)
                 for name, _, t in call:
                     done[name] = done.get(name, 0) + t
     finally:
-        c2w.to("cpu")
         torch.backends.cudnn.allow_tf32 = True
 
 

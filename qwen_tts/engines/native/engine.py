@@ -162,6 +162,9 @@ class NativeEngine(Engine):
         self._cfg = cfg
         self._talker = m.talker.eval()
         self._code2wav = m.code2wav.eval()
+        if self.device.type == "cuda" and self.config.decoder_fp16:
+            self._code2wav.set_decoder_dtype(torch.float16)
+        self._model_info["decoder_dtype"] = str(self._code2wav.decoder_dtype).removeprefix("torch.")
         self._tokenizer = m.tokenizer
         self._role_ids = self._tokenizer.chat_ids("")[:3]
         self._max_len = self.config.max_text_tokens + PROMPT_EXTRA_TOKENS + self.config.max_frames
