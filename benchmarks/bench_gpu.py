@@ -86,6 +86,27 @@ VARIANTS: dict[str, dict] = {
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints
 
 
+def variant_settings(name: str) -> dict:
+    """The EngineSettings of a variant: a name of VARIANTS, or several joined by '+' (their settings together)."""
+    out: dict = {}
+    for part in filter(None, name.split("+")):
+        if part not in VARIANTS:
+            raise ValueError(f"unknown engine variant {part!r}: choose from {', '.join(v for v in VARIANTS if v)}")
+        out.update(VARIANTS[part])
+    return out
+
+
+def engine_variants(text: str) -> list[str]:
+    """--engine-variants: comma-separated variants, each checked now rather than after the engines before it ran."""
+    names = [v for v in text.split(",") if v]
+    for v in names:
+        try:
+            variant_settings(v)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return names
+
+
 def log(*a: object) -> None:
     print(*a, file=sys.stderr, flush=True)
 
@@ -955,7 +976,7 @@ class Run:
     def engine_config(self, ckpt: Path, slots: int, graphs: bool = True, variant: str = "") -> EngineSettings:
         a = self.a
         return EngineSettings(
-            **VARIANTS[variant],
+            **variant_settings(variant),
             model_path=str(ckpt),
             device=a.device,
             dtype=a.dtype,
@@ -1190,9 +1211,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--exact-decoder", action="store_true", help="float32 Code2Wav without TF32 (exact streaming)")
     ap.add_argument(
         "--engine-variants",
-        type=lambda s: [v for v in s.split(",") if v],
+        type=engine_variants,
         default=[],
-        help=f"also run the engine levels with these settings, in the same run: {', '.join(VARIANTS)[2:]}",
+        help=f"also run the engine levels with these settings, in the same run (join with + to combine): "
+        f"{', '.join(VARIANTS)[2:]}",
     )
     ap.add_argument("--variant-concurrency", type=ints, default=None, help="the variants' levels (default: all)")
     ap.add_argument("--sampling", action="store_true", help="sample (default: greedy, as the baselines' figures)")

@@ -206,3 +206,18 @@ def test_the_wave_driver_streams_a_second_wave_over_the_same_kept_alive_connecti
     for r in rows:
         assert (r["ok"], r["errors"]) == (3, {})
         assert 30 <= r["server_ttfa_p50_ms"] <= r["ttfa_p50_ms"]
+
+
+def test_engine_variants_combine_with_plus_and_unknown_names_are_refused_up_front():
+    assert bench.variant_settings("") == {}
+    assert bench.variant_settings("split-attention+fp16-decoder") == {"split_attention": True, "decoder_fp16": True}
+    assert bench.engine_variants("small-m-gemm,cublaslt") == ["small-m-gemm", "cublaslt"]
+    with pytest.raises(ValueError, match="unknown engine variant 'fast'"):
+        bench.variant_settings("split-attention+fast")
+    with pytest.raises(bench.argparse.ArgumentTypeError, match="unknown engine variant 'fast'"):
+        bench.engine_variants("cublaslt,fast")
+    # Every variant is a set of real EngineSettings fields.
+    from qwen_tts.engine_api import EngineSettings
+
+    for name in bench.VARIANTS:
+        EngineSettings(**bench.variant_settings(name))
