@@ -221,3 +221,18 @@ def test_engine_variants_combine_with_plus_and_unknown_names_are_refused_up_fron
 
     for name in bench.VARIANTS:
         EngineSettings(**bench.variant_settings(name))
+
+
+def test_gpu_variants_script_names_its_stages_and_refuses_unknown_ones_before_installing(tmp_path):
+    import subprocess
+
+    script = ROOT / "scripts" / "gpu_variants.sh"
+    env = {"PATH": "/usr/bin:/bin", "WHEEL_DIR": str(tmp_path / "none"), "OUT": str(tmp_path),
+           "SITE_PREFIX": str(tmp_path / "site")}  # fmt: skip
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
+    assert usage.returncode == 2 and "Stages: tests, attention, gemm, profile, engine" in usage.stderr
+    bad = subprocess.run(["bash", str(script), "tests", "speed"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "unknown stage speed" in bad.stderr
+    # A known stage gets as far as the wheel install, which names the missing folder.
+    none = subprocess.run(["bash", str(script), "gemm"], capture_output=True, text=True, env=env)
+    assert none.returncode == 2 and f"no wheels in {tmp_path / 'none'}/server" in none.stderr

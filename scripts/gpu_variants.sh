@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# On the GPU machine: decide the opt-in engine variants (docs/benchmarks.md, "Built, waiting for the GPU") in as
+# few device calls as possible. Installs the carried wheels (.whl/server, .whl/test; scripts/gpu_wheels.sh) like
+# gpu_bench.sh, then runs the stages named on the command line, in order, each under its own time limit so that one
+# device call (600 s at most) can hold several. Logs and JSON go to $OUT (else bench_out/variants).
+#
+#   bash scripts/gpu_variants.sh tests attention gemm    # ~5 min: the CUDA tests, both kernel microbenchmarks
+#   bash scripts/gpu_variants.sh profile                 # ~4 min: the frame step and Code2Wav by variant
+#   bash scripts/gpu_variants.sh engine                  # ~8 min: the engine at 1, 64, 256 streams per variant
+#
+# Stages: tests, attention, gemm, profile, engine. VARIANTS overrides the engine stage's variant list.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+WHL=${WHEEL_DIR:-.whl}
+SITE=${SITE_PREFIX:-/tmp/site}
+OUT_DIR=${OUT:-bench_out}/variants
+VARIANTS=${VARIANTS:-split-attention,small-m-gemm,fp16-decoder,split-attention+small-m-gemm+fp16-decoder,cublaslt}
+
+[ $# -gt 0 ] || { sed -n 2,11p "$0" >&2; exit 2; }
+for stage in "$@"; do
+  case $stage in tests | attention | gemm | profile | engine) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
+done
+
+if [ ! -f "$SITE-server/.installed" ]; then
+  compgen -G "$WHL/server/*.whl" >/dev/null || { echo "gpu_variants: no wheels in $WHL/server" >&2; exit 2; }
+  "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --target "$SITE-server" \
+    "$WHL"/server/*.whl $(compgen -G "$WHL/test/*.whl" || true)
+  touch "$SITE-server/.installed"
+fi
+export PYTHONPATH="$SITE-server:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$OUT_DIR"
+tokenizer=()  # the real text tokenizer for the full-size checkpoints, as gpu_bench.sh passes it
+[ -d "$WHL/tools/full_size_tokenizer" ] && tokenizer=(--tokenizer-dir "$WHL/tools/full_size_tokenizer")
+
+run() {  # run <name> <seconds> <command...>: its output to the terminal and $OUT_DIR/<name>.log
+  local name=$1 limit=$2
+  shift 2
+  echo "gpu_variants: $name (limit ${limit}s): $*" >&2
+  local t0
+  t0=$(date +%s)
+  timeout "$limit" "$@" 2>&1 | tee "$OUT_DIR/$name.log" || echo "gpu_variants: $name exited with ${PIPESTATUS[0]}" >&2
+  echo "gpu_variants: $name took $(($(date +%s) - t0)) s" >&2
+}
+
+for stage in "$@"; do
+  case $stage in
+    tests)
+      run tests 240 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf \
+        tests/test_fused.py tests/test_decoder.py tests/test_codec_decoder.py tests/test_engine_reference.py \
+        tests/test_engine.py -k "cuda or attention or small_m or fp16 or fused"
+      ;;
+    attention)
+      run attention 120 "$PY" benchmarks/bench_attention.py --batches 1,8,64,256 --positions 100,300,1000 \
+        --out "$OUT_DIR/attention.json"
+      ;;
+    gemm)
+      run gemm 180 "$PY" benchmarks/bench_gemm.py --size 1.7b --rows 2,4,8,16 --out "$OUT_DIR/gemm.json"
+      ;;
+    profile)
+      run profile 300 "$PY" benchmarks/profile_step.py --size 1.7b --batches 1,64 \
+        --variants fused,fused-split,fused-small-m,fused-cublaslt --codec-batches 64 \
+        --codec-variants tf32+compiled-snake,fp16-decoder --out "$OUT_DIR/profile.json"
+      ;;
+    engine)
+      run engine 560 "$PY" benchmarks/bench_gpu.py --time-budget-s 480 --sizes 1.7b --parts engine \
+        --concurrency 1,64,256 --engine-variants "$VARIANTS" --variant-concurrency 1,64,256 \
+        "${tokenizer[@]}" --out "$OUT_DIR/engine.json"
+      ;;
+  esac
+done
