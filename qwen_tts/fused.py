@@ -281,6 +281,16 @@ def enable(module: nn.Module, split_attention: bool = False, small_m_gemm: bool 
     return n
 
 
+def set_variants(module: nn.Module, split_attention: bool, small_m_gemm: bool) -> int:
+    """Switch the kernels of every decoder layer `enable` already took (for A/B runs on one model); returns how many."""
+    from qwen_tts.layers import DecoderLayer
+
+    layers = [m for m in module.modules() if isinstance(m, DecoderLayer) and m.fused is not None]
+    for layer in layers:
+        layer.fused.split_attention, layer.fused.small_m_gemm = split_attention, small_m_gemm
+    return len(layers)
+
+
 class FusedWeights:
     """The re-laid weights of one decoder layer (views of its parameters share their storage)."""
 

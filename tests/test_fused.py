@@ -119,19 +119,37 @@ def test_decode_attention_takes_one_position_expanded_over_the_batch(split) -> N
 @pytest.mark.parametrize(
     "variant", [{}, {"split_attention": True}, {"small_m_gemm": True}], ids=["default", "split", "small-m-gemm"]
 )
-async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, variant) -> None:
+async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, variant, monkeypatch) -> None:
+    """The fused path, and each opt-in kernel on it (enabled with `enable`, then switched by `set_variants` on the
+    same weights: the kernel each one names must be the one that runs), gives the reference loop's codes."""
     import test_engine_reference as ref_tests
 
+    from qwen_tts import decode_attention as attention_mod
+
+    calls = {"split": 0, "small_m": 0}
+    real_split, real_small_m = attention_mod.split_decode_attention, small_m_gemm.small_m_matmul
+
+    def counted(name, fn):
+        def run(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(attention_mod, "split_decode_attention", counted("split", real_split))
+    monkeypatch.setattr(small_m_gemm, "small_m_matmul", counted("small_m", real_small_m))
     model = load_model(tiny_checkpoint, device=DEVICE)  # a private copy: enable() re-lays its weights
     before = {k: v.clone() for k, v in model.talker.state_dict().items()}
     cases = ref_tests.CASES[:3] + ref_tests.CASES[-2:]  # greedy, both text modes, top-p, the long penalised runs
     with ref_tests.eos_boost(model, 3.0):
         reqs = [ref_tests.request(model, i, text, opts) for i, (text, opts) in enumerate(cases)]
         expected = [ref_tests.reference(model, r) for r in reqs]  # eager modules
-        assert fused.enable(model.talker, **variant) == len(model.talker.model.layers) + len(
-            model.talker.code_predictor.model.layers
-        )
+        n_layers = len(model.talker.model.layers) + len(model.talker.code_predictor.model.layers)
+        assert fused.enable(model.talker) == n_layers
         assert fused.is_enabled(model.talker)
+        assert (
+            fused.set_variants(model.talker, **{"split_attention": False, "small_m_gemm": False, **variant}) == n_layers
+        )
         after = model.talker.state_dict()
         assert all(torch.equal(v, after[k]) for k, v in before.items())  # same weights, new layout
         handles = await ref_tests.engine_codes(model, reqs, padded=False)
@@ -139,6 +157,8 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
         got = torch.cat(h.codes) if h.codes else torch.zeros(0, 16, dtype=torch.long)
         assert torch.equal(got, e), text
     assert len({e.shape[0] for e in expected}) >= 3  # EOS at different frames: the boundary rules are in play
+    assert (calls["split"] > 0) == bool(variant.get("split_attention"))
+    assert (calls["small_m"] > 0) == bool(variant.get("small_m_gemm"))
 
 
 def test_attention_benchmark_times_both_kernels_and_checks_them_against_float64(tmp_path) -> None:

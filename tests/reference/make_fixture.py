@@ -480,6 +480,10 @@ def teacher_forced(size: str, device: str, frames: int, workdir: Path, seed: int
             ours.fused.enable(m16.talker)
             h, lg = _ours_talker_tf(m16, seq16, L)
             ref["bf16-fused"] = (lg[:, :V], _ours_cp_tf(m16, h, cp_in16))
+            # The opt-in kernels (split attention, the few-row matmul) on the same weights.
+            ours.fused.set_variants(m16.talker, split_attention=True, small_m_gemm=True)
+            h, lg = _ours_talker_tf(m16, seq16, L)
+            ref["bf16-fused-variants"] = (lg[:, :V], _ours_cp_tf(m16, h, cp_in16))
     del m16
     # float32 official == float32 ours first: the teacher-forced inputs reach both implementations alike.
     tts = load_official(off, ckpt, device, torch.float32, values=False)
@@ -490,7 +494,8 @@ def teacher_forced(size: str, device: str, frames: int, workdir: Path, seed: int
     lo, co = _official_tf(tts, seq16, L, lambda dt: cp_in16.to(dt))
     ref["official-bf16"] = (lo[:, :V], co)
     pairs = [("official-fp32", "fp32"), ("bf16", "fp32"), ("bf16-fused", "fp32"), ("official-bf16", "fp32"),
-             ("bf16", "official-bf16"), ("bf16-fused", "official-bf16")]  # fmt: skip
+             ("bf16", "official-bf16"), ("bf16-fused", "official-bf16"), ("bf16-fused-variants", "fp32"),
+             ("bf16-fused-variants", "official-bf16"), ("bf16-fused-variants", "bf16-fused")]  # fmt: skip
     for a, b in pairs:
         if a in ref and b in ref:
             results[f"{a} vs {b}"] = {
