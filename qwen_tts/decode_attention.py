@@ -260,19 +260,7 @@ def decode_attention(
         slots,
         positions,
         out,
-        slots.stride(0),
-        positions.stride(0),  # may be 0: the code predictor's positions are one row expanded over the batch
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        cache_k.stride(0),
-        cache_k.stride(1),
-        cache_k.stride(2),
-        out.stride(0),
-        out.stride(1),
+        *_strides(q, k, v, cache_k, slots, positions, out),
         D**-0.5,
         GROUP=group,
         BLOCK_G=max(1, triton.next_power_of_2(group)),
@@ -281,6 +269,25 @@ def decode_attention(
         num_warps=4,
     )
     return out
+
+
+def _strides(q: Tensor, k: Tensor, v: Tensor, cache: Tensor, slots: Tensor, positions: Tensor, out: Tensor) -> tuple:
+    """The stride arguments both kernels take, in their order (slot, position, q, k, v, cache, out)."""
+    return (
+        slots.stride(0),
+        positions.stride(0),  # may be 0: the code predictor's positions are one row expanded over the batch
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+    )
 
 
 def _check_layout(q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor) -> None:
@@ -331,19 +338,7 @@ def split_decode_attention(
         part_acc,
         part_max,
         part_sum,
-        slots.stride(0),
-        positions.stride(0),
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        cache_k.stride(0),
-        cache_k.stride(1),
-        cache_k.stride(2),
-        out.stride(0),
-        out.stride(1),
+        *_strides(q, k, v, cache_k, slots, positions, out),
         D**-0.5,
         NP=n_parts,
         GROUP=group,
