@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qwen_tts import small_m_gemm
 from qwen_tts.decode_attention import HAVE_TRITON, decode_attention
 from qwen_tts.sampling import apply_repetition_penalty, mask_eos, sample, suppress
+from qwen_tts.small_m_gemm import linear as small_m_linear
 
 log = logging.getLogger("qwen_tts.fused")
 
@@ -58,7 +58,7 @@ def _pre_attention(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """x (B, H), cos/sin (B, D) -> q (B, Hq, D), k and v (B, Hkv, D), each contiguous in its last dim.
 
-    small_m: matmuls through small_m_gemm.linear (the few-row Triton kernel) instead of F.linear."""
+    small_m: matmuls through `small_m_gemm.linear` (the few-row Triton kernel) instead of F.linear."""
     B = x.shape[0]
     D = cos.shape[-1]
     qkv = _linear(small_m)(rms_norm(x, ln_w, eps), w_qkv)
@@ -71,7 +71,7 @@ def _pre_attention(
 
 
 def _linear(small_m: bool):
-    return small_m_gemm.linear if small_m else F.linear
+    return small_m_linear if small_m else F.linear
 
 
 def _post_attention(
@@ -273,10 +273,9 @@ def enable(module: nn.Module, split_attention: bool = False, small_m_gemm: bool 
                 w_gate_up=_fuse_linear_weights([m.gate_proj, m.up_proj]),
                 n_q=a.q_proj.weight.shape[0] // a.head_dim,
                 n_kv=a.k_proj.weight.shape[0] // a.head_dim,
-                split_attention=split_attention,
-                small_m_gemm=small_m_gemm,
             )
             n += 1
+    set_variants(module, split_attention, small_m_gemm)
     log.info("fused decode path on for %d decoder layers", n)
     return n
 
@@ -294,17 +293,9 @@ def set_variants(module: nn.Module, split_attention: bool, small_m_gemm: bool) -
 class FusedWeights:
     """The re-laid weights of one decoder layer (views of its parameters share their storage)."""
 
-    def __init__(
-        self,
-        w_qkv: Tensor,
-        w_gate_up: Tensor,
-        n_q: int,
-        n_kv: int,
-        split_attention: bool = False,
-        small_m_gemm: bool = False,
-    ) -> None:
+    def __init__(self, w_qkv: Tensor, w_gate_up: Tensor, n_q: int, n_kv: int) -> None:
         self.w_qkv, self.w_gate_up, self.n_q, self.n_kv = w_qkv, w_gate_up, n_q, n_kv
-        self.split_attention, self.small_m_gemm = split_attention, small_m_gemm
+        self.split_attention = self.small_m_gemm = False  # the opt-in kernels (`set_variants`)
 
 
 def _pre_args(layer) -> tuple:
