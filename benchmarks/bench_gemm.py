@@ -5,7 +5,7 @@ For each weight shape of the talker's and the code predictor's layers (q|k|v, o,
 count it captures `--reps` calls into a CUDA graph, each on its own copy of the weight (together larger than L2,
 so the weights come from memory as in the step), replays it back to back (CUDA events) and reports microseconds
 per call and the weight bytes read per second. Each kernel configuration is checked against float64 first. Last,
-the step's total over its calls (the talker's layers once, the code predictor's 15 times) for cuBLAS, cuBLASLt and
+the step's total over its calls (the talker's layers once, the code predictor's 16 times) for cuBLAS, cuBLASLt and
 the best single kernel configuration: the figure that decides `EngineSettings.small_m_gemm` and its block sizes.
 
     python3 benchmarks/bench_gemm.py --size 1.7b --rows 2,4,8,16 --out gemm.json
@@ -29,7 +29,8 @@ from bench_attention import time_calls  # graph replays on CUDA, the clock elsew
 from qwen_tts import small_m_gemm
 from qwen_tts.random_checkpoint import model_config
 
-CODE_PREDICTOR_PASSES = 15
+# One-token passes of the code predictor per frame on the fast path: its two prompt tokens, then 14 codes fed back.
+CODE_PREDICTOR_PASSES = 16
 
 
 def layer_shapes(size: str) -> list[dict]:

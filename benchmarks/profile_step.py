@@ -38,7 +38,8 @@ def dbfs(x: float) -> float:
 
 
 def weight_bytes(talker) -> int:
-    """Bytes of weights one frame step reads: the talker once, the code predictor 15 times (1 + 14 passes + heads)."""
+    """Bytes of weights one frame step reads: the talker once, the code predictor's layers 16 times (its two prompt
+    tokens one at a time, then 14 passes), each of its 15 heads once."""
     cp = talker.code_predictor
     cp_layers = sum(p.numel() * p.element_size() for p in cp.model.layers.parameters())
     heads = sum(p.numel() * p.element_size() for p in cp.lm_head.parameters())
