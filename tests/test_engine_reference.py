@@ -43,7 +43,9 @@ def eos_boost(model, boost: float):
     eos = model.config.talker.codec_eos_token_id
 
     def hook(_module, _inputs, out):
-        return out + torch.nn.functional.one_hot(torch.tensor(eos), out.shape[-1]).to(out.dtype) * boost
+        return (
+            out + torch.nn.functional.one_hot(torch.tensor(eos, device=out.device), out.shape[-1]).to(out.dtype) * boost
+        )
 
     handle = model.talker.codec_head.register_forward_hook(hook)
     try:
@@ -81,7 +83,9 @@ def reference(model, req: SynthesisRequest) -> torch.Tensor:
 
 
 async def run_engine(model, requests: list[SynthesisRequest], **settings) -> tuple[NativeEngine, list]:
-    cfg = EngineSettings(model_path=str(model.path), max_slots=8, **{"device": "cpu", "warmup": False, **settings})
+    p = next(model.talker.parameters())  # the engine runs where the model's weights are, in their dtype
+    where = {"device": p.device.type, "dtype": str(p.dtype).removeprefix("torch."), "warmup": False}
+    cfg = EngineSettings(model_path=str(model.path), max_slots=8, **{**where, **settings})
     eng = NativeEngine(cfg, model=model)
     await eng.start()
     try:
@@ -92,9 +96,9 @@ async def run_engine(model, requests: list[SynthesisRequest], **settings) -> tup
     return eng, handles
 
 
-async def engine_codes(model, requests: list[SynthesisRequest], padded: bool) -> list:
+async def engine_codes(model, requests: list[SynthesisRequest], padded: bool, **settings) -> list:
     # "padded": the graph runner's padded, bucketed step, run eagerly
-    eng, handles = await run_engine(model, requests, frame_step="padded" if padded else "eager")
+    eng, handles = await run_engine(model, requests, frame_step="padded" if padded else "eager", **settings)
     assert type(eng._runner).__name__ == ("FrameStepRunner" if padded else "EagerFrameStep")
     return handles
 
