@@ -78,9 +78,13 @@ VARIANTS: dict[str, dict] = {
     "default-stream": {"step_stream_priority": False},  # frame steps on the default stream, not a high-priority one
     "eager-snake": {"fused_decoder": False},  # Code2Wav's SnakeBeta as five eager passes
     "cudnn-benchmark": {"decoder_cudnn_benchmark": True},  # cuDNN picks Code2Wav's convolution algorithms by timing
+    # The kernels measured into the defaults, each way: on (the default now) and off (the engine before them).
     "split-attention": {"split_attention": True},  # attention split over positions (decode_attention.py)
+    "no-split-attention": {"split_attention": False},  # one program per (row, kv head)
     "small-m-gemm": {"small_m_gemm": True},  # the decoder layers' 2-16-row matmuls by our Triton kernel
+    "no-small-m-gemm": {"small_m_gemm": False},  # those matmuls through cuBLAS
     "fp16-decoder": {"decoder_fp16": True},  # Code2Wav's final conv stack in float16
+    "fp32-decoder": {"decoder_fp16": False},  # Code2Wav in float32 (TF32 convolutions)
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints

@@ -49,13 +49,15 @@ def weight_bytes(talker) -> int:
     return tk + 16 * cp_layers + heads + 16 * proj
 
 
-# Frame-step variants: the eager kernels; the fused path; the fused path with attention split over positions, with
-# the few-row Triton matmul, with its matmuls through cuBLASLt (the BLAS library is chosen when a graph is captured).
+# Frame-step variants: the eager kernels; the fused path with neither opt-in kernel; with attention split over
+# positions, with the few-row Triton matmul, with both (the engine's default), with its matmuls through cuBLASLt
+# (the BLAS library is chosen when a graph is captured).
 STEP_VARIANTS = {
     "eager": None,
     "fused": {},
     "fused-split": {"split_attention": True},
     "fused-small-m": {"small_m_gemm": True},
+    "fused-split+small-m": {"split_attention": True, "small_m_gemm": True},
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}

@@ -123,18 +123,19 @@ class EngineSettings:
     fused_kernels: bool = True
     # On the fast path, attend with the kernel split over positions (decode_attention.split_decode_attention:
     # ten programs per row and kv head at 300 positions instead of one, q.k and P.V on the tensor cores) instead
-    # of one program per row and kv head. Same function; an A/B variant until measured on the GPU
-    # (benchmarks/bench_attention.py, bench_gpu.py --engine-variants split-attention). Ignored on CPU.
-    split_attention: bool = False
+    # of one program per row and kv head. Same function. On an H200 the graphed 1.7B step went 7.66 -> 6.73 ms at
+    # batch 1 and 9.38 -> 7.75 ms at batch 64 (docs/benchmarks.md; bench_gpu.py --engine-variants
+    # no-split-attention for the A/B). Ignored on CPU.
+    split_attention: bool = True
     # The BLAS library for the frame step's matmuls on CUDA (process-wide, as decoder_tf32): cublas, or cublaslt,
     # whose heuristics may split K for the 2-16-row GEMMs that cuBLAS runs on 16-96 of an H200's 132 SMs
     # (docs/benchmarks.md). An A/B variant until measured (bench_gpu.py --engine-variants cublaslt). Ignored on CPU.
     step_blas: str = "cublas"
     # On the fast path, the decoder layers' matmuls of up to 16 rows through our Triton kernel
-    # (qwen_tts/small_m_gemm.py: more thread blocks than SMs for every weight) instead of cuBLAS's 64x8 tiles. An
-    # A/B variant until measured (benchmarks/bench_gemm.py, bench_gpu.py --engine-variants small-m-gemm). Ignored
-    # on CPU.
-    small_m_gemm: bool = False
+    # (qwen_tts/small_m_gemm.py: more thread blocks than SMs for every weight) instead of cuBLAS's 64x8 tiles. On
+    # an H200 with split attention: one 1.7B stream 10.5x -> 11.7x real time (step 7.4 -> 6.7 ms); more rows go to
+    # cuBLAS, so batches of 64+ are unchanged (bench_gpu.py --engine-variants no-small-m-gemm). Ignored on CPU.
+    small_m_gemm: bool = True
     # On CUDA, run Code2Wav's SnakeBeta activations (its largest tensors) as one compiled kernel each instead of
     # five eager passes: a 64-row 12-frame chunk 79 -> 65 ms on an H200, 64 streams 277 -> 313 audio-s/s, 256
     # streams 448 -> 525; the audio stays within -52 dBFS of the exact decode as without it, chunk joins -59 instead
@@ -144,12 +145,12 @@ class EngineSettings:
     # available algorithms once, at graph capture, and keeps the fastest. A process-wide cuDNN setting.
     decoder_cudnn_benchmark: bool = False
     # On CUDA, run Code2Wav's final conv stack (50 Hz to the waveform, where its time goes) in float16 instead of
-    # float32 with TF32: half the bytes, twice the tensor-core rate, every op accumulating in float32. Emulated on
-    # the full-size random decoder the audio moves by -50 to -52 dBFS from the exact decode (TF32 emulated: -54,
-    # measured on the H200: -52); activations peak near 20, far inside float16's range. An A/B variant until
-    # measured (bench_gpu.py --engine-variants fp16-decoder, profile_step.py --codec-variants fp16-decoder).
-    # Ignored on CPU.
-    decoder_fp16: bool = False
+    # float32 with TF32: half the bytes, twice the tensor-core rate, every op accumulating in float32. On an H200
+    # the full-size random decoder's audio stays within -50.2 dBFS of the exact float32 decode (TF32: -52.4),
+    # chunk joins -58.5 (TF32: -59.3); a 64-row 12-frame chunk 60.8 -> 55.6 ms, 1.7 instead of 3.3 GiB of
+    # scratch; 64 streams 307 -> 358 audio-s/s, 256 streams 524 -> 604 (docs/benchmarks.md; bench_gpu.py
+    # --engine-variants fp32-decoder, profile_step.py --codec-variants fp16-decoder). Ignored on CPU.
+    decoder_fp16: bool = True
     # Decode each request's chunks on their own instead of batched with others' of the same length: the waveform
     # is then a function of the request's codes alone, bit for bit, whatever else runs (a batched convolution
     # rounds differently: 1 int16 LSB on ~1% of samples). Costs the batching of Code2Wav; docs/security.md.

@@ -393,8 +393,11 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
     model = load_eos_prone(eos_prone_path, device="cuda")
 
     def cuda_engine(**kw) -> NativeEngine:
-        # TF32 off: this test holds the streamed audio to the exact whole decode.
-        cfg = EngineSettings(model_path=str(model.path), device="cuda", max_slots=4, decoder_tf32=False, **kw)
+        # TF32 and the float16 decoder off: this test holds the streamed audio to the exact whole decode
+        # (test_decoder.py checks the float16 decoder graphed against eager).
+        cfg = EngineSettings(
+            model_path=str(model.path), device="cuda", max_slots=4, decoder_tf32=False, decoder_fp16=False, **kw
+        )
         return NativeEngine(cfg, model=model)
 
     eager, audio_eager = await run_codes(cuda_engine(frame_step="eager", warmup=False), mixed_requests(model))
@@ -420,8 +423,14 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
 @needs_cuda
 @pytest.mark.parametrize(
     "variant",
-    [{}, {"split_attention": True}, {"small_m_gemm": True}, {"step_blas": "cublaslt"}],
-    ids=["default", "split-attention", "small-m-gemm", "cublaslt"],
+    [
+        {},
+        {"split_attention": False, "small_m_gemm": False},
+        {"split_attention": True, "small_m_gemm": False},
+        {"split_attention": False, "small_m_gemm": True},
+        {"step_blas": "cublaslt"},
+    ],
+    ids=["default", "neither-kernel", "split-attention-only", "small-m-gemm-only", "cublaslt"],
 )
 @pytest.mark.parametrize("greedy", [True, False])
 async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
@@ -443,7 +452,8 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
     assert eng._runner is not None and eng._runner.num_graphs > 1
     assert torch.equal(codes_of(alone), codes_of(handles[3]))
     for name in ("split_attention", "small_m_gemm"):
-        assert all(getattr(layer.fused, name) == variant.get(name, False) for layer in model.talker.model.layers)
+        want = variant.get(name, getattr(EngineSettings, name))  # the default is both kernels on
+        assert all(getattr(layer.fused, name) == want for layer in model.talker.model.layers)
 
 
 async def test_batched_prefill_matches_prefill_alone(tiny_model, monkeypatch):
