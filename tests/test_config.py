@@ -30,6 +30,16 @@ def test_defaults_match_the_seed_and_serve_the_demo() -> None:
     assert (s.temperature, s.top_k, s.max_new_tokens) == (0.9, 50, 2048)
     assert s.max_text_chars == 4096
     assert s.api_keys == [] and s.cors_origins == []
+    assert s.engine_settings().decoder_fp16 is True  # the engine's default (ignored on CPU)
+
+
+def test_the_float16_decoder_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TTS_DECODER_FP16", "false")
+    s = load_settings()
+    assert s.decoder_fp16 is False and s.engine_settings().decoder_fp16 is False
+    monkeypatch.setenv("TTS_DECODER_FP16", "maybe")
+    with pytest.raises(SettingsError, match="TTS_DECODER_FP16"):
+        load_settings()
 
 
 def test_environment_overrides_every_seed_variable(monkeypatch: pytest.MonkeyPatch) -> None:
