@@ -49,7 +49,7 @@ def weight_bytes(talker) -> int:
     return tk + 16 * cp_layers + heads + 16 * proj
 
 
-# Frame-step variants: the eager kernels; the fused path with neither opt-in kernel; with attention split over
+# Frame-step variants: the eager kernels; the fused path with neither optional kernel; with attention split over
 # positions, with the few-row Triton matmul, with both (the engine's default), with its matmuls through cuBLASLt
 # (the BLAS library is chosen when a graph is captured).
 STEP_VARIANTS = {

@@ -129,7 +129,8 @@ class EngineSettings:
     split_attention: bool = True
     # The BLAS library for the frame step's matmuls on CUDA (process-wide, as decoder_tf32): cublas, or cublaslt,
     # whose heuristics may split K for the 2-16-row GEMMs that cuBLAS runs on 16-96 of an H200's 132 SMs
-    # (docs/benchmarks.md). An A/B variant until measured (bench_gpu.py --engine-variants cublaslt). Ignored on CPU.
+    # (docs/benchmarks.md). Measured on an H200: no change (7.67 vs 7.66 ms a step at batch 1), so cublas stays the
+    # default (bench_gpu.py --engine-variants cublaslt). Ignored on CPU.
     step_blas: str = "cublas"
     # On the fast path, the decoder layers' matmuls of up to 16 rows through our Triton kernel
     # (qwen_tts/small_m_gemm.py: more thread blocks than SMs for every weight) instead of cuBLAS's 64x8 tiles. On

@@ -8,8 +8,8 @@ over K in BLOCK_K steps; narrow column blocks give more programs than SMs for ev
 
 A row's result does not depend on how many rows came with it: every row sees the same K order and the same tiles,
 so a row gets the same bits alone as in a batch of up to SMALL_M_MAX rows. Larger batches go to `F.linear` (whose
-reduction order differs), so the switch at SMALL_M_MAX is a boundary of batch invariance; that is why the kernel is
-an A/B variant (`EngineSettings.small_m_gemm`) until it is measured.
+reduction order differs), so the switch at SMALL_M_MAX is a boundary of batch invariance (the CUDA batch-invariance
+test crosses it). On by default (`EngineSettings.small_m_gemm`), as measured on an H200 (docs/benchmarks.md).
 
 `linear(x, w)` is `F.linear(x, w)` for 2-D x: under torch.compile it is one opaque call (a custom op with a fake
 implementation), so the compiled blocks keep their fusions around it and the step still captures into a graph.

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# On the GPU machine: decide the opt-in engine variants (docs/benchmarks.md, "Built, waiting for the GPU") in as
-# few device calls as possible. Installs the carried wheels (.whl/server, .whl/test; scripts/gpu_wheels.sh) like
+# On the GPU machine: measure the engine's kernel variants against its defaults (docs/benchmarks.md) in as few
+# device calls as possible. Installs the carried wheels (.whl/server, .whl/test; scripts/gpu_wheels.sh) like
 # gpu_bench.sh, then runs the stages named on the command line, in order, each under its own time limit so that one
 # device call (600 s at most) can hold several. Logs and JSON go to $OUT (else bench_out/variants).
 #
-#   bash scripts/gpu_variants.sh tests attention gemm    # ~5 min: the CUDA tests, both kernel microbenchmarks
-#   bash scripts/gpu_variants.sh profile                 # ~4 min: the frame step and Code2Wav by variant
-#   bash scripts/gpu_variants.sh engine                  # ~8 min: the engine at 1, 64, 256 streams per variant
+#   bash scripts/gpu_variants.sh tests profile           # ~7 min on an H200: the CUDA tests; the step and Code2Wav
+#   bash scripts/gpu_variants.sh attention gemm          # ~5 min: both kernel microbenchmarks
+#   bash scripts/gpu_variants.sh engine                  # ~3 min: the engine at 1, 64, 256 streams per variant
 #
 # Stages: tests, attention, gemm, profile, engine. VARIANTS overrides the engine stage's variant list.
 set -euo pipefail
@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 WHL=${WHEEL_DIR:-.whl}
 SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
-VARIANTS=${VARIANTS:-split-attention,small-m-gemm,fp16-decoder,split-attention+small-m-gemm+fp16-decoder,cublaslt}
+VARIANTS=${VARIANTS:-no-split-attention,no-small-m-gemm,fp32-decoder,no-split-attention+no-small-m-gemm+fp32-decoder,cublaslt}
 
 [ $# -gt 0 ] || { sed -n 2,11p "$0" >&2; exit 2; }
 for stage in "$@"; do
@@ -47,7 +47,7 @@ run() {  # run <name> <seconds> <command...>: its output to the terminal and $OU
 for stage in "$@"; do
   case $stage in
     tests)
-      run tests 240 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf \
+      run tests 300 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf \
         tests/test_fused.py tests/test_decoder.py tests/test_codec_decoder.py tests/test_engine_reference.py \
         tests/test_engine.py -k "cuda or attention or small_m or fp16 or fused"
       ;;
@@ -60,7 +60,7 @@ for stage in "$@"; do
       ;;
     profile)
       run profile 300 "$PY" benchmarks/profile_step.py --size 1.7b --batches 1,64 \
-        --variants fused,fused-split,fused-small-m,fused-cublaslt --codec-batches 64 \
+        --variants fused,fused-split,fused-small-m,fused-split+small-m,fused-cublaslt --codec-batches 64 \
         --codec-variants tf32+compiled-snake,fp16-decoder --out "$OUT_DIR/profile.json"
       ;;
     engine)

@@ -120,7 +120,7 @@ def test_decode_attention_takes_one_position_expanded_over_the_batch(split) -> N
     "variant", [{}, {"split_attention": True}, {"small_m_gemm": True}], ids=["default", "split", "small-m-gemm"]
 )
 async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, variant, monkeypatch) -> None:
-    """The fused path, and each opt-in kernel on it (enabled with `enable`, then switched by `set_variants` on the
+    """The fused path, and each optional kernel on it (enabled with `enable`, then switched by `set_variants` on the
     same weights: the kernel each one names must be the one that runs), gives the reference loop's codes."""
     import test_engine_reference as ref_tests
 

@@ -480,7 +480,7 @@ def teacher_forced(size: str, device: str, frames: int, workdir: Path, seed: int
             ours.fused.enable(m16.talker)
             h, lg = _ours_talker_tf(m16, seq16, L)
             ref["bf16-fused"] = (lg[:, :V], _ours_cp_tf(m16, h, cp_in16))
-            # The opt-in kernels (split attention, the few-row matmul) on the same weights.
+            # The optional kernels (split attention, the few-row matmul; the engine's default) on the same weights.
             ours.fused.set_variants(m16.talker, split_attention=True, small_m_gemm=True)
             h, lg = _ours_talker_tf(m16, seq16, L)
             ref["bf16-fused-variants"] = (lg[:, :V], _ours_cp_tf(m16, h, cp_in16))
