@@ -7,8 +7,10 @@ so the weights come from memory as in the step), replays it back to back (CUDA e
 per call and the weight bytes read per second. Each kernel configuration is checked against float64 first. Last,
 the step's total over its calls (the talker's layers once, the code predictor's 16 times) for cuBLAS, cuBLASLt and
 the best single kernel configuration: the figure that decides `EngineSettings.small_m_gemm` and its block sizes.
+`--max-splits` adds split K (`EngineSettings.small_m_split_k`): a configuration "16x256x4k4" splits each narrow
+weight over up to 4 programs per column block, as `small_m_gemm.split_k_for` chooses on this GPU.
 
-    python3 benchmarks/bench_gemm.py --size 1.7b --rows 2,4,8,16 --out gemm.json
+    python3 benchmarks/bench_gemm.py --size 1.7b --rows 2,4,8,16 --max-splits 1,2,4 --out gemm.json
 """
 
 from __future__ import annotations
@@ -67,13 +69,14 @@ def main() -> None:
     ap.add_argument("--size", default="1.7b", choices=["tiny", "0.6b", "1.7b"])
     ap.add_argument("--rows", default="2,4,8,16", help="rows per matmul (a lone stream runs as two)")
     ap.add_argument("--configs", default="16,32,64x128,256x3,4,5", help="BLOCK_Ns x BLOCK_Ks x STAGES")
+    ap.add_argument("--max-splits", default="1,4", help="split-K maxima (small_m_gemm.set_max_split_k); 1: none")
     ap.add_argument("--reps", type=int, default=0, help="calls per graph (0: enough weight copies for 400 MB)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (Triton's interpreter, no graphs)")
     ap.add_argument("--out", default="gemm.json")
     a = ap.parse_args()
     dev, dtype = a.device, torch.bfloat16
-    configs = parse_configs(a.configs)
+    configs = [(*c, s) for c in parse_configs(a.configs) for s in (int(v) for v in a.max_splits.split(","))]
     rows = [int(r) for r in a.rows.split(",")]
     results = []
     g = torch.Generator(device=dev).manual_seed(0)
@@ -93,15 +96,21 @@ def main() -> None:
                     row["cublaslt_us"] = timed(F.linear, x, weights, dev, a.iters)
                     torch.backends.cuda.preferred_blas_library("cublas")
                 row["kernel_us"] = {}
-                for bn, bk, st in configs:
+                row["splits"] = {}
+                for bn, bk, st, ms in configs:
+                    small_m_gemm.set_max_split_k(ms)
+                    sk = small_m_gemm.split_k_for(N, K, x.device, bn, min(bk, max(16, 1 << (K - 1).bit_length())))
 
-                    def kernel(x, w, bn=bn, bk=bk, st=st):
-                        return small_m_gemm.small_m_matmul(x, w, block_n=bn, block_k=bk, num_stages=st)
+                    def kernel(x, w, bn=bn, bk=bk, st=st, sk=sk):
+                        return small_m_gemm.small_m_matmul(x, w, block_n=bn, block_k=bk, num_stages=st, split_k=sk)
 
+                    name = f"{bn}x{bk}x{st}" + (f"k{ms}" if ms > 1 else "")
                     err = ((kernel(x, weights[0]).double() - ref).norm() / ref.norm()).item()
                     if err > 4e-3:  # bf16 output rounding gives ~1.7e-3 relative; more is a wrong kernel
-                        raise SystemExit(f"{shape['stack']}.{shape['name']} M={M} {bn}x{bk}x{st}: rel err {err:.3g}")
-                    row["kernel_us"][f"{bn}x{bk}x{st}"] = timed(kernel, x, weights, dev, a.iters)
+                        raise SystemExit(f"{shape['stack']}.{shape['name']} M={M} {name}: rel err {err:.3g}")
+                    row["kernel_us"][name] = timed(kernel, x, weights, dev, a.iters)
+                    row["splits"][name] = sk
+                small_m_gemm.set_max_split_k(1)
                 best = min(row["kernel_us"], key=row["kernel_us"].get)
                 row["best_config"], row["best_us"] = best, row["kernel_us"][best]
                 gb = N * K * 2 / 1e9

@@ -137,6 +137,12 @@ class EngineSettings:
     # an H200 with split attention: one 1.7B stream 10.5x -> 11.7x real time (step 7.4 -> 6.7 ms); more rows go to
     # cuBLAS, so batches of 64+ are unchanged (bench_gpu.py --engine-variants no-small-m-gemm). Ignored on CPU.
     small_m_gemm: bool = True
+    # With small_m_gemm, split K over up to this many programs for weights with fewer column blocks than SMs (the
+    # code predictor's 1024-wide o and down projections: 64 programs on an H200's 132 SMs); 1 never splits. The
+    # partial sums are added in a fixed order (small_m_gemm.py), so codes stay deterministic and batch invariant.
+    # Process-wide; an A/B variant until measured (bench_gemm.py --max-splits, bench_gpu.py --engine-variants
+    # split-k). Ignored on CPU.
+    small_m_split_k: int = 1
     # On CUDA, run Code2Wav's SnakeBeta activations (its largest tensors) as one compiled kernel each instead of
     # five eager passes: a 64-row 12-frame chunk 79 -> 65 ms on an H200, 64 streams 277 -> 313 audio-s/s, 256
     # streams 448 -> 525; the audio stays within -52 dBFS of the exact decode as without it, chunk joins -59 instead
@@ -187,6 +193,10 @@ class EngineSettings:
                 raise EngineSettingsError(name, f"{name} must be >= 1")
         if self.max_queue < 0:
             raise EngineSettingsError("max_queue", "max_queue must be >= 0")
+        if not 1 <= self.small_m_split_k <= 8:
+            raise EngineSettingsError(
+                "small_m_split_k", f"small_m_split_k must be 1 to 8, not {self.small_m_split_k!r}"
+            )
         if self.step_blas not in ("cublas", "cublaslt"):
             raise EngineSettingsError("step_blas", f"step_blas must be cublas or cublaslt, not {self.step_blas!r}")
         if self.frame_step not in ("auto", "eager", "padded", "graphs"):

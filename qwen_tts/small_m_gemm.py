@@ -13,6 +13,16 @@ test crosses it). On by default (`EngineSettings.small_m_gemm`), as measured on 
 
 `linear(x, w)` is `F.linear(x, w)` for 2-D x: under torch.compile it is one opaque call (a custom op with a fake
 implementation), so the compiled blocks keep their fusions around it and the step still captures into a graph.
+
+Split K (`set_max_split_k`, off by default until measured on the GPU). A weight whose output gives fewer column
+blocks than the GPU has SMs (the code predictor's 1024-wide o and down projections: 64 programs on 132 SMs) leaves
+SMs idle and too few loads in flight. With split K, S programs share a column block, each over its own run of K
+tiles; each writes its float32 partial sums and bumps the block's counter, and the program that bumps it last adds
+the S partials in split order (0, 1, ..., S-1), writes the output and resets the counter. One launch, no atomics
+on the data, and the sum's order is fixed whichever program finishes last: the result is deterministic, and a
+row's bits still do not depend on the other rows (S is chosen from N, K and the SM count only). The counters live
+in one buffer per device (`prepare`, before any graph capture), so the kernel runs on one stream at a time, as the
+engine's frame steps and prefill do.
 """
 
 from __future__ import annotations
@@ -34,6 +44,12 @@ SMALL_M_MAX = 16
 BLOCK_N = 16
 BLOCK_K = 256
 NUM_STAGES = 4
+# Split K: at most this many programs per column block (1: no split); set by `set_max_split_k`.
+MAX_SPLIT_K = 8
+_max_split_k = 1
+# Counters of the split-K kernel, one int32 per column block, zero between launches: one buffer per device.
+_counters: dict[torch.device, Tensor] = {}
+COUNTERS = 4096
 
 
 if HAVE_TRITON:
@@ -74,11 +90,111 @@ if HAVE_TRITON:
             Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :]
         )
 
+    @triton.jit
+    def _small_m_split_k_kernel(
+        X,  # (M, K)
+        W,  # (N, K)
+        Y,  # (M, N)
+        P,  # (SPLIT, M, N) float32 partial sums
+        C,  # (>= column blocks,) int32 counters, zero on entry and on exit
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        TILES_PER_SPLIT: tl.constexpr,  # K tiles of BLOCK_K per program
+        SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        m = tl.arange(0, BLOCK_M)
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = tl.arange(0, BLOCK_K)
+        mmask = m < M
+        nmask = n < N
+        tile_mask = mmask[:, None] & nmask[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        k_start = split * TILES_PER_SPLIT * BLOCK_K
+        for t in range(TILES_PER_SPLIT):
+            k0 = k_start + t * BLOCK_K
+            kmask = (k0 + kk) < K
+            x = tl.load(
+                X + m[:, None] * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0
+            )
+            w = tl.load(
+                W + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0
+            )
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        tile = m[:, None] * N + n[None, :]
+        tl.store(P + split * M * N + tile, acc, mask=tile_mask)
+        # Release our partials, and learn whether every other split of this block has released its own.
+        done = tl.atomic_add(C + pid, 1, sem="acq_rel")
+        if done == SPLIT - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in tl.static_range(SPLIT):  # split order, whichever program came last
+                total += tl.load(P + s * M * N + tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            tl.store(Y + m[:, None] * stride_ym + n[None, :], total.to(Y.dtype.element_ty), mask=tile_mask)
+            tl.atomic_xchg(C + pid, 0)  # ready for the next launch
+
+
+def set_max_split_k(splits: int) -> None:
+    """At most `splits` programs per column block for weights with fewer column blocks than SMs (1: never split).
+    Process-wide; CUDA graphs keep the split they were captured with."""
+    global _max_split_k
+    if not 1 <= splits <= MAX_SPLIT_K:
+        raise ValueError(f"split K must be 1 to {MAX_SPLIT_K}, not {splits}")
+    _max_split_k = splits
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # elsewhere (Triton's interpreter): an H200's, so the choice is the GPU's
+
+
+def split_k_for(N: int, K: int, device: torch.device, block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> int:
+    """Programs per column block for an (N, K) weight: enough to cover the SMs, at most the set maximum and one K
+    tile per program; a function of the shape and the device only, never of the rows."""
+    blocks, tiles = _cdiv(N, block_n), _cdiv(K, block_k)
+    sms = _sm_count(device)
+    if _max_split_k == 1 or blocks >= sms:
+        return 1
+    want = min(_max_split_k, _cdiv(sms, blocks), tiles)
+    return _cdiv(tiles, _cdiv(tiles, want))  # no empty split
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def prepare(device: torch.device | str, blocks: int = COUNTERS) -> Tensor:
+    """The split-K counters for a device (allocated once, zeroed; call before capturing graphs that use them)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    c = _counters.get(device)
+    if c is None or c.numel() < blocks:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("small_m_gemm.prepare(device) must run before CUDA graph capture")
+        c = _counters[device] = torch.zeros(max(blocks, COUNTERS), dtype=torch.int32, device=device)
+    return c
+
 
 def small_m_matmul(
-    x: Tensor, w: Tensor, block_n: int = BLOCK_N, block_k: int = BLOCK_K, num_stages: int = NUM_STAGES
+    x: Tensor,
+    w: Tensor,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
+    num_stages: int = NUM_STAGES,
+    split_k: int | None = None,
 ) -> Tensor:
-    """x (M <= SMALL_M_MAX, K) @ w (N, K).T -> (M, N) in x's dtype, by the Triton kernel (block sizes for sweeps)."""
+    """x (M <= SMALL_M_MAX, K) @ w (N, K).T -> (M, N) in x's dtype, by the Triton kernel (block sizes for sweeps;
+    split_k None: `split_k_for` the shape)."""
     M, K = x.shape
     N = w.shape[0]
     if M > SMALL_M_MAX:
@@ -90,7 +206,39 @@ def small_m_matmul(
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    _small_m_kernel[(triton.cdiv(N, block_n),)](
+    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    blocks, tiles = _cdiv(N, block_n), _cdiv(K, block_k)
+    split = split_k_for(N, K, x.device, block_n, block_k) if split_k is None else split_k
+    if not 1 <= split <= tiles:
+        raise ValueError(f"split_k {split} outside 1..{tiles} (K tiles of {block_k})")
+    if split > 1:
+        per_split = _cdiv(tiles, split)
+        split = _cdiv(tiles, per_split)  # no empty split
+        partial = torch.empty((split, M, N), device=x.device, dtype=torch.float32)
+        _small_m_split_k_kernel[(blocks, split)](
+            x,
+            w,
+            y,
+            partial,
+            prepare(x.device, blocks),
+            M,
+            N,
+            K,
+            x.stride(0),
+            w.stride(0),
+            y.stride(0),
+            TILES_PER_SPLIT=per_split,
+            SPLIT=split,
+            BLOCK_M=SMALL_M_MAX,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            PRECISION=precision,
+            num_warps=4,
+            num_stages=num_stages,
+        )
+        return y
+    _small_m_kernel[(blocks,)](
         x,
         w,
         y,
@@ -102,8 +250,8 @@ def small_m_matmul(
         y.stride(0),
         BLOCK_M=SMALL_M_MAX,
         BLOCK_N=block_n,
-        BLOCK_K=min(block_k, max(16, triton.next_power_of_2(K))),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_K=block_k,
+        PRECISION=precision,
         num_warps=4,
         num_stages=num_stages,
     )

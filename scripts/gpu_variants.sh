@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 WHL=${WHEEL_DIR:-.whl}
 SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
-VARIANTS=${VARIANTS:-no-split-attention,no-small-m-gemm,fp32-decoder,no-split-attention+no-small-m-gemm+fp32-decoder,cublaslt}
+VARIANTS=${VARIANTS:-split-k,no-split-attention,no-small-m-gemm,fp32-decoder,no-split-attention+no-small-m-gemm+fp32-decoder,cublaslt}
 
 [ $# -gt 0 ] || { sed -n 2,11p "$0" >&2; exit 2; }
 for stage in "$@"; do
@@ -49,18 +49,19 @@ for stage in "$@"; do
     tests)
       run tests 300 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf \
         tests/test_fused.py tests/test_decoder.py tests/test_codec_decoder.py tests/test_engine_reference.py \
-        tests/test_engine.py -k "cuda or attention or small_m or fp16 or fused"
+        tests/test_engine.py -k "cuda or attention or small_m or split_k or fp16 or fused"
       ;;
     attention)
       run attention 120 "$PY" benchmarks/bench_attention.py --batches 1,8,64,256 --positions 100,300,1000 \
         --out "$OUT_DIR/attention.json"
       ;;
     gemm)
-      run gemm 180 "$PY" benchmarks/bench_gemm.py --size 1.7b --rows 2,4,8,16 --out "$OUT_DIR/gemm.json"
+      run gemm 180 "$PY" benchmarks/bench_gemm.py --size 1.7b --rows 2,4,8,16 --configs 16,32x128,256x3,4 \
+        --max-splits 1,2,4 --out "$OUT_DIR/gemm.json"
       ;;
     profile)
       run profile 300 "$PY" benchmarks/profile_step.py --size 1.7b --batches 1,64 \
-        --variants fused,fused-split,fused-small-m,fused-split+small-m,fused-cublaslt --codec-batches 64 \
+        --variants fused,fused-split,fused-small-m,fused-split+small-m,fused-split+small-m+split-k,fused-cublaslt --codec-batches 64 \
         --codec-variants tf32+compiled-snake,fp16-decoder --out "$OUT_DIR/profile.json"
       ;;
     engine)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from qwen_tts import small_m_gemm
 from qwen_tts.engine_api import (
     EngineSettings,
     EngineSettingsError,
@@ -119,6 +120,10 @@ def test_engine_settings_name_the_field_and_its_choices():
     with pytest.raises(EngineSettingsError, match="frame_step must be auto, eager, padded or graphs"):
         EngineSettings(frame_step="fast")
     assert EngineSettings(step_blas="cublaslt").step_blas == "cublaslt"
+    for bad in (0, 9):
+        with pytest.raises(EngineSettingsError, match=f"small_m_split_k must be 1 to 8, not {bad}") as e:
+            EngineSettings(small_m_split_k=bad)
+        assert e.value.setting == "small_m_split_k"
 
 
 async def test_different_inputs_give_different_codes(tiny_model):
@@ -428,9 +433,10 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
         {"split_attention": False, "small_m_gemm": False},
         {"split_attention": True, "small_m_gemm": False},
         {"split_attention": False, "small_m_gemm": True},
+        {"small_m_split_k": 4},
         {"step_blas": "cublaslt"},
     ],
-    ids=["default", "neither-kernel", "split-attention-only", "small-m-gemm-only", "cublaslt"],
+    ids=["default", "neither-kernel", "split-attention-only", "small-m-gemm-only", "split-k", "cublaslt"],
 )
 @pytest.mark.parametrize("greedy", [True, False])
 async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
@@ -449,6 +455,7 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
     finally:
         await eng.stop()
         torch.backends.cuda.preferred_blas_library("cublas")  # process-wide: leave it as other tests expect
+        small_m_gemm.set_max_split_k(1)
     assert eng._runner is not None and eng._runner.num_graphs > 1
     assert torch.equal(codes_of(alone), codes_of(handles[3]))
     for name in ("split_attention", "small_m_gemm"):

@@ -217,6 +217,85 @@ def test_small_m_matmul_gives_a_row_the_same_bits_alone_and_in_a_batch() -> None
     assert torch.equal(small_m_gemm.small_m_matmul(x[3:9], w), full[3:9])
 
 
+@pytest.fixture
+def max_split_k():
+    """Set small_m_gemm's process-wide split maximum for one test, and restore it."""
+    before = small_m_gemm._max_split_k
+    yield small_m_gemm.set_max_split_k
+    small_m_gemm.set_max_split_k(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("M", "K", "N", "split"),
+    [(2, 1024, 48, 3), (16, 300, 70, 2), (5, 640, 16, 4), (1, 2048, 96, 8), (3, 1000, 40, 5)],
+)
+def test_split_k_matmul_equals_float64_and_leaves_its_counters_at_zero(M, K, N, split, dtype) -> None:
+    """Splits of equal and unequal runs of K tiles (1000 = 8 tiles of 128, the last masked: 5 splits of 2 tiles
+    become 4), tails in N and M; every counter is back at zero for the next launch."""
+    g = torch.Generator().manual_seed(M * K + N + split)
+    x = torch.randn(M, K, generator=g).to(DEVICE, dtype)
+    w = torch.randn(N, K, generator=g).to(DEVICE, dtype)
+    y = small_m_gemm.small_m_matmul(x, w, block_k=128, split_k=split)
+    ref = x.double() @ w.double().T
+    assert y.shape == (M, N) and y.dtype == dtype
+    assert ((y.double() - ref).norm() / ref.norm()).item() < (1e-6 if dtype == torch.float32 else 2.5e-3)
+    assert int(small_m_gemm.prepare(DEVICE).abs().sum()) == 0
+    # The same call again: the same bits (a fixed order of the partial sums, counters ready).
+    assert torch.equal(small_m_gemm.small_m_matmul(x, w, block_k=128, split_k=split), y)
+
+
+def test_split_k_gives_a_row_the_same_bits_alone_and_in_a_batch() -> None:
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(16, 768, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.randn(48, 768, generator=g).to(DEVICE, torch.bfloat16)
+    full = small_m_gemm.small_m_matmul(x, w, block_k=128, split_k=3)
+    for i in (0, 7, 15):
+        assert torch.equal(small_m_gemm.small_m_matmul(x[i : i + 1], w, block_k=128, split_k=3), full[i : i + 1])
+    assert torch.equal(small_m_gemm.small_m_matmul(x[2:11], w, block_k=128, split_k=3), full[2:11])
+
+
+def test_split_k_is_chosen_from_the_shape_and_the_sm_count(max_split_k) -> None:
+    cpu = torch.device("cpu")  # counts as an H200's 132 SMs
+    # Off by default: every shape one program per column block.
+    assert small_m_gemm.split_k_for(1024, 3072, cpu) == 1
+    max_split_k(4)
+    assert small_m_gemm.split_k_for(1024, 2048, cpu) == 3  # 64 column blocks: three cover 132 SMs
+    assert small_m_gemm.split_k_for(1024, 3072, cpu) == 3  # 12 tiles of K: 4 per split
+    assert small_m_gemm.split_k_for(2048, 6144, cpu) == 2  # 128 blocks: two
+    assert small_m_gemm.split_k_for(4096, 1024, cpu) == 1  # 256 blocks fill the SMs already
+    assert small_m_gemm.split_k_for(64, 256, cpu) == 1  # a single K tile cannot split
+    assert small_m_gemm.split_k_for(64, 768, cpu) == 3  # no more splits than K tiles
+    max_split_k(8)
+    assert small_m_gemm.split_k_for(256, 1280, cpu) == 5  # 16 blocks want 9; 5 tiles, 5 splits of one
+    max_split_k(5)
+    assert small_m_gemm.split_k_for(256, 1792, cpu) == 4  # 7 tiles in 5 splits: runs of 2, so 4 (none empty)
+    with pytest.raises(ValueError, match="split K must be 1 to 8, not 9"):
+        max_split_k(9)
+
+
+def test_the_op_splits_k_as_set(max_split_k, monkeypatch) -> None:
+    """`linear` (the compiled blocks' op) runs the split kernel for a narrow weight once the maximum is raised."""
+    launches = []
+    real = small_m_gemm._small_m_split_k_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(small_m_gemm, "_small_m_split_k_kernel", Spy())
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 1024, generator=g).to(DEVICE)
+    w = torch.randn(32, 1024, generator=g).to(DEVICE)
+    plain = small_m_gemm.linear(x, w)
+    assert launches == []
+    max_split_k(2)
+    split = small_m_gemm.linear(x, w)
+    assert launches == [(2, 2)]  # 2 column blocks of 16, 2 splits of 2 K tiles
+    torch.testing.assert_close(split, plain, rtol=1e-6, atol=1e-5)
+
+
 def test_small_m_matmul_refuses_what_it_cannot_take() -> None:
     w = torch.zeros(8, 32, device=DEVICE)
     with pytest.raises(ValueError, match="17 rows > SMALL_M_MAX"):
@@ -225,6 +304,8 @@ def test_small_m_matmul_refuses_what_it_cannot_take() -> None:
         small_m_gemm.small_m_matmul(torch.zeros(2, 16, device=DEVICE), w)
     with pytest.raises(ValueError, match=r"x is torch\.bfloat16, w torch\.float32"):
         small_m_gemm.small_m_matmul(torch.zeros(2, 32, device=DEVICE, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match=r"split_k 3 outside 1\.\.2 \(K tiles of 16\)"):
+        small_m_gemm.small_m_matmul(torch.zeros(2, 32, device=DEVICE), w, block_k=16, split_k=3)
 
 
 def test_small_m_linear_compiles_as_one_op_and_hands_large_batches_to_f_linear(monkeypatch) -> None:
@@ -262,8 +343,8 @@ def test_gemm_benchmark_sweeps_configs_and_totals_the_step(tmp_path) -> None:
     assert [(s["stack"], s["name"]) for s in shapes][:4] == [("talker", n) for n in ("qkv", "o", "gate_up", "down")]
     assert shapes[4]["calls"] == bench.CODE_PREDICTOR_PASSES * shapes[0]["calls"]
     out = tmp_path / "gemm.json"
-    argv = ["bench_gemm.py", "--size", "tiny", "--rows", "2,5", "--configs", "16,32x64x2", "--reps", "2",
-            "--iters", "1", "--device", DEVICE, "--out", str(out)]  # fmt: skip
+    argv = ["bench_gemm.py", "--size", "tiny", "--rows", "2,5", "--configs", "16,32x16x2", "--max-splits", "1,4",
+            "--reps", "2", "--iters", "1", "--device", DEVICE, "--out", str(out)]  # fmt: skip
     old, sys.argv = sys.argv, argv
     try:
         bench.main()
@@ -272,7 +353,11 @@ def test_gemm_benchmark_sweeps_configs_and_totals_the_step(tmp_path) -> None:
     result = json.loads(out.read_text())
     assert len(result["shapes"]) == 2 * len(shapes)
     for r in result["shapes"]:
-        assert set(r["kernel_us"]) == {"16x64x2", "32x64x2"} and r["best_us"] == min(r["kernel_us"].values())
+        assert set(r["kernel_us"]) == {"16x16x2", "32x16x2", "16x16x2k4", "32x16x2k4"}
+        assert r["best_us"] == min(r["kernel_us"].values())
+        # 16-wide K tiles: 2-4 of them, so the split configurations split (as split_k_for chose), the others not.
+        assert r["splits"]["16x16x2"] == 1 and r["splits"]["16x16x2k4"] == min(4, r["K"] // 16)
+    assert small_m_gemm._max_split_k == 1  # the benchmark leaves the process-wide setting as it found it
     for step in result["step"]:
         rs = [r for r in result["shapes"] if r["M"] == step["M"]]
         assert step["cublas_ms"] == round(sum(r["calls"] * r["cublas_us"] for r in rs) / 1e3, 3)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from qwen_tts import fused
+from qwen_tts import fused, small_m_gemm
 from qwen_tts.config import ConfigError, ModelConfig
 from qwen_tts.engine_api import (
     Engine,
@@ -180,6 +180,9 @@ class NativeEngine(Engine):
             fused.enable(
                 self._talker, split_attention=self.config.split_attention, small_m_gemm=self.config.small_m_gemm
             )
+            # Process-wide, read when each graph is captured (as step_blas); its counters exist before capture.
+            small_m_gemm.set_max_split_k(self.config.small_m_split_k)
+            small_m_gemm.prepare(self.device)
         self._model_info["fused_kernels"] = fused.is_enabled(self._talker)
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)
