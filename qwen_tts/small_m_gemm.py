@@ -132,9 +132,12 @@ if HAVE_TRITON:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         tile = m[:, None] * N + n[None, :]
         tl.store(P + split * M * N + tile, acc, mask=tile_mask)
-        # Release our partials, and learn whether every other split of this block has released its own.
+        # Every thread's partials before the one thread's release (a CTA barrier; release is cumulative), then learn
+        # whether every other split of this block has released its own.
+        tl.debug_barrier()
         done = tl.atomic_add(C + pid, 1, sem="acq_rel")
         if done == SPLIT - 1:
+            tl.debug_barrier()  # every thread's loads after the acquire
             total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in tl.static_range(SPLIT):  # split order, whichever program came last
                 total += tl.load(P + s * M * N + tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
