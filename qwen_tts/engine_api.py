@@ -107,6 +107,11 @@ class EngineSettings:
     max_text_tokens: int = 1024  # longest accepted text, in tokens (sizes the KV cache)
     first_chunk_frames: int = 3  # small first chunk: the first audio comes fast
     chunk_frames: int = 12  # later chunks: fewer, larger decodes
+    # Each chunk after the first at most this many times the one before, up to chunk_frames (3, 6, 12, 12, ...
+    # frames by default; `chunk_schedule`). A chunk of g times the last needs the stream to run at >= g x real time
+    # to arrive before the audio already sent runs out, so a ramp of 2 keeps a stream at 2.3x (the 1.7B at 256
+    # streams on an H200) ahead of playback, where the jump from 3 to 12 frames stalled it by ~100 ms.
+    chunk_growth: int = 2
     warmup: bool = True
     # When the engine is idle, wait this long after the first arrival so a burst shares one batched prefill.
     admission_window_s: float = 0.002
@@ -191,6 +196,8 @@ class EngineSettings:
         for name in names:
             if getattr(self, name) < 1:
                 raise EngineSettingsError(name, f"{name} must be >= 1")
+        if self.chunk_growth < 2:
+            raise EngineSettingsError("chunk_growth", f"chunk_growth must be >= 2, not {self.chunk_growth}")
         if self.max_queue < 0:
             raise EngineSettingsError("max_queue", "max_queue must be >= 0")
         if not 1 <= self.small_m_split_k <= 8:
@@ -203,6 +210,15 @@ class EngineSettings:
             raise EngineSettingsError(
                 "frame_step", f"frame_step must be auto, eager, padded or graphs, not {self.frame_step!r}"
             )
+
+
+def chunk_schedule(first: int, chunk: int, growth: int) -> list[int]:
+    """The streaming chunk sizes in frames: `first`, then each at most `growth` times the one before, up to `chunk`,
+    which repeats (the last entry). chunk_schedule(3, 12, 2) == [3, 6, 12]."""
+    sizes = [first]
+    while sizes[-1] < chunk:
+        sizes.append(min(chunk, sizes[-1] * growth))
+    return sizes
 
 
 @dataclass

@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 WHL=${WHEEL_DIR:-.whl}
 SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
-VARIANTS=${VARIANTS:-split-k,no-split-attention,no-small-m-gemm,fp32-decoder,no-split-attention+no-small-m-gemm+fp32-decoder,cublaslt}
+VARIANTS=${VARIANTS:-split-k,chunk-jump,no-split-attention,no-small-m-gemm,fp32-decoder,no-split-attention+no-small-m-gemm+fp32-decoder,cublaslt}
 
 [ $# -gt 0 ] || { sed -n 2,11p "$0" >&2; exit 2; }
 for stage in "$@"; do

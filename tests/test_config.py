@@ -33,6 +33,15 @@ def test_defaults_match_the_seed_and_serve_the_demo() -> None:
     assert s.engine_settings().decoder_fp16 is True  # the engine's default (ignored on CPU)
 
 
+def test_chunk_growth_reaches_the_engine_and_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings().engine_settings().chunk_growth == 2
+    monkeypatch.setenv("TTS_CHUNK_GROWTH", "4")
+    assert load_settings().engine_settings().chunk_growth == 4
+    monkeypatch.setenv("TTS_CHUNK_GROWTH", "1")
+    with pytest.raises(SettingsError, match="TTS_CHUNK_GROWTH"):
+        load_settings()
+
+
 def test_the_float16_decoder_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TTS_DECODER_FP16", "false")
     s = load_settings()

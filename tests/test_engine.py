@@ -16,6 +16,7 @@ from qwen_tts.engine_api import (
     QueueFullError,
     RequestFailedError,
     SynthesisRequest,
+    chunk_schedule,
 )
 from qwen_tts.engines.native import engine as engine_mod
 from qwen_tts.engines.native import frame_step as cuda_graph
@@ -84,16 +85,27 @@ async def test_stream_equals_whole_decode(tiny_model):
     assert np.abs(audio).mean() > 1e-3  # real audio, not silence
 
 
-async def test_chunks_small_first_then_large(tiny_model):
-    eng = make_engine(tiny_model, first_chunk_frames=3, chunk_frames=12)
+@pytest.mark.parametrize(("growth", "expected"), [(2, [3, 6, 12, 9]), (4, [3, 12, 12, 3]), (3, [3, 9, 12, 6])])
+async def test_chunks_small_first_then_growing(tiny_model, growth, expected):
+    eng = make_engine(tiny_model, first_chunk_frames=3, chunk_frames=12, chunk_growth=growth)
     await eng.start()
     try:
         h = eng.submit(req(tiny_model, TEXTS[0], greedy=True, max_frames=30))
         sizes = [c.shape[0] // 1920 async for c in h]
     finally:
         await eng.stop()
-    assert sizes == [3, 12, 12, 3]
+    assert sizes == expected
     assert h.stats.time_to_first_audio is not None and h.stats.time_to_first_audio > 0
+
+
+def test_chunk_schedule_grows_to_the_chunk_size():
+    assert chunk_schedule(3, 12, 2) == [3, 6, 12]
+    assert chunk_schedule(3, 12, 4) == [3, 12]
+    assert chunk_schedule(3, 10, 2) == [3, 6, 10]
+    assert chunk_schedule(1, 12, 2) == [1, 2, 4, 8, 12]
+    assert chunk_schedule(5, 5, 2) == [5]
+    with pytest.raises(EngineSettingsError, match="chunk_growth must be >= 2, not 1"):
+        EngineSettings(chunk_growth=1)
 
 
 @pytest.mark.parametrize("greedy", [True, False])

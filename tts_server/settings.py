@@ -39,6 +39,7 @@ ENGINE_FIELDS = {
     "max_new_tokens": "max_frames",
     "first_chunk_frames": "first_chunk_frames",
     "chunk_frames": "chunk_frames",
+    "chunk_growth": "chunk_growth",
     "batch_invariant_decode": "batch_invariant_decode",
     "decoder_fp16": "decoder_fp16",
 }
@@ -96,6 +97,9 @@ class ServerSettings(BaseSettings):
     # Streaming granularity: a small first chunk for fast first audio, then larger ones for throughput.
     first_chunk_frames: int = Field(_ENGINE.first_chunk_frames, ge=1, le=256)
     chunk_frames: int = Field(_ENGINE.chunk_frames, ge=1, le=256)
+    # Each later chunk at most this many times the one before (3, 6, 12 frames by default): a stream that runs at
+    # this many times real time stays ahead of playback while its chunks grow.
+    chunk_growth: int = Field(_ENGINE.chunk_growth, ge=2, le=256)
 
     # --- voices ---------------------------------------------------------------------------------
     # Directory of `<speaker_id>.safetensors` profiles; nothing outside it is ever read.

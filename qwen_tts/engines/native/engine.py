@@ -46,6 +46,7 @@ from qwen_tts.engine_api import (
     FinishReason,
     RequestHandle,
     SynthesisRequest,
+    chunk_schedule,
 )
 from qwen_tts.loading import Qwen3TTS, load_model, resolve_device, resolve_dtype
 from qwen_tts.model_paths import DEMO, ModelPathError, resolve_model_path
@@ -219,6 +220,8 @@ class NativeEngine(Engine):
                 self._prefiller.capture_all()
         self._model_info["prefill_graphs"] = self._prefiller.num_graphs
         self._decode_batch = min(S, self.config.decode_max_batch)
+        c = self.config
+        self._chunk_sizes = chunk_schedule(c.first_chunk_frames, c.chunk_frames, c.chunk_growth)
         if graphs and self.config.decode_graphs:
             mode = "graphs"
         else:
@@ -227,7 +230,7 @@ class NativeEngine(Engine):
             slot_decoder = SlotDecoder(
                 self._code2wav,
                 S,
-                [self.config.first_chunk_frames, self.config.chunk_frames],
+                self._chunk_sizes,
                 mode,
                 max_batch=self._decode_batch,
             )
@@ -555,6 +558,15 @@ class NativeEngine(Engine):
                 )
         return out
 
+    def _next_chunk(self, queued: int) -> int:
+        """Frames of the chunk that starts after `queued` frames: the schedule's sizes in turn, then its last."""
+        start = 0
+        for size in self._chunk_sizes[:-1]:
+            if queued <= start:
+                return size
+            start += size
+        return self._chunk_sizes[-1]
+
     def _decode_due(self) -> None:
         """Hand the decoder the pending frames of rows whose next chunk is due (or that finished), one job per
         chunk shape; a finished row that still holds more than a chunk gets several jobs, in order."""
@@ -565,7 +577,7 @@ class NativeEngine(Engine):
                 if not lv.pending or lv.done in (FinishReason.CANCELLED, FinishReason.ERROR):
                     continue
                 first = lv.queued == 0
-                target = cfg.first_chunk_frames if first else cfg.chunk_frames
+                target = self._next_chunk(lv.queued)
                 if len(lv.pending) >= target or lv.done is not None:
                     t = min(len(lv.pending), target)
                     alone = lv.slot if cfg.batch_invariant_decode else -1  # a group of its own
