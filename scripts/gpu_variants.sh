@@ -4,9 +4,9 @@
 # gpu_bench.sh, then runs the stages named on the command line, in order, each under its own time limit so that one
 # device call (600 s at most) can hold several. Logs and JSON go to $OUT (else bench_out/variants).
 #
-#   bash scripts/gpu_variants.sh tests profile           # ~7 min on an H200: the CUDA tests; the step and Code2Wav
-#   bash scripts/gpu_variants.sh attention gemm          # ~5 min: both kernel microbenchmarks
-#   bash scripts/gpu_variants.sh engine                  # ~3 min: the engine at 1, 64, 256 streams per variant
+#   bash scripts/gpu_variants.sh tests gemm              # <= 9 min: the CUDA tests (4-5 min on an H200), the matmuls
+#   bash scripts/gpu_variants.sh profile engine          # <= 9.5 min: the step and Code2Wav; the engine per variant
+#   bash scripts/gpu_variants.sh attention               # <= 2 min: the attention kernels alone
 #
 # Stages: tests, attention, gemm, profile, engine. VARIANTS overrides the engine stage's variant list.
 set -euo pipefail
@@ -47,7 +47,7 @@ run() {  # run <name> <seconds> <command...>: its output to the terminal and $OU
 for stage in "$@"; do
   case $stage in
     tests)
-      run tests 300 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf \
+      run tests 360 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf -o log_level=WARNING \
         tests/test_fused.py tests/test_decoder.py tests/test_codec_decoder.py tests/test_engine_reference.py \
         tests/test_engine.py -k "cuda or attention or small_m or split_k or fp16 or fused"
       ;;
@@ -60,12 +60,12 @@ for stage in "$@"; do
         --max-splits 1,2,4 --out "$OUT_DIR/gemm.json"
       ;;
     profile)
-      run profile 300 "$PY" benchmarks/profile_step.py --size 1.7b --batches 1,64 \
-        --variants fused,fused-split,fused-small-m,fused-split+small-m,fused-split+small-m+split-k,fused-cublaslt --codec-batches 64 \
-        --codec-variants tf32+compiled-snake,fp16-decoder --out "$OUT_DIR/profile.json"
+      run profile 240 "$PY" benchmarks/profile_step.py --size 1.7b --batches 1,64 \
+        --variants fused,fused-split,fused-small-m,fused-split+small-m,fused-split+small-m+split-k,fused-cublaslt \
+        --codec-batches 64 --codec-variants tf32+compiled-snake,fp16-decoder --out "$OUT_DIR/profile.json"
       ;;
     engine)
-      run engine 560 "$PY" benchmarks/bench_gpu.py --time-budget-s 480 --sizes 1.7b --parts engine \
+      run engine 330 "$PY" benchmarks/bench_gpu.py --time-budget-s 280 --sizes 1.7b --parts engine \
         --concurrency 1,64,256 --engine-variants "$VARIANTS" --variant-concurrency 1,64,256 \
         "${tokenizer[@]}" --out "$OUT_DIR/engine.json"
       ;;
