@@ -108,9 +108,10 @@ class EngineSettings:
     first_chunk_frames: int = 3  # small first chunk: the first audio comes fast
     chunk_frames: int = 12  # later chunks: fewer, larger decodes
     # Each chunk after the first at most this many times the one before, up to chunk_frames (3, 6, 12, 12, ...
-    # frames by default; `chunk_schedule`). A chunk of g times the last needs the stream to run at >= g x real time
-    # to arrive before the audio already sent runs out, so a ramp of 2 keeps a stream at 2.3x (the 1.7B at 256
-    # streams on an H200) ahead of playback, where the jump from 3 to 12 frames stalled it by ~100 ms.
+    # frames by default; `chunk_schedule`). A chunk of g times the audio already sent arrives before that audio runs
+    # out only if the stream runs at >= g x real time: with the jump from 3 to 12 frames (g = 4) the 1.7B's streams
+    # at 2.3x (256 on an H200) stalled ~100 ms at p95; a ramp of 2 should keep them ahead (not yet measured;
+    # bench_gpu.py --engine-variants chunk-jump is the old schedule).
     chunk_growth: int = 2
     warmup: bool = True
     # When the engine is idle, wait this long after the first arrival so a burst shares one batched prefill.

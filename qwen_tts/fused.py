@@ -295,9 +295,8 @@ class FusedWeights:
 
     def __init__(self, w_qkv: Tensor, w_gate_up: Tensor, n_q: int, n_kv: int) -> None:
         self.w_qkv, self.w_gate_up, self.n_q, self.n_kv = w_qkv, w_gate_up, n_q, n_kv
-        self.split_attention = self.small_m_gemm = (
-            False  # the optional kernels (`set_variants`; the engine turns both on)
-        )
+        # The optional kernels (`set_variants`; the engine turns both on by default).
+        self.split_attention = self.small_m_gemm = False
 
 
 def _pre_args(layer) -> tuple:

@@ -27,6 +27,8 @@ engine's frame steps and prefill do.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -154,6 +156,7 @@ def set_max_split_k(splits: int) -> None:
     _max_split_k = splits
 
 
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
