@@ -57,16 +57,28 @@ COUNTERS = 4096
 if HAVE_TRITON:
 
     @triton.jit
+    def _dot_tile(acc, X, W, m, n, kk, k0, K, mmask, nmask, stride_xm, stride_wn, PRECISION: tl.constexpr):
+        """acc + x[:, k0:k0+BLOCK_K] @ w[n, k0:k0+BLOCK_K].T, the tails masked."""
+        kmask = (k0 + kk) < K
+        x = tl.load(X + m[:, None] * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(W + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+
+    @triton.jit
     def _small_m_kernel(
         X,  # (M, K)
         W,  # (N, K)
         Y,  # (M, N)
+        P,  # split K: (SPLIT, M, N) float32 partial sums (else unused)
+        C,  # split K: (>= column blocks,) int32 counters, zero on entry and on exit (else unused)
         M,
         N,
         K,
         stride_xm,
         stride_wn,
         stride_ym,
+        SPLIT: tl.constexpr,  # programs per column block (grid axis 1)
+        TILES_PER_SPLIT: tl.constexpr,  # split K: K tiles of BLOCK_K per program
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -78,73 +90,31 @@ if HAVE_TRITON:
         kk = tl.arange(0, BLOCK_K)
         mmask = m < M
         nmask = n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kmask = (k0 + kk) < K
-            x = tl.load(
-                X + m[:, None] * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0
-            )
-            w = tl.load(
-                W + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0
-            )
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        tl.store(
-            Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :]
-        )
-
-    @triton.jit
-    def _small_m_split_k_kernel(
-        X,  # (M, K)
-        W,  # (N, K)
-        Y,  # (M, N)
-        P,  # (SPLIT, M, N) float32 partial sums
-        C,  # (>= column blocks,) int32 counters, zero on entry and on exit
-        M,
-        N,
-        K,
-        stride_xm,
-        stride_wn,
-        stride_ym,
-        TILES_PER_SPLIT: tl.constexpr,  # K tiles of BLOCK_K per program
-        SPLIT: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        m = tl.arange(0, BLOCK_M)
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        kk = tl.arange(0, BLOCK_K)
-        mmask = m < M
-        nmask = n < N
         tile_mask = mmask[:, None] & nmask[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        k_start = split * TILES_PER_SPLIT * BLOCK_K
-        for t in range(TILES_PER_SPLIT):
-            k0 = k_start + t * BLOCK_K
-            kmask = (k0 + kk) < K
-            x = tl.load(
-                X + m[:, None] * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0
-            )
-            w = tl.load(
-                W + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0
-            )
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        tile = m[:, None] * N + n[None, :]
-        tl.store(P + split * M * N + tile, acc, mask=tile_mask)
-        # Every thread's partials before the one thread's release (a CTA barrier; release is cumulative), then learn
-        # whether every other split of this block has released its own.
-        tl.debug_barrier()
-        done = tl.atomic_add(C + pid, 1, sem="acq_rel")
-        if done == SPLIT - 1:
-            tl.debug_barrier()  # every thread's loads after the acquire
-            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for s in tl.static_range(SPLIT):  # split order, whichever program came last
-                total += tl.load(P + s * M * N + tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
-            tl.store(Y + m[:, None] * stride_ym + n[None, :], total.to(Y.dtype.element_ty), mask=tile_mask)
-            tl.atomic_xchg(C + pid, 0)  # ready for the next launch
+        if SPLIT == 1:
+            for k0 in range(0, K, BLOCK_K):
+                acc = _dot_tile(acc, X, W, m, n, kk, k0, K, mmask, nmask, stride_xm, stride_wn, PRECISION)
+            tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=tile_mask)
+        else:
+            split = tl.program_id(1)
+            k_start = split * TILES_PER_SPLIT * BLOCK_K
+            for t in range(TILES_PER_SPLIT):
+                k0 = k_start + t * BLOCK_K
+                acc = _dot_tile(acc, X, W, m, n, kk, k0, K, mmask, nmask, stride_xm, stride_wn, PRECISION)
+            tile = m[:, None] * N + n[None, :]
+            tl.store(P + split * M * N + tile, acc, mask=tile_mask)
+            # Every thread's partials before the one thread's release (a CTA barrier; release is cumulative), then
+            # learn whether every other split of this block has released its own.
+            tl.debug_barrier()
+            done = tl.atomic_add(C + pid, 1, sem="acq_rel")
+            if done == SPLIT - 1:
+                tl.debug_barrier()  # every thread's loads after the acquire
+                total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                for s in tl.static_range(SPLIT):  # split order, whichever program came last
+                    total += tl.load(P + s * M * N + tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
+                tl.store(Y + m[:, None] * stride_ym + n[None, :], total.to(Y.dtype.element_ty), mask=tile_mask)
+                tl.atomic_xchg(C + pid, 0)  # ready for the next launch
 
 
 def set_max_split_k(splits: int) -> None:
@@ -218,42 +188,25 @@ def small_m_matmul(
     split = split_k_for(N, K, x.device, block_n, block_k) if split_k is None else split_k
     if not 1 <= split <= tiles:
         raise ValueError(f"split_k {split} outside 1..{tiles} (K tiles of {block_k})")
-    if split > 1:
-        per_split = _cdiv(tiles, split)
-        split = _cdiv(tiles, per_split)  # no empty split
-        partial = torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-        _small_m_split_k_kernel[(blocks, split)](
-            x,
-            w,
-            y,
-            partial,
-            prepare(x.device, blocks),
-            M,
-            N,
-            K,
-            x.stride(0),
-            w.stride(0),
-            y.stride(0),
-            TILES_PER_SPLIT=per_split,
-            SPLIT=split,
-            BLOCK_M=SMALL_M_MAX,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            PRECISION=precision,
-            num_warps=4,
-            num_stages=num_stages,
-        )
-        return y
-    _small_m_kernel[(blocks,)](
+    per_split = _cdiv(tiles, split)
+    split = _cdiv(tiles, per_split)  # no empty split
+    # Split K: the partial sums and the counters (without it the kernel never touches them: y stands in).
+    partial = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
+    counters = prepare(x.device, blocks) if split > 1 else y
+    _small_m_kernel[(blocks, split)](
         x,
         w,
         y,
+        partial,
+        counters,
         M,
         N,
         K,
         x.stride(0),
         w.stride(0),
         y.stride(0),
+        SPLIT=split,
+        TILES_PER_SPLIT=per_split if split > 1 else 0,
         BLOCK_M=SMALL_M_MAX,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

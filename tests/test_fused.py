@@ -275,24 +275,24 @@ def test_split_k_is_chosen_from_the_shape_and_the_sm_count(max_split_k) -> None:
 
 
 def test_the_op_splits_k_as_set(max_split_k, monkeypatch) -> None:
-    """`linear` (the compiled blocks' op) runs the split kernel for a narrow weight once the maximum is raised."""
+    """`linear` (the compiled blocks' op) splits K for a narrow weight once the maximum is raised."""
     launches = []
-    real = small_m_gemm._small_m_split_k_kernel
+    real = small_m_gemm._small_m_kernel
 
     class Spy:
         def __getitem__(self, grid):
             launches.append(grid)
             return real[grid]
 
-    monkeypatch.setattr(small_m_gemm, "_small_m_split_k_kernel", Spy())
+    monkeypatch.setattr(small_m_gemm, "_small_m_kernel", Spy())
     g = torch.Generator().manual_seed(8)
     x = torch.randn(2, 1024, generator=g).to(DEVICE)
     w = torch.randn(32, 1024, generator=g).to(DEVICE)
     plain = small_m_gemm.linear(x, w)
-    assert launches == []
+    assert launches == [(2, 1)]  # 2 column blocks of 16, unsplit
     max_split_k(2)
     split = small_m_gemm.linear(x, w)
-    assert launches == [(2, 2)]  # 2 column blocks of 16, 2 splits of 2 K tiles
+    assert launches == [(2, 1), (2, 2)]  # then 2 splits of 2 K tiles each
     torch.testing.assert_close(split, plain, rtol=1e-6, atol=1e-5)
 
 
