@@ -116,6 +116,12 @@ class EngineSettings:
     warmup: bool = True
     # When the engine is idle, wait this long after the first arrival so a burst shares one batched prefill.
     admission_window_s: float = 0.002
+    # Hold new requests in the queue while the running ones get a frame less often than every this many ms (the
+    # engine's recent time per frame step, a moving average); 0 admits whenever a slot is free. A frame is 80 ms of
+    # audio, so 64 keeps each running stream at >= 1.25x real time instead of letting every admission slow all of
+    # them below it; a request is always admitted when nothing runs. Off by default: whole-file clients do not need
+    # real time, and on CPU a stream rarely has it.
+    admission_step_budget_ms: float = 0.0
     # TF32 cuDNN convolutions in the float32 Code2Wav on CUDA: 3.5x faster at batch 64 on an H200 and no 52 GiB
     # cuDNN workspace spike; the audio moves by at most -52 dBFS from the exact decode (chunk joins -62 dBFS,
     # docs/benchmarks.md). False: exact streaming (stream == whole decode to ~1e-5). No effect on CPU.
@@ -197,6 +203,11 @@ class EngineSettings:
         for name in names:
             if getattr(self, name) < 1:
                 raise EngineSettingsError(name, f"{name} must be >= 1")
+        if self.admission_step_budget_ms < 0:
+            raise EngineSettingsError(
+                "admission_step_budget_ms",
+                f"admission_step_budget_ms must be >= 0, not {self.admission_step_budget_ms}",
+            )
         if self.chunk_growth < 2:
             raise EngineSettingsError("chunk_growth", f"chunk_growth must be >= 2, not {self.chunk_growth}")
         if self.max_queue < 0:

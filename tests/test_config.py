@@ -42,6 +42,15 @@ def test_chunk_growth_reaches_the_engine_and_is_bounded(monkeypatch: pytest.Monk
         load_settings()
 
 
+def test_the_admission_budget_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings().engine_settings().admission_step_budget_ms == 0.0  # off
+    monkeypatch.setenv("TTS_ADMISSION_STEP_BUDGET_MS", "64")
+    assert load_settings().engine_settings().admission_step_budget_ms == 64.0
+    monkeypatch.setenv("TTS_ADMISSION_STEP_BUDGET_MS", "-5")
+    with pytest.raises(SettingsError, match="TTS_ADMISSION_STEP_BUDGET_MS"):
+        load_settings()
+
+
 def test_the_float16_decoder_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TTS_DECODER_FP16", "false")
     s = load_settings()

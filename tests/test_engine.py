@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -98,6 +99,30 @@ async def test_chunks_small_first_then_growing(tiny_model, growth, expected):
     assert h.stats.time_to_first_audio is not None and h.stats.time_to_first_audio > 0
 
 
+@pytest.mark.parametrize("budget_ms", [0.0, 10.0], ids=["off", "10ms"])
+async def test_admission_budget_keeps_new_requests_queued_while_frames_come_slowly(tiny_model, budget_ms):
+    """Every frame step takes >= 30 ms (a slow GPU): with a 10 ms budget the second request waits until the first
+    is over, instead of joining it and slowing it further; without one it joins at once."""
+    eng = make_engine(tiny_model, max_slots=4, admission_step_budget_ms=budget_ms)
+    eng.fault_hook = lambda: time.sleep(0.03)  # before every frame step
+    await eng.start()
+    try:
+        a = eng.submit(req(tiny_model, TEXTS[0], greedy=True, max_frames=15, min_frames=15))
+        await a.__anext__()  # a's first chunk: it runs, and its steps have been timed
+        b = eng.submit(req(tiny_model, TEXTS[1], greedy=True, max_frames=6, min_frames=6))
+        await asyncio.gather(a.collect(), b.collect())
+    finally:
+        await eng.stop()
+    assert a.stats.finish_reason is b.stats.finish_reason is FinishReason.BUDGET
+    assert (a.stats.frames, b.stats.frames) == (15, 6)
+    if budget_ms:
+        assert b.stats.started_at > a.stats.finished_at  # admitted only once a was over
+        assert eng.timings["admissions_held"] > 0
+    else:
+        assert b.stats.started_at < a.stats.finished_at  # ran beside a
+        assert eng.timings["admissions_held"] == 0
+
+
 def test_chunk_schedule_grows_to_the_chunk_size():
     assert chunk_schedule(3, 12, 2) == [3, 6, 12]
     assert chunk_schedule(3, 12, 4) == [3, 12]
@@ -106,6 +131,8 @@ def test_chunk_schedule_grows_to_the_chunk_size():
     assert chunk_schedule(5, 5, 2) == [5]
     with pytest.raises(EngineSettingsError, match="chunk_growth must be >= 2, not 1"):
         EngineSettings(chunk_growth=1)
+    with pytest.raises(EngineSettingsError, match=r"admission_step_budget_ms must be >= 0, not -1\.0"):
+        EngineSettings(admission_step_budget_ms=-1.0)
 
 
 @pytest.mark.parametrize("greedy", [True, False])

@@ -40,6 +40,7 @@ ENGINE_FIELDS = {
     "first_chunk_frames": "first_chunk_frames",
     "chunk_frames": "chunk_frames",
     "chunk_growth": "chunk_growth",
+    "admission_step_budget_ms": "admission_step_budget_ms",
     "batch_invariant_decode": "batch_invariant_decode",
     "decoder_fp16": "decoder_fp16",
 }
@@ -100,6 +101,9 @@ class ServerSettings(BaseSettings):
     # Each later chunk at most this many times the one before (3, 6, 12 frames by default): a stream that runs at
     # this many times real time stays ahead of playback while its chunks grow.
     chunk_growth: int = Field(_ENGINE.chunk_growth, ge=2, le=256)
+    # Keep new requests queued while the running ones get a frame (80 ms of audio) less often than every this many
+    # ms; 0: admit whenever a slot is free (see EngineSettings.admission_step_budget_ms).
+    admission_step_budget_ms: float = Field(_ENGINE.admission_step_budget_ms, ge=0, le=60_000)
 
     # --- voices ---------------------------------------------------------------------------------
     # Directory of `<speaker_id>.safetensors` profiles; nothing outside it is ever read.

@@ -109,7 +109,11 @@ class NativeEngine(Engine):
             "decode_s": 0.0,
             "decode_chunks": 0,
             "decode_rows": 0,
+            "admissions_held": 0,  # loop turns that left a waiting request queued (admission_step_budget_ms)
         }
+        # Seconds between frame steps while requests run: a moving average (admission_step_budget_ms).
+        self._step_interval: float | None = None
+        self._last_step_at: float | None = None
         self._decoder: DecodeWorker | None = None
         self._running = False
         self._accepting = False
@@ -362,6 +366,8 @@ class NativeEngine(Engine):
             while True:
                 with self._cv:
                     idle = not self._live
+                    if idle:  # the pause before the next request is no frame step; measure afresh
+                        self._last_step_at = self._step_interval = None
                     while self._running and not sched.has_work:
                         self._cv.wait()
                     if not self._running and not sched.has_work:
@@ -371,8 +377,11 @@ class NativeEngine(Engine):
                     # Woken from idle by the first of a burst: let the rest arrive so they share one prefill.
                     time.sleep(self.config.admission_window_s)
                 with self._cv:
-                    admit = sched.take_admissions()
+                    held = self._admission_held()
+                    admit = [] if held else sched.take_admissions()
                     stopping = not self._running
+                    if held and sched.waiting:
+                        self._timings["admissions_held"] += 1
                 if admit:
                     self._admit(admit)
                 if stopping:
@@ -491,6 +500,7 @@ class NativeEngine(Engine):
             self._wait_for_decoder()
         t0 = time.perf_counter()
         if rows:
+            self._note_step(t0)
             try:
                 self._generate(rows)
             except Exception:
@@ -509,6 +519,22 @@ class NativeEngine(Engine):
         tm["step_s"] += t1 - t0
         tm["decode_s"] += time.perf_counter() - t1
         self._retire()
+
+    def _note_step(self, now: float) -> None:
+        """A frame step starts: fold the time since the last one into the moving average (worker thread)."""
+        if self._last_step_at is not None:
+            dt = now - self._last_step_at
+            self._step_interval = (
+                dt if self._step_interval is None else self._step_interval + 0.25 * (dt - self._step_interval)
+            )
+        self._last_step_at = now
+
+    def _admission_held(self) -> bool:
+        """Whether waiting requests stay queued: requests run and get their frames slower than the budget."""
+        budget = self.config.admission_step_budget_ms
+        if not budget or not self._live:
+            return False
+        return self._step_interval is not None and self._step_interval * 1e3 > budget
 
     def _generate(self, rows: list[RequestState]) -> None:
         """One frame for `rows` (each at its own position): the fixed-shape step (a CUDA graph replay on CUDA) or,
@@ -635,7 +661,7 @@ class NativeEngine(Engine):
             self._cv.wait_for(
                 lambda: (
                     self._decoder.completed != mark
-                    or (self._running and self._scheduler.can_admit)
+                    or (self._running and self._scheduler.can_admit and not self._admission_held())
                     or self._running != running
                 ),
                 timeout=0.1,
