@@ -30,33 +30,23 @@ def test_defaults_match_the_seed_and_serve_the_demo() -> None:
     assert (s.temperature, s.top_k, s.max_new_tokens) == (0.9, 50, 2048)
     assert s.max_text_chars == 4096
     assert s.api_keys == [] and s.cors_origins == []
-    assert s.engine_settings().decoder_fp16 is True  # the engine's default (ignored on CPU)
 
 
-def test_chunk_growth_reaches_the_engine_and_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert load_settings().engine_settings().chunk_growth == 2
-    monkeypatch.setenv("TTS_CHUNK_GROWTH", "4")
-    assert load_settings().engine_settings().chunk_growth == 4
-    monkeypatch.setenv("TTS_CHUNK_GROWTH", "1")
-    with pytest.raises(SettingsError, match="TTS_CHUNK_GROWTH"):
-        load_settings()
-
-
-def test_the_admission_budget_reaches_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert load_settings().engine_settings().admission_step_budget_ms == 0.0  # off
-    monkeypatch.setenv("TTS_ADMISSION_STEP_BUDGET_MS", "64")
-    assert load_settings().engine_settings().admission_step_budget_ms == 64.0
-    monkeypatch.setenv("TTS_ADMISSION_STEP_BUDGET_MS", "-5")
-    with pytest.raises(SettingsError, match="TTS_ADMISSION_STEP_BUDGET_MS"):
-        load_settings()
-
-
-def test_the_float16_decoder_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TTS_DECODER_FP16", "false")
-    s = load_settings()
-    assert s.decoder_fp16 is False and s.engine_settings().decoder_fp16 is False
-    monkeypatch.setenv("TTS_DECODER_FP16", "maybe")
-    with pytest.raises(SettingsError, match="TTS_DECODER_FP16"):
+@pytest.mark.parametrize(
+    ("field", "default", "value", "parsed", "bad"),
+    [
+        ("chunk_growth", 2, "4", 4, "1"),
+        ("admission_step_budget_ms", 0.0, "64", 64.0, "-5"),  # 0: off
+        ("decoder_fp16", True, "false", False, "maybe"),  # on CUDA only
+    ],
+)
+def test_engine_variables_reach_the_engine_and_are_checked(monkeypatch, field, default, value, parsed, bad) -> None:
+    var = f"TTS_{field.upper()}"
+    assert getattr(load_settings().engine_settings(), field) == default
+    monkeypatch.setenv(var, value)
+    assert getattr(load_settings().engine_settings(), field) == parsed
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(SettingsError, match=var):
         load_settings()
 
 
