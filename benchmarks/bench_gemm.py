@@ -99,7 +99,7 @@ def main() -> None:
                 row["splits"] = {}
                 for bn, bk, st, ms in configs:
                     small_m_gemm.set_max_split_k(ms)
-                    sk = small_m_gemm.split_k_for(N, K, x.device, bn, min(bk, max(16, 1 << (K - 1).bit_length())))
+                    sk = small_m_gemm.split_k_for(N, K, x.device, bn, bk)
 
                     def kernel(x, w, bn=bn, bk=bk, st=st, sk=sk):
                         return small_m_gemm.small_m_matmul(x, w, block_n=bn, block_k=bk, num_stages=st, split_k=sk)

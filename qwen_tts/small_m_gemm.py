@@ -133,10 +133,15 @@ def _sm_count(device: torch.device) -> int:
     return 132  # elsewhere (Triton's interpreter): an H200's, so the choice is the GPU's
 
 
+def _k_step(K: int, block_k: int) -> int:
+    """The K tile the kernel runs: block_k, or less for a short K (a power of two, at least tl.dot's 16)."""
+    return min(block_k, max(16, 1 << (K - 1).bit_length()))
+
+
 def split_k_for(N: int, K: int, device: torch.device, block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> int:
     """Programs per column block for an (N, K) weight: enough to cover the SMs, at most the set maximum and one K
     tile per program; a function of the shape and the device only, never of the rows."""
-    blocks, tiles = _cdiv(N, block_n), _cdiv(K, block_k)
+    blocks, tiles = _cdiv(N, block_n), _cdiv(K, _k_step(K, block_k))
     sms = _sm_count(device)
     if _max_split_k == 1 or blocks >= sms:
         return 1
@@ -182,7 +187,7 @@ def small_m_matmul(
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    block_k = min(block_k, max(16, triton.next_power_of_2(K)))
+    block_k = _k_step(K, block_k)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     blocks, tiles = _cdiv(N, block_n), _cdiv(K, block_k)
     split = split_k_for(N, K, x.device, block_n, block_k) if split_k is None else split_k
