@@ -170,6 +170,43 @@ def profile_eager(runner: FrameStepRunner, B: int, args) -> dict:
     }
 
 
+# Code2Wav's kernel families by name (first match wins).
+CODEC_CATEGORIES = (
+    ("layout transform", ("nchwtonhwc", "nhwctonchw", "transpose", "permute")),
+    ("conv", ("conv", "implicit", "xmma", "cutlass", "sm90_", "sm80_", "gemm", "winograd", "fft", "dgrad", "fprop")),
+    ("compiled (SnakeBeta)", ("triton_",)),
+    ("copy/index", ("copy", "memcpy", "memset", "index", "gather", "scatter", "cat", "fill")),
+)
+
+
+def codec_kernels(dec, codes, stream) -> dict:
+    """One more chunk under torch.profiler: device time by kernel family and the top kernels (eager, so the
+    launches show; the time is the kernels' own)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dec.decode_chunk(codes, stream)
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_cat: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = (e.device_time if hasattr(e, "device_time") else e.cuda_time) / 1000
+        low = e.name.lower()
+        cat = next((c for c, keys in CODEC_CATEGORIES if any(k in low for k in keys)), "other")
+        for d, k in ((by_name, e.name[:60]), (by_cat, cat)):
+            d[k][0] += 1
+            d[k][1] += t
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:10]
+    return {
+        "kernel_ms": round(sum(v[1] for v in by_cat.values()), 2),
+        "by_category": {k: (v[0], round(v[1], 2)) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1][1])},
+        "top": [(k, v[0], round(v[1], 2)) for k, v in top],
+    }
+
+
 def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, variants: list[str]) -> list[dict]:
     model = load_model(path, device="cuda", dtype=torch.bfloat16)
     c2w = model.code2wav.float().eval()
@@ -187,15 +224,17 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             ("tf32", True, torch.float32, False),
             ("tf32+compiled-snake", True, torch.float32, True),
             ("fp16-decoder", True, "decoder", True),  # the engine's decoder_fp16: the final conv stack in fp16
+            ("fp16-nhwc", True, "decoder-nhwc", True),  # and on channels-last activations (decoder_channels_last)
             ("bf16", False, torch.bfloat16, False),
         ):
             if name not in variants:
                 continue
             torch.backends.cudnn.allow_tf32 = tf32
             torch.backends.cuda.matmul.allow_tf32 = tf32
-            if dtype == "decoder":
+            if dtype in ("decoder", "decoder-nhwc"):
                 dec = copy.deepcopy(c2w)
                 dec.set_decoder_dtype(torch.float16)
+                dec.set_decoder_layout(dtype == "decoder-nhwc")
             else:
                 dec = copy.deepcopy(c2w).to(dtype) if dtype != torch.float32 or snake else c2w
             if snake:
@@ -215,7 +254,8 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
                     torch.cuda.synchronize()
                     times.append(s.elapsed_time(e))
                 streamed = torch.cat(pieces)
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+                kernels = codec_kernels(dec, codes[:, :, :chunk], stream)
             diff = (streamed - whole).abs()
             joins = torch.arange(1, chunks, device="cuda") * chunk * 1920
             jump = ((streamed[joins] - streamed[joins - 1]) - (whole[joins] - whole[joins - 1])).abs().max()
@@ -227,6 +267,7 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
                     "peak_extra_gib": round(peak, 2),
                     "max_abs_diff_dbfs": round(dbfs(diff.max().item()), 1),
                     "max_join_jump_dbfs": round(dbfs(jump.item()), 1),
+                    **kernels,
                 }
             )
             print(json.dumps(out[-1]), flush=True)
