@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from qwen_tts import fused, small_m_gemm
+from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.native.frame_step import FrameStepRunner, SlotState, bucket
 from qwen_tts.loading import load_model
 from qwen_tts.random_checkpoint import write_random_checkpoint
@@ -50,24 +51,32 @@ def weight_bytes(talker) -> int:
 
 
 # Frame-step variants: the eager kernels; the fused path with neither optional kernel; with attention split over
-# positions, with the few-row Triton matmul, with both (the engine's default), with its matmuls through cuBLASLt
-# (the BLAS library is chosen when a graph is captured), with both and split K.
+# positions, with the few-row Triton matmul, with both (the engine's default: 32 x 128 blocks, split K 4), with
+# both but no split K, with both at last round's 16 x 256 blocks unsplit; with its matmuls through cuBLASLt (the
+# BLAS library is chosen when a graph is captured).
+_BOTH = {"split_attention": True, "small_m_gemm": True}
 STEP_VARIANTS = {
     "eager": None,
     "fused": {},
     "fused-split": {"split_attention": True},
     "fused-small-m": {"small_m_gemm": True},
-    "fused-split+small-m": {"split_attention": True, "small_m_gemm": True},
-    "fused-split+small-m+split-k": {"split_attention": True, "small_m_gemm": True},
+    "fused-split+small-m": _BOTH,
+    "fused-split+small-m+no-split-k": _BOTH,
+    "fused-split+small-m-16x256": _BOTH,
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}
-STEP_SPLIT_K = {"fused-split+small-m+split-k": 4}  # small_m_gemm's split-K maximum, also read at capture
+# small_m_gemm's split-K maximum and block sizes (process-wide, read at capture); others: the engine's defaults.
+STEP_SPLIT_K = {"fused-split+small-m+no-split-k": 1, "fused-split+small-m-16x256": 1}
+STEP_BLOCKS = {"fused-split+small-m-16x256": (16, 256, 4)}
+DEFAULT_BLOCKS = (small_m_gemm.BLOCK_N, small_m_gemm.BLOCK_K, small_m_gemm.NUM_STAGES)
+DEFAULT_SPLIT_K = EngineSettings().small_m_split_k
 
 
 def build(path: Path, variant: str, max_rows: int, max_len: int):
     torch.backends.cuda.preferred_blas_library(STEP_BLAS.get(variant, "cublas"))
-    small_m_gemm.set_max_split_k(STEP_SPLIT_K.get(variant, 1))
+    small_m_gemm.set_max_split_k(STEP_SPLIT_K.get(variant, DEFAULT_SPLIT_K))
+    small_m_gemm.set_blocks(*STEP_BLOCKS.get(variant, DEFAULT_BLOCKS))
     small_m_gemm.prepare("cuda")
     model = load_model(path, device="cuda", dtype=torch.bfloat16)
     talker = model.talker.eval()

@@ -152,9 +152,9 @@ class EngineSettings:
     # With small_m_gemm, split K over up to this many programs for weights with fewer column blocks than SMs (the
     # code predictor's 1024-wide o and down projections: 64 programs on an H200's 132 SMs); 1 never splits. The
     # partial sums are added in a fixed order (small_m_gemm.py), so codes stay deterministic and batch invariant.
-    # Process-wide; an A/B variant until measured (bench_gemm.py --max-splits, bench_gpu.py --engine-variants
-    # split-k). Ignored on CPU.
-    small_m_split_k: int = 1
+    # On an H200 the 1.7B step's matmuls at 2 rows: 3.40 ms unsplit, 2.97 with split 4 (bench_gemm.py
+    # --max-splits; bench_gpu.py --engine-variants no-split-k). Process-wide. Ignored on CPU.
+    small_m_split_k: int = 4
     # On CUDA, run Code2Wav's SnakeBeta activations (its largest tensors) as one compiled kernel each instead of
     # five eager passes: a 64-row 12-frame chunk 79 -> 65 ms on an H200, 64 streams 277 -> 313 audio-s/s, 256
     # streams 448 -> 525; the audio stays within -52 dBFS of the exact decode as without it, chunk joins -59 instead

@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 WHL=${WHEEL_DIR:-.whl}
 SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
-VARIANTS=${VARIANTS:-split-k,decoder-nhwc,split-k+decoder-nhwc,chunk-jump,admission-64ms}
+VARIANTS=${VARIANTS:-no-split-k,decoder-nhwc,chunk-jump}
 
 [ $# -gt 0 ] || { sed -n 2,11p "$0" >&2; exit 2; }
 for stage in "$@"; do
@@ -61,7 +61,7 @@ for stage in "$@"; do
       ;;
     profile)
       run profile 240 "$PY" benchmarks/profile_step.py --size 1.7b --batches 1,64 \
-        --variants fused,fused-split,fused-small-m,fused-split+small-m,fused-split+small-m+split-k,fused-cublaslt \
+        --variants fused-split+small-m,fused-split+small-m+no-split-k,fused-split+small-m-16x256 \
         --codec-batches 64 --codec-variants tf32+compiled-snake,fp16-decoder,fp16-nhwc --out "$OUT_DIR/profile.json"
       ;;
     engine)

@@ -257,19 +257,29 @@ def test_split_k_gives_a_row_the_same_bits_alone_and_in_a_batch() -> None:
 
 def test_split_k_is_chosen_from_the_shape_and_the_sm_count(max_split_k) -> None:
     cpu = torch.device("cpu")  # counts as an H200's 132 SMs
-    # Off by default: every shape one program per column block.
+    max_split_k(1)  # never split: every shape one program per column block
     assert small_m_gemm.split_k_for(1024, 3072, cpu) == 1
+    # 16 x 256 blocks (explicit, whatever the defaults).
+    blocks = dict(block_n=16, block_k=256)
     max_split_k(4)
-    assert small_m_gemm.split_k_for(1024, 2048, cpu) == 3  # 64 column blocks: three cover 132 SMs
-    assert small_m_gemm.split_k_for(1024, 3072, cpu) == 3  # 12 tiles of K: 4 per split
-    assert small_m_gemm.split_k_for(2048, 6144, cpu) == 2  # 128 blocks: two
-    assert small_m_gemm.split_k_for(4096, 1024, cpu) == 1  # 256 blocks fill the SMs already
-    assert small_m_gemm.split_k_for(64, 256, cpu) == 1  # a single K tile cannot split
-    assert small_m_gemm.split_k_for(64, 768, cpu) == 3  # no more splits than K tiles
+    assert small_m_gemm.split_k_for(1024, 2048, cpu, **blocks) == 2  # 64 column blocks: two fit on 132 SMs
+    assert small_m_gemm.split_k_for(1024, 3072, cpu, **blocks) == 2  # 12 tiles of K: 6 per split
+    assert small_m_gemm.split_k_for(2048, 6144, cpu, **blocks) == 1  # 128 blocks: a second set would not fit
+    assert small_m_gemm.split_k_for(4096, 1024, cpu, **blocks) == 1  # 256 blocks fill the SMs already
+    assert small_m_gemm.split_k_for(64, 256, cpu, **blocks) == 1  # a single K tile cannot split
+    assert small_m_gemm.split_k_for(64, 768, cpu, **blocks) == 3  # no more splits than K tiles
     max_split_k(8)
-    assert small_m_gemm.split_k_for(256, 1280, cpu) == 5  # 16 blocks want 9; 5 tiles, 5 splits of one
+    assert small_m_gemm.split_k_for(256, 1280, cpu, **blocks) == 5  # 16 blocks want 8; 5 tiles, 5 splits of one
     max_split_k(5)
-    assert small_m_gemm.split_k_for(256, 1792, cpu) == 4  # 7 tiles in 5 splits: runs of 2, so 4 (none empty)
+    assert small_m_gemm.split_k_for(256, 1792, cpu, **blocks) == 4  # 7 tiles in 5 splits: runs of 2, so 4
+    # The default 32 x 128 blocks, on the 1.7B step's shapes (N, K), at the engine's default maximum of 4.
+    assert (small_m_gemm.BLOCK_N, small_m_gemm.BLOCK_K) == (32, 128)
+    max_split_k(4)
+    assert small_m_gemm.split_k_for(1024, 2048, cpu) == 4  # code predictor o: 32 blocks
+    assert small_m_gemm.split_k_for(1024, 3072, cpu) == 4  # code predictor down
+    assert small_m_gemm.split_k_for(2048, 2048, cpu) == 2  # talker o: 64 blocks, two fit
+    assert small_m_gemm.split_k_for(4096, 1024, cpu) == 1  # qkv: 128 blocks
+    assert small_m_gemm.split_k_for(12288, 2048, cpu) == 1  # talker gate_up: 384 blocks
     with pytest.raises(ValueError, match="split K must be 1 to 8, not 9"):
         max_split_k(9)
 
@@ -286,14 +296,18 @@ def test_the_op_splits_k_as_set(max_split_k, monkeypatch) -> None:
 
     monkeypatch.setattr(small_m_gemm, "_small_m_kernel", Spy())
     g = torch.Generator().manual_seed(8)
-    x = torch.randn(2, 1024, generator=g).to(DEVICE)
-    w = torch.randn(32, 1024, generator=g).to(DEVICE)
+    # Small integers: every partial sum is exact in float32, so any split order gives the exact product. (With
+    # random reals the split sums K in another order: on an H200, 2.8e-5 apart at outputs of ~30.)
+    x = torch.randint(-8, 9, (2, 1024), generator=g).float().to(DEVICE)
+    w = torch.randint(-8, 9, (32, 1024), generator=g).float().to(DEVICE)
+    exact = (x.double() @ w.double().T).float()
+    max_split_k(1)
     plain = small_m_gemm.linear(x, w)
-    assert launches == [(2, 1)]  # 2 column blocks of 16, unsplit
+    assert launches == [(1, 1)]  # 1 column block of 32, unsplit
     max_split_k(2)
     split = small_m_gemm.linear(x, w)
-    assert launches == [(2, 1), (2, 2)]  # then 2 splits of 2 K tiles each
-    torch.testing.assert_close(split, plain, rtol=1e-6, atol=1e-5)
+    assert launches == [(1, 1), (1, 2)]  # then 2 splits of 4 K tiles each
+    assert torch.equal(plain, exact) and torch.equal(split, exact)
 
 
 def test_small_m_matmul_refuses_what_it_cannot_take() -> None:
