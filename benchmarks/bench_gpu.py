@@ -86,6 +86,7 @@ VARIANTS: dict[str, dict] = {
     "fp16-decoder": {"decoder_fp16": True},  # Code2Wav's final conv stack in float16
     "fp32-decoder": {"decoder_fp16": False},  # Code2Wav in float32 (TF32 convolutions)
     "decoder-nhwc": {"decoder_channels_last": True},  # Code2Wav's final conv stack on channels-last activations
+    "no-overlap": {"overlap_steps": False},  # each step's codes read before the next step is launched
     "chunk-jump": {"chunk_growth": 4},  # chunks of 3 then 12 frames, as before the ramp through 6
     "admission-64ms": {"admission_step_budget_ms": 64.0},  # queue new requests while steps exceed 64 ms
     "split-k": {"small_m_split_k": 4},  # the few-row matmul split over K where its column blocks leave SMs idle

@@ -188,6 +188,12 @@ class EngineSettings:
     # convolution kernels on the decoder's stream then fill the SMs the frame step leaves idle instead of making
     # its ~1,800 short kernels wait behind them. False: the engine loop uses the default stream.
     step_stream_priority: bool = True
+    # Launch each frame step before reading the codes of the one before, so the GPU runs step N+1 while the host
+    # handles step N's codes (end-of-speech, chunks for the decoder) instead of idling. A row that turns out to
+    # have ended at step N was stepped once more for nothing (discarded; its slot is reset on reuse, as after any
+    # end-of-speech step). None: on where steps run asynchronously (CUDA), off on CPU, where a step computes as it
+    # is launched and the extra step would only cost. bench_gpu.py --engine-variants no-overlap.
+    overlap_steps: bool | None = None
     # Chunks of one request that may wait in or for the decoder before that request's generation pauses.
     decode_lookahead: int = 2
     # Most rows in one Code2Wav call (and its largest graph bucket): a 12-frame chunk of 64 rows already fills an

@@ -45,6 +45,10 @@ def tiny_model(tmp_path_factory):
     return load_model(path, device="cpu")
 
 
+# Both step orders on the CPU: in turn (the CPU default) and overlapped (overlap_steps, the CUDA default).
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+
+
 def make_engine(model, **kw) -> NativeEngine:
     cfg = EngineSettings(model_path=str(model.path), device="cpu", warmup=False, **kw)
     return NativeEngine(cfg, model=model)
@@ -186,8 +190,9 @@ async def test_different_inputs_give_different_codes(tiny_model):
     assert not torch.equal(c[0], c[3])  # language
 
 
-async def test_cancel_frees_slot(tiny_model):
-    eng = make_engine(tiny_model, max_slots=1, max_queue=4, first_chunk_frames=2, chunk_frames=2)
+@OVERLAP
+async def test_cancel_frees_slot(tiny_model, overlap):
+    eng = make_engine(tiny_model, overlap_steps=overlap, max_slots=1, max_queue=4, first_chunk_frames=2, chunk_frames=2)
     await eng.start()
     try:
         h = eng.submit(req(tiny_model, TEXTS[1], max_frames=2000))
@@ -205,8 +210,9 @@ async def test_cancel_frees_slot(tiny_model):
         await eng.stop()
 
 
-async def test_budget_from_text_length_and_cap(tiny_model):
-    eng = make_engine(tiny_model, max_frames=80)
+@OVERLAP
+async def test_budget_from_text_length_and_cap(tiny_model, overlap):
+    eng = make_engine(tiny_model, overlap_steps=overlap, max_frames=80)
     await eng.start()
     try:
         assert len(tiny_model.tokenizer.text_ids("Hi.")) == 3  # "H", "i", "."
@@ -229,8 +235,9 @@ async def test_budget_from_text_length_and_cap(tiny_model):
     assert wb.shape == (80 * 1920,)
 
 
-async def test_many_concurrent_requests_through_few_slots(tiny_model):
-    eng = make_engine(tiny_model, max_slots=4, max_queue=64, chunk_frames=6)
+@OVERLAP
+async def test_many_concurrent_requests_through_few_slots(tiny_model, overlap):
+    eng = make_engine(tiny_model, overlap_steps=overlap, max_slots=4, max_queue=64, chunk_frames=6)
     await eng.start()
     try:
         rs = [req(tiny_model, TEXTS[i % len(TEXTS)], seed=i, max_frames=4 + i % 9) for i in range(32)]
@@ -245,17 +252,18 @@ async def test_many_concurrent_requests_through_few_slots(tiny_model):
     assert eng.num_running == 0
 
 
-async def test_failure_in_one_request_leaves_others_intact(tiny_model, monkeypatch):
-    eng = make_engine(tiny_model, max_slots=4)
+@OVERLAP
+async def test_failure_in_one_request_leaves_others_intact(tiny_model, overlap, monkeypatch):
+    eng = make_engine(tiny_model, overlap_steps=overlap, max_slots=4)
     await eng.start()
-    real = eng._generate
+    real = eng._launch
 
-    def flaky(rows):
+    def flaky(rows, stepping):
         if any(lv.handle.request.text == "boom" for lv in rows):
             raise RuntimeError("injected")
-        return real(rows)
+        return real(rows, stepping)
 
-    monkeypatch.setattr(eng, "_generate", flaky)
+    monkeypatch.setattr(eng, "_launch", flaky)
     try:
         good = [req(tiny_model, t, seed=i, greedy=True, max_frames=10) for i, t in enumerate(TEXTS[:3])]
         hs = [eng.submit(r) for r in [good[0], req(tiny_model, "boom", max_frames=10), *good[1:]]]
@@ -325,8 +333,9 @@ async def test_bad_requests_are_rejected(tiny_model):
         await eng.stop()
 
 
-async def test_stop_drains_then_cancels(tiny_model):
-    eng = make_engine(tiny_model, max_slots=2)
+@OVERLAP
+async def test_stop_drains_then_cancels(tiny_model, overlap):
+    eng = make_engine(tiny_model, overlap_steps=overlap, max_slots=2)
     await eng.start()
     short = eng.submit(req(tiny_model, TEXTS[0], max_frames=4))
     long = eng.submit(req(tiny_model, TEXTS[1], max_frames=2000, min_frames=10_000))

@@ -16,6 +16,7 @@ import torch
 
 from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest
 from qwen_tts.engines.native import NativeEngine
+from qwen_tts.engines.native.frame_step import StepCodes
 from qwen_tts.reference_loop import generate_codes
 
 # (text, options): each row exercises a different part of the loop.
@@ -103,13 +104,16 @@ async def engine_codes(model, requests: list[SynthesisRequest], padded: bool, **
     return handles
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
 @pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
-async def test_engine_codes_equal_the_reference_loop_for_mixed_requests(tiny_qwen3tts, padded) -> None:
+async def test_engine_codes_equal_the_reference_loop_for_mixed_requests(tiny_qwen3tts, padded, overlap) -> None:
+    """overlapped: each step launched before the one before is read (overlap_steps, CUDA's default), so a row
+    that ends at a step was already stepped once more: those codes must never reach the request."""
     model = tiny_qwen3tts
     with eos_boost(model, 3.0):
         reqs = [request(model, i, text, opts) for i, (text, opts) in enumerate(CASES)]
         expected = [reference(model, r) for r in reqs]
-        handles = await engine_codes(model, reqs, padded)
+        handles = await engine_codes(model, reqs, padded, overlap_steps=overlap)
     lengths = []
     for (text, _), h, ref in zip(CASES, handles, expected, strict=True):
         got = torch.cat(h.codes) if h.codes else torch.zeros(0, 16, dtype=torch.long)
@@ -131,15 +135,16 @@ async def test_a_code_outside_the_codebook_ends_only_its_request(tiny_qwen3tts, 
     victim = reqs[1]
 
     def corrupting(slots, frames, *rest):  # a fault (NaN logits, a kernel bug) yields an impossible code
-        codes = real(slots, frames, *rest)
+        step = real(slots, frames, *rest)
+        codes = step.result()
         for i, (slot, frame) in enumerate(zip(slots, frames, strict=True)):
             if eng._live[slot].handle.request is victim and frame == 6:
                 codes[i, codebook] = value
-        return codes
+        return StepCodes(codes, None)
 
     await eng.start()
-    real = eng._runner.step
-    eng._runner.step = corrupting
+    real = eng._runner.launch
+    eng._runner.launch = corrupting
     try:
         handles = [eng.submit(r) for r in reqs]
         results = await asyncio.gather(*(h.collect() for h in handles), return_exceptions=True)

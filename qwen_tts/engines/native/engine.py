@@ -17,7 +17,11 @@ Python lists. Sampling noise is counter based (seed, frame, codebook), so a requ
 what else is in the batch.
 
 On CUDA (frame_step "auto" or "graphs") step 2 replays a CUDA graph of the whole batched frame step; on CPU it
-runs eagerly at exact shapes.
+runs eagerly at exact shapes. On CUDA the step is also launched one iteration ahead (`overlap_steps`): step N+1
+is queued before step N's codes are read, for every row that step N will not have taken past its budget, so the
+GPU steps while the host reads codes, ends requests and hands chunks to the decoder. A row that step N ends was
+stepped once more for nothing; its codes are dropped (its slot's state is reset on reuse, as after any
+end-of-speech step, and the step runs before any later prefill: one stream, in order).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from qwen_tts.prompt import Prompt, build_prompt, normalize_language
 from qwen_tts.sampling import suppress_mask
 
 from .decoder import DecodeJob, DecodeWorker, SlotDecoder
-from .frame_step import EagerFrameStep, FrameStepRunner, SlotState
+from .frame_step import EagerFrameStep, FrameStepRunner, SlotState, StepCodes
 from .prefill import PrefillRunner
 from .scheduler import RequestState, Scheduler, frame_budget
 
@@ -100,6 +104,8 @@ class NativeEngine(Engine):
         self._live = self._scheduler.running  # slot -> state of the admitted requests (worker thread only)
         self._thread: threading.Thread | None = None
         self._runner: EagerFrameStep | FrameStepRunner | None = None
+        # The launched frame step whose codes are not read yet (overlap_steps): its rows and codes.
+        self._ahead: tuple[list[RequestState], StepCodes] | None = None
         # Worker-thread wall time by phase (host clock; the step and decode end in a host sync, prefill does not).
         # decode_s is the decoder's busy time (its own thread when decode_thread), decode_chunks its batches.
         self._timings = {
@@ -388,6 +394,7 @@ class NativeEngine(Engine):
                 if admit:
                     self._admit(admit)
                 if stopping:
+                    self._drain_step()
                     for lv in list(self._live.values()):
                         lv.done = FinishReason.CANCELLED
                     self._retire()
@@ -486,6 +493,11 @@ class NativeEngine(Engine):
         st.cp_greedy[slot] = req.greedy
         st.seed[slot] = req.seed & ((1 << 62) - 1)
 
+    @property
+    def _overlap(self) -> bool:
+        on = self.config.overlap_steps
+        return self.device.type == "cuda" if on is None else on
+
     def _step(self) -> None:
         # Requests that were cancelled, failed in the decoder or ran out of budget leave before any work is done.
         for lv in self._live.values():
@@ -498,23 +510,45 @@ class NativeEngine(Engine):
                 lv.done = FinishReason.BUDGET
         lookahead = self.config.decode_lookahead
         dec = self._decoder
-        rows = [lv for lv in self._live.values() if lv.done is None and dec.inflight(lv) < lookahead]
-        if not rows and dec.busy:  # nothing to step until the decoder catches up
+        ahead = self._ahead
+        stepping = {id(lv) for lv in ahead[0]} if ahead is not None else set()  # one frame more once read
+        rows = [
+            lv
+            for lv in self._live.values()
+            if lv.done is None and dec.inflight(lv) < lookahead and lv.frames + (id(lv) in stepping) < lv.budget
+        ]
+        if not rows and ahead is None and dec.busy:  # nothing to step until the decoder catches up
             self._wait_for_decoder()
         t0 = time.perf_counter()
         if rows:
             self._note_step(t0)
+        launched: StepCodes | None = None
+        failed = False
+        if rows:
             try:
-                self._generate(rows)
+                launched = self._launch(rows, stepping)
+                if not self._overlap:
+                    self._read(rows, launched)
+                    launched = None
             except Exception:
                 log.exception("batched step failed; retrying rows one by one to isolate the failure")
-                for lv in rows:
-                    if lv.done is None:
-                        try:
-                            self._generate([lv])
-                        except Exception as e:
-                            lv.done = FinishReason.ERROR
-                            lv.error = f"generation failed: {type(e).__name__}"
+                launched, failed = None, True
+        if ahead is not None:  # the step launched before: the GPU runs the one just launched meanwhile
+            self._ahead = None
+            try:
+                self._read(*ahead)
+            except Exception as e:
+                log.exception("reading a frame step failed")
+                self._fail_rows(ahead[0], e)
+        if failed:
+            for lv in rows:  # now at their frames: the step ahead (if any) is read
+                if lv.done is None:
+                    try:
+                        self._read([lv], self._launch([lv], set()))
+                    except Exception as e:
+                        self._fail_rows([lv], e)
+        elif launched is not None:
+            self._ahead = (rows, launched)
         t1 = time.perf_counter()
         self._decode_due()
         tm = self.timings
@@ -539,23 +573,50 @@ class NativeEngine(Engine):
             return False
         return self._step_interval is not None and self._step_interval * 1e3 > budget
 
-    def _generate(self, rows: list[RequestState]) -> None:
-        """One frame for `rows` (each at its own position): the fixed-shape step (a CUDA graph replay on CUDA) or,
-        on CPU, the same `frame_step` eagerly at exact shapes. Rows that hit EOS were stepped too (see frame_step.py)."""
+    def _fail_rows(self, rows: list[RequestState], e: Exception) -> None:
+        for lv in rows:
+            if lv.done is None:
+                lv.done = FinishReason.ERROR
+                lv.error = f"generation failed: {type(e).__name__}"
+
+    def _drain_step(self) -> None:
+        """Read the step launched ahead, if any (before the loop waits, stops or leaves)."""
+        if self._ahead is not None:
+            rows, step = self._ahead
+            self._ahead = None
+            try:
+                self._read(rows, step)
+            except Exception as e:
+                self._fail_rows(rows, e)
+
+    def _launch(self, rows: list[RequestState], stepping: set[int]) -> StepCodes:
+        """Launch one frame for `rows` (each at its own position): the fixed-shape step (a CUDA graph replay on
+        CUDA) or, on CPU, the same `frame_step` eagerly at exact shapes. Rows in `stepping` (ids) are in the step
+        launched before, not read yet: this one is their next frame, if that step does not end them. Rows that hit
+        EOS were stepped too (see frame_step.py)."""
+        frames = [lv.frames + (id(lv) in stepping) for lv in rows]
         args = (
             [lv.slot for lv in rows],
-            [lv.frames for lv in rows],
+            frames,
             [lv.handle.request.min_frames for lv in rows],
-            [lv.pos for lv in rows],
+            [lv.pos + (id(lv) in stepping) for lv in rows],
             [
-                lv.prompt.trailing[lv.frames] if lv.frames < lv.prompt.trailing.shape[0] else lv.prompt.pad
-                for lv in rows
+                lv.prompt.trailing[f] if f < lv.prompt.trailing.shape[0] else lv.prompt.pad
+                for lv, f in zip(rows, frames, strict=True)
             ],
         )
         with self._capture_guard:
-            codes = self._runner.step(*args)  # (n, 16), host
+            return self._runner.launch(*args)
+
+    def _read(self, rows: list[RequestState], step: StepCodes) -> None:
+        """The codes of a launched step: each row's next frame, or its end. A row that ended before (at the step
+        launched ahead of this one) was stepped for nothing: its codes are dropped."""
+        with self._capture_guard:  # (a sync: not while the decoder thread captures a graph lazily)
+            codes = step.result()  # (n, 16), host
         bad = self._out_of_codebook(codes)
         for i, (lv, cb0, frame) in enumerate(zip(rows, codes[:, 0].tolist(), codes, strict=True)):
+            if lv.done is not None:
+                continue
             if cb0 == self._eos:
                 lv.done = FinishReason.EOS
                 continue

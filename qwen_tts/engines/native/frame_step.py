@@ -140,6 +140,19 @@ def frame_step(
     return torch.cat([cb0[:, None], residual], dim=1)
 
 
+class StepCodes:
+    """The codes (n, 16) of a launched frame step, on their way to the host: `result()` waits for them."""
+
+    def __init__(self, host: Tensor, done: torch.cuda.Event | None) -> None:
+        self._host, self._done = host, done
+
+    def result(self) -> Tensor:
+        """The codes as a new CPU tensor (blocks until the step and its copy have run)."""
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host.clone()
+
+
 class EagerFrameStep:
     """Runs `frame_step` eagerly at the exact shapes of each step (no padding, no buckets)."""
 
@@ -149,12 +162,16 @@ class EagerFrameStep:
         self._fixed = (talker, state, cache, suppressed, eos_id)  # frame_step's leading arguments
         self._device = state.h.device
 
-    def step(
+    def launch(
         self, slots: list[int], frames: list[int], min_frames: list[int], positions: list[int], text: list[Tensor]
-    ) -> Tensor:
-        """One frame for each row; returns the codes (n, 16) on the CPU (the step's one host sync)."""
+    ) -> StepCodes:
+        """One frame for each row, computed now (eager); `result()` returns the codes (n, 16) on the CPU."""
         rows = torch.tensor([slots, frames, min_frames, positions], device=self._device)
-        return frame_step(*self._fixed, *rows, torch.stack(text), max(positions) + 1).cpu()
+        return StepCodes(frame_step(*self._fixed, *rows, torch.stack(text), max(positions) + 1).cpu(), None)
+
+    def step(self, *rows) -> Tensor:
+        """`launch(...).result()`: the codes (n, 16) on the CPU (the step's one host sync)."""
+        return self.launch(*rows).result()
 
 
 def batch_buckets(max_rows: int) -> list[int]:
@@ -216,8 +233,12 @@ class FrameStepRunner:
         self.kv_buckets = [cache.max_len] if fast else kv_buckets(cache.max_len, MIN_KV_BUCKET)
         dev = state.h.device
         B = self.batch_buckets[-1]
-        # Rows: slot, frames, min_frames, position. Pinned, so the per-step upload is one async copy.
-        self._host = torch.zeros(4, B, dtype=torch.long, pin_memory=dev.type == "cuda")
+        # Rows: slot, frames, min_frames, position. Pinned, so the per-step upload is one async copy. Two of each
+        # host buffer, used in turn: a step may be launched while the one before still runs (`launch`).
+        pin = dev.type == "cuda"
+        self._host = [torch.zeros(4, B, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._host_codes = [torch.zeros(B, COUNTER_STRIDE, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
         self._inputs = torch.zeros(4, B, dtype=torch.long, device=dev)
         self._text = torch.zeros(B, state.h.shape[1], dtype=state.h.dtype, device=dev)
         self._codes = torch.zeros(B, COUNTER_STRIDE, dtype=torch.long, device=dev)
@@ -275,12 +296,14 @@ class FrameStepRunner:
                     self._capture(B, kv_len)
         log.info("%d frame-step graphs ready in %.1fs", len(self._graphs), time.perf_counter() - t0)
 
-    def step(
+    def launch(
         self, slots: list[int], frames: list[int], min_frames: list[int], positions: list[int], text: list[Tensor]
-    ) -> Tensor:
-        """One frame for each row (all lists of length n); returns the codes (n, 16) as a new CPU tensor.
+    ) -> StepCodes:
+        """Queue one frame for each row (all lists of length n) and the copy of its codes to the host; returns at
+        once on CUDA. `result()` waits for the codes (n, 16): the step's one host sync.
 
-        Reading the codes back is the step's one host sync.
+        At most two launched steps may be unread: the caller reads a step's codes before launching the step after
+        next (the two host buffers are used in turn). Steps run in launch order on the current stream.
         """
         n = len(slots)
         B = bucket(n, self.batch_buckets)
@@ -288,15 +311,25 @@ class FrameStepRunner:
         graph = None
         if self.use_graphs:
             graph = self._graphs.get((B, kv_len)) or self._capture(B, kv_len)
-        host = self._host
+        host, out = self._host[self._turn], self._host_codes[self._turn]
+        self._turn ^= 1
         host[:, :n] = torch.tensor([slots, frames, min_frames, positions], dtype=torch.long)
         host[0, n:B] = self.scratch
         host[1:, n:B] = 0
-        # Safe to refill the pinned buffer next step: this step's read-back waits for the copy.
+        # This pinned buffer is refilled two launches from now, once this step's codes were read: its copy is done.
         self._inputs[:, :B].copy_(host[:, :B], non_blocking=True)
         self._text[:n].copy_(torch.stack(text))
         if graph is not None:
             graph.replay()
         else:
             self._run(B, kv_len)
-        return self._codes[:n].to("cpu", copy=True)
+        out[:n].copy_(self._codes[:n], non_blocking=True)
+        done = None
+        if self._codes.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return StepCodes(out[:n], done)
+
+    def step(self, *rows) -> Tensor:
+        """`launch(...).result()`: one frame for each row, the codes (n, 16) as a new CPU tensor."""
+        return self.launch(*rows).result()
