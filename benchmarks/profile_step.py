@@ -233,17 +233,17 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             ("tf32", True, torch.float32, False),
             ("tf32+compiled-snake", True, torch.float32, True),
             ("fp16-decoder", True, "decoder", True),  # the engine's decoder_fp16: the final conv stack in fp16
-            ("fp16-nhwc", True, "decoder-nhwc", True),  # and on channels-last activations (decoder_channels_last)
+            ("fp16+final-matmul", True, "decoder+matmul", True),  # and the waveform conv as a float32 matmul
             ("bf16", False, torch.bfloat16, False),
         ):
             if name not in variants:
                 continue
             torch.backends.cudnn.allow_tf32 = tf32
             torch.backends.cuda.matmul.allow_tf32 = tf32
-            if dtype in ("decoder", "decoder-nhwc"):
+            if dtype in ("decoder", "decoder+matmul"):
                 dec = copy.deepcopy(c2w)
                 dec.set_decoder_dtype(torch.float16)
-                dec.set_decoder_layout(dtype == "decoder-nhwc")
+                dec.set_final_conv_matmul(dtype == "decoder+matmul")
             else:
                 dec = copy.deepcopy(c2w).to(dtype) if dtype != torch.float32 or snake else c2w
             if snake:
@@ -303,7 +303,7 @@ def main() -> None:
         path = write_random_checkpoint(Path(tmp) / a.size, size=a.size, seed=0)
         results["write_s"] = round(time.perf_counter() - t0, 1)
         rows, logits = [], {}
-        for variant in a.variants.split(","):
+        for variant in filter(None, a.variants.split(",")):  # none: Code2Wav only
             t0 = time.perf_counter()
             model, talker, state, cache, runner = build(path, variant, max(batches), 1024)
             gbytes = weight_bytes(talker) / 1e9

@@ -86,37 +86,36 @@ class CausalConv1d(nn.Module):
         self.conv = nn.Conv1d(c_in, c_out, kernel_size, dilation=dilation, groups=groups)
         self.context = (kernel_size - 1) * dilation
         self.slot = -1  # index into Code2WavStream.conv_history, assigned by Code2Wav
+        self.as_matmul = False  # `Code2Wav.set_final_conv_matmul`
 
     def forward(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
-        if x.dim() == 4:
-            return self._forward_2d(x, stream)
+        conv = self._matmul_conv if self.as_matmul else self.conv
         if self.context == 0:
-            return self.conv(x)
+            return conv(x)
         if stream is None:
-            return self.conv(F.pad(x, (self.context, 0)))
+            return conv(F.pad(x, (self.context, 0)))
         history = stream.conv_history[self.slot]
         x = torch.cat([history, x], dim=-1)
         history.copy_(x[..., x.shape[-1] - self.context :])
-        return self.conv(x)
+        return conv(x)
 
-    def _forward_2d(self, x: Tensor, stream: Code2WavStream | None) -> Tensor:
-        """The same conv on the channels-last layout (x (B, C, 1, T); `Code2Wav.set_decoder_layout`)."""
+    def _matmul_conv(self, x: Tensor) -> Tensor:
+        """The same (unpadded) conv for a few output channels, in float32: one batched matmul gives every tap's
+        output at every input sample, taps (B, O*k, L) = W (O*k, C) @ x (B, C, L), then the k taps are summed shifted by
+        the dilation. For the waveform conv (96 channels -> 1) cuDNN picked a kernel without tensor cores that
+        took 8.6 ms of a 64-row 12-frame float16 chunk on an H200 (profile_step.py); this reads x once. The
+        output stays float32 (for the waveform: no rounding to a float16 stack's 11 bits)."""
         c = self.conv
-        if self.context > 0:
-            B, C, _, T = x.shape
-            padded = torch.empty((B, C, 1, self.context + T), device=x.device, dtype=x.dtype,
-                                 memory_format=torch.channels_last)  # fmt: skip
-            # Built by hand: torch.cat of these layouts would pick the contiguous one.
-            history = None if stream is None else stream.conv_history[self.slot]
-            if history is None:
-                padded[..., : self.context].zero_()
-            else:
-                padded[..., : self.context].copy_(history)
-            padded[..., self.context :].copy_(x)
-            if history is not None:
-                history.copy_(padded[..., T:])
-            x = padded
-        return F.conv2d(x, c.weight.unsqueeze(2), c.bias, dilation=(1, c.dilation[0]), groups=c.groups)
+        c_out, c_in, k = c.weight.shape
+        d = c.dilation[0]
+        B, _, L = x.shape
+        n = L - self.context
+        w = c.weight.float().permute(0, 2, 1).reshape(c_out * k, c_in)
+        taps = torch.matmul(w, x.float()).view(B, c_out, k, L)
+        y = taps[:, :, 0, :n]
+        for j in range(1, k):
+            y = y + taps[:, :, j, j * d : j * d + n]
+        return y + c.bias.float()[:, None] if c.bias is not None else y
 
 
 class CausalTransConv1d(nn.Module):
@@ -130,10 +129,7 @@ class CausalTransConv1d(nn.Module):
         self.slot = -1  # index into Code2WavStream.tconv_overlap, assigned by Code2Wav
 
     def forward(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
-        c = self.conv
-        # (B, C, T*stride + overlap); on the channels-last layout (`Code2Wav.set_decoder_layout`) x is (B, C, 1, T).
-        two_d = x.dim() == 4
-        y = F.conv_transpose2d(x, c.weight.unsqueeze(2), c.bias, stride=(1, self.stride)) if two_d else c(x)
+        y = self.conv(x)  # (B, C, T*stride + overlap)
         n = x.shape[-1] * self.stride
         if self.overlap == 0:
             return y
@@ -142,13 +138,8 @@ class CausalTransConv1d(nn.Module):
             # Overlap-add: the previous chunk's last frame also reaches into these first samples.
             y[..., : self.overlap] += pending
             # The bias was added to the tail here and will be added again by the next chunk's conv.
-            pending.copy_(y[..., n:] - _per_channel(c.bias, y))
+            pending.copy_(y[..., n:] - self.conv.bias[:, None])
         return y[..., :n]
-
-
-def _per_channel(v: Tensor, like: Tensor) -> Tensor:
-    """A (C,) vector shaped to broadcast over dim 1 of `like` ((B, C, T) or the channels-last (B, C, 1, T))."""
-    return v.view(-1, *([1] * (like.dim() - 2)))
 
 
 class SnakeBeta(nn.Module):
@@ -163,8 +154,8 @@ class SnakeBeta(nn.Module):
     def forward(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
         if self.fast is not None:
             return self.fast(x, self.alpha, self.beta)
-        alpha = _per_channel(self.alpha.exp(), x)
-        beta = _per_channel(self.beta.exp(), x)
+        alpha = self.alpha.exp()[:, None]
+        beta = self.beta.exp()[:, None]
         return x + torch.sin(x * alpha).pow(2) / (beta + 1e-9)
 
 
@@ -418,7 +409,6 @@ class Code2Wav(nn.Module):
             + [DecoderBlock(dims[i], dims[i + 1], r) for i, r in enumerate(cfg.upsample_rates)]
             + [SnakeBeta(dims[-1]), CausalConv1d(dims[-1], 1, 7)]
         )
-        self.decoder_channels_last = False  # set_decoder_layout
         # Streaming slots, in module order.
         self._convs = [m for m in self.modules() if isinstance(m, CausalConv1d) and m.context > 0]
         self._tconvs = [m for m in self.modules() if isinstance(m, CausalTransConv1d) and m.overlap > 0]
@@ -439,11 +429,9 @@ class Code2Wav(nn.Module):
             for m in stage:
                 h = m(h, stream)
         h = h.to(self.decoder_dtype)
-        if self.decoder_channels_last:
-            h = h.unsqueeze(2).contiguous(memory_format=torch.channels_last)  # (B, C, 1, T), channels fastest
         for m in self.decoder:
             h = m(h, stream)
-        return h.reshape(h.shape[0], -1).float().clamp(-1.0, 1.0)  # (B, T * total_upsample)
+        return h[:, 0].float().clamp(-1.0, 1.0)  # (B, T * total_upsample)
 
     def forward(self, codes: Tensor) -> Tensor:
         """Decode whole sequences from frame 0 (same result as streaming them in any chunking)."""
@@ -462,20 +450,12 @@ class Code2Wav(nn.Module):
         every op still accumulates in float32); the quantizer, transformer and upsampling stay as they are. Make
         new streams afterwards: their state takes each layer's dtype."""
         self.decoder.to(dtype)
-        self.set_decoder_layout(self.decoder_channels_last)
 
-    def set_decoder_layout(self, channels_last: bool) -> None:
-        """Run the final conv stack on channels-last activations ((B, C, 1, T), channels fastest, as 2-D convs
-        over a height of one) instead of (B, C, T). cuDNN's tensor-core convolutions work in that layout: given
-        (B, C, T) in float16 they may transpose every activation in and out. The weights are re-laid in place
-        (the parameters keep their shapes and values: same state dict). Make new streams afterwards: the conv
-        states take the layout's shape (B, C, 1, t)."""
-        self.decoder_channels_last = channels_last
-        for m in self.decoder.modules():
-            if isinstance(m, (CausalConv1d, CausalTransConv1d)):
-                w = m.conv.weight
-                fmt = torch.channels_last if channels_last else torch.contiguous_format
-                w.data = w.data.unsqueeze(2).contiguous(memory_format=fmt).squeeze(2)
+    def set_final_conv_matmul(self, on: bool) -> None:
+        """Compute the waveform conv (the last layer: `decoder_dim // 16` channels -> 1) as a float32 matmul and a
+        shifted sum instead of a cuDNN convolution (`CausalConv1d._matmul_conv`): the same function, rounded in
+        float32. No state changes: streams stay valid."""
+        self.decoder[-1].as_matmul = on
 
     def new_stream(self, batch: int = 1) -> Code2WavStream:
         """Fresh state for `batch` rows at frame 0 (zero histories == the causal zero padding), each state tensor
@@ -487,16 +467,10 @@ class Code2Wav(nn.Module):
         def zeros(*shape, like: Tensor) -> Tensor:
             return torch.zeros(*shape, device=like.device, dtype=like.dtype)
 
-        in_decoder = {id(m) for m in self.decoder.modules()} if self.decoder_channels_last else set()
-
-        def conv_state(m: nn.Module, channels: int, length: int) -> Tensor:
-            shape = (batch, channels, 1, length) if id(m) in in_decoder else (batch, channels, length)
-            return zeros(*shape, like=m.conv.weight)
-
         return Code2WavStream(
             position=torch.zeros(batch, dtype=torch.long, device=p.device),
-            conv_history=[conv_state(m, m.conv.in_channels, m.context) for m in self._convs],
-            tconv_overlap=[conv_state(m, m.conv.out_channels, m.overlap) for m in self._tconvs],
+            conv_history=[zeros(batch, m.conv.in_channels, m.context, like=m.conv.weight) for m in self._convs],
+            tconv_overlap=[zeros(batch, m.conv.out_channels, m.overlap, like=m.conv.weight) for m in self._tconvs],
             keys=[zeros(*kv_shape, like=m.q_proj.weight) for m in self._attns],
             values=[zeros(*kv_shape, like=m.q_proj.weight) for m in self._attns],
         )

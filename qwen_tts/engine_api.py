@@ -170,10 +170,11 @@ class EngineSettings:
     # scratch; 64 streams 307 -> 358 audio-s/s, 256 streams 524 -> 604 (docs/benchmarks.md; bench_gpu.py
     # --engine-variants fp32-decoder, profile_step.py --codec-variants fp16-decoder). Ignored on CPU.
     decoder_fp16: bool = True
-    # On CUDA, run that conv stack on channels-last activations ((B, C, 1, T) as 2-D convs, Code2Wav.
-    # set_decoder_layout): cuDNN's tensor-core convolutions work in that layout instead of transposing each
-    # activation in and out (bench_gpu.py --engine-variants decoder-nhwc). Ignored on CPU.
-    decoder_channels_last: bool = False
+    # On CUDA, compute Code2Wav's last layer (the waveform conv, 96 channels -> 1) as a float32 matmul and a
+    # shifted sum (Code2Wav.set_final_conv_matmul): for it cuDNN picked a kernel without tensor cores, 8.6 ms of
+    # a 64-row 12-frame float16 chunk's ~45 ms on an H200 (profile_step.py). bench_gpu.py --engine-variants
+    # cudnn-final-conv. Ignored on CPU.
+    decoder_final_matmul: bool = True
     # Decode each request's chunks on their own instead of batched with others' of the same length: the waveform
     # is then a function of the request's codes alone, bit for bit, whatever else runs (a batched convolution
     # rounds differently: 1 int16 LSB on ~1% of samples). Costs the batching of Code2Wav; docs/security.md.

@@ -200,10 +200,8 @@ def compiled(name: str):
 
 
 def _snake_beta(x: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
-    """SnakeBeta (codec_decoder.SnakeBeta.forward, the same expression): x + sin^2(x e^alpha) / e^beta per channel
-    (dim 1 of x (B, C, T) or of the channels-last (B, C, 1, T))."""
-    per_channel = (-1,) + (1,) * (x.dim() - 2)
-    return x + torch.sin(x * alpha.exp().view(per_channel)).pow(2) / (beta.exp().view(per_channel) + 1e-9)
+    """SnakeBeta (codec_decoder.SnakeBeta.forward, the same expression): x + sin^2(x e^alpha) / e^beta per channel."""
+    return x + torch.sin(x * alpha.exp()[:, None]).pow(2) / (beta.exp()[:, None] + 1e-9)
 
 
 _snake_compiled = None
@@ -220,8 +218,7 @@ def snake_beta(x: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
     if _snake_compiled is None:
         _allow_recompiles()
         _snake_compiled = torch.compile(_snake_beta, dynamic=True)
-    fmt = torch.channels_last if x.dim() == 4 else torch.contiguous_format  # the decoder's channels-last layout
-    return _snake_compiled(x.contiguous(memory_format=fmt), alpha, beta)
+    return _snake_compiled(x.contiguous(), alpha, beta)
 
 
 def enable_decoder(code2wav: nn.Module) -> int:

@@ -45,15 +45,9 @@ SCHEDULE = [
 ]
 
 
-@pytest.mark.parametrize("channels_last", [False, True], ids=["ncw", "channels-last"])
 @pytest.mark.parametrize("mode", ["exact", "padded"])
-def test_slot_decoder_streams_every_request_exactly(c2w, mode, channels_last):
-    import copy
-
+def test_slot_decoder_streams_every_request_exactly(c2w, mode):
     cfg = c2w.cfg
-    if channels_last:  # Code2Wav.set_decoder_layout: the slot-indexed conv states are (S, C, 1, t) then
-        c2w = copy.deepcopy(c2w)
-        c2w.set_decoder_layout(True)
     total = {}
     for call in SCHEDULE:
         for name, _, t in call:
@@ -266,16 +260,16 @@ def test_a_failing_chunk_ends_only_its_request(tiny_model, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    ("fp16", "channels_last"), [(False, False), (True, False), (True, True)], ids=["fp32", "fp16-decoder", "fp16-nhwc"]
+    ("fp16", "final_matmul"), [(False, False), (True, False), (True, True)], ids=["fp32", "fp16", "fp16+final-matmul"]
 )
-def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, channels_last):
+def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, final_matmul):
     import copy
 
     cfg = c2w.cfg
     model = copy.deepcopy(c2w).to("cuda")
     if fp16:
         model.set_decoder_dtype(torch.float16)
-    model.set_decoder_layout(channels_last)
+    model.set_final_conv_matmul(final_matmul)
     try:
         torch.backends.cudnn.allow_tf32 = False
         graphs = SlotDecoder(model, max_slots=5, chunk_lens=[3, 5], mode="graphs")
