@@ -233,7 +233,7 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             ("tf32", True, torch.float32, False),
             ("tf32+compiled-snake", True, torch.float32, True),
             ("fp16-decoder", True, "decoder", True),  # the engine's decoder_fp16: the final conv stack in fp16
-            ("fp16+final-matmul", True, "decoder+matmul", True),  # and the waveform conv as a float32 matmul
+            ("fp16+conv-matmul", True, "decoder+matmul", True),  # and its first and last conv as matmuls
             ("bf16", False, torch.bfloat16, False),
         ):
             if name not in variants:
@@ -243,7 +243,7 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             if dtype in ("decoder", "decoder+matmul"):
                 dec = copy.deepcopy(c2w)
                 dec.set_decoder_dtype(torch.float16)
-                dec.set_final_conv_matmul(dtype == "decoder+matmul")
+                dec.set_conv_matmul(dtype == "decoder+matmul")
             else:
                 dec = copy.deepcopy(c2w).to(dtype) if dtype != torch.float32 or snake else c2w
             if snake:

@@ -273,30 +273,38 @@ def test_fp16_decoder_on_the_full_size_random_decoder_stays_within_minus_45_dbfs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_final_conv_as_matmul_decodes_and_streams_like_the_convolution(model, dtype):
-    """set_final_conv_matmul: the waveform conv as a float32 matmul and a shifted sum. The same function as the
-    cuDNN/CPU convolution: whole and streamed (chunks shorter and longer than its 6-sample context), float32 out."""
+def test_convs_as_matmuls_decode_and_stream_like_the_convolutions(model, dtype):
+    """set_conv_matmul: the final conv stack's first conv by im2col and one matmul, its last (the waveform conv)
+    as a float32 matmul and a shifted sum. The same functions as the convolutions: each layer alone against a
+    float64 conv, then whole and streamed decodes (chunks shorter and longer than the convs' context)."""
     import copy
 
     ref = copy.deepcopy(model)
     ref.set_decoder_dtype(dtype)
     mm = copy.deepcopy(ref)
-    mm.set_final_conv_matmul(True)
-    last = mm.decoder[-1]
-    assert last.as_matmul and last.conv.out_channels == 1 and last.context == 6
+    mm.set_conv_matmul(True)
+    first, last = mm.decoder[0], mm.decoder[-1]
+    assert (first.matmul, last.matmul) == ("im2col", "taps") and last.conv.out_channels == 1
+    g = torch.Generator().manual_seed(3)
+    for layer, out_dtype, atol in ((first, dtype, 4e-3), (last, torch.float32, 1e-5)):
+        x = torch.randn(2, layer.conv.in_channels, 50, generator=g).to(dtype)
+        with torch.no_grad():
+            y = layer(x)
+            c = layer.conv
+            want = F.conv1d(F.pad(x.double(), (layer.context, 0)), c.weight.double(), c.bias.double())
+        assert y.dtype == out_dtype and y.shape == want.shape
+        # float16 out: the im2col matmul rounds its result to 11 bits, as the convolution does.
+        tol = atol if dtype == torch.float16 else 1e-5
+        torch.testing.assert_close(y.double(), want, rtol=0, atol=tol * max(1.0, want.abs().max().item()))
     codes = random_codes(model.cfg, 2, 20)
     with torch.no_grad():
         want = ref(codes)
         got = mm(codes)
         streamed = stream_decode(mm, codes, [1, 3, 12, 4])
-        # The layer alone, on its float16 or float32 input: the conv's result to float32 rounding.
-        x = torch.randn(2, last.conv.in_channels, 50, generator=torch.Generator().manual_seed(3)).to(dtype)
-        y = last(x)
-        exact = F.conv1d(F.pad(x.double(), (6, 0)), last.conv.weight.double(), last.conv.bias.double())
-    assert y.dtype == torch.float32 and y.shape == (2, 1, 50)
-    torch.testing.assert_close(y.double(), exact, rtol=0, atol=1e-5)
-    # float16: the stack before the last layer rounds to 11 bits, and streaming rounds its convs at other lengths
-    # (a few ulps, as in the float16 test above); float32: rounding only.
+    # float16: the stack rounds to 11 bits, and streaming rounds its convs at other lengths (a few ulps, as in
+    # the float16 test above); float32: rounding only.
     tol = dict(rtol=0, atol=8e-3) if dtype == torch.float16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(streamed, got, **tol)
+    mm.set_conv_matmul(False)
+    assert (first.matmul, last.matmul) == (None, None)
