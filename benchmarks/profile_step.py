@@ -216,6 +216,37 @@ def codec_kernels(dec, codes, stream) -> dict:
     }
 
 
+def conv_times(dec, codes, stream) -> list:
+    """One more chunk with CUDA events around every (transposed) convolution: the slowest six, by module name."""
+    from qwen_tts.codec_decoder import CausalConv1d, CausalTransConv1d
+
+    events, hooks = [], []
+    for name, m in dec.named_modules():
+        if isinstance(m, (CausalConv1d, CausalTransConv1d)):
+            c = m.conv
+            desc = f"{name} {c.in_channels}->{c.out_channels} k{c.kernel_size[0]} d{c.dilation[0]} s{c.stride[0]}"
+
+            def pre(mod, args, desc=desc):
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                events.append([desc, e, None])
+
+            def post(mod, args, out):
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                events[-1][2] = e
+
+            hooks += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    try:
+        dec.decode_chunk(codes, stream)
+        torch.cuda.synchronize()
+    finally:
+        for h in hooks:
+            h.remove()
+    timed = sorted(((d, round(a.elapsed_time(b), 2)) for d, a, b in events), key=lambda t: -t[1])
+    return timed[:6]
+
+
 def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, variants: list[str]) -> list[dict]:
     model = load_model(path, device="cuda", dtype=torch.bfloat16)
     c2w = model.code2wav.float().eval()
@@ -233,17 +264,17 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             ("tf32", True, torch.float32, False),
             ("tf32+compiled-snake", True, torch.float32, True),
             ("fp16-decoder", True, "decoder", True),  # the engine's decoder_fp16: the final conv stack in fp16
-            ("fp16+conv-matmul", True, "decoder+matmul", True),  # and its first and last conv as matmuls
+            ("fp16+cudnn-benchmark", True, "decoder", True),  # and cuDNN's algorithms chosen by timing
             ("bf16", False, torch.bfloat16, False),
         ):
             if name not in variants:
                 continue
             torch.backends.cudnn.allow_tf32 = tf32
             torch.backends.cuda.matmul.allow_tf32 = tf32
-            if dtype in ("decoder", "decoder+matmul"):
+            torch.backends.cudnn.benchmark = name.endswith("cudnn-benchmark")
+            if dtype == "decoder":
                 dec = copy.deepcopy(c2w)
                 dec.set_decoder_dtype(torch.float16)
-                dec.set_conv_matmul(dtype == "decoder+matmul")
             else:
                 dec = copy.deepcopy(c2w).to(dtype) if dtype != torch.float32 or snake else c2w
             if snake:
@@ -265,6 +296,7 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
                 streamed = torch.cat(pieces)
                 peak = (torch.cuda.max_memory_allocated() - base) / 2**30
                 kernels = codec_kernels(dec, codes[:, :, :chunk], stream)
+                kernels["slowest_convs"] = conv_times(dec, codes[:, :, :chunk], stream)
             diff = (streamed - whole).abs()
             joins = torch.arange(1, chunks, device="cuda") * chunk * 1920
             jump = ((streamed[joins] - streamed[joins - 1]) - (whole[joins] - whole[joins - 1])).abs().max()
@@ -282,6 +314,7 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             print(json.dumps(out[-1]), flush=True)
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
     return out
 
 

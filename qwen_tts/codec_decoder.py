@@ -86,50 +86,16 @@ class CausalConv1d(nn.Module):
         self.conv = nn.Conv1d(c_in, c_out, kernel_size, dilation=dilation, groups=groups)
         self.context = (kernel_size - 1) * dilation
         self.slot = -1  # index into Code2WavStream.conv_history, assigned by Code2Wav
-        self.matmul: str | None = None  # "taps" or "im2col": the conv as a matmul (`Code2Wav.set_conv_matmul`)
 
     def forward(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
-        conv = {None: self.conv, "taps": self._taps_conv, "im2col": self._im2col_conv}[self.matmul]
         if self.context == 0:
-            return conv(x)
+            return self.conv(x)
         if stream is None:
-            return conv(F.pad(x, (self.context, 0)))
+            return self.conv(F.pad(x, (self.context, 0)))
         history = stream.conv_history[self.slot]
         x = torch.cat([history, x], dim=-1)
         history.copy_(x[..., x.shape[-1] - self.context :])
-        return conv(x)
-
-    def _im2col_conv(self, x: Tensor) -> Tensor:
-        """The same (unpadded) conv as one batched matmul over the input's k shifted copies (B, C*k, n), in x's
-        dtype with float32 accumulation, as a convolution rounds. For inputs short enough that k copies are cheap:
-        the first 50 Hz conv (1024 -> 1536 channels, k 7) ran in cuDNN's `implicit_convolve_sgemm`, without
-        tensor cores, 8.6 ms of a 64-row 12-frame float16 chunk's 45 on an H200 (profile_step.py)."""
-        c = self.conv
-        c_out, c_in, k = c.weight.shape
-        B, _, L = x.shape
-        n = L - self.context
-        x = x.contiguous()
-        sb, sc, st = x.stride()
-        cols = x.as_strided((B, c_in, k, n), (sb, sc, c.dilation[0] * st, st)).reshape(B, c_in * k, n)
-        y = torch.matmul(c.weight.reshape(c_out, c_in * k), cols)
-        return y + c.bias[:, None] if c.bias is not None else y
-
-    def _taps_conv(self, x: Tensor) -> Tensor:
-        """The same (unpadded) conv for a few output channels, in float32: one batched matmul gives every tap's
-        output at every input sample, taps (B, O*k, L) = W (O*k, C) @ x (B, C, L), then the k taps are summed
-        shifted by the dilation; x is read once (k copies of a 24 kHz input would not be cheap). For the waveform
-        conv (96 channels -> 1). The output stays float32 (no rounding to a float16 stack's 11 bits)."""
-        c = self.conv
-        c_out, c_in, k = c.weight.shape
-        d = c.dilation[0]
-        B, _, L = x.shape
-        n = L - self.context
-        w = c.weight.float().permute(0, 2, 1).reshape(c_out * k, c_in)
-        taps = torch.matmul(w, x.float()).view(B, c_out, k, L)
-        y = taps[:, :, 0, :n]
-        for j in range(1, k):
-            y = y + taps[:, :, j, j * d : j * d + n]
-        return y + c.bias.float()[:, None] if c.bias is not None else y
+        return self.conv(x)
 
 
 class CausalTransConv1d(nn.Module):
@@ -464,14 +430,6 @@ class Code2Wav(nn.Module):
         every op still accumulates in float32); the quantizer, transformer and upsampling stay as they are. Make
         new streams afterwards: their state takes each layer's dtype."""
         self.decoder.to(dtype)
-
-    def set_conv_matmul(self, on: bool) -> None:
-        """Compute the final conv stack's first conv (50 Hz, `latent_dim` -> `decoder_dim` channels) and its last
-        (the waveform conv, `decoder_dim // 16` channels -> 1) as matmuls instead of cuDNN convolutions
-        (`CausalConv1d._im2col_conv`, `_taps_conv`): the same functions, rounded as a convolution rounds (the
-        waveform in float32). No state changes: streams stay valid."""
-        self.decoder[0].matmul = "im2col" if on else None
-        self.decoder[-1].matmul = "taps" if on else None
 
     def new_stream(self, batch: int = 1) -> Code2WavStream:
         """Fresh state for `batch` rows at frame 0 (zero histories == the causal zero padding), each state tensor

@@ -170,11 +170,6 @@ class EngineSettings:
     # scratch; 64 streams 307 -> 358 audio-s/s, 256 streams 524 -> 604 (docs/benchmarks.md; bench_gpu.py
     # --engine-variants fp32-decoder, profile_step.py --codec-variants fp16-decoder). Ignored on CPU.
     decoder_fp16: bool = True
-    # On CUDA, compute the first and the last conv of Code2Wav's final conv stack as matmuls (Code2Wav.
-    # set_conv_matmul): for the first (50 Hz, 1024 -> 1536 channels) cuDNN picked a kernel without tensor cores,
-    # 8.6 ms of a 64-row 12-frame float16 chunk's ~45 ms on an H200 (profile_step.py); the last (96 channels -> 1)
-    # then runs in float32. bench_gpu.py --engine-variants cudnn-convs. Ignored on CPU.
-    decoder_conv_matmul: bool = True
     # Decode each request's chunks on their own instead of batched with others' of the same length: the waveform
     # is then a function of the request's codes alone, bit for bit, whatever else runs (a batched convolution
     # rounds differently: 1 int16 LSB on ~1% of samples). Costs the batching of Code2Wav; docs/security.md.

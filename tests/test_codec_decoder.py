@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qwen_tts.codec_decoder import Code2Wav, Code2WavStream
@@ -270,41 +269,3 @@ def test_fp16_decoder_on_the_full_size_random_decoder_stays_within_minus_45_dbfs
         ref, got = exact(codes)[0], half(codes)[0]
     assert 0.05 < ref.pow(2).mean().sqrt() < 0.5 and (ref.abs() == 1.0).float().mean() < 0.01  # a live signal
     assert 20 * math.log10((got - ref).abs().max().item()) < -45
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_convs_as_matmuls_decode_and_stream_like_the_convolutions(model, dtype):
-    """set_conv_matmul: the final conv stack's first conv by im2col and one matmul, its last (the waveform conv)
-    as a float32 matmul and a shifted sum. The same functions as the convolutions: each layer alone against a
-    float64 conv, then whole and streamed decodes (chunks shorter and longer than the convs' context)."""
-    import copy
-
-    ref = copy.deepcopy(model)
-    ref.set_decoder_dtype(dtype)
-    mm = copy.deepcopy(ref)
-    mm.set_conv_matmul(True)
-    first, last = mm.decoder[0], mm.decoder[-1]
-    assert (first.matmul, last.matmul) == ("im2col", "taps") and last.conv.out_channels == 1
-    g = torch.Generator().manual_seed(3)
-    for layer, out_dtype, atol in ((first, dtype, 4e-3), (last, torch.float32, 1e-5)):
-        x = torch.randn(2, layer.conv.in_channels, 50, generator=g).to(dtype)
-        with torch.no_grad():
-            y = layer(x)
-            c = layer.conv
-            want = F.conv1d(F.pad(x.double(), (layer.context, 0)), c.weight.double(), c.bias.double())
-        assert y.dtype == out_dtype and y.shape == want.shape
-        # float16 out: the im2col matmul rounds its result to 11 bits, as the convolution does.
-        tol = atol if dtype == torch.float16 else 1e-5
-        torch.testing.assert_close(y.double(), want, rtol=0, atol=tol * max(1.0, want.abs().max().item()))
-    codes = random_codes(model.cfg, 2, 20)
-    with torch.no_grad():
-        want = ref(codes)
-        got = mm(codes)
-        streamed = stream_decode(mm, codes, [1, 3, 12, 4])
-    # float16: the stack rounds to 11 bits, and streaming rounds its convs at other lengths (a few ulps, as in
-    # the float16 test above); float32: rounding only.
-    tol = dict(rtol=0, atol=8e-3) if dtype == torch.float16 else dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, want, **tol)
-    torch.testing.assert_close(streamed, got, **tol)
-    mm.set_conv_matmul(False)
-    assert (first.matmul, last.matmul) == (None, None)

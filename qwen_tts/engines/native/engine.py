@@ -175,9 +175,6 @@ class NativeEngine(Engine):
         self._code2wav = m.code2wav.eval()
         if self.device.type == "cuda" and self.config.decoder_fp16:
             self._code2wav.set_decoder_dtype(torch.float16)
-        if self.device.type == "cuda" and self.config.decoder_conv_matmul:
-            self._code2wav.set_conv_matmul(True)
-        self._model_info["decoder_conv_matmul"] = self._code2wav.decoder[0].matmul is not None
         self._model_info["decoder_dtype"] = str(self._code2wav.decoder_dtype).removeprefix("torch.")
         self._tokenizer = m.tokenizer
         self._role_ids = self._tokenizer.chat_ids("")[:3]
