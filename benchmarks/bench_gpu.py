@@ -85,6 +85,8 @@ VARIANTS: dict[str, dict] = {
     "no-small-m-gemm": {"small_m_gemm": False},  # those matmuls through cuBLAS
     "fp16-decoder": {"decoder_fp16": True},  # Code2Wav's final conv stack in float16
     "fp32-decoder": {"decoder_fp16": False},  # Code2Wav in float32 (TF32 convolutions)
+    "polyphase-9": {"decoder_polyphase_dilation": 9},  # Code2Wav's dilation-9 convs over interleaved phases
+    "polyphase-3": {"decoder_polyphase_dilation": 3},  # and its dilation-3 ones
     "no-overlap": {"overlap_steps": False},  # each step's codes read before the next step is launched
     "chunk-jump": {"chunk_growth": 4},  # chunks of 3 then 12 frames, as before the ramp through 6
     "admission-64ms": {"admission_step_budget_ms": 64.0},  # queue new requests while steps exceed 64 ms

@@ -265,6 +265,7 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             ("tf32+compiled-snake", True, torch.float32, True),
             ("fp16-decoder", True, "decoder", True),  # the engine's decoder_fp16: the final conv stack in fp16
             ("fp16+cudnn-benchmark", True, "decoder", True),  # and cuDNN's algorithms chosen by timing
+            ("fp16+polyphase-9", True, "decoder", True),  # and its dilation-9 convs over interleaved phases
             ("bf16", False, torch.bfloat16, False),
         ):
             if name not in variants:
@@ -275,6 +276,7 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             if dtype == "decoder":
                 dec = copy.deepcopy(c2w)
                 dec.set_decoder_dtype(torch.float16)
+                dec.set_polyphase_dilation(9 if name.endswith("polyphase-9") else 0)
             else:
                 dec = copy.deepcopy(c2w).to(dtype) if dtype != torch.float32 or snake else c2w
             if snake:

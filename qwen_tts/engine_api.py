@@ -170,6 +170,11 @@ class EngineSettings:
     # scratch; 64 streams 307 -> 358 audio-s/s, 256 streams 524 -> 604 (docs/benchmarks.md; bench_gpu.py
     # --engine-variants fp32-decoder, profile_step.py --codec-variants fp16-decoder). Ignored on CPU.
     decoder_fp16: bool = True
+    # On CUDA, run the final conv stack's convs with a dilation >= this as undilated convs over the input's
+    # interleaved phases (Code2Wav.set_polyphase_dilation; 0: off). On an H200 cuDNN ran one of them (384
+    # channels, dilation 9) in 8.8 ms of a 64-row 12-frame float16 chunk's 45, even with cudnn.benchmark; built
+    # after the device time ran out, off until measured (bench_gpu.py --engine-variants polyphase-9).
+    decoder_polyphase_dilation: int = 0
     # Decode each request's chunks on their own instead of batched with others' of the same length: the waveform
     # is then a function of the request's codes alone, bit for bit, whatever else runs (a batched convolution
     # rounds differently: 1 int16 LSB on ~1% of samples). Costs the batching of Code2Wav; docs/security.md.
@@ -221,6 +226,11 @@ class EngineSettings:
         if not 1 <= self.small_m_split_k <= 8:
             raise EngineSettingsError(
                 "small_m_split_k", f"small_m_split_k must be 1 to 8, not {self.small_m_split_k!r}"
+            )
+        if self.decoder_polyphase_dilation < 0:
+            raise EngineSettingsError(
+                "decoder_polyphase_dilation",
+                f"decoder_polyphase_dilation must be >= 0, not {self.decoder_polyphase_dilation!r}",
             )
         if self.step_blas not in ("cublas", "cublaslt"):
             raise EngineSettingsError("step_blas", f"step_blas must be cublas or cublaslt, not {self.step_blas!r}")

@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 WHL=${WHEEL_DIR:-.whl}
 SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
-VARIANTS=${VARIANTS:-cudnn-benchmark}
+VARIANTS=${VARIANTS:-polyphase-9,polyphase-3}
 
 [ $# -gt 0 ] || { sed -n 2,11p "$0" >&2; exit 2; }
 for stage in "$@"; do
@@ -62,11 +62,11 @@ for stage in "$@"; do
     profile)
       run profile 240 "$PY" benchmarks/profile_step.py --size 1.7b --batches 1,64 \
         --variants fused-split+small-m,fused-split+small-m+no-split-k,fused-split+small-m-16x256 \
-        --codec-batches 64 --codec-variants fp16-decoder,fp16+cudnn-benchmark --out "$OUT_DIR/profile.json"
+        --codec-batches 64 --codec-variants fp16-decoder,fp16+polyphase-9 --out "$OUT_DIR/profile.json"
       ;;
     codec)
       run codec 120 "$PY" benchmarks/profile_step.py --size 1.7b --variants "" --codec-batches 64 \
-        --codec-variants fp16-decoder,fp16+cudnn-benchmark --out "$OUT_DIR/codec.json"
+        --codec-variants fp16-decoder,fp16+polyphase-9 --out "$OUT_DIR/codec.json"
       ;;
     engine)
       run engine 330 "$PY" benchmarks/bench_gpu.py --time-budget-s 280 --sizes 1.7b --parts engine \

@@ -4,9 +4,10 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from qwen_tts.codec_decoder import Code2Wav, Code2WavStream
+from qwen_tts.codec_decoder import CausalConv1d, Code2Wav, Code2WavStream
 from qwen_tts.config import Code2WavConfig
 
 
@@ -269,3 +270,43 @@ def test_fp16_decoder_on_the_full_size_random_decoder_stays_within_minus_45_dbfs
         ref, got = exact(codes)[0], half(codes)[0]
     assert 0.05 < ref.pow(2).mean().sqrt() < 0.5 and (ref.abs() == 1.0).float().mean() < 0.01  # a live signal
     assert 20 * math.log10((got - ref).abs().max().item()) < -45
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_polyphase_dilated_convs_decode_and_stream_like_the_dilated_convolutions(model, dtype):
+    """set_polyphase_dilation: dilated convs as undilated convs over the input's interleaved phases. The same
+    function: one layer at lengths that do and do not divide into whole phases against a float64 dilated conv,
+    then whole and streamed decodes (chunks shorter and longer than a phase) against the dilated convolutions."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    ref.set_decoder_dtype(dtype)
+    poly = copy.deepcopy(ref)
+    poly.set_polyphase_dilation(9)
+    convs = [m for m in poly.decoder.modules() if isinstance(m, CausalConv1d)]
+    assert {m.conv.dilation[0] for m in convs if m.polyphase} == {9}
+    poly.set_polyphase_dilation(3)
+    assert {m.conv.dilation[0] for m in convs if m.polyphase} == {3, 9}
+    layer = next(m for m in convs if m.conv.dilation[0] == 9)
+    g = torch.Generator().manual_seed(4)
+    for T in (1, 8, 9, 40):
+        x = torch.randn(2, layer.conv.in_channels, T, generator=g).to(dtype)
+        with torch.no_grad():
+            y = layer(x)
+            c = layer.conv
+            want = F.conv1d(F.pad(x.double(), (layer.context, 0)), c.weight.double(), c.bias.double(), dilation=9)
+        assert y.shape == want.shape == (2, c.out_channels, T) and y.dtype == dtype
+        tol = 4e-3 * max(1.0, want.abs().max().item()) if dtype == torch.float16 else 1e-5
+        torch.testing.assert_close(y.double(), want, rtol=0, atol=tol)
+    codes = random_codes(model.cfg, 2, 20)
+    with torch.no_grad():
+        want = ref(codes)
+        got = poly(codes)
+        streamed = stream_decode(poly, codes, [1, 3, 12, 4])
+    # float16: the stack rounds to 11 bits, streaming rounds its convs at other lengths (as in the float16 test
+    # above); float32: rounding only.
+    tol = dict(rtol=0, atol=8e-3) if dtype == torch.float16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(streamed, got, **tol)
+    poly.set_polyphase_dilation(0)
+    assert not any(m.polyphase for m in convs)

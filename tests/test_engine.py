@@ -167,6 +167,9 @@ def test_engine_settings_name_the_field_and_its_choices():
         with pytest.raises(EngineSettingsError, match=f"small_m_split_k must be 1 to 8, not {bad}") as e:
             EngineSettings(small_m_split_k=bad)
         assert e.value.setting == "small_m_split_k"
+    with pytest.raises(EngineSettingsError, match="decoder_polyphase_dilation must be >= 0, not -1") as e:
+        EngineSettings(decoder_polyphase_dilation=-1)
+    assert e.value.setting == "decoder_polyphase_dilation" and EngineSettings().decoder_polyphase_dilation == 0
 
 
 async def test_different_inputs_give_different_codes(tiny_model):
