@@ -76,6 +76,7 @@ def codes_of(handle) -> torch.Tensor:
 async def test_stream_equals_whole_decode(tiny_model):
     eng = make_engine(tiny_model, first_chunk_frames=2, chunk_frames=5)
     await eng.start()
+    assert eng.model_info["overlap_steps"] is False  # None: off on the CPU
     try:
         (h,), (audio,) = await run(eng, [req(tiny_model, TEXTS[1], greedy=True, max_frames=23)])
     finally:
@@ -197,6 +198,7 @@ async def test_different_inputs_give_different_codes(tiny_model):
 async def test_cancel_frees_slot(tiny_model, overlap):
     eng = make_engine(tiny_model, overlap_steps=overlap, max_slots=1, max_queue=4, first_chunk_frames=2, chunk_frames=2)
     await eng.start()
+    assert eng.model_info["overlap_steps"] is overlap
     try:
         h = eng.submit(req(tiny_model, TEXTS[1], max_frames=2000))
         first = await h.__anext__()

@@ -211,6 +211,7 @@ class NativeEngine(Engine):
                     self._runner.capture_all()
         else:
             self._runner = EagerFrameStep(self._talker, self._state, self._cache, self._suppress, self._eos)
+        self._model_info["overlap_steps"] = self._overlap
         # Prefill: graphed with graphed frame steps; padded to the same buckets on CUDA otherwise, so an eager
         # engine prefills at the graphed one's shapes; at exact shapes on CPU.
         if graphs:
@@ -495,8 +496,12 @@ class NativeEngine(Engine):
 
     @property
     def _overlap(self) -> bool:
+        """overlap_steps; None: where a launch returns before the step has run (CUDA, not the eager step, which
+        reads its codes back as it launches)."""
         on = self.config.overlap_steps
-        return self.device.type == "cuda" if on is None else on
+        if on is None:
+            return self.device.type == "cuda" and not isinstance(self._runner, EagerFrameStep)
+        return on
 
     def _step(self) -> None:
         # Requests that were cancelled, failed in the decoder or ran out of budget leave before any work is done.
