@@ -16,8 +16,8 @@ implementation), so the compiled blocks keep their fusions around it and the ste
 
 Split K (`set_max_split_k`; the engine sets EngineSettings.small_m_split_k, 4 by default, as measured on an
 H200). A weight whose output gives fewer column blocks than the GPU has SMs (the code predictor's 1024-wide o and
-down projections: 32 programs on 132 SMs) leaves SMs idle and too few loads in flight. With split K, S programs share a column block, each over its own run of K
-tiles; each writes its float32 partial sums and bumps the block's counter, and the program that bumps it last adds
+down projections: 32 programs on 132 SMs) leaves SMs idle and too few loads in flight. With split K, S programs
+share a column block, each over its own run of K tiles; each writes its float32 partial sums and bumps the block's counter, and the program that bumps it last adds
 the S partials in split order (0, 1, ..., S-1), writes the output and resets the counter. One launch, no atomics
 on the data, and the sum's order is fixed whichever program finishes last: the result is deterministic, and a
 row's bits still do not depend on the other rows (S is chosen from N, K and the SM count only). The counters live

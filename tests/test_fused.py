@@ -284,6 +284,22 @@ def test_split_k_is_chosen_from_the_shape_and_the_sm_count(max_split_k) -> None:
         max_split_k(9)
 
 
+def test_set_blocks_changes_the_defaults_and_refuses_what_the_kernel_cannot_take() -> None:
+    before = (small_m_gemm.BLOCK_N, small_m_gemm.BLOCK_K, small_m_gemm.NUM_STAGES)
+    cpu = torch.device("cpu")
+    try:
+        small_m_gemm.set_blocks(16, 256, 3)
+        assert (small_m_gemm.BLOCK_N, small_m_gemm.BLOCK_K, small_m_gemm.NUM_STAGES) == (16, 256, 3)
+        # split_k_for (and the kernel) read the defaults at call time, not at import.
+        assert small_m_gemm.split_k_for(1024, 2048, cpu) == small_m_gemm.split_k_for(1024, 2048, cpu, 16, 256)
+        for bad in ((24, 128, 4), (32, 8, 4), (32, 128, 0)):
+            with pytest.raises(ValueError, match="powers of two >= 16 and stages >= 1"):
+                small_m_gemm.set_blocks(*bad)
+    finally:
+        small_m_gemm.set_blocks(*before)
+    assert before == (small_m_gemm.BLOCK_N, small_m_gemm.BLOCK_K, small_m_gemm.NUM_STAGES)
+
+
 def test_the_op_splits_k_as_set(max_split_k, monkeypatch) -> None:
     """`linear` (the compiled blocks' op) splits K for a narrow weight once the maximum is raised."""
     launches = []
