@@ -40,14 +40,15 @@ def dbfs(x: float) -> float:
 
 def weight_bytes(talker) -> int:
     """Bytes of weights one frame step reads: the talker once, the code predictor's layers 16 times (its two prompt
-    tokens one at a time, then 14 passes), each of its 15 heads once."""
+    tokens one at a time, then 14 passes; 15 with the prompt in one pass), each of its 15 heads once."""
     cp = talker.code_predictor
     cp_layers = sum(p.numel() * p.element_size() for p in cp.model.layers.parameters())
     heads = sum(p.numel() * p.element_size() for p in cp.lm_head.parameters())
     proj = sum(p.numel() * p.element_size() for p in cp.small_to_mtp_projection.parameters())
     tk = sum(p.numel() * p.element_size() for p in talker.model.layers.parameters())
     tk += talker.codec_head.weight.numel() * talker.codec_head.weight.element_size()
-    return tk + 16 * cp_layers + heads + 16 * proj
+    passes = 15 if cp.prompt_one_pass else 16
+    return tk + passes * cp_layers + heads + passes * proj
 
 
 # Frame-step variants: the eager kernels; the fused path with neither optional kernel; with attention split over
@@ -63,6 +64,7 @@ STEP_VARIANTS = {
     "fused-split+small-m": _BOTH,
     "fused-split+small-m+no-split-k": _BOTH,
     "fused-split+small-m-16x256": _BOTH,
+    "fused-split+small-m+cp-one-pass": _BOTH,  # and the code predictor's two prompt tokens in one pass
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}
@@ -82,6 +84,7 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
     talker = model.talker.eval()
     if STEP_VARIANTS[variant] is not None:
         fused.enable(talker, **STEP_VARIANTS[variant])
+        talker.code_predictor.prompt_one_pass = variant.endswith("cp-one-pass")
     t = model.config.talker
     S = max_rows
     cache = talker.new_cache(S + 1, max_len)

@@ -155,6 +155,10 @@ class EngineSettings:
     # On an H200 the 1.7B step's matmuls at 2 rows: 3.40 ms unsplit, 2.97 with split 4 (bench_gemm.py
     # --max-splits; bench_gpu.py --engine-variants no-split-k). Process-wide. Ignored on CPU.
     small_m_split_k: int = 4
+    # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
+    # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
+    # Built after this round's device time; off until measured (bench_gpu.py --engine-variants cp-one-pass).
+    cp_prompt_one_pass: bool = False
     # On CUDA, run Code2Wav's SnakeBeta activations (its largest tensors) as one compiled kernel each instead of
     # five eager passes: a 64-row 12-frame chunk 79 -> 65 ms on an H200, 64 streams 277 -> 313 audio-s/s, 256
     # streams 448 -> 525; the audio stays within -52 dBFS of the exact decode as without it, chunk joins -59 instead

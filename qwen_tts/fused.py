@@ -310,11 +310,15 @@ def _post_args(layer) -> tuple:
     return (*w, layer.post_attention_layernorm.eps)
 
 
-def stack_step(stack, x: Tensor, positions: Tensor, cache, slots: Tensor) -> Tensor:
+def stack_step(stack, x: Tensor, positions: Tensor, cache, slots: Tensor, shared_slots: bool = False) -> Tensor:
     """One token through every layer of a fused `layers.DecoderStack` and its final norm: x (B, H) -> (B, H).
 
     Region boundaries sit at the attention calls only: pre(0), attention(0), post(0)+pre(1), attention(1), ...,
     post(n-1)+final norm.
+
+    shared_slots: rows may share a slot at consecutive positions (the code predictor's two prompt tokens as two
+    rows of one pass): every row's K/V is written into the cache before the attention kernel runs, so a row reads
+    the earlier positions of its slot whichever program runs first (the kernel writes them again, the same bits).
     """
     layers = stack.layers
     cos, sin = compiled("rope")(positions, stack.rotary_emb.inv_freq, x.dtype)
@@ -324,6 +328,9 @@ def stack_step(stack, x: Tensor, positions: Tensor, cache, slots: Tensor) -> Ten
         first.fused.small_m_gemm,
     )  # fmt: skip
     for i, layer in enumerate(layers):
+        if shared_slots:
+            cache.k[i][slots, :, positions] = k
+            cache.v[i][slots, :, positions] = v
         attn = decode_attention(q, k, v, cache.k[i], cache.v[i], slots, positions, layer.fused.split_attention)
         if i + 1 < len(layers):
             nxt = layers[i + 1]

@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 WHL=${WHEEL_DIR:-.whl}
 SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
-VARIANTS=${VARIANTS:-polyphase-9,polyphase-3}
+VARIANTS=${VARIANTS:-polyphase-9,polyphase-3,cp-one-pass}
 
 [ $# -gt 0 ] || { sed -n 2,11p "$0" >&2; exit 2; }
 for stage in "$@"; do
@@ -61,7 +61,7 @@ for stage in "$@"; do
       ;;
     profile)
       run profile 240 "$PY" benchmarks/profile_step.py --size 1.7b --batches 1,64 \
-        --variants fused-split+small-m,fused-split+small-m+no-split-k,fused-split+small-m-16x256 \
+        --variants fused-split+small-m,fused-split+small-m+cp-one-pass \
         --codec-batches 64 --codec-variants fp16-decoder,fp16+polyphase-9 --out "$OUT_DIR/profile.json"
       ;;
     codec)

@@ -486,10 +486,19 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
         {"split_attention": False, "small_m_gemm": False},
         {"split_attention": True, "small_m_gemm": False},
         {"split_attention": False, "small_m_gemm": True},
-        {"small_m_split_k": 4},
+        {"small_m_split_k": 1},
+        {"cp_prompt_one_pass": True},
         {"step_blas": "cublaslt"},
     ],
-    ids=["default", "neither-kernel", "split-attention-only", "small-m-gemm-only", "split-k", "cublaslt"],
+    ids=[
+        "default",
+        "neither-kernel",
+        "split-attention-only",
+        "small-m-gemm-only",
+        "no-split-k",
+        "cp-one-pass",
+        "cublaslt",
+    ],
 )
 @pytest.mark.parametrize("greedy", [True, False])
 async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):

@@ -117,17 +117,23 @@ def test_decode_attention_takes_one_position_expanded_over_the_batch(split) -> N
 
 
 @pytest.mark.parametrize(
-    "variant", [{}, {"split_attention": True}, {"small_m_gemm": True}], ids=["default", "split", "small-m-gemm"]
+    "variant",
+    [{}, {"split_attention": True}, {"small_m_gemm": True}, {"cp_one_pass": True}],
+    ids=["default", "split", "small-m-gemm", "cp-one-pass"],
 )
 async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, variant, monkeypatch) -> None:
     """The fused path, and each optional kernel on it (enabled with `enable`, then switched by `set_variants` on the
-    same weights: the kernel each one names must be the one that runs), gives the reference loop's codes."""
+    same weights: the kernel each one names must be the one that runs), gives the reference loop's codes. So does
+    the code predictor's two prompt tokens as two rows of one pass (cp_one_pass: 15 passes a frame, not 16)."""
+    variant = dict(variant)
+    one_pass = variant.pop("cp_one_pass", False)
     import test_engine_reference as ref_tests
 
     from qwen_tts import decode_attention as attention_mod
 
-    calls = {"split": 0, "small_m": 0}
+    calls = {"split": 0, "small_m": 0, "stack": 0}
     real_split, real_small_m = attention_mod.split_decode_attention, small_m_gemm.small_m_matmul
+    real_stack = fused.stack_step
 
     def counted(name, fn):
         def run(*args):
@@ -138,6 +144,7 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
 
     monkeypatch.setattr(attention_mod, "split_decode_attention", counted("split", real_split))
     monkeypatch.setattr(small_m_gemm, "small_m_matmul", counted("small_m", real_small_m))
+    monkeypatch.setattr(fused, "stack_step", counted("stack", real_stack))
     # A private copy (enable() re-lays its weights), in float32 on CUDA too: bf16 kernels that differ from eager
     # ones in rounding would flip near-tied codes.
     model = load_model(tiny_checkpoint, device=DEVICE, dtype=torch.float32)
@@ -151,17 +158,20 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
         assert fused.is_enabled(model.talker)
         kernels = {"split_attention": False, "small_m_gemm": False, **variant}
         assert fused.set_variants(model.talker, **kernels) == n_layers
+        model.talker.code_predictor.prompt_one_pass = one_pass
         after = model.talker.state_dict()
         assert all(torch.equal(v, after[k]) for k, v in before.items())  # same weights, new layout
         # On CUDA the engine enables the fast path itself, with the kernels its settings name (on CPU it leaves
         # the model as enabled here).
-        handles = await ref_tests.engine_codes(model, reqs, padded=False, **kernels)
+        eng, handles = await ref_tests.run_engine(model, reqs, frame_step="eager", **kernels)
     for (text, _), h, e in zip(cases, handles, expected, strict=True):
         got = torch.cat(h.codes) if h.codes else torch.zeros(0, 16, dtype=torch.long)
         assert torch.equal(got, e.cpu()), text
     assert len({e.shape[0] for e in expected}) >= 3  # EOS at different frames: the boundary rules are in play
     assert (calls["split"] > 0) == bool(variant.get("split_attention"))
     assert (calls["small_m"] > 0) == bool(variant.get("small_m_gemm"))
+    # Every batched frame step: the talker's one pass and the code predictor's 16 (15, its prompt in one pass).
+    assert calls["stack"] == eng.timings["steps"] * (16 if one_pass else 17) > 0
 
 
 def test_attention_benchmark_times_both_kernels_and_checks_them_against_float64(tmp_path) -> None:

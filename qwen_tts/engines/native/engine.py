@@ -197,7 +197,9 @@ class NativeEngine(Engine):
             # Process-wide, read when each graph is captured (as step_blas); its counters exist before capture.
             small_m_gemm.set_max_split_k(self.config.small_m_split_k)
             small_m_gemm.prepare(self.device)
+            self._talker.code_predictor.prompt_one_pass = self.config.cp_prompt_one_pass
         self._model_info["fused_kernels"] = fused.is_enabled(self._talker)
+        self._model_info["cp_prompt_one_pass"] = self._talker.code_predictor.prompt_one_pass
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)
         self._model_info["fused_decoder"] = any(getattr(m, "fast", None) for m in self._code2wav.modules())
