@@ -90,11 +90,9 @@ VARIANTS: dict[str, dict] = {
     "no-overlap": {"overlap_steps": False},  # each step's codes read before the next step is launched
     "chunk-jump": {"chunk_growth": 4},  # chunks of 3 then 12 frames, as before the ramp through 6
     "admission-64ms": {"admission_step_budget_ms": 64.0},  # queue new requests while steps exceed 64 ms
-    "split-k": {"small_m_split_k": 4},  # the few-row matmul split over K where its column blocks leave SMs idle
-    "no-split-k": {"small_m_split_k": 1},
-    "cp-one-pass": {
-        "cp_prompt_one_pass": True
-    },  # the code predictor's two prompt tokens in one pass  # and never split (the default before it was measured)
+    "split-k": {"small_m_split_k": 4},  # the few-row matmul split over K where blocks leave SMs idle (the default)
+    "no-split-k": {"small_m_split_k": 1},  # and never split (the default before it was measured)
+    "cp-one-pass": {"cp_prompt_one_pass": True},  # the code predictor's two prompt tokens in one pass
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints

@@ -77,13 +77,14 @@ class CodePredictor(nn.Module):
         # single-token step serves all 14 of them.
         kv_len = self.num_residual + 1
         x = self.small_to_mtp_projection(torch.stack((h, cb0_embed), dim=1))  # (B, 2, H_cp)
-        if self.model.layers[0].fused is not None and self.prompt_one_pass:
+        fast = self.model.layers[0].fused is not None
+        if fast and self.prompt_one_pass:
             # Rows 2b and 2b+1 are row b's two tokens, in its slot at positions 0 and 1.
             rows = fused.stack_step(
                 self.model, x.reshape(2 * B, -1), pos[:, :2].reshape(-1), cache, slots.repeat_interleave(2), True
             )
             hidden = rows.view(B, 2, -1)[:, 1]
-        elif self.model.layers[0].fused is not None:  # one token at a time: two steps, same result
+        elif fast:  # one token at a time: two steps, same result
             self.model(x[:, :1], pos[:, :1], cache, slots, kv_len)
             hidden = self.model(x[:, 1:], pos[:, 1:2], cache, slots, kv_len)[:, -1]
         else:

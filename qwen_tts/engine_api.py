@@ -150,7 +150,7 @@ class EngineSettings:
     # cuBLAS, so batches of 64+ are unchanged (bench_gpu.py --engine-variants no-small-m-gemm). Ignored on CPU.
     small_m_gemm: bool = True
     # With small_m_gemm, split K over up to this many programs for weights with fewer column blocks than SMs (the
-    # code predictor's 1024-wide o and down projections: 64 programs on an H200's 132 SMs); 1 never splits. The
+    # code predictor's 1024-wide o and down projections: 32 blocks on an H200's 132 SMs); 1 never splits. The
     # partial sums are added in a fixed order (small_m_gemm.py), so codes stay deterministic and batch invariant.
     # On an H200 the 1.7B step's matmuls at 2 rows: 3.40 ms unsplit, 2.97 with split 4 (bench_gemm.py
     # --max-splits; bench_gpu.py --engine-variants no-split-k). Process-wide. Ignored on CPU.

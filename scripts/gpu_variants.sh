@@ -8,7 +8,8 @@
 #   bash scripts/gpu_variants.sh profile engine          # <= 9.5 min: the step and Code2Wav; the engine per variant
 #   bash scripts/gpu_variants.sh attention               # <= 2 min: the attention kernels alone
 #
-# Stages: tests, attention, gemm, profile, codec (Code2Wav alone), engine. VARIANTS overrides the engine stage's variant list.
+# Stages: tests, attention, gemm, profile, codec (Code2Wav alone), engine. VARIANTS overrides the engine stage's
+# variant list, CODEC_VARIANTS the Code2Wav variants of the profile and codec stages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,8 +18,9 @@ WHL=${WHEEL_DIR:-.whl}
 SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
 VARIANTS=${VARIANTS:-polyphase-9,polyphase-3,cp-one-pass}
+CODEC_VARIANTS=${CODEC_VARIANTS:-fp16-decoder,fp16+polyphase-9}
 
-[ $# -gt 0 ] || { sed -n 2,11p "$0" >&2; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,12p "$0" >&2; exit 2; }
 for stage in "$@"; do
   case $stage in tests | attention | gemm | profile | codec | engine) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
 done
@@ -62,11 +64,11 @@ for stage in "$@"; do
     profile)
       run profile 240 "$PY" benchmarks/profile_step.py --size 1.7b --batches 1,64 \
         --variants fused-split+small-m,fused-split+small-m+cp-one-pass \
-        --codec-batches 64 --codec-variants fp16-decoder,fp16+polyphase-9 --out "$OUT_DIR/profile.json"
+        --codec-batches 64 --codec-variants "$CODEC_VARIANTS" --out "$OUT_DIR/profile.json"
       ;;
     codec)
       run codec 120 "$PY" benchmarks/profile_step.py --size 1.7b --variants "" --codec-batches 64 \
-        --codec-variants fp16-decoder,fp16+polyphase-9 --out "$OUT_DIR/codec.json"
+        --codec-variants "$CODEC_VARIANTS" --out "$OUT_DIR/codec.json"
       ;;
     engine)
       run engine 330 "$PY" benchmarks/bench_gpu.py --time-budget-s 280 --sizes 1.7b --parts engine \

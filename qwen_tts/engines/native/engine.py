@@ -527,11 +527,10 @@ class NativeEngine(Engine):
         if not rows and ahead is None and dec.busy:  # nothing to step until the decoder catches up
             self._wait_for_decoder()
         t0 = time.perf_counter()
-        if rows:
-            self._note_step(t0)
         launched: StepCodes | None = None
         failed = False
         if rows:
+            self._note_step(t0)
             try:
                 launched = self._launch(rows, stepping)
                 if not self._overlap:
