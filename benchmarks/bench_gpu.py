@@ -93,6 +93,7 @@ VARIANTS: dict[str, dict] = {
     "split-k": {"small_m_split_k": 4},  # the few-row matmul split over K where blocks leave SMs idle (the default)
     "no-split-k": {"small_m_split_k": 1},  # and never split (the default before it was measured)
     "cp-one-pass": {"cp_prompt_one_pass": True},  # the code predictor's two prompt tokens in one pass
+    "kernel-sampler": {"kernel_sampler": True},  # each draw by one Triton kernel, no sort (sample_kernel.py)
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints

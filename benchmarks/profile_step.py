@@ -65,6 +65,8 @@ STEP_VARIANTS = {
     "fused-split+small-m+no-split-k": _BOTH,
     "fused-split+small-m-16x256": _BOTH,
     "fused-split+small-m+cp-one-pass": _BOTH,  # and the code predictor's two prompt tokens in one pass
+    "fused-split+small-m+kernel-sampler": _BOTH,  # and each draw by one Triton kernel, no sort
+    "fused-split+small-m+cp-one-pass+kernel-sampler": _BOTH,
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}
@@ -84,7 +86,8 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
     talker = model.talker.eval()
     if STEP_VARIANTS[variant] is not None:
         fused.enable(talker, **STEP_VARIANTS[variant])
-        talker.code_predictor.prompt_one_pass = variant.endswith("cp-one-pass")
+        talker.code_predictor.prompt_one_pass = "+cp-one-pass" in variant
+        talker.kernel_sampler = "+kernel-sampler" in variant
     t = model.config.talker
     S = max_rows
     cache = talker.new_cache(S + 1, max_len)

@@ -159,6 +159,11 @@ class EngineSettings:
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
     # Built after this round's device time; off until measured (bench_gpu.py --engine-variants cp-one-pass).
     cp_prompt_one_pass: bool = False
+    # On the fast path, draw each code with one Triton kernel that finds top-k's k-th largest logit (and top-p's
+    # cut) by bisection instead of sorting the row (qwen_tts/sample_kernel.py): the same draws for top-k, one
+    # launch instead of the compiled sampler's sort and ~4 kernels around it, 16 times a frame. Built after this
+    # round's first device call; off until measured (bench_gpu.py --engine-variants kernel-sampler).
+    kernel_sampler: bool = False
     # On CUDA, run Code2Wav's SnakeBeta activations (its largest tensors) as one compiled kernel each instead of
     # five eager passes: a 64-row 12-frame chunk 79 -> 65 ms on an H200, 64 streams 277 -> 313 audio-s/s, 256
     # streams 448 -> 525; the audio stays within -52 dBFS of the exact decode as without it, chunk joins -59 instead

@@ -50,6 +50,9 @@ class Talker(nn.Module):
         self.text_projection = TextProjection(cfg.text_hidden_size, cfg.hidden_size)
         self.codec_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.code_predictor = CodePredictor(cfg.code_predictor, cfg.hidden_size)
+        # On the fused path, draw every code with sample_kernel.sample (one Triton launch, no sort) instead of the
+        # compiled sampling.sample. EngineSettings.kernel_sampler.
+        self.kernel_sampler = False
 
     def new_cache(
         self, slots: int, max_len: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None

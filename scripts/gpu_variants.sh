@@ -17,7 +17,7 @@ PY=${PYTHON:-python3}
 WHL=${WHEEL_DIR:-.whl}
 SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
-VARIANTS=${VARIANTS:-polyphase-9,polyphase-3,cp-one-pass}
+VARIANTS=${VARIANTS:-polyphase-9,cp-one-pass,kernel-sampler,cp-one-pass+kernel-sampler}
 CODEC_VARIANTS=${CODEC_VARIANTS:-fp16-decoder,fp16+polyphase-9}
 
 [ $# -gt 0 ] || { sed -n 2,12p "$0" >&2; exit 2; }
@@ -52,6 +52,7 @@ for stage in "$@"; do
       run tests 360 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf -o log_level=WARNING \
         tests/test_fused.py tests/test_decoder.py tests/test_codec_decoder.py tests/test_engine_reference.py \
         tests/test_engine.py -k "cuda or attention or small_m or split_k or fp16 or fused"
+      run sampler-tests 120 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf tests/test_sample_kernel.py
       ;;
     attention)
       run attention 120 "$PY" benchmarks/bench_attention.py --batches 1,8,64,256 --positions 100,300,1000 \
@@ -63,7 +64,7 @@ for stage in "$@"; do
       ;;
     profile)
       run profile 240 "$PY" benchmarks/profile_step.py --size 1.7b --batches 1,64 \
-        --variants fused-split+small-m,fused-split+small-m+cp-one-pass \
+        --variants fused-split+small-m,fused-split+small-m+cp-one-pass,fused-split+small-m+kernel-sampler \
         --codec-batches 64 --codec-variants "$CODEC_VARIANTS" --out "$OUT_DIR/profile.json"
       ;;
     codec)

@@ -488,6 +488,7 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
         {"split_attention": False, "small_m_gemm": True},
         {"small_m_split_k": 1},
         {"cp_prompt_one_pass": True},
+        {"kernel_sampler": True},
         {"step_blas": "cublaslt"},
     ],
     ids=[
@@ -497,6 +498,7 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
         "small-m-gemm-only",
         "no-split-k",
         "cp-one-pass",
+        "kernel-sampler",
         "cublaslt",
     ],
 )

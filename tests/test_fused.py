@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_tts import fused, small_m_gemm
+from qwen_tts import fused, sample_kernel, small_m_gemm
 from qwen_tts.decode_attention import (
     HAVE_TRITON,
     SPLIT_BLOCK,
@@ -118,20 +118,22 @@ def test_decode_attention_takes_one_position_expanded_over_the_batch(split) -> N
 
 @pytest.mark.parametrize(
     "variant",
-    [{}, {"split_attention": True}, {"small_m_gemm": True}, {"cp_one_pass": True}],
-    ids=["default", "split", "small-m-gemm", "cp-one-pass"],
+    [{}, {"split_attention": True}, {"small_m_gemm": True}, {"cp_one_pass": True}, {"kernel_sampler": True}],
+    ids=["default", "split", "small-m-gemm", "cp-one-pass", "kernel-sampler"],
 )
 async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, variant, monkeypatch) -> None:
     """The fused path, and each optional kernel on it (enabled with `enable`, then switched by `set_variants` on the
     same weights: the kernel each one names must be the one that runs), gives the reference loop's codes. So does
-    the code predictor's two prompt tokens as two rows of one pass (cp_one_pass: 15 passes a frame, not 16)."""
+    the code predictor's two prompt tokens as two rows of one pass (cp_one_pass: 15 passes a frame, not 16), and
+    the sort-free sampler kernel (kernel_sampler: every one of a frame's 16 draws, top-p's included)."""
     variant = dict(variant)
     one_pass = variant.pop("cp_one_pass", False)
+    kernel_sampler = variant.pop("kernel_sampler", False)
     import test_engine_reference as ref_tests
 
     from qwen_tts import decode_attention as attention_mod
 
-    calls = {"split": 0, "small_m": 0, "stack": 0}
+    calls = {"split": 0, "small_m": 0, "stack": 0, "sampler": 0}
     real_split, real_small_m = attention_mod.split_decode_attention, small_m_gemm.small_m_matmul
     real_stack = fused.stack_step
 
@@ -145,6 +147,7 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
     monkeypatch.setattr(attention_mod, "split_decode_attention", counted("split", real_split))
     monkeypatch.setattr(small_m_gemm, "small_m_matmul", counted("small_m", real_small_m))
     monkeypatch.setattr(fused, "stack_step", counted("stack", real_stack))
+    monkeypatch.setattr(sample_kernel, "sample", counted("sampler", sample_kernel.sample))
     # A private copy (enable() re-lays its weights), in float32 on CUDA too: bf16 kernels that differ from eager
     # ones in rounding would flip near-tied codes.
     model = load_model(tiny_checkpoint, device=DEVICE, dtype=torch.float32)
@@ -159,11 +162,14 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
         kernels = {"split_attention": False, "small_m_gemm": False, **variant}
         assert fused.set_variants(model.talker, **kernels) == n_layers
         model.talker.code_predictor.prompt_one_pass = one_pass
+        model.talker.kernel_sampler = kernel_sampler
         after = model.talker.state_dict()
         assert all(torch.equal(v, after[k]) for k, v in before.items())  # same weights, new layout
         # On CUDA the engine enables the fast path itself, with the kernels its settings name (on CPU it leaves
         # the model as enabled here).
-        eng, handles = await ref_tests.run_engine(model, reqs, frame_step="eager", **kernels)
+        eng, handles = await ref_tests.run_engine(
+            model, reqs, frame_step="eager", kernel_sampler=kernel_sampler, **kernels
+        )
     for (text, _), h, e in zip(cases, handles, expected, strict=True):
         got = torch.cat(h.codes) if h.codes else torch.zeros(0, 16, dtype=torch.long)
         assert torch.equal(got, e.cpu()), text
@@ -172,6 +178,7 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
     assert (calls["small_m"] > 0) == bool(variant.get("small_m_gemm"))
     # Every batched frame step: the talker's one pass and the code predictor's 16 (15, its prompt in one pass).
     assert calls["stack"] == eng.timings["steps"] * (16 if one_pass else 17) > 0
+    assert calls["sampler"] == (eng.timings["steps"] * 16 if kernel_sampler else 0)
 
 
 def test_attention_benchmark_times_both_kernels_and_checks_them_against_float64(tmp_path) -> None:

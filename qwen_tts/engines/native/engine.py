@@ -198,7 +198,9 @@ class NativeEngine(Engine):
             small_m_gemm.set_max_split_k(self.config.small_m_split_k)
             small_m_gemm.prepare(self.device)
             self._talker.code_predictor.prompt_one_pass = self.config.cp_prompt_one_pass
+            self._talker.kernel_sampler = self.config.kernel_sampler
         self._model_info["fused_kernels"] = fused.is_enabled(self._talker)
+        self._model_info["kernel_sampler"] = self._talker.kernel_sampler
         self._model_info["cp_prompt_one_pass"] = self._talker.code_predictor.prompt_one_pass
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from qwen_tts import fused
+from qwen_tts import fused, sample_kernel
 from qwen_tts.layers import KVCache
 from qwen_tts.sampling import apply_repetition_penalty, mask_eos, sample, suppress
 from qwen_tts.talker import Talker
@@ -113,20 +113,20 @@ def frame_step(
         logits = suppress(logits, suppressed)
         logits = mask_eos(logits, eos_id, frames < min_frames)
     counters = frames * COUNTER_STRIDE
-    sampler = fused.compiled("sample") if fast else sample
-    cb0 = sampler(
-        logits,
-        state.temp[slots],
-        state.top_k[slots],
-        state.top_p[slots],
-        state.greedy[slots],
-        state.seed[slots],
-        counters,
-    )
+    tk = (state.temp[slots], state.top_k[slots], state.top_p[slots], state.greedy[slots], state.seed[slots])
     cp = (state.cp_temp[slots], state.cp_top_k[slots], state.cp_top_p[slots], state.cp_greedy[slots], state.seed[slots])
+    if fast and talker.kernel_sampler:  # one Triton launch per draw, no sort (sample_kernel.py)
+        cb0 = sample_kernel.sample(logits, *tk, counters)
 
-    def sample_residual(j: int, cp_logits: Tensor) -> Tensor:
-        return sampler(cp_logits.float(), *cp, counters + (j + 1))
+        def sample_residual(j: int, cp_logits: Tensor) -> Tensor:
+            return sample_kernel.sample(cp_logits, *cp, counters, j + 1)
+
+    else:
+        sampler = fused.compiled("sample") if fast else sample
+        cb0 = sampler(logits, *tk, counters)
+
+        def sample_residual(j: int, cp_logits: Tensor) -> Tensor:
+            return sampler(cp_logits.float(), *cp, counters + (j + 1))
 
     cb0_emb = talker.embed_codec(cb0)
     with record_function("code_predictor"):  # profiler ranges (host side only: free inside a graph)

@@ -1,0 +1,115 @@
+"""The sort-free sampler kernel (qwen_tts/sample_kernel.py) against `sampling.sample`, the sampler it replaces.
+
+Without a GPU the kernel runs in Triton's interpreter (conftest.py); on CUDA, on the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qwen_tts import sampling
+from qwen_tts.decode_attention import HAVE_TRITON
+
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (the interpreter on CPU)")
+
+if HAVE_TRITON:
+    from qwen_tts import sample_kernel
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def settings(rows: int, g: torch.Generator, top_p: bool) -> tuple[torch.Tensor, ...]:
+    """Per-row temperature, top_k, top_p, greedy, seed, counter across their ranges and edges."""
+    temperature = torch.rand(rows, generator=g) * 1.5 + 0.1
+    temperature[::11] = 0.0  # temperature 0: greedy
+    top_k = torch.randint(0, 80, (rows,), generator=g)
+    top_k[::7] = 1
+    top_k[3::13] = 5000  # above the vocab: everything kept
+    tp = torch.rand(rows, generator=g) * 0.9 + 0.05 if top_p else torch.ones(rows)
+    greedy = torch.rand(rows, generator=g) < 0.1
+    seeds = torch.randint(-(2**62), 2**62, (rows,), generator=g)
+    counters = torch.randint(0, 2**40, (rows,), generator=g)
+    return temperature, top_k, tp, greedy, seeds, counters
+
+
+def on(device: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(device) for t in tensors]
+
+
+@pytest.mark.parametrize(
+    ("vocab", "dtype"),
+    [(2048, torch.bfloat16), (3072, torch.float32), (1000, torch.float32)],
+    ids=["code-predictor-bf16", "talker-float32", "odd-vocab"],
+)
+def test_top_k_draws_equal_the_sorting_sampler(vocab, dtype) -> None:
+    """Without top-p the kernel finds the sort's k-th largest logit exactly: the same ids survive and the same
+    Gumbel noise picks among them, so every draw equals `sampling.sample`'s, including rows with suppressed (-inf)
+    ids, k above the vocab, k = 1, greedy and temperature 0, 64-bit seeds and counters, and bf16 logits (read as
+    float32, as `sample` casts them)."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = 48
+    logits = (torch.randn(rows, vocab, generator=g) * 4).to(dtype)
+    logits[:8, vocab // 2 :] = float("-inf")  # fewer finite ids than some rows' k
+    logits[8:16] = logits[8:16].round()  # ties at the k-th value: all kept, in both
+    args = on(DEVICE, logits, *settings(rows, g, top_p=False))
+    for offset in (0, 15):
+        want = sampling.sample(args[0].float(), *args[1:-1], args[-1] + offset)
+        got = sample_kernel.sample(*args, counter_offset=offset)
+        assert got.dtype == torch.long and got.shape == (rows,)
+        assert torch.equal(got, want), (got != want).nonzero().flatten().tolist()
+    # The draws do depend on the noise: another offset moves some of them.
+    assert not torch.equal(sample_kernel.sample(*args, counter_offset=1), sample_kernel.sample(*args))
+
+
+def test_top_p_draws_equal_the_sorting_sampler_on_untied_logits() -> None:
+    """With top-p < 1 the kernel's cut (the largest logit whose mass is <= 1 - top_p) drops the ids HF's sorted
+    cumulative sum drops; on continuous logits (no ties) the draws are the same."""
+    g = torch.Generator().manual_seed(3)
+    rows, vocab = 64, 2048
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    args = on(DEVICE, logits, *settings(rows, g, top_p=True))
+    want = sampling.sample(*args)
+    got = sample_kernel.sample(*args)
+    assert torch.equal(got, want), (got != want).nonzero().flatten().tolist()
+
+
+def test_top_p_keeps_exactly_the_nucleus() -> None:
+    """Probabilities 0.5, 0.25, 0.125, ... : top_p 0.7 keeps the first two ids, 0.9 the first four (their mass
+    0.9375 is the first >= 0.9), 0.3 only the largest; many draws show every kept id and no other."""
+    vocab = 16
+    base = torch.log(torch.tensor([0.5**i for i in range(1, vocab + 1)]))
+    rows = 160
+    logits = base.repeat(rows, 1)
+    for top_p, kept in ((0.7, 2), (0.9, 4), (0.3, 1)):
+        temperature = torch.ones(rows)
+        top_k = torch.zeros(rows, dtype=torch.long)
+        tp = torch.full((rows,), top_p)
+        greedy = torch.zeros(rows, dtype=torch.bool)
+        seeds = torch.arange(rows)
+        counters = torch.zeros(rows, dtype=torch.long)
+        args = on(DEVICE, logits, temperature, top_k, tp, greedy, seeds, counters)
+        got = sample_kernel.sample(*args).cpu()
+        assert set(got.tolist()) == set(range(kept)), (top_p, sorted(set(got.tolist())))
+        assert torch.equal(got, sampling.sample(*args).cpu())
+
+
+def test_a_row_draws_the_same_alone_and_in_a_batch() -> None:
+    g = torch.Generator().manual_seed(11)
+    rows, vocab = 24, 2048
+    args = on(DEVICE, torch.randn(rows, vocab, generator=g) * 3, *settings(rows, g, top_p=True))
+    batch = sample_kernel.sample(*args)
+    for i in (0, 17):
+        alone = sample_kernel.sample(*(a[i : i + 1] for a in args))
+        assert alone.item() == batch[i].item()
+
+
+def test_reads_a_strided_view_and_an_empty_batch() -> None:
+    g = torch.Generator().manual_seed(5)
+    rows, vocab = 12, 3072
+    wide = torch.randn(rows, 2 * vocab, generator=g).to(DEVICE)
+    view = wide[:, :vocab]  # rows strided by 2 * vocab
+    s = on(DEVICE, *settings(rows, g, top_p=False))
+    assert torch.equal(sample_kernel.sample(view, *s), sampling.sample(view.contiguous(), *s))
+    empty = [t[:0] for t in (view, *s)]
+    assert sample_kernel.sample(*empty).shape == (0,)
