@@ -94,6 +94,8 @@ VARIANTS: dict[str, dict] = {
     "no-split-k": {"small_m_split_k": 1},  # and never split (the default before it was measured)
     "cp-one-pass": {"cp_prompt_one_pass": True},  # the code predictor's two prompt tokens in one pass
     "kernel-sampler": {"kernel_sampler": True},  # each draw by one Triton kernel, no sort (sample_kernel.py)
+    "sampler-w1k": {"kernel_sampler_warp_elements": 1024},  # with kernel-sampler: 2 warps for 2048 logits
+    "sampler-w2k": {"kernel_sampler_warp_elements": 2048},  # and 1 warp
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints

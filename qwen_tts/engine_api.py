@@ -164,6 +164,9 @@ class EngineSettings:
     # launch instead of the compiled sampler's sort and ~4 kernels around it, 16 times a frame. Built after this
     # round's first device call; off until measured (bench_gpu.py --engine-variants kernel-sampler).
     kernel_sampler: bool = False
+    # With kernel_sampler, row elements per warp of the sampler kernel (sample_kernel.set_warp_elements; a power
+    # of two, 32-4096): 512 runs the code predictor's 2048 logits on 4 warps. Process-wide.
+    kernel_sampler_warp_elements: int = 512
     # On CUDA, run Code2Wav's SnakeBeta activations (its largest tensors) as one compiled kernel each instead of
     # five eager passes: a 64-row 12-frame chunk 79 -> 65 ms on an H200, 64 streams 277 -> 313 audio-s/s, 256
     # streams 448 -> 525; the audio stays within -52 dBFS of the exact decode as without it, chunk joins -59 instead

@@ -129,6 +129,27 @@ if HAVE_TRITON:
         tl.store(Out + b, tl.where(greedy, tl.argmax(x, axis=0), drawn).to(tl.int64))
 
 
+# Row elements per warp: a program gets max(1, BLOCK // this) warps (512: the code predictor's 2048-wide row on 4
+# warps, the talker's 3072 padded to 4096 on 8). Fewer warps make each of the 32 bisection rounds' reductions
+# cheaper (less cross-warp traffic) at more elements per thread. `set_warp_elements` changes it process-wide,
+# read when a launch is made (so when a CUDA graph is captured); EngineSettings.kernel_sampler_warp_elements.
+WARP_ELEMENTS = 512
+_warp_elements = WARP_ELEMENTS
+
+
+def set_warp_elements(n: int) -> None:
+    """Row elements per warp, a power of two from 32 to 4096 (A/B runs and the engine's setting)."""
+    global _warp_elements
+    if n < 32 or n > 4096 or n & (n - 1):
+        raise ValueError(f"warp elements must be a power of two from 32 to 4096, got {n}")
+    _warp_elements = n
+
+
+def num_warps(vocab: int) -> int:
+    """The warps a row of `vocab` logits gets (at most 16)."""
+    return min(16, max(1, triton.next_power_of_2(vocab) // _warp_elements))
+
+
 def sample(
     logits: Tensor,
     temperature: Tensor,
@@ -162,6 +183,6 @@ def sample(
         counter_offset,
         V,
         BLOCK=block,
-        num_warps=4 if block <= 2048 else 8,
+        num_warps=num_warps(V),
     )
     return out

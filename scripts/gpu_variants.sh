@@ -4,12 +4,13 @@
 # gpu_bench.sh, then runs the stages named on the command line, in order, each under its own time limit so that one
 # device call (600 s at most) can hold several. Logs and JSON go to $OUT (else bench_out/variants).
 #
-#   bash scripts/gpu_variants.sh tests gemm              # <= 9 min: the CUDA tests (4-5 min on an H200), the matmuls
+#   bash scripts/gpu_variants.sh tests gemm              # <= 10 min: the CUDA tests (5-6 min on an H200), the matmuls
 #   bash scripts/gpu_variants.sh profile engine          # <= 9.5 min: the step and Code2Wav; the engine per variant
 #   bash scripts/gpu_variants.sh attention               # <= 2 min: the attention kernels alone
 #
-# Stages: tests, attention, gemm, profile, codec (Code2Wav alone), engine. VARIANTS overrides the engine stage's
-# variant list, CODEC_VARIANTS the Code2Wav variants of the profile and codec stages.
+# Stages: tests, pytest (the tests PYTEST_ARGS names), sampler (the sampler kernel alone), attention, gemm, profile,
+# codec (Code2Wav alone), engine. VARIANTS overrides the engine stage's variant list, CODEC_VARIANTS the Code2Wav
+# variants of the profile and codec stages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,9 +21,9 @@ OUT_DIR=${OUT:-bench_out}/variants
 VARIANTS=${VARIANTS:-polyphase-9,cp-one-pass,kernel-sampler,cp-one-pass+kernel-sampler}
 CODEC_VARIANTS=${CODEC_VARIANTS:-fp16-decoder,fp16+polyphase-9}
 
-[ $# -gt 0 ] || { sed -n 2,12p "$0" >&2; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,13p "$0" >&2; exit 2; }
 for stage in "$@"; do
-  case $stage in tests | attention | gemm | profile | codec | engine) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
+  case $stage in tests | pytest | sampler | attention | gemm | profile | codec | engine) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
 done
 
 if [ ! -f "$SITE-server/.installed" ]; then
@@ -49,10 +50,18 @@ run() {  # run <name> <seconds> <command...>: its output to the terminal and $OU
 for stage in "$@"; do
   case $stage in
     tests)
-      run tests 360 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf -o log_level=WARNING \
+      run tests 480 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf -o log_level=WARNING \
         tests/test_fused.py tests/test_decoder.py tests/test_codec_decoder.py tests/test_engine_reference.py \
         tests/test_engine.py -k "cuda or attention or small_m or split_k or fp16 or fused"
       run sampler-tests 120 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf tests/test_sample_kernel.py
+      ;;
+    sampler)
+      run sampler 120 "$PY" benchmarks/bench_sampler.py --batches 2,64,256 --warp-elements 256,512,1024,2048 \
+        --out "$OUT_DIR/sampler.json"
+      ;;
+    pytest)  # the tests PYTEST_ARGS names (e.g. one failing case with --tb=long)
+      # shellcheck disable=SC2086
+      run pytest 300 "$PY" -m pytest -q -p no:cacheprovider -W ignore -rf --durations=15 ${PYTEST_ARGS:?set PYTEST_ARGS}
       ;;
     attention)
       run attention 120 "$PY" benchmarks/bench_attention.py --batches 1,8,64,256 --positions 100,300,1000 \

@@ -113,3 +113,22 @@ def test_reads_a_strided_view_and_an_empty_batch() -> None:
     assert torch.equal(sample_kernel.sample(view, *s), sampling.sample(view.contiguous(), *s))
     empty = [t[:0] for t in (view, *s)]
     assert sample_kernel.sample(*empty).shape == (0,)
+
+
+def test_the_warp_count_leaves_the_draws_alone_and_bad_sizes_are_refused() -> None:
+    g = torch.Generator().manual_seed(13)
+    rows, vocab = 8, 2048
+    args = on(DEVICE, torch.randn(rows, vocab, generator=g) * 3, *settings(rows, g, top_p=False))
+    want = sampling.sample(*args)
+    try:
+        for n in (2048, 256):
+            sample_kernel.set_warp_elements(n)
+            assert sample_kernel.num_warps(vocab) == 2048 // n
+            assert torch.equal(sample_kernel.sample(*args), want)
+        assert sample_kernel.num_warps(3072) == 16  # 4096 / 256, the cap
+    finally:
+        sample_kernel.set_warp_elements(sample_kernel.WARP_ELEMENTS)
+    assert sample_kernel.num_warps(vocab) == 4
+    for bad in (0, 100, 8192):
+        with pytest.raises(ValueError, match="power of two from 32 to 4096"):
+            sample_kernel.set_warp_elements(bad)

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from qwen_tts import fused, small_m_gemm
+from qwen_tts import fused, sample_kernel, small_m_gemm
 from qwen_tts.config import ConfigError, ModelConfig
 from qwen_tts.engine_api import (
     Engine,
@@ -199,6 +199,7 @@ class NativeEngine(Engine):
             small_m_gemm.prepare(self.device)
             self._talker.code_predictor.prompt_one_pass = self.config.cp_prompt_one_pass
             self._talker.kernel_sampler = self.config.kernel_sampler
+            sample_kernel.set_warp_elements(self.config.kernel_sampler_warp_elements)  # read at capture
         self._model_info["fused_kernels"] = fused.is_enabled(self._talker)
         self._model_info["kernel_sampler"] = self._talker.kernel_sampler
         self._model_info["cp_prompt_one_pass"] = self._talker.code_predictor.prompt_one_pass

@@ -1,0 +1,99 @@
+"""The frame step's sampler alone, on CUDA: the sort-free Triton kernel (qwen_tts/sample_kernel.py) at several
+warp sizes against the compiled `sampling.sample` it replaces, at the code predictor's (2048) and the talker's
+(3072) vocab, graphed as the frame step runs them (16 draws a frame).
+
+For each vocab, batch and variant it captures 16 calls into a CUDA graph, replays it back to back (CUDA events)
+and reports microseconds per draw; it checks that every variant draws what `sampling.sample` draws (top-k rows,
+the Qwen3-TTS default top_p 1). Prints a table last, writes JSON.
+
+    python3 benchmarks/bench_sampler.py --batches 2,64,256 --warp-elements 256,512,1024,2048 --out sampler.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from qwen_tts import fused, sample_kernel, sampling
+
+DRAWS = 16  # one frame: codebook 0 and 15 residual codes
+
+
+def graph_us(run, iters: int) -> float:
+    """Microseconds per draw of `run` (DRAWS draws), captured once and replayed `iters` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # compile / JIT outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / iters / DRAWS
+
+
+def draws(fn, *args):
+    """A frame's DRAWS calls of fn(*args)."""
+    return lambda: [fn(*args) for _ in range(DRAWS)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="2,64,256")
+    ap.add_argument("--vocabs", default="2048,3072")
+    ap.add_argument("--warp-elements", default="256,512,1024,2048")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_sampler: needs CUDA")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    compiled = fused.compiled("sample")
+    rows = []
+    for vocab in map(int, args.vocabs.split(",")):
+        for batch in map(int, args.batches.split(",")):
+            logits = torch.randn(batch, vocab, device="cuda", generator=g) * 3
+            temp = torch.full((batch,), 0.9, device="cuda")
+            top_k = torch.full((batch,), 50, device="cuda", dtype=torch.long)
+            top_p = torch.ones(batch, device="cuda")
+            greedy = torch.zeros(batch, device="cuda", dtype=torch.bool)
+            seeds = torch.arange(batch, device="cuda")
+            counters = torch.zeros(batch, device="cuda", dtype=torch.long)
+            settings = (temp, top_k, top_p, greedy, seeds, counters)
+            want = sampling.sample(logits, *settings)
+            us = graph_us(draws(compiled, logits, *settings), args.iters)
+            rows.append({"vocab": vocab, "batch": batch, "sampler": "compiled", "us_per_draw": round(us, 2)})
+            print(json.dumps(rows[-1]), flush=True)
+            for we in map(int, args.warp_elements.split(",")):
+                sample_kernel.set_warp_elements(we)
+                got = sample_kernel.sample(logits, *settings)
+                same = bool(torch.equal(got, want))
+                us = graph_us(draws(sample_kernel.sample, logits, *settings), args.iters)
+                rows.append({"vocab": vocab, "batch": batch, "sampler": f"kernel/{we}",
+                             "warps": sample_kernel.num_warps(vocab), "us_per_draw": round(us, 2),
+                             "same_draws": same})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
+    sample_kernel.set_warp_elements(sample_kernel.WARP_ELEMENTS)
+    print("| vocab | batch | sampler | warps | us/draw | same draws |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['vocab']} | {r['batch']} | {r['sampler']} | {r.get('warps', '')} | {r['us_per_draw']} | "
+              f"{r.get('same_draws', '')} |")  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps({"rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
