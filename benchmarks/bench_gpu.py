@@ -87,6 +87,7 @@ VARIANTS: dict[str, dict] = {
     "fp32-decoder": {"decoder_fp16": False},  # Code2Wav in float32 (TF32 convolutions)
     "polyphase-9": {"decoder_polyphase_dilation": 9},  # Code2Wav's dilation-9 convs over interleaved phases
     "polyphase-3": {"decoder_polyphase_dilation": 3},  # and its dilation-3 ones
+    "no-polyphase": {"decoder_polyphase_dilation": 0},  # every dilated conv as cuDNN runs it (before the default)
     "no-overlap": {"overlap_steps": False},  # each step's codes read before the next step is launched
     "chunk-jump": {"chunk_growth": 4},  # chunks of 3 then 12 frames, as before the ramp through 6
     "admission-64ms": {"admission_step_budget_ms": 64.0},  # queue new requests while steps exceed 64 ms
@@ -94,6 +95,7 @@ VARIANTS: dict[str, dict] = {
     "no-split-k": {"small_m_split_k": 1},  # and never split (the default before it was measured)
     "cp-one-pass": {"cp_prompt_one_pass": True},  # the code predictor's two prompt tokens in one pass
     "kernel-sampler": {"kernel_sampler": True},  # each draw by one Triton kernel, no sort (sample_kernel.py)
+    "no-kernel-sampler": {"kernel_sampler": False},  # the compiled sampling.sample (before the default)
     "sampler-w1k": {"kernel_sampler_warp_elements": 1024},  # with kernel-sampler: 2 warps for 2048 logits
     "sampler-w2k": {"kernel_sampler_warp_elements": 2048},  # and 1 warp
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)

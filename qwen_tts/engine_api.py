@@ -157,15 +157,19 @@ class EngineSettings:
     small_m_split_k: int = 4
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
-    # Built after this round's device time; off until measured (bench_gpu.py --engine-variants cp-one-pass).
+    # Built after a round's device time ran out; on an H200 the graphed step at batch 1 went 5.66 -> 5.54 ms, not
+    # yet measured through the engine, so off (bench_gpu.py --engine-variants cp-one-pass).
     cp_prompt_one_pass: bool = False
     # On the fast path, draw each code with one Triton kernel that finds top-k's k-th largest logit (and top-p's
     # cut) by bisection instead of sorting the row (qwen_tts/sample_kernel.py): the same draws for top-k, one
-    # launch instead of the compiled sampler's sort and ~4 kernels around it, 16 times a frame. Built after this
-    # round's first device call; off until measured (bench_gpu.py --engine-variants kernel-sampler).
-    kernel_sampler: bool = False
+    # launch instead of the compiled sampler's sort and ~4 kernels around it, 16 times a frame. On an H200: a
+    # draw 10-16 us instead of 49-83 (bench_sampler.py); the graphed step at batch 1 5.66 -> 5.19 ms; one 1.7B
+    # stream 13.2x -> 14.6x real time, 64 streams 356 -> 399 audio-s/s (docs/benchmarks.md; bench_gpu.py
+    # --engine-variants no-kernel-sampler). False: the compiled sampling.sample. Ignored on CPU.
+    kernel_sampler: bool = True
     # With kernel_sampler, row elements per warp of the sampler kernel (sample_kernel.set_warp_elements; a power
-    # of two, 32-4096): 512 runs the code predictor's 2048 logits on 4 warps. Process-wide.
+    # of two, 32-4096): 512 runs the code predictor's 2048 logits on 4 warps. On an H200 512 was the fastest or
+    # within 1 us of it at every batch (bench_sampler.py): 2048 (one warp) took 42 us a draw. Process-wide.
     kernel_sampler_warp_elements: int = 512
     # On CUDA, run Code2Wav's SnakeBeta activations (its largest tensors) as one compiled kernel each instead of
     # five eager passes: a 64-row 12-frame chunk 79 -> 65 ms on an H200, 64 streams 277 -> 313 audio-s/s, 256
@@ -184,9 +188,11 @@ class EngineSettings:
     decoder_fp16: bool = True
     # On CUDA, run the final conv stack's convs with a dilation >= this as undilated convs over the input's
     # interleaved phases (Code2Wav.set_polyphase_dilation; 0: off). On an H200 cuDNN ran one of them (384
-    # channels, dilation 9) in 8.8 ms of a 64-row 12-frame float16 chunk's 45, even with cudnn.benchmark; built
-    # after the device time ran out, off until measured (bench_gpu.py --engine-variants polyphase-9).
-    decoder_polyphase_dilation: int = 0
+    # channels, dilation 9) in 8.8 ms of a 64-row 12-frame float16 chunk's 45, even with cudnn.benchmark; as
+    # undilated convs it takes 1.3 ms, the chunk's kernels 45.2 -> 38.8 ms, the audio as close to the exact decode
+    # (-50.4 dBFS, joins -58.5); 256 streams 561 -> 605 audio-s/s (docs/benchmarks.md; bench_gpu.py
+    # --engine-variants no-polyphase). Ignored on CPU.
+    decoder_polyphase_dilation: int = 9
     # Decode each request's chunks on their own instead of batched with others' of the same length: the waveform
     # is then a function of the request's codes alone, bit for bit, whatever else runs (a batched convolution
     # rounds differently: 1 int16 LSB on ~1% of samples). Costs the batching of Code2Wav; docs/security.md.

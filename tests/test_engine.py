@@ -170,7 +170,7 @@ def test_engine_settings_name_the_field_and_its_choices():
         assert e.value.setting == "small_m_split_k"
     with pytest.raises(EngineSettingsError, match="decoder_polyphase_dilation must be >= 0, not -1") as e:
         EngineSettings(decoder_polyphase_dilation=-1)
-    assert e.value.setting == "decoder_polyphase_dilation" and EngineSettings().decoder_polyphase_dilation == 0
+    assert e.value.setting == "decoder_polyphase_dilation" and EngineSettings().decoder_polyphase_dilation == 9
 
 
 async def test_different_inputs_give_different_codes(tiny_model):
@@ -488,7 +488,7 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
         {"split_attention": False, "small_m_gemm": True},
         {"small_m_split_k": 1},
         {"cp_prompt_one_pass": True},
-        {"kernel_sampler": True},
+        {"kernel_sampler": False},
         {"step_blas": "cublaslt"},
     ],
     ids=[
@@ -498,7 +498,7 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
         "small-m-gemm-only",
         "no-split-k",
         "cp-one-pass",
-        "kernel-sampler",
+        "compiled-sampler",
         "cublaslt",
     ],
 )

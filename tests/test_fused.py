@@ -168,7 +168,7 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
         # On CUDA the engine enables the fast path itself, with the kernels its settings name (on CPU it leaves
         # the model as enabled here).
         eng, handles = await ref_tests.run_engine(
-            model, reqs, frame_step="eager", kernel_sampler=kernel_sampler, **kernels
+            model, reqs, frame_step="eager", kernel_sampler=kernel_sampler, cp_prompt_one_pass=one_pass, **kernels
         )
     for (text, _), h, e in zip(cases, handles, expected, strict=True):
         got = torch.cat(h.codes) if h.codes else torch.zeros(0, 16, dtype=torch.long)
