@@ -94,6 +94,7 @@ VARIANTS: dict[str, dict] = {
     "split-k": {"small_m_split_k": 4},  # the few-row matmul split over K where blocks leave SMs idle (the default)
     "no-split-k": {"small_m_split_k": 1},  # and never split (the default before it was measured)
     "cp-one-pass": {"cp_prompt_one_pass": True},  # the code predictor's two prompt tokens in one pass
+    "cp-two-passes": {"cp_prompt_one_pass": False},  # and in two passes (before the default)
     "kernel-sampler": {"kernel_sampler": True},  # each draw by one Triton kernel, no sort (sample_kernel.py)
     "no-kernel-sampler": {"kernel_sampler": False},  # the compiled sampling.sample (before the default)
     "sampler-w1k": {"kernel_sampler_warp_elements": 1024},  # with kernel-sampler: 2 warps for 2048 logits

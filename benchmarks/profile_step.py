@@ -52,9 +52,10 @@ def weight_bytes(talker) -> int:
 
 
 # Frame-step variants: the eager kernels; the fused path with neither optional kernel; with attention split over
-# positions, with the few-row Triton matmul, with both (the engine's default: 32 x 128 blocks, split K 4), with
-# both but no split K, with both at last round's 16 x 256 blocks unsplit; with its matmuls through cuBLASLt (the
-# BLAS library is chosen when a graph is captured).
+# positions, with the few-row Triton matmul, with both (32 x 128 blocks, split K 4), with both but no split K, with
+# both at last round's 16 x 256 blocks unsplit; with both and the code predictor's prompt in one pass and/or the
+# sampler kernel (both of those too: the engine's default); with its matmuls through cuBLASLt (the BLAS library is
+# chosen when a graph is captured).
 _BOTH = {"split_attention": True, "small_m_gemm": True}
 STEP_VARIANTS = {
     "eager": None,

@@ -157,9 +157,11 @@ class EngineSettings:
     small_m_split_k: int = 4
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
-    # Built after a round's device time ran out; on an H200 the graphed step at batch 1 went 5.66 -> 5.54 ms, not
-    # yet measured through the engine, so off (bench_gpu.py --engine-variants cp-one-pass).
-    cp_prompt_one_pass: bool = False
+    # On an H200 the graphed step at batch 1 went 5.66 -> 5.54 ms; with the sampler kernel and polyphase convs on,
+    # one 1.7B stream 14.6x -> 15.0x real time and 64 streams 414 -> 420 audio-s/s in one process (256 streams
+    # 675 -> 654, inside the default's own spread between two device calls: 634 and 675). bench_gpu.py
+    # --engine-variants cp-two-passes; the CUDA tests check it against the reference loop. Ignored on CPU.
+    cp_prompt_one_pass: bool = True
     # On the fast path, draw each code with one Triton kernel that finds top-k's k-th largest logit (and top-p's
     # cut) by bisection instead of sorting the row (qwen_tts/sample_kernel.py): the same draws for top-k, one
     # launch instead of the compiled sampler's sort and ~4 kernels around it, 16 times a frame. On an H200: a

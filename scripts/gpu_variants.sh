@@ -18,7 +18,7 @@ PY=${PYTHON:-python3}
 WHL=${WHEEL_DIR:-.whl}
 SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
-VARIANTS=${VARIANTS:-polyphase-9,cp-one-pass,kernel-sampler,cp-one-pass+kernel-sampler}
+VARIANTS=${VARIANTS:-no-kernel-sampler,no-polyphase,cp-two-passes}
 CODEC_VARIANTS=${CODEC_VARIANTS:-fp16-decoder,fp16+polyphase-9}
 
 [ $# -gt 0 ] || { sed -n 2,13p "$0" >&2; exit 2; }
@@ -73,7 +73,7 @@ for stage in "$@"; do
       ;;
     profile)
       run profile 240 "$PY" benchmarks/profile_step.py --size 1.7b --batches 1,64 \
-        --variants fused-split+small-m,fused-split+small-m+cp-one-pass,fused-split+small-m+kernel-sampler \
+        --variants fused-split+small-m+cp-one-pass+kernel-sampler,fused-split+small-m,fused-split+small-m+kernel-sampler \
         --codec-batches 64 --codec-variants "$CODEC_VARIANTS" --out "$OUT_DIR/profile.json"
       ;;
     codec)
