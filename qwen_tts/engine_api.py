@@ -165,7 +165,7 @@ class EngineSettings:
     # On the fast path, draw each code with one Triton kernel that finds top-k's k-th largest logit (and top-p's
     # cut) by bisection instead of sorting the row (qwen_tts/sample_kernel.py): the same draws for top-k, one
     # launch instead of the compiled sampler's sort and ~4 kernels around it, 16 times a frame. On an H200: a
-    # draw 10-16 us instead of 49-83 (bench_sampler.py); the graphed step at batch 1 5.66 -> 5.19 ms; one 1.7B
+    # draw 10-16 us instead of 45-83 (bench_sampler.py); the graphed step at batch 1 5.66 -> 5.19 ms; one 1.7B
     # stream 13.2x -> 14.6x real time, 64 streams 356 -> 399 audio-s/s (docs/benchmarks.md; bench_gpu.py
     # --engine-variants no-kernel-sampler). False: the compiled sampling.sample. Ignored on CPU.
     kernel_sampler: bool = True
@@ -248,6 +248,12 @@ class EngineSettings:
         if not 1 <= self.small_m_split_k <= 8:
             raise EngineSettingsError(
                 "small_m_split_k", f"small_m_split_k must be 1 to 8, not {self.small_m_split_k!r}"
+            )
+        n = self.kernel_sampler_warp_elements
+        if not (isinstance(n, int) and 32 <= n <= 4096 and n & (n - 1) == 0):
+            raise EngineSettingsError(
+                "kernel_sampler_warp_elements",
+                f"kernel_sampler_warp_elements must be a power of two from 32 to 4096, not {n!r}",
             )
         if self.decoder_polyphase_dilation < 0:
             raise EngineSettingsError(

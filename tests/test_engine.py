@@ -168,6 +168,11 @@ def test_engine_settings_name_the_field_and_its_choices():
         with pytest.raises(EngineSettingsError, match=f"small_m_split_k must be 1 to 8, not {bad}") as e:
             EngineSettings(small_m_split_k=bad)
         assert e.value.setting == "small_m_split_k"
+    for bad in (0, 100, 8192):
+        with pytest.raises(EngineSettingsError, match=f"must be a power of two from 32 to 4096, not {bad}") as e:
+            EngineSettings(kernel_sampler_warp_elements=bad)
+        assert e.value.setting == "kernel_sampler_warp_elements"
+    assert EngineSettings(kernel_sampler_warp_elements=2048).kernel_sampler_warp_elements == 2048
     with pytest.raises(EngineSettingsError, match="decoder_polyphase_dilation must be >= 0, not -1") as e:
         EngineSettings(decoder_polyphase_dilation=-1)
     assert e.value.setting == "decoder_polyphase_dilation" and EngineSettings().decoder_polyphase_dilation == 9
