@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from bench_attention import time_calls  # this script's directory is on sys.path when run
 
 from qwen_tts import fused, sample_kernel, sampling
 
@@ -26,23 +27,8 @@ DRAWS = 16  # one frame: codebook 0 and 15 residual codes
 
 
 def graph_us(run, iters: int) -> float:
-    """Microseconds per draw of `run` (DRAWS draws), captured once and replayed `iters` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()  # compile / JIT outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / iters / DRAWS
+    """Microseconds per draw of `run` (DRAWS draws), graphed and replayed back to back (bench_attention's timer)."""
+    return time_calls(run, "cuda", iters) * 1e6 / DRAWS
 
 
 def draws(fn, *args):
