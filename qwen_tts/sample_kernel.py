@@ -130,9 +130,10 @@ if HAVE_TRITON:
 
 
 # Row elements per warp: a program gets max(1, BLOCK // this) warps (512: the code predictor's 2048-wide row on 4
-# warps, the talker's 3072 padded to 4096 on 8). Fewer warps make each of the 32 bisection rounds' reductions
-# cheaper (less cross-warp traffic) at more elements per thread. `set_warp_elements` changes it process-wide,
-# read when a launch is made (so when a CUDA graph is captured); EngineSettings.kernel_sampler_warp_elements.
+# warps, the talker's 3072 padded to 4096 on 8). On an H200 512 was the fastest or within 1 us of it at batches 2,
+# 64 and 256 (bench_sampler.py: 10-16 us a draw); one warp per row, which spares the 32 reductions their
+# cross-warp step, took 41-46 us. `set_warp_elements` changes it process-wide, read when a launch is made (so when
+# a CUDA graph is captured); EngineSettings.kernel_sampler_warp_elements.
 WARP_ELEMENTS = 512
 _warp_elements = WARP_ELEMENTS
 
