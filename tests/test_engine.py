@@ -77,6 +77,10 @@ async def test_stream_equals_whole_decode(tiny_model):
     eng = make_engine(tiny_model, first_chunk_frames=2, chunk_frames=5)
     await eng.start()
     assert eng.model_info["overlap_steps"] is False  # None: off on the CPU
+    # The CUDA-only defaults report what runs here: none of them.
+    info = eng.model_info
+    assert (info["decoder_polyphase_dilation"], info["kernel_sampler"], info["cp_prompt_one_pass"]) == (0, False, False)
+    assert not any(getattr(m, "polyphase", False) for m in eng._code2wav.modules())
     try:
         (h,), (audio,) = await run(eng, [req(tiny_model, TEXTS[1], greedy=True, max_frames=23)])
     finally:
