@@ -273,6 +273,7 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             ("fp16-decoder", True, "decoder", True),  # the engine's decoder_fp16: the final conv stack in fp16
             ("fp16+cudnn-benchmark", True, "decoder", True),  # and cuDNN's algorithms chosen by timing
             ("fp16+polyphase-9", True, "decoder", True),  # and its dilation-9 convs over interleaved phases
+            ("fp16+polyphase-9-2d", True, "decoder", True),  # those phases as a conv2d's width (no copies)
             ("bf16", False, torch.bfloat16, False),
         ):
             if name not in variants:
@@ -283,7 +284,7 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             if dtype == "decoder":
                 dec = copy.deepcopy(c2w)
                 dec.set_decoder_dtype(torch.float16)
-                dec.set_polyphase_dilation(9 if name.endswith("polyphase-9") else 0)
+                dec.set_polyphase_dilation(9 if "+polyphase-9" in name else 0, as_2d=name.endswith("-2d"))
             else:
                 dec = copy.deepcopy(c2w).to(dtype) if dtype != torch.float32 or snake else c2w
             if snake:

@@ -195,6 +195,12 @@ class EngineSettings:
     # (-50.4 dBFS, joins -58.5); 256 streams 561 -> 605 audio-s/s (docs/benchmarks.md; bench_gpu.py
     # --engine-variants no-polyphase). Ignored on CPU.
     decoder_polyphase_dilation: int = 9
+    # With decoder_polyphase_dilation, lay the phases out as the width of a conv2d with a (k, 1) kernel over a
+    # free (batch, channels, samples / d, d) view of the input, instead of moving them into the batch of a conv1d:
+    # the same function without the phase split's and merge's copies (2.4 ms of a 64-row 12-frame chunk on an
+    # H200). Built after the device time ran out; off until measured (bench_gpu.py --engine-variants
+    # polyphase-2d; profile_step.py --codec-variants fp16+polyphase-9-2d).
+    decoder_polyphase_2d: bool = False
     # Decode each request's chunks on their own instead of batched with others' of the same length: the waveform
     # is then a function of the request's codes alone, bit for bit, whatever else runs (a batched convolution
     # rounds differently: 1 int16 LSB on ~1% of samples). Costs the batching of Code2Wav; docs/security.md.

@@ -18,8 +18,8 @@ PY=${PYTHON:-python3}
 WHL=${WHEEL_DIR:-.whl}
 SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
-VARIANTS=${VARIANTS:-no-kernel-sampler,no-polyphase,cp-two-passes}
-CODEC_VARIANTS=${CODEC_VARIANTS:-fp16-decoder,fp16+polyphase-9}
+VARIANTS=${VARIANTS:-polyphase-2d,no-kernel-sampler,no-polyphase,cp-two-passes}
+CODEC_VARIANTS=${CODEC_VARIANTS:-fp16-decoder,fp16+polyphase-9,fp16+polyphase-9-2d}
 
 [ $# -gt 0 ] || { sed -n 2,13p "$0" >&2; exit 2; }
 for stage in "$@"; do

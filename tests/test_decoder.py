@@ -260,16 +260,18 @@ def test_a_failing_chunk_ends_only_its_request(tiny_model, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    ("fp16", "polyphase"), [(False, 0), (True, 0), (True, 3)], ids=["fp32", "fp16-decoder", "fp16-polyphase"]
+    ("fp16", "polyphase", "as_2d"),
+    [(False, 0, False), (True, 0, False), (True, 3, False), (True, 3, True)],
+    ids=["fp32", "fp16-decoder", "fp16-polyphase", "fp16-polyphase-2d"],
 )
-def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, polyphase):
+def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, polyphase, as_2d):
     import copy
 
     cfg = c2w.cfg
     model = copy.deepcopy(c2w).to("cuda")
     if fp16:
         model.set_decoder_dtype(torch.float16)
-    model.set_polyphase_dilation(polyphase)
+    model.set_polyphase_dilation(polyphase, as_2d=as_2d)
     try:
         torch.backends.cudnn.allow_tf32 = False
         graphs = SlotDecoder(model, max_slots=5, chunk_lens=[3, 5], mode="graphs")
