@@ -131,7 +131,7 @@ class EngineSettings:
     # on CPU; eager; graphs; padded = the graphs' padded, bucketed step run eagerly (tests its logic on CPU).
     frame_step: FrameStepMode = "auto"
     # On CUDA, run one-token decoder steps on the fast path (qwen_tts/fused.py: fused weights, compiled blocks,
-    # in-place Triton attention, compiled sampler): the same function in far fewer kernels. Ignored on CPU.
+    # in-place Triton attention, the sampler kernel): the same function in far fewer kernels. Ignored on CPU.
     fused_kernels: bool = True
     # On the fast path, attend with the kernel split over positions (decode_attention.split_decode_attention:
     # ten programs per row and kv head at 300 positions instead of one, q.k and P.V on the tensor cores) instead

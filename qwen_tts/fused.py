@@ -1,5 +1,6 @@
 """The CUDA fast path of the one-token decoder step: fused weights, compiled pre/post-attention blocks, in-place
-attention, a compiled sampler. Our own code; it computes the same function as `layers.py` (no official counterpart).
+attention, a compiled sampler (the engine draws with `sample_kernel.py`'s sort-free one by default). Our own code;
+it computes the same function as `layers.py` (no official counterpart).
 
 Eager, one decoder layer at T = 1 is ~60 small kernels (RMSNorm alone is five, RoPE ten) and the talker plus the
 15 code-predictor passes run ~100 layers per frame. Here each layer is

@@ -26,17 +26,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from qwen_tts import sampling
 from qwen_tts.decode_attention import HAVE_TRITON
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    # sampling._M1, _M2, _M3, _SALT, as constexprs for the kernel.
-    _M1 = tl.constexpr(0x7FEB352D)
-    _M2 = tl.constexpr(0x2C1B3C6D)
-    _M3 = tl.constexpr(0x297A2D39)
-    _SALT = tl.constexpr(0x61C88647)
+    # The hash's constants, as constexprs for the kernel.
+    _M1 = tl.constexpr(sampling._M1)
+    _M2 = tl.constexpr(sampling._M2)
+    _M3 = tl.constexpr(sampling._M3)
+    _SALT = tl.constexpr(sampling._SALT)
+    _UNIT_MAX = tl.constexpr(sampling.UNIT_MAX)
 
     @triton.jit
     def _mix32(x):
@@ -122,7 +124,7 @@ if HAVE_TRITON:
         h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
         hv = _mix32(_mix32(idx.to(tl.uint32) ^ h) ^ _mix32(h ^ _SALT))
         u = (((hv >> 8) & 0xFFFFFF).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        u = tl.minimum(u, 1.0 - 1.0 / 16777216.0)  # sampling.UNIT_MAX
+        u = tl.minimum(u, _UNIT_MAX)
         noise = -tl.log(-tl.log(u))
         scores = tl.where(y > neg_inf, y + noise, neg_inf)
         drawn = tl.argmax(scores, axis=0)
