@@ -255,12 +255,10 @@ class EngineSettings:
             raise EngineSettingsError(
                 "small_m_split_k", f"small_m_split_k must be 1 to 8, not {self.small_m_split_k!r}"
             )
-        n = self.kernel_sampler_warp_elements
-        if not (isinstance(n, int) and 32 <= n <= 4096 and n & (n - 1) == 0):
-            raise EngineSettingsError(
-                "kernel_sampler_warp_elements",
-                f"kernel_sampler_warp_elements must be a power of two from 32 to 4096, not {n!r}",
-            )
+        from .sample_kernel import warp_elements_error  # the kernel's own rule; imported here, not at load
+
+        if err := warp_elements_error(self.kernel_sampler_warp_elements):
+            raise EngineSettingsError("kernel_sampler_warp_elements", f"kernel_sampler_warp_elements {err}")
         if self.decoder_polyphase_dilation < 0:
             raise EngineSettingsError(
                 "decoder_polyphase_dilation",

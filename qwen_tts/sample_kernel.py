@@ -140,11 +140,18 @@ WARP_ELEMENTS = 512
 _warp_elements = WARP_ELEMENTS
 
 
+def warp_elements_error(n: object) -> str | None:
+    """Why `n` cannot be the row elements per warp, or None (EngineSettings checks its setting with this)."""
+    if isinstance(n, int) and 32 <= n <= 4096 and n & (n - 1) == 0:
+        return None
+    return f"must be a power of two from 32 to 4096, not {n!r}"
+
+
 def set_warp_elements(n: int) -> None:
     """Row elements per warp, a power of two from 32 to 4096 (A/B runs and the engine's setting)."""
     global _warp_elements
-    if n < 32 or n > 4096 or n & (n - 1):
-        raise ValueError(f"warp elements must be a power of two from 32 to 4096, got {n}")
+    if err := warp_elements_error(n):
+        raise ValueError(f"warp elements {err}")
     _warp_elements = n
 
 
