@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from qwen_tts import fused, small_m_gemm
+from qwen_tts import fused, small_m_gemm, snake_kernel
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.native.frame_step import FrameStepRunner, SlotState, bucket
 from qwen_tts.loading import load_model
@@ -188,6 +188,7 @@ def profile_eager(runner: FrameStepRunner, B: int, args) -> dict:
 
 # Code2Wav's kernel families by name (first match wins).
 CODEC_CATEGORIES = (
+    ("snake kernel (bias, residual, SnakeBeta, padding)", ("_snake_kernel",)),
     ("layout transform", ("nchwtonhwc", "nhwctonchw", "transpose", "permute")),
     ("conv", ("conv", "implicit", "xmma", "cutlass", "sm90_", "sm80_", "gemm", "winograd", "fft", "dgrad", "fprop")),
     ("compiled (SnakeBeta)", ("triton_",)),
@@ -274,6 +275,8 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             ("fp16+cudnn-benchmark", True, "decoder", True),  # and cuDNN's algorithms chosen by timing
             ("fp16+polyphase-9", True, "decoder", True),  # and its dilation-9 convs over interleaved phases
             ("fp16+polyphase-9-2d", True, "decoder", True),  # those phases as a conv2d's width (no copies)
+            ("fp16+polyphase-9+snake-kernel", True, "decoder", True),  # elementwise work in one pass per activation
+            ("fp16+polyphase-9-2d+snake-kernel", True, "decoder", True),  # both
             ("bf16", False, torch.bfloat16, False),
         ):
             if name not in variants:
@@ -284,7 +287,8 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             if dtype == "decoder":
                 dec = copy.deepcopy(c2w)
                 dec.set_decoder_dtype(torch.float16)
-                dec.set_polyphase_dilation(9 if "+polyphase-9" in name else 0, as_2d=name.endswith("-2d"))
+                dec.set_polyphase_dilation(9 if "+polyphase-9" in name else 0, as_2d="-2d" in name)
+                dec.set_snake_kernel(snake_kernel.snake if name.endswith("+snake-kernel") else None)
             else:
                 dec = copy.deepcopy(c2w).to(dtype) if dtype != torch.float32 or snake else c2w
             if snake:

@@ -90,17 +90,38 @@ class CausalConv1d(nn.Module):
         self.polyphase_2d = False  # the phases as a conv2d's width instead of in the batch
 
     def forward(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
-        conv = self._polyphase_conv if self.polyphase else self.conv
-        if self.context == 0:
-            return conv(x)
-        if stream is None:
-            return conv(F.pad(x, (self.context, 0)))
-        history = stream.conv_history[self.slot]
-        x = torch.cat([history, x], dim=-1)
-        history.copy_(x[..., x.shape[-1] - self.context :])
-        return conv(x)
+        return self.run(self.pad(x, stream))
 
-    def _polyphase_conv(self, x: Tensor) -> Tensor:
+    def pad(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
+        """The conv's input with its left context in front: the stream's history (updated to the new input's
+        tail), or zeros without a stream."""
+        if self.context == 0:
+            return x
+        if stream is None:
+            return F.pad(x, (self.context, 0))
+        x = torch.cat([stream.conv_history[self.slot], x], dim=-1)
+        self.keep_history(x, stream)
+        return x
+
+    def padding(self, stream: Code2WavStream | None) -> dict:
+        """The left context for `snake_kernel.snake`, which pads the conv's input as `pad` does."""
+        return {"context": self.context, "history": stream.conv_history[self.slot] if stream is not None else None}
+
+    def keep_history(self, padded: Tensor, stream: Code2WavStream | None) -> None:
+        """Store the tail of an already padded input as the stream's history for the next chunk."""
+        if stream is not None and self.context > 0:
+            stream.conv_history[self.slot].copy_(padded[..., padded.shape[-1] - self.context :])
+
+    def run(self, x: Tensor, bias: bool = True) -> Tensor:
+        """The conv over an input that `pad` (or `snake_kernel.snake`) padded; bias=False leaves the bias out
+        (for a kernel that adds it later, in the same pass as other elementwise work)."""
+        c = self.conv
+        b = c.bias if bias else None
+        if self.polyphase:
+            return self._polyphase_conv(x, b)
+        return F.conv1d(x, c.weight, b, c.stride, c.padding, c.dilation, c.groups)
+
+    def _polyphase_conv(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """The same (unpadded) dilated conv as an undilated one over the input's `d` interleaved phases: output
         t = m*d + r sums w_j x[(m + j)*d + r], the undilated conv of phase r (x[r::d]) at m. The phases go into
         the batch (one copy in, one out), padded at the end to whole phases (a causal conv's later outputs only,
@@ -117,10 +138,10 @@ class CausalConv1d(nn.Module):
             # again, so neither the phase split nor the merge is a copy.
             if per * d != L:
                 x = F.pad(x, (0, per * d - L))
-            y = F.conv2d(x.view(B, C, per, d), c.weight[..., None], c.bias, groups=c.groups)
+            y = F.conv2d(x.view(B, C, per, d), c.weight[..., None], bias, groups=c.groups)
             return y.view(B, y.shape[1], -1)[..., :n]
         x = F.pad(x, (0, per * d - L)).view(B, C, per, d).permute(0, 3, 1, 2).reshape(B * d, C, per)
-        y = F.conv1d(x, c.weight, c.bias, groups=c.groups)  # (B*d, C_out, per - (k-1))
+        y = F.conv1d(x, c.weight, bias, groups=c.groups)  # (B*d, C_out, per - (k-1))
         c_out, m = y.shape[1], y.shape[2]
         return y.view(B, d, c_out, m).permute(0, 2, 3, 1).reshape(B, c_out, m * d)[..., :n]
 
@@ -146,6 +167,18 @@ class CausalTransConv1d(nn.Module):
             y[..., : self.overlap] += pending
             # The bias was added to the tail here and will be added again by the next chunk's conv.
             pending.copy_(y[..., n:] - self.conv.bias[:, None])
+        return y[..., :n]
+
+    def run_unbiased(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
+        """`forward` without the bias (added later by `snake_kernel.snake`, in the pass that reads the output):
+        the overlap-add is the same, and the pending tail holds no bias to take back out. A view (strided)."""
+        c = self.conv
+        y = F.conv_transpose1d(x, c.weight, None, c.stride, c.padding, c.output_padding, c.groups, c.dilation)
+        n = x.shape[-1] * self.stride
+        if stream is not None and self.overlap > 0:
+            pending = stream.tconv_overlap[self.slot]
+            y[..., : self.overlap] += pending
+            pending.copy_(y[..., n:])
         return y[..., :n]
 
 
@@ -416,6 +449,7 @@ class Code2Wav(nn.Module):
             + [DecoderBlock(dims[i], dims[i + 1], r) for i, r in enumerate(cfg.upsample_rates)]
             + [SnakeBeta(dims[-1]), CausalConv1d(dims[-1], 1, 7)]
         )
+        self.snake_kernel = None  # set_snake_kernel
         # Streaming slots, in module order.
         self._convs = [m for m in self.modules() if isinstance(m, CausalConv1d) and m.context > 0]
         self._tconvs = [m for m in self.modules() if isinstance(m, CausalTransConv1d) and m.overlap > 0]
@@ -435,10 +469,38 @@ class Code2Wav(nn.Module):
         for stage in self.upsample:
             for m in stage:
                 h = m(h, stream)
-        h = h.to(self.decoder_dtype)
-        for m in self.decoder:
-            h = m(h, stream)
+        h = self._run_decoder(h.to(self.decoder_dtype), stream)
         return h[:, 0].float().clamp(-1.0, 1.0)  # (B, T * total_upsample)
+
+    def _run_decoder(self, h: Tensor, stream: Code2WavStream | None) -> Tensor:
+        """The final conv stack. With `snake_kernel` set (`set_snake_kernel`), every conv runs without its bias
+        and one kernel per activation does the elementwise work between two convs: the bias, the residual sum,
+        SnakeBeta and the next conv's left context (`snake_kernel.snake`). The same function, in fewer passes."""
+        if self.snake_kernel is None:
+            for m in self.decoder:
+                h = m(h, stream)
+            return h
+        snake = self.snake_kernel
+        first, *blocks, act, last = self.decoder
+        # The next activation's input, the sum of these (x: a residual, y: a conv's unbiased output).
+        pending = {"y": first.run(first.pad(h, stream), bias=False), "bias": first.conv.bias}
+        for block in blocks:
+            act0, tconv, *units = block.block
+            a, _ = snake(act0.alpha, act0.beta, **pending)
+            pending = {"y": tconv.run_unbiased(a, stream), "bias": tconv.conv.bias}
+            for u in units:
+                a, residual = snake(u.act1.alpha, u.act1.beta, **pending, **u.conv1.padding(stream), keep_sum=True)
+                u.conv1.keep_history(a, stream)
+                g, _ = snake(u.act2.alpha, u.act2.beta, y=u.conv1.run(a, bias=False), bias=u.conv1.conv.bias)
+                pending = {"x": residual, "y": u.conv2.run(g, bias=False), "bias": u.conv2.conv.bias}
+        a, _ = snake(act.alpha, act.beta, **pending, **last.padding(stream))
+        last.keep_history(a, stream)
+        return last.run(a)
+
+    def set_snake_kernel(self, kernel=None) -> None:
+        """Run the final conv stack's elementwise work through `kernel` (`snake_kernel.snake`; None: the modules'
+        own forward, as on the CPU)."""
+        self.snake_kernel = kernel
 
     def forward(self, codes: Tensor) -> Tensor:
         """Decode whole sequences from frame 0 (same result as streaming them in any chunking)."""

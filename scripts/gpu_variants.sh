@@ -18,8 +18,8 @@ PY=${PYTHON:-python3}
 WHL=${WHEEL_DIR:-.whl}
 SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
-VARIANTS=${VARIANTS:-polyphase-2d,no-kernel-sampler,no-polyphase,cp-two-passes}
-CODEC_VARIANTS=${CODEC_VARIANTS:-fp16-decoder,fp16+polyphase-9,fp16+polyphase-9-2d}
+VARIANTS=${VARIANTS:-snake-kernel,snake-kernel-2d,polyphase-2d}
+CODEC_VARIANTS=${CODEC_VARIANTS:-fp16+polyphase-9,fp16+polyphase-9-2d,fp16+polyphase-9+snake-kernel,fp16+polyphase-9-2d+snake-kernel}
 
 [ $# -gt 0 ] || { sed -n 2,13p "$0" >&2; exit 2; }
 for stage in "$@"; do
@@ -53,7 +53,8 @@ for stage in "$@"; do
       run tests 480 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf -o log_level=WARNING \
         tests/test_fused.py tests/test_decoder.py tests/test_codec_decoder.py tests/test_engine_reference.py \
         tests/test_engine.py -k "cuda or attention or small_m or split_k or fp16 or fused"
-      run sampler-tests 120 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf tests/test_sample_kernel.py
+      run kernel-tests 120 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf tests/test_sample_kernel.py \
+        tests/test_snake_kernel.py
       ;;
     sampler)
       run sampler 120 "$PY" benchmarks/bench_sampler.py --batches 2,64,256 --warp-elements 256,512,1024,2048 \

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from qwen_tts import fused, sample_kernel, small_m_gemm
+from qwen_tts import fused, sample_kernel, small_m_gemm, snake_kernel
 from qwen_tts.config import ConfigError, ModelConfig
 from qwen_tts.engine_api import (
     Engine,
@@ -207,6 +207,9 @@ class NativeEngine(Engine):
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)
         self._model_info["fused_decoder"] = any(getattr(m, "fast", None) for m in self._code2wav.modules())
+        if self.device.type == "cuda" and self.config.decoder_snake_kernel and fused.HAVE_TRITON:
+            self._code2wav.set_snake_kernel(snake_kernel.snake)
+        self._model_info["decoder_snake_kernel"] = self._code2wav.snake_kernel is not None
         graphs = self._uses_graphs
         if graphs or self.config.frame_step == "padded":
             self._runner = FrameStepRunner(

@@ -1,0 +1,125 @@
+"""Code2Wav's elementwise kernel (qwen_tts/snake_kernel.py) and the conv stack that runs on it
+(`Code2Wav.set_snake_kernel`), against the eager modules.
+
+Without a GPU the kernel runs in Triton's interpreter (conftest.py); on CUDA, on the device.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from qwen_tts.codec_decoder import CausalConv1d, Code2Wav, SnakeBeta
+from qwen_tts.decode_attention import HAVE_TRITON
+from tests.test_codec_decoder import random_codes, stream_decode, tiny_config, variance_preserving_init
+
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (the interpreter on CPU)")
+
+if HAVE_TRITON:
+    from qwen_tts import snake_kernel
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def eager_snake(v: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    m = SnakeBeta(alpha.shape[0]).double().to(v.device)
+    with torch.no_grad():
+        m.alpha.copy_(alpha)
+        m.beta.copy_(beta)
+        return m(v.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_snake_sums_pads_and_activates_in_one_pass(dtype) -> None:
+    """Every combination the conv stack uses: x + y + bias (each optional; y a strided view, as a transposed
+    conv's trimmed output is), the history or zeros in front, the sum kept or not; lengths below, at and above
+    the kernel's block; against SnakeBeta's eager expression in float64."""
+    g = torch.Generator().manual_seed(0)
+    B, C = 3, 5
+    alpha, beta = (0.3 * torch.randn(C, generator=g)).to(DEVICE), (0.3 * torch.randn(C, generator=g)).to(DEVICE)
+    for L in (1, 7, snake_kernel.BLOCK, snake_kernel.BLOCK + 37):
+        x = torch.randn(B, C, L, generator=g).to(DEVICE, dtype)
+        y_full = torch.randn(B, C, L + 6, generator=g).to(DEVICE, dtype)
+        y = y_full[..., :L]  # a trimmed view: stride L + 6 between channels
+        bias = torch.randn(C, generator=g).to(DEVICE, dtype)
+        for ctx in (0, 6, 54):
+            hist = torch.randn(B, C, ctx, generator=g).to(DEVICE, dtype)
+            for use_x, use_y, use_b, use_h in [(1, 0, 0, 0), (0, 1, 1, 0), (1, 1, 1, 1), (0, 1, 1, 1), (1, 0, 1, 1)]:
+                kw = dict(x=x if use_x else None, y=y if use_y else None, bias=bias if use_b else None)
+                v = sum(t.double() for t in (kw["x"], kw["y"]) if t is not None)
+                if use_b:
+                    v = v + bias.double()[:, None]
+                want_pad = hist.double() if use_h else torch.zeros(B, C, ctx, dtype=torch.float64, device=DEVICE)
+                want = torch.cat([want_pad, eager_snake(v, alpha, beta)], dim=-1)
+                out, kept = snake_kernel.snake(
+                    alpha, beta, **kw, context=ctx, history=hist if use_h else None, keep_sum=True
+                )
+                assert out.shape == (B, C, ctx + L) and out.dtype == dtype and out.is_contiguous()
+                tol = 2e-3 * max(1.0, want.abs().max().item()) if dtype == torch.float16 else 1e-5
+                torch.testing.assert_close(out.double(), want, rtol=0, atol=tol)
+                torch.testing.assert_close(kept.double(), v, rtol=0, atol=tol)
+                assert torch.equal(out[..., :ctx], want_pad.to(dtype))  # the history is copied, not rounded
+                none, no_sum = snake_kernel.snake(alpha, beta, **kw, context=ctx, history=hist if use_h else None)
+                assert no_sum is None and torch.equal(none, out)
+
+
+def test_snake_refuses_inputs_that_do_not_line_up() -> None:
+    a = torch.zeros(4, device=DEVICE)
+    x = torch.zeros(2, 4, 10, device=DEVICE)
+    with pytest.raises(ValueError, match="needs x or y"):
+        snake_kernel.snake(a, a)
+    with pytest.raises(ValueError, match="share their shape"):
+        snake_kernel.snake(a, a, x=x, y=torch.zeros(2, 4, 9, device=DEVICE))
+    with pytest.raises(ValueError, match=r"history must be \(2, 4, 6\)"):
+        snake_kernel.snake(a, a, x=x, context=6, history=torch.zeros(2, 4, 5, device=DEVICE))
+
+
+@pytest.fixture(scope="module")
+def c2w() -> Code2Wav:
+    return variance_preserving_init(Code2Wav(tiny_config())).eval().to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "polyphase", "as_2d"),
+    [(torch.float32, 0, False), (torch.float32, 3, True), (torch.float16, 3, False)],
+    ids=["fp32", "fp32-polyphase-2d", "fp16-polyphase"],
+)
+def test_conv_stack_on_the_kernel_decodes_and_streams_like_the_modules(c2w, dtype, polyphase, as_2d) -> None:
+    """`set_snake_kernel`: every conv of the final stack without its bias, the kernel doing bias, residual sum,
+    SnakeBeta and causal padding between them. Whole decodes and streamed ones (chunks of 1 to 12 frames, so
+    histories longer and shorter than a chunk) equal the modules' own decodes to rounding, and the stream's state
+    after the last chunk is the modules' state."""
+    ref = copy.deepcopy(c2w)
+    ref.set_decoder_dtype(dtype)
+    ref.set_polyphase_dilation(polyphase, as_2d=as_2d)
+    fast = copy.deepcopy(ref)
+    fast.set_snake_kernel(snake_kernel.snake)
+    codes = random_codes(c2w.cfg, 2, 20).to(DEVICE)
+    chunks = [1, 3, 12, 4]
+    with torch.no_grad():
+        want, got = ref(codes), fast(codes)
+        s_ref, s_fast = ref.new_stream(2), fast.new_stream(2)
+        pieces_ref, pieces_fast, start = [], [], 0
+        for n in chunks:
+            part = codes[..., start : start + n]
+            pieces_ref.append(ref.decode_chunk(part, s_ref))
+            pieces_fast.append(fast.decode_chunk(part, s_fast))
+            start += n
+    streamed_ref, streamed = torch.cat(pieces_ref, dim=-1), torch.cat(pieces_fast, dim=-1)
+    assert 0.05 < want.pow(2).mean().sqrt() < 0.9  # a live signal, not clamped flat
+    # float16: the modules round each elementwise op to 11 bits, the kernel once per activation (as the float16
+    # tests of test_codec_decoder.py, a few ulps of full scale); float32: rounding only.
+    tol = dict(rtol=0, atol=8e-3) if dtype == torch.float16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(streamed, streamed_ref, **tol)
+    torch.testing.assert_close(streamed, stream_decode(fast, codes, [20]), **tol)
+    state_tol = dict(rtol=0, atol=2e-2) if dtype == torch.float16 else dict(rtol=1e-5, atol=1e-5)
+    for a, b in zip(s_fast.conv_history + s_fast.tconv_overlap, s_ref.conv_history + s_ref.tconv_overlap, strict=True):
+        torch.testing.assert_close(a, b, **state_tol)
+    convs = [m for m in fast.decoder.modules() if isinstance(m, CausalConv1d)]
+    assert all(m.conv.bias is not None for m in convs)  # the biases are still the modules', only added later
+    fast.set_snake_kernel(None)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(codes), want, rtol=0, atol=0)
