@@ -89,8 +89,7 @@ VARIANTS: dict[str, dict] = {
     "polyphase-3": {"decoder_polyphase_dilation": 3},  # and its dilation-3 ones
     "no-polyphase": {"decoder_polyphase_dilation": 0},  # every dilated conv as cuDNN runs it (before the default)
     "polyphase-2d": {"decoder_polyphase_2d": True},  # the phases as a conv2d's width: no copies in and out
-    "snake-kernel": {"decoder_snake_kernel": True},  # Code2Wav's bias, residual, SnakeBeta, padding in one pass
-    "snake-kernel-2d": {"decoder_snake_kernel": True, "decoder_polyphase_2d": True},  # and the conv2d phases
+    "no-snake-kernel": {"decoder_snake_kernel": False},  # Code2Wav's bias, residual, SnakeBeta, padding: 4 passes
     "no-overlap": {"overlap_steps": False},  # each step's codes read before the next step is launched
     "chunk-jump": {"chunk_growth": 4},  # chunks of 3 then 12 frames, as before the ramp through 6
     "admission-64ms": {"admission_step_budget_ms": 64.0},  # queue new requests while steps exceed 64 ms

@@ -204,11 +204,12 @@ class EngineSettings:
     # On CUDA, run the final conv stack's elementwise work as one Triton kernel per activation
     # (Code2Wav.set_snake_kernel, qwen_tts/snake_kernel.py): each conv without its bias, then one pass that adds
     # the bias and the residual, applies SnakeBeta and writes the next conv's input with its left context in front,
-    # instead of cuDNN's bias pass, the residual add, the compiled SnakeBeta and the history concatenation (on an
-    # H200, 9.5 + 8.9 + 3.4 ms of a 64-row 12-frame chunk's 38.8 ms of kernels). The same function, rounded once
-    # per activation instead of once per op. Built after the device time ran out; off until measured
-    # (bench_gpu.py --engine-variants snake-kernel; profile_step.py --codec-variants fp16+polyphase-9+snake-kernel).
-    decoder_snake_kernel: bool = False
+    # instead of cuDNN's bias pass, the residual add, the compiled SnakeBeta and the history concatenation. The
+    # same function, rounded once per activation instead of once per op. On an H200 a 64-row 12-frame float16
+    # chunk 47.2 -> 30.8 ms (kernels 38.8 -> 24.3 ms), the audio as close to the exact decode (-50.5 dBFS, joins
+    # -57.7); 64 streams 411 -> 481 audio-s/s, 256 streams 665 -> 778 (docs/benchmarks.md; bench_gpu.py
+    # --engine-variants no-snake-kernel). Takes the place of fused_decoder's compiled SnakeBeta. Ignored on CPU.
+    decoder_snake_kernel: bool = True
     # Decode each request's chunks on their own instead of batched with others' of the same length: the waveform
     # is then a function of the request's codes alone, bit for bit, whatever else runs (a batched convolution
     # rounds differently: 1 int16 LSB on ~1% of samples). Costs the batching of Code2Wav; docs/security.md.
