@@ -277,6 +277,7 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             ("fp16+polyphase-9-2d", True, "decoder", True),  # those phases as a conv2d's width (no copies)
             ("fp16+polyphase-9+snake-kernel", True, "decoder", True),  # elementwise work in one pass per activation
             ("fp16+polyphase-9-2d+snake-kernel", True, "decoder", True),  # both
+            ("fp16+polyphase-9+snake-kernel+poly-sin", True, "decoder", True),  # its sin as a polynomial
             ("bf16", False, torch.bfloat16, False),
         ):
             if name not in variants:
@@ -288,7 +289,8 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
                 dec = copy.deepcopy(c2w)
                 dec.set_decoder_dtype(torch.float16)
                 dec.set_polyphase_dilation(9 if "+polyphase-9" in name else 0, as_2d="-2d" in name)
-                dec.set_snake_kernel(snake_kernel.snake if name.endswith("+snake-kernel") else None)
+                dec.set_snake_kernel(snake_kernel.snake if "+snake-kernel" in name else None)
+                snake_kernel.set_poly_sin(name.endswith("+poly-sin"))
             else:
                 dec = copy.deepcopy(c2w).to(dtype) if dtype != torch.float32 or snake else c2w
             if snake:
@@ -329,6 +331,7 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.benchmark = False
+    snake_kernel.set_poly_sin(False)
     return out
 
 

@@ -19,7 +19,7 @@ WHL=${WHEEL_DIR:-.whl}
 SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
 VARIANTS=${VARIANTS:-no-snake-kernel,polyphase-2d}
-CODEC_VARIANTS=${CODEC_VARIANTS:-fp16+polyphase-9,fp16+polyphase-9-2d,fp16+polyphase-9+snake-kernel,fp16+polyphase-9-2d+snake-kernel}
+CODEC_VARIANTS=${CODEC_VARIANTS:-fp16+polyphase-9,fp16+polyphase-9+snake-kernel,fp16+polyphase-9-2d+snake-kernel,fp16+polyphase-9+snake-kernel+poly-sin}
 
 [ $# -gt 0 ] || { sed -n 2,13p "$0" >&2; exit 2; }
 for stage in "$@"; do

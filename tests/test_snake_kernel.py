@@ -65,6 +65,34 @@ def test_snake_sums_pads_and_activates_in_one_pass(dtype) -> None:
                 assert no_sum is None and torch.equal(none, out)
 
 
+def test_polynomial_sin_matches_libdevice_sin_over_the_arguments_snake_sees() -> None:
+    """set_poly_sin: sin by range reduction and a polynomial instead of libdevice's. For arguments up to
+    |x e^alpha| ~ 400 (alpha up to 4.6) and the reduction's edges (multiples of pi/2): both within float32's
+    rounding of the argument of float64 SnakeBeta (the argument x e^alpha is itself rounded to float32, 2^-24 of
+    it), and the two within ~an ulp of the output of each other (1e-6 at |v| <= 1), on the same arguments."""
+    g = torch.Generator().manual_seed(3)
+    C, L = 6, 4096
+    alpha = torch.tensor([0.0, 0.5, -1.0, 2.0, 4.6, 3.0], device=DEVICE)
+    beta = (0.3 * torch.randn(C, generator=g)).to(DEVICE)
+    x = (8 * torch.rand(1, C, L, generator=g) - 4).to(DEVICE)
+    x[0, :, :128] = torch.arange(-64, 64, device=DEVICE) * (torch.pi / 2) / alpha.exp()[:, None]  # args k pi/2
+    want = eager_snake(x, alpha, beta)
+    arg = (x.double() * alpha.double().exp()[:, None]).abs()
+    inv = 1 / (beta.double().exp()[:, None] + 1e-9)
+    tol = 2e-6 + 2 * 2.0**-24 * arg * inv  # d sin^2 / d arg <= 1, two roundings of the argument
+    got = {}
+    try:
+        for poly in (False, True):
+            snake_kernel.set_poly_sin(poly)
+            got[poly], _ = snake_kernel.snake(alpha, beta, x=x)
+            err = (got[poly].double() - want).abs()
+            assert (err <= tol).all(), (poly, (err - tol).max().item())
+    finally:
+        snake_kernel.set_poly_sin(False)
+    assert ((got[True] - got[False]).abs() <= 1e-6 * x.abs().clamp(min=1.0)).all()  # ~ an ulp of the output
+    assert arg.max() > 350  # the large arguments were there
+
+
 def test_snake_refuses_inputs_that_do_not_line_up() -> None:
     a = torch.zeros(4, device=DEVICE)
     x = torch.zeros(2, 4, 10, device=DEVICE)
