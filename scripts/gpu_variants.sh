@@ -26,11 +26,13 @@ for stage in "$@"; do
   case $stage in tests | pytest | sampler | attention | gemm | profile | codec | engine) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
 done
 
-if [ ! -f "$SITE-server/.installed" ]; then
+# The same folder as gpu_bench.sh's, which installs the server's wheels only: the test wheels (pytest-asyncio)
+# have a marker of their own, so a machine that ran gpu_bench.sh first still gets them.
+if [ ! -f "$SITE-server/.installed-with-tests" ]; then
   compgen -G "$WHL/server/*.whl" >/dev/null || { echo "gpu_variants: no wheels in $WHL/server" >&2; exit 2; }
-  "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --target "$SITE-server" \
+  "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --target "$SITE-server" --upgrade \
     "$WHL"/server/*.whl $(compgen -G "$WHL/test/*.whl" || true)
-  touch "$SITE-server/.installed"
+  touch "$SITE-server/.installed" "$SITE-server/.installed-with-tests"
 fi
 export PYTHONPATH="$SITE-server:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT_DIR"

@@ -65,11 +65,12 @@ def test_snake_sums_pads_and_activates_in_one_pass(dtype) -> None:
                 assert no_sum is None and torch.equal(none, out)
 
 
-def test_polynomial_sin_matches_libdevice_sin_over_the_arguments_snake_sees() -> None:
-    """set_poly_sin: sin by range reduction and a polynomial instead of libdevice's. For arguments up to
-    |x e^alpha| ~ 400 (alpha up to 4.6) and the reduction's edges (multiples of pi/2): both within float32's
-    rounding of the argument of float64 SnakeBeta (the argument x e^alpha is itself rounded to float32, 2^-24 of
-    it), and the two within ~an ulp of the output of each other (1e-6 at |v| <= 1), on the same arguments."""
+def test_polynomial_sin_matches_float64_over_the_arguments_snake_sees() -> None:
+    """set_poly_sin: sin by range reduction and a polynomial instead of Triton's `tl.sin`. For arguments up to
+    |x e^alpha| ~ 400 (alpha up to 4.6) and the reduction's edges (multiples of pi/2): within float32's rounding
+    of the argument of float64 SnakeBeta (the argument x e^alpha is itself rounded to float32, 2^-24 of it). The
+    `tl.sin` path is held to 1e-5: on an H200 it measured up to 3e-6 off float64 at small arguments (where the
+    polynomial's bound is 2e-6), an approximate sine, still far below the float16 activations' 1e-3."""
     g = torch.Generator().manual_seed(3)
     C, L = 6, 4096
     alpha = torch.tensor([0.0, 0.5, -1.0, 2.0, 4.6, 3.0], device=DEVICE)
@@ -82,14 +83,13 @@ def test_polynomial_sin_matches_libdevice_sin_over_the_arguments_snake_sees() ->
     tol = 2e-6 + 2 * 2.0**-24 * arg * inv  # d sin^2 / d arg <= 1, two roundings of the argument
     got = {}
     try:
-        for poly in (False, True):
+        for poly in (True, False):
             snake_kernel.set_poly_sin(poly)
             got[poly], _ = snake_kernel.snake(alpha, beta, x=x)
             err = (got[poly].double() - want).abs()
-            assert (err <= tol).all(), (poly, (err - tol).max().item())
+            assert (err <= (tol if poly else tol + 1e-5)).all(), (poly, (err - tol).max().item())
     finally:
         snake_kernel.set_poly_sin(False)
-    assert ((got[True] - got[False]).abs() <= 1e-6 * x.abs().clamp(min=1.0)).all()  # ~ an ulp of the output
     assert arg.max() > 350  # the large arguments were there
 
 
