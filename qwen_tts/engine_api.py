@@ -176,7 +176,8 @@ class EngineSettings:
     # On CUDA, run Code2Wav's SnakeBeta activations (its largest tensors) as one compiled kernel each instead of
     # five eager passes: a 64-row 12-frame chunk 79 -> 65 ms on an H200, 64 streams 277 -> 313 audio-s/s, 256
     # streams 448 -> 525; the audio stays within -52 dBFS of the exact decode as without it, chunk joins -59 instead
-    # of -62 dBFS (docs/benchmarks.md). Ignored on CPU.
+    # of -62 dBFS (docs/benchmarks.md). With decoder_snake_kernel (the default) the final conv stack takes its
+    # SnakeBeta from that kernel instead; this one then runs only with decoder_snake_kernel off. Ignored on CPU.
     fused_decoder: bool = True
     # cuDNN benchmark mode for Code2Wav's convolutions on CUDA: each (batch bucket, chunk length) shape times the
     # available algorithms once, at graph capture, and keeps the fastest. A process-wide cuDNN setting.
@@ -197,9 +198,10 @@ class EngineSettings:
     decoder_polyphase_dilation: int = 9
     # With decoder_polyphase_dilation, lay the phases out as the width of a conv2d with a (k, 1) kernel over a
     # free (batch, channels, samples / d, d) view of the input, instead of moving them into the batch of a conv1d:
-    # the same function without the phase split's and merge's copies (2.4 ms of a 64-row 12-frame chunk on an
-    # H200). Built after the device time ran out; off until measured (bench_gpu.py --engine-variants
-    # polyphase-2d; profile_step.py --codec-variants fp16+polyphase-9-2d).
+    # the same function without the phase split's and merge's copies. Measured on an H200 with the snake kernel:
+    # a 64-row chunk 32.5 -> 31.0 ms (copies 3.0 -> 1.5 ms, its convs 9.8 -> 10.4), but through the engine 64
+    # streams 480.8 against 480.5 audio-s/s and 256 streams 780 against 778, inside the spread between runs, with
+    # 0.5 GiB more reserved; off (bench_gpu.py --engine-variants polyphase-2d).
     decoder_polyphase_2d: bool = False
     # On CUDA, run the final conv stack's elementwise work as one Triton kernel per activation
     # (Code2Wav.set_snake_kernel, qwen_tts/snake_kernel.py): each conv without its bias, then one pass that adds
