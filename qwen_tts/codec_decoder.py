@@ -157,26 +157,17 @@ class CausalTransConv1d(nn.Module):
         self.slot = -1  # index into Code2WavStream.tconv_overlap, assigned by Code2Wav
 
     def forward(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
-        y = self.conv(x)  # (B, C, T*stride + overlap)
-        n = x.shape[-1] * self.stride
-        if self.overlap == 0:
-            return y
-        if stream is not None:
-            pending = stream.tconv_overlap[self.slot]
-            # Overlap-add: the previous chunk's last frame also reaches into these first samples.
-            y[..., : self.overlap] += pending
-            # The bias was added to the tail here and will be added again by the next chunk's conv.
-            pending.copy_(y[..., n:] - self.conv.bias[:, None])
-        return y[..., :n]
+        return self.run_unbiased(x, stream) + self.conv.bias[:, None]
 
     def run_unbiased(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
-        """`forward` without the bias (added later by `snake_kernel.snake`, in the pass that reads the output):
-        the overlap-add is the same, and the pending tail holds no bias to take back out. A view (strided)."""
+        """The trimmed transposed conv without its bias (`forward` adds it; `snake_kernel.snake` adds it in the
+        pass that reads the output): the pending tail is then the overlap alone. A view (strided)."""
         c = self.conv
         y = F.conv_transpose1d(x, c.weight, None, c.stride, c.padding, c.output_padding, c.groups, c.dilation)
-        n = x.shape[-1] * self.stride
+        n = x.shape[-1] * self.stride  # y: (B, C, n + overlap)
         if stream is not None and self.overlap > 0:
             pending = stream.tconv_overlap[self.slot]
+            # Overlap-add: the previous chunk's last frame also reaches into these first samples.
             y[..., : self.overlap] += pending
             pending.copy_(y[..., n:])
         return y[..., :n]
