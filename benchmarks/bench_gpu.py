@@ -90,6 +90,7 @@ VARIANTS: dict[str, dict] = {
     "no-polyphase": {"decoder_polyphase_dilation": 0},  # every dilated conv as cuDNN runs it (before the default)
     "polyphase-2d": {"decoder_polyphase_2d": True},  # the phases as a conv2d's width: no copies in and out
     "no-snake-kernel": {"decoder_snake_kernel": False},  # Code2Wav's bias, residual, SnakeBeta, padding: 4 passes
+    "channels-last": {"decoder_channels_last": True},  # Code2Wav's conv stack in the (B, T, C) layout
     "no-overlap": {"overlap_steps": False},  # each step's codes read before the next step is launched
     "chunk-jump": {"chunk_growth": 4},  # chunks of 3 then 12 frames, as before the ramp through 6
     "admission-64ms": {"admission_step_budget_ms": 64.0},  # queue new requests while steps exceed 64 ms

@@ -278,6 +278,7 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             ("fp16+polyphase-9+snake-kernel", True, "decoder", True),  # elementwise work in one pass per activation
             ("fp16+polyphase-9-2d+snake-kernel", True, "decoder", True),  # both
             ("fp16+polyphase-9+snake-kernel+poly-sin", True, "decoder", True),  # its sin as a polynomial
+            ("fp16+polyphase-9+snake-kernel+channels-last", True, "decoder", True),  # the (B, T, C) layout
             ("bf16", False, torch.bfloat16, False),
         ):
             if name not in variants:
@@ -289,7 +290,9 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
                 dec = copy.deepcopy(c2w)
                 dec.set_decoder_dtype(torch.float16)
                 dec.set_polyphase_dilation(9 if "+polyphase-9" in name else 0, as_2d="-2d" in name)
-                dec.set_snake_kernel(snake_kernel.snake if "+snake-kernel" in name else None)
+                dec.set_snake_kernel(
+                    snake_kernel.snake if "+snake-kernel" in name else None, channels_last="+channels-last" in name
+                )
                 snake_kernel.set_poly_sin(name.endswith("+poly-sin"))
             else:
                 dec = copy.deepcopy(c2w).to(dtype) if dtype != torch.float32 or snake else c2w

@@ -212,6 +212,13 @@ class EngineSettings:
     # -57.7); 64 streams 411 -> 481 audio-s/s, 256 streams 665 -> 778 (docs/benchmarks.md; bench_gpu.py
     # --engine-variants no-snake-kernel). Takes the place of fused_decoder's compiled SnakeBeta. Ignored on CPU.
     decoder_snake_kernel: bool = True
+    # With decoder_snake_kernel, lay the final conv stack's activations out (batch, samples, channels) in memory
+    # and run its convs in that layout (Code2Wav.set_snake_kernel(channels_last=True)): on an H200 cuDNN's
+    # float16 kernels transformed every (batch, channels, samples) input and output, 4.8 ms of a 64-row 12-frame
+    # chunk's 24.3 ms of kernels; its k=1 convs become matmuls and its polyphase convs read a free view of
+    # whole phases. The same function. Built after the device time ran out; off until measured (bench_gpu.py
+    # --engine-variants channels-last; profile_step.py --codec-variants fp16+polyphase-9+snake-kernel+channels-last).
+    decoder_channels_last: bool = False
     # Decode each request's chunks on their own instead of batched with others' of the same length: the waveform
     # is then a function of the request's codes alone, bit for bit, whatever else runs (a batched convolution
     # rounds differently: 1 int16 LSB on ~1% of samples). Costs the batching of Code2Wav; docs/security.md.

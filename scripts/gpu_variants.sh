@@ -18,8 +18,8 @@ PY=${PYTHON:-python3}
 WHL=${WHEEL_DIR:-.whl}
 SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
-VARIANTS=${VARIANTS:-no-snake-kernel,polyphase-2d}
-CODEC_VARIANTS=${CODEC_VARIANTS:-fp16+polyphase-9,fp16+polyphase-9+snake-kernel,fp16+polyphase-9-2d+snake-kernel,fp16+polyphase-9+snake-kernel+poly-sin}
+VARIANTS=${VARIANTS:-channels-last,no-snake-kernel}
+CODEC_VARIANTS=${CODEC_VARIANTS:-fp16+polyphase-9,fp16+polyphase-9+snake-kernel,fp16+polyphase-9+snake-kernel+channels-last}
 
 [ $# -gt 0 ] || { sed -n 2,13p "$0" >&2; exit 2; }
 for stage in "$@"; do

@@ -268,8 +268,17 @@ def test_a_failing_chunk_ends_only_its_request(tiny_model, monkeypatch):
         (True, 3, True, False),
         (False, 3, True, True),
         (True, 3, True, True),
+        (True, 3, False, "channels-last"),
     ],
-    ids=["fp32", "fp16-decoder", "fp16-polyphase", "fp16-polyphase-2d", "fp32-snake-kernel", "fp16-snake-kernel"],
+    ids=[
+        "fp32",
+        "fp16-decoder",
+        "fp16-polyphase",
+        "fp16-polyphase-2d",
+        "fp32-snake-kernel",
+        "fp16-snake-kernel",
+        "fp16-channels-last",
+    ],
 )
 def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, polyphase, as_2d, snake):
     import copy
@@ -281,7 +290,7 @@ def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, polyph
     if fp16:
         model.set_decoder_dtype(torch.float16)
     model.set_polyphase_dilation(polyphase, as_2d=as_2d)
-    model.set_snake_kernel(snake_kernel.snake if snake else None)
+    model.set_snake_kernel(snake_kernel.snake if snake else None, channels_last=snake == "channels-last")
     try:
         torch.backends.cudnn.allow_tf32 = False
         graphs = SlotDecoder(model, max_slots=5, chunk_lens=[3, 5], mode="graphs")

@@ -83,6 +83,7 @@ async def test_stream_equals_whole_decode(tiny_model):
     assert info["decoder_polyphase_2d"] is False
     assert not any(getattr(m, "polyphase", False) for m in eng._code2wav.modules())
     assert info["decoder_snake_kernel"] is False and eng._code2wav.snake_kernel is None
+    assert info["decoder_channels_last"] is False
     try:
         (h,), (audio,) = await run(eng, [req(tiny_model, TEXTS[1], greedy=True, max_frames=23)])
     finally:

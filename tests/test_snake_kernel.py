@@ -92,6 +92,32 @@ def test_polynomial_sin_matches_float64_over_the_arguments_snake_sees() -> None:
     assert arg.max() > 350  # the large arguments were there
 
 
+@pytest.mark.parametrize("C", [5, 96], ids=["odd-channels", "96-channels"])
+def test_channels_last_snake_writes_the_same_values_in_the_other_layout(C) -> None:
+    """channels_last: the same values as the (B, C, T) kernel, laid out (B, T, C) in memory, from inputs in
+    either layout, with `tail` zeros after the samples; the kept sum channels-last too."""
+    g = torch.Generator().manual_seed(5)
+    B, L, ctx = 2, 300, 12
+    alpha, beta = (0.3 * torch.randn(C, generator=g)).to(DEVICE), (0.3 * torch.randn(C, generator=g)).to(DEVICE)
+    x = torch.randn(B, L, C, generator=g).to(DEVICE).transpose(1, 2)  # channels-last input
+    y = torch.randn(B, C, L, generator=g).to(DEVICE)  # (B, C, L) input
+    bias = torch.randn(C, generator=g).to(DEVICE)
+    hist = torch.randn(B, C, ctx, generator=g).to(DEVICE)
+    want, want_sum = snake_kernel.snake(alpha, beta, x=x, y=y, bias=bias, context=ctx, history=hist, keep_sum=True)
+    for tail in (0, 7):
+        got, kept = snake_kernel.snake(
+            alpha, beta, x=x, y=y, bias=bias, context=ctx, history=hist, keep_sum=True, channels_last=True, tail=tail
+        )
+        total = ctx + L + tail
+        assert got.shape == (B, C, total) and got.stride() == (total * C, 1, C)
+        assert kept.shape == (B, C, L) and kept.stride() == (L * C, 1, C)
+        torch.testing.assert_close(got[..., : ctx + L], want, rtol=0, atol=0)
+        assert torch.equal(got[..., ctx + L :], torch.zeros(B, C, tail, device=DEVICE))
+        torch.testing.assert_close(kept, want_sum, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="tail must be 0"):
+        snake_kernel.snake(alpha, beta, x=x, tail=3)
+
+
 def test_snake_refuses_inputs_that_do_not_line_up() -> None:
     a = torch.zeros(4, device=DEVICE)
     x = torch.zeros(2, 4, 10, device=DEVICE)
@@ -120,20 +146,31 @@ def no_tf32():
 
 
 @pytest.mark.parametrize(
-    ("dtype", "polyphase", "as_2d"),
-    [(torch.float32, 0, False), (torch.float32, 3, True), (torch.float16, 3, False)],
-    ids=["fp32", "fp32-polyphase-2d", "fp16-polyphase"],
+    ("dtype", "polyphase", "as_2d", "channels_last"),
+    [
+        (torch.float32, 0, False, False),
+        (torch.float32, 3, True, False),
+        (torch.float16, 3, False, False),
+        (torch.float32, 0, False, True),
+        (torch.float32, 3, False, True),
+        (torch.float16, 3, True, True),
+    ],
+    ids=["fp32", "fp32-polyphase-2d", "fp16-polyphase", "fp32-cl", "fp32-polyphase-cl", "fp16-polyphase-cl"],
 )
-def test_conv_stack_on_the_kernel_decodes_and_streams_like_the_modules(c2w, no_tf32, dtype, polyphase, as_2d) -> None:
+def test_conv_stack_on_the_kernel_decodes_and_streams_like_the_modules(
+    c2w, no_tf32, dtype, polyphase, as_2d, channels_last
+) -> None:
     """`set_snake_kernel`: every conv of the final stack without its bias, the kernel doing bias, residual sum,
-    SnakeBeta and causal padding between them. Whole decodes and streamed ones (chunks of 1 to 12 frames, so
-    histories longer and shorter than a chunk) equal the modules' own decodes to rounding, and the stream's state
-    after the last chunk is the modules' state."""
+    SnakeBeta and causal padding between them; with channels_last, every activation and conv in the (B, T, C)
+    layout. Whole decodes and streamed ones (chunks of 1 to 12 frames, so histories longer and shorter than a
+    chunk, and inputs that do and do not divide into whole phases) equal the modules' own decodes to rounding,
+    and the stream's state after the last chunk is the modules' state."""
     ref = copy.deepcopy(c2w)
     ref.set_decoder_dtype(dtype)
     ref.set_polyphase_dilation(polyphase, as_2d=as_2d)
     fast = copy.deepcopy(ref)
-    fast.set_snake_kernel(snake_kernel.snake)
+    fast.set_snake_kernel(snake_kernel.snake, channels_last=channels_last)
+    assert fast.channels_last is channels_last
     codes = random_codes(c2w.cfg, 2, 20).to(DEVICE)
     chunks = [1, 3, 12, 4]
     with torch.no_grad():

@@ -208,8 +208,9 @@ class NativeEngine(Engine):
             fused.enable_decoder(self._code2wav)
         self._model_info["fused_decoder"] = any(getattr(m, "fast", None) for m in self._code2wav.modules())
         if self.device.type == "cuda" and self.config.decoder_snake_kernel and fused.HAVE_TRITON:
-            self._code2wav.set_snake_kernel(snake_kernel.snake)
+            self._code2wav.set_snake_kernel(snake_kernel.snake, channels_last=self.config.decoder_channels_last)
         self._model_info["decoder_snake_kernel"] = self._code2wav.snake_kernel is not None
+        self._model_info["decoder_channels_last"] = self._code2wav.channels_last
         graphs = self._uses_graphs
         if graphs or self.config.frame_step == "padded":
             self._runner = FrameStepRunner(
