@@ -78,6 +78,19 @@ class Code2WavStream:
         ]
 
 
+def _weight_once(module: nn.Module, key, make) -> Tensor:
+    """make(module.conv.weight), kept on the module and made again only when the weight tensor, its dtype, its
+    in-place version or `key` changed (a layout of the weight for `run_cl`, made once, not at every call)."""
+    w = module.conv.weight
+    tag = (w.data_ptr(), w.dtype, w._version, key)
+    cache = getattr(module, "_weight_cache", None)
+    if cache is None or cache[0] != tag:
+        with torch.no_grad():
+            cache = (tag, make(w.detach()))
+        module._weight_cache = cache
+    return cache[1]
+
+
 class CausalConv1d(nn.Module):
     """Conv1d with (k-1)*dilation zeros of left padding: output length == input length (stride 1)."""
 
@@ -149,21 +162,15 @@ class CausalConv1d(nn.Module):
         return F.conv2d(x4, self._weight_cl(), None, (1, c.stride[0]), 0, (1, c.dilation[0]), c.groups).squeeze(2)
 
     def _weight_cl(self) -> Tensor:
-        """The weight as `run_cl` uses it, made once per weight tensor and version (a matrix for k=1, otherwise 4-D
-        and channels-last: (C_out, C_in, 1, k), or (C_out, C_in, k, 1) for a polyphase conv)."""
-        w = self.conv.weight
-        tag = (w.data_ptr(), w.dtype, w._version, self.polyphase)
-        if getattr(self, "_cl_cache", None) is None or self._cl_cache[0] != tag:
-            with torch.no_grad():
-                w = w.detach()
-                if w.shape[-1] == 1:
-                    made = w[..., 0].contiguous()
-                else:
-                    made = (w[..., None] if self.polyphase else w[:, :, None]).contiguous(
-                        memory_format=torch.channels_last
-                    )
-            self._cl_cache = (tag, made)
-        return self._cl_cache[1]
+        """The weight as `run_cl` uses it: a matrix for k=1, otherwise 4-D and channels-last, (C_out, C_in, 1, k),
+        or (C_out, C_in, k, 1) for a polyphase conv."""
+
+        def make(w: Tensor) -> Tensor:
+            if w.shape[-1] == 1:
+                return w[..., 0].contiguous()
+            return (w[..., None] if self.polyphase else w[:, :, None]).contiguous(memory_format=torch.channels_last)
+
+        return _weight_once(self, self.polyphase, make)
 
     def _polyphase_conv(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """The same (unpadded) dilated conv as an undilated one over the input's `d` interleaved phases: output
@@ -221,13 +228,8 @@ class CausalTransConv1d(nn.Module):
         return y[..., :n]
 
     def _weight_cl(self) -> Tensor:
-        """(C_in, C_out, 1, k), channels-last, made once per weight tensor and version."""
-        w = self.conv.weight
-        tag = (w.data_ptr(), w.dtype, w._version)
-        if getattr(self, "_cl_cache", None) is None or self._cl_cache[0] != tag:
-            with torch.no_grad():
-                self._cl_cache = (tag, w.detach()[:, :, None].contiguous(memory_format=torch.channels_last))
-        return self._cl_cache[1]
+        """(C_in, C_out, 1, k), channels-last."""
+        return _weight_once(self, None, lambda w: w[:, :, None].contiguous(memory_format=torch.channels_last))
 
 
 class SnakeBeta(nn.Module):
