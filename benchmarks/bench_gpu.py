@@ -102,6 +102,8 @@ VARIANTS: dict[str, dict] = {
     "no-kernel-sampler": {"kernel_sampler": False},  # the compiled sampling.sample (before the default)
     "sampler-w1k": {"kernel_sampler_warp_elements": 1024},  # with kernel-sampler: 2 warps for 2048 logits
     "sampler-w2k": {"kernel_sampler_warp_elements": 2048},  # and 1 warp
+    "small-m-fusion": {"small_m_fusion": True},  # RMSNorm, SiLU * up, residual adds inside the few-row matmul
+    "small-m-pdl": {"small_m_pdl": True},  # the few-row matmuls as programmatic dependents (Hopper)
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints

@@ -68,6 +68,11 @@ STEP_VARIANTS = {
     "fused-split+small-m+cp-one-pass": _BOTH,  # and the code predictor's two prompt tokens in one pass
     "fused-split+small-m+kernel-sampler": _BOTH,  # and each draw by one Triton kernel, no sort
     "fused-split+small-m+cp-one-pass+kernel-sampler": _BOTH,
+    # The engine's default and the few-row matmul's fusions (small_m_fusion), launched as programmatic dependents
+    # (small_m_pdl), both.
+    "fused-split+small-m+cp-one-pass+kernel-sampler+fusion": {**_BOTH, "small_m_fusion": True},
+    "fused-split+small-m+cp-one-pass+kernel-sampler+pdl": _BOTH,
+    "fused-split+small-m+cp-one-pass+kernel-sampler+fusion+pdl": {**_BOTH, "small_m_fusion": True},
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}
@@ -82,6 +87,7 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
     torch.backends.cuda.preferred_blas_library(STEP_BLAS.get(variant, "cublas"))
     small_m_gemm.set_max_split_k(STEP_SPLIT_K.get(variant, DEFAULT_SPLIT_K))
     small_m_gemm.set_blocks(*STEP_BLOCKS.get(variant, DEFAULT_BLOCKS))
+    small_m_gemm.set_pdl(variant.endswith("+pdl"))
     small_m_gemm.prepare("cuda")
     model = load_model(path, device="cuda", dtype=torch.bfloat16)
     talker = model.talker.eval()

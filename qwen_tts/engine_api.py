@@ -155,6 +155,17 @@ class EngineSettings:
     # On an H200 the 1.7B step's matmuls at 2 rows: 3.40 ms unsplit, 2.97 with split 4 (bench_gemm.py
     # --max-splits; bench_gpu.py --engine-variants no-split-k). Process-wide. Ignored on CPU.
     small_m_split_k: int = 4
+    # With small_m_gemm, the RMSNorms before the q|k|v and gate|up matmuls, SiLU * up after gate|up and the residual
+    # adds after the o and down projections inside the few-row matmul kernel (small_m_gemm.norm_linear,
+    # norm_linear_silu, linear_add): a decoder layer of one to 16 rows in seven launches instead of ten, the same
+    # ops rounded where the eager ones round. Off until measured (bench_gpu.py --engine-variants small-m-fusion).
+    # Ignored on CPU.
+    small_m_fusion: bool = False
+    # With small_m_gemm on Hopper, launch the few-row matmuls as programmatic dependents (small_m_gemm.set_pdl):
+    # each loads its first weight tile while the kernel before it drains, then waits for it; attention lets the o
+    # projection start early. Off until measured (bench_gpu.py --engine-variants small-m-pdl). Process-wide.
+    # Ignored on CPU and before compute capability 9.0.
+    small_m_pdl: bool = False
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
     # On an H200 the graphed step at batch 1 went 5.66 -> 5.54 ms; with the sampler kernel and polyphase convs on,

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qwen_tts.decode_attention import HAVE_TRITON
+from qwen_tts.decode_attention import HAVE_TRITON, set_trigger_dependents
 
 if HAVE_TRITON:
     import triton
@@ -60,32 +60,63 @@ COUNTERS = 4096
 if HAVE_TRITON:
 
     @triton.jit
-    def _dot_tile(acc, X, W, m, n, kk, k0, K, mmask, nmask, stride_xm, stride_wn, PRECISION: tl.constexpr):
-        """acc + x[:, k0:k0+BLOCK_K] @ w[n, k0:k0+BLOCK_K].T, the tails masked."""
+    def _load_w(W, n, kk, k0, K, nmask, stride_wn):
+        kmask = (k0 + kk) < K
+        return tl.load(W + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+
+    @triton.jit
+    def _load_x(X, LNW, m, kk, k0, K, mmask, stride_xm, inv_rms, NORM: tl.constexpr):
+        """x[:, k0:k0+BLOCK_K], the tails masked; NORM: as fused.rms_norm gives it (normalised in float32, cast to
+        x's dtype, then times the norm's weight, rounded to x's dtype again)."""
         kmask = (k0 + kk) < K
         x = tl.load(X + m[:, None] * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(W + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if NORM:
+            g = tl.load(LNW + k0 + kk, mask=kmask, other=0.0)
+            xn = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype)
+            x = (xn.to(tl.float32) * g.to(tl.float32)[None, :]).to(x.dtype)
+        return x
+
+    @triton.jit
+    def _epilogue(acc, acc_up, R, m, n, stride_rm, mmask, nmask, dtype, SILU: tl.constexpr, RESIDUAL: tl.constexpr):
+        """The tile's output in `dtype`: SILU: SiLU(gate) * up, each rounded as the eager ops round; RESIDUAL: plus the
+        residual row (the product rounded first, as `r + F.linear(x, w)` is)."""
+        y = acc.to(dtype)
+        if SILU:
+            g = y.to(tl.float32)
+            s = (g * tl.sigmoid(g)).to(dtype)
+            y = (s.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        if RESIDUAL:
+            r = tl.load(R + m[:, None] * stride_rm + n[None, :], mask=mmask[:, None] & nmask[None, :], other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        return y
 
     @triton.jit
     def _small_m_kernel(
         X,  # (M, K)
-        W,  # (N, K)
+        W,  # (N, K); SILU: (2N, K), the gate's rows then the up projection's
         Y,  # (M, N)
         P,  # split K: (SPLIT, M, N) float32 partial sums (else unused)
         C,  # split K: (>= column blocks,) int32 counters, zero on entry and on exit (else unused)
+        LNW,  # NORM: (K,) the RMSNorm's weight (else unused)
+        R,  # RESIDUAL: (M, N) added to the product (else unused)
         M,
         N,
         K,
         stride_xm,
         stride_wn,
         stride_ym,
+        stride_rm,
+        eps,
         SPLIT: tl.constexpr,  # programs per column block (grid axis 1)
         TILES_PER_SPLIT: tl.constexpr,  # split K: K tiles of BLOCK_K per program
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32), else ignored
+        NORM: tl.constexpr,  # RMSNorm each row of x first (over all K; eps, LNW)
+        SILU: tl.constexpr,  # gate|up weights: write SiLU(x @ gate.T) * (x @ up.T)
+        RESIDUAL: tl.constexpr,  # add R to the product
+        PDL: tl.constexpr,  # launched as a programmatic dependent: load the first weight tile, then wait
     ):
         pid = tl.program_id(0)
         m = tl.arange(0, BLOCK_M)
@@ -94,17 +125,45 @@ if HAVE_TRITON:
         mmask = m < M
         nmask = n < N
         tile_mask = mmask[:, None] & nmask[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         if SPLIT == 1:
+            k_start = 0
+            k_end = K
+        else:
+            k_start = tl.program_id(1) * TILES_PER_SPLIT * BLOCK_K
+            k_end = tl.minimum(k_start + TILES_PER_SPLIT * BLOCK_K, K)
+        # The weights are never written by the kernel before this one: their first tile is read before the wait.
+        w = _load_w(W, n, kk, k_start, K, nmask, stride_wn)
+        if SILU:
+            wu = _load_w(W + N * stride_wn, n, kk, k_start, K, nmask, stride_wn)
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # the kernel before has finished and its writes are visible
+            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start loading its weights
+        inv_rms = tl.zeros((BLOCK_M,), tl.float32)
+        if NORM:  # the mean square of each row over all of K, in float32, the same order for every row
+            ss = tl.zeros((BLOCK_M,), tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                acc = _dot_tile(acc, X, W, m, n, kk, k0, K, mmask, nmask, stride_xm, stride_wn, PRECISION)
-            tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=tile_mask)
+                kmask = (k0 + kk) < K
+                xs = tl.load(
+                    X + m[:, None] * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0
+                ).to(tl.float32)
+                ss += tl.sum(xs * xs, axis=1)
+            inv_rms = tl.math.rsqrt(ss / K + eps)
+        x = _load_x(X, LNW, m, kk, k_start, K, mmask, stride_xm, inv_rms, NORM)
+        acc = tl.dot(x, tl.trans(w), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), input_precision=PRECISION)
+        acc_up = acc
+        if SILU:
+            acc_up = tl.dot(x, tl.trans(wu), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), input_precision=PRECISION)
+        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            x = _load_x(X, LNW, m, kk, k0, K, mmask, stride_xm, inv_rms, NORM)
+            acc = tl.dot(x, tl.trans(_load_w(W, n, kk, k0, K, nmask, stride_wn)), acc, input_precision=PRECISION)
+            if SILU:
+                wu = _load_w(W + N * stride_wn, n, kk, k0, K, nmask, stride_wn)
+                acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=PRECISION)
+        if SPLIT == 1:
+            y = _epilogue(acc, acc_up, R, m, n, stride_rm, mmask, nmask, Y.dtype.element_ty, SILU, RESIDUAL)
+            tl.store(Y + m[:, None] * stride_ym + n[None, :], y, mask=tile_mask)
         else:
             split = tl.program_id(1)
-            k_start = split * TILES_PER_SPLIT * BLOCK_K
-            for t in range(TILES_PER_SPLIT):
-                k0 = k_start + t * BLOCK_K
-                acc = _dot_tile(acc, X, W, m, n, kk, k0, K, mmask, nmask, stride_xm, stride_wn, PRECISION)
             tile = m[:, None] * N + n[None, :]
             tl.store(P + split * M * N + tile, acc, mask=tile_mask)
             # Every thread's partials before the one thread's release (a CTA barrier; release is cumulative), then
@@ -116,7 +175,8 @@ if HAVE_TRITON:
                 total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
                 for s in tl.static_range(SPLIT):  # split order, whichever program came last
                     total += tl.load(P + s * M * N + tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
-                tl.store(Y + m[:, None] * stride_ym + n[None, :], total.to(Y.dtype.element_ty), mask=tile_mask)
+                y = _epilogue(total, total, R, m, n, stride_rm, mmask, nmask, Y.dtype.element_ty, False, RESIDUAL)
+                tl.store(Y + m[:, None] * stride_ym + n[None, :], y, mask=tile_mask)
                 tl.atomic_xchg(C + pid, 0)  # ready for the next launch
 
 
@@ -181,6 +241,32 @@ def prepare(device: torch.device | str, blocks: int = COUNTERS) -> Tensor:
     return c
 
 
+def set_pdl(on: bool) -> None:
+    """Launch the kernel as a programmatic dependent (Hopper and later; `EngineSettings.small_m_pdl`): each program
+    loads its first weight tile, waits for the kernel before it to finish, and lets the next kernel start; so one
+    matmul's weights stream in while the kernel before it drains. Process-wide; CUDA graphs keep what they were
+    captured with. Ignored where the GPU cannot (before compute capability 9.0) and in Triton's interpreter."""
+    global _pdl
+    _pdl = bool(on)
+    set_trigger_dependents(_pdl)  # attention, before the o projection, lets it start too
+
+
+_pdl = False
+
+
+@functools.cache
+def _pdl_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_active(device: torch.device | str | None = None) -> bool:
+    """Whether the kernel launches as a programmatic dependent on `device` (None: the current CUDA device)."""
+    if not _pdl or not torch.cuda.is_available():
+        return False
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    return _pdl_capable(device)
+
+
 def small_m_matmul(
     x: Tensor,
     w: Tensor,
@@ -188,25 +274,47 @@ def small_m_matmul(
     block_k: int | None = None,
     num_stages: int | None = None,
     split_k: int | None = None,
+    norm_weight: Tensor | None = None,
+    eps: float = 0.0,
+    silu: bool = False,
+    residual: Tensor | None = None,
 ) -> Tensor:
     """x (M <= SMALL_M_MAX, K) @ w (N, K).T -> (M, N) in x's dtype, by the Triton kernel (block sizes for sweeps,
-    None: the defaults; split_k None: `split_k_for` the shape)."""
+    None: the defaults; split_k None: `split_k_for` the shape).
+
+    With the fusions the kernel computes, in one launch, what the eager ops compute (rounded where they round):
+    norm_weight: `fused.rms_norm(x, norm_weight, eps)` in place of x; silu: w is gate|up (2N, K) and the result
+    SiLU(gate) * up (N columns; never split over K; half the column block, so as many programs as without it);
+    residual (M, N): `residual + product`."""
     block_n, block_k, num_stages = block_n or BLOCK_N, block_k or BLOCK_K, num_stages or NUM_STAGES
     M, K = x.shape
-    N = w.shape[0]
+    N = w.shape[0] // 2 if silu else w.shape[0]
     if M > SMALL_M_MAX:
         raise ValueError(f"{M} rows > SMALL_M_MAX ({SMALL_M_MAX})")
     if w.shape[1] != K:
         raise ValueError(f"x has {K} columns, w {w.shape[1]}")
     if x.dtype != w.dtype:
         raise ValueError(f"x is {x.dtype}, w {w.dtype}")
+    if silu and w.shape[0] % 2:
+        raise ValueError(f"silu needs gate|up weights (an even row count), not {w.shape[0]}")
+    if norm_weight is not None and norm_weight.shape != (K,):
+        raise ValueError(f"norm_weight must be ({K},), not {tuple(norm_weight.shape)}")
+    if residual is not None and residual.shape != (M, N):
+        raise ValueError(f"residual must be ({M}, {N}), not {tuple(residual.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     block_k = _k_step(K, block_k)
+    if silu:
+        block_n = max(16, block_n // 2)  # two weight tiles a program: the same programs, the same bytes each
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     blocks, tiles = _cdiv(N, block_n), _cdiv(K, block_k)
-    split = split_k_for(N, K, x.device, block_n, block_k) if split_k is None else split_k
+    if silu:
+        split = 1
+        if split_k not in (None, 1):
+            raise ValueError("silu runs unsplit (split_k 1)")
+    else:
+        split = split_k_for(N, K, x.device, block_n, block_k) if split_k is None else split_k
     if not 1 <= split <= tiles:
         raise ValueError(f"split_k {split} outside 1..{tiles} (K tiles of {block_k})")
     per_split = _cdiv(tiles, split)
@@ -214,26 +322,40 @@ def small_m_matmul(
     # Split K: the partial sums and the counters (without it the kernel never touches them: y stands in).
     partial = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
     counters = prepare(x.device, blocks) if split > 1 else y
+    if norm_weight is not None:
+        norm_weight = norm_weight.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    pdl = _pdl and _pdl_capable(x.device)
     _small_m_kernel[(blocks, split)](
         x,
         w,
         y,
         partial,
         counters,
+        norm_weight if norm_weight is not None else y,
+        residual if residual is not None else y,
         M,
         N,
         K,
         x.stride(0),
         w.stride(0),
         y.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        float(eps),
         SPLIT=split,
         TILES_PER_SPLIT=per_split if split > 1 else 0,
         BLOCK_M=SMALL_M_MAX,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PRECISION=precision,
+        NORM=norm_weight is not None,
+        SILU=silu,
+        RESIDUAL=residual is not None,
+        PDL=pdl,
         num_warps=4,
         num_stages=num_stages,
+        launch_pdl=pdl,
     )
     return y
 
@@ -248,4 +370,51 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 
 @linear.register_fake
 def _(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """fused.rms_norm (normalise in float32, cast back, then scale), here to keep this module free of fused's."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@torch.library.custom_op("qwen_tts::small_m_norm_linear", mutates_args=())
+def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor) -> Tensor:
+    """F.linear(rms_norm(x, norm_weight, eps), w): one launch up to SMALL_M_MAX rows, the eager ops beyond."""
+    if x.shape[0] > SMALL_M_MAX or not HAVE_TRITON:
+        return F.linear(_rms_norm(x, norm_weight, eps), w)
+    return small_m_matmul(x, w, norm_weight=norm_weight, eps=eps)
+
+
+@norm_linear.register_fake
+def _(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+@torch.library.custom_op("qwen_tts::small_m_norm_linear_silu", mutates_args=())
+def norm_linear_silu(x: Tensor, norm_weight: Tensor, eps: float, w_gate_up: Tensor) -> Tensor:
+    """SiLU(gate) * up of F.linear(rms_norm(x, norm_weight, eps), w_gate_up).chunk(2): one launch up to
+    SMALL_M_MAX rows, the eager ops beyond."""
+    if x.shape[0] > SMALL_M_MAX or not HAVE_TRITON:
+        gate, up = F.linear(_rms_norm(x, norm_weight, eps), w_gate_up).chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return small_m_matmul(x, w_gate_up, norm_weight=norm_weight, eps=eps, silu=True)
+
+
+@norm_linear_silu.register_fake
+def _(x: Tensor, norm_weight: Tensor, eps: float, w_gate_up: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0], w_gate_up.shape[0] // 2))
+
+
+@torch.library.custom_op("qwen_tts::small_m_linear_add", mutates_args=())
+def linear_add(x: Tensor, w: Tensor, residual: Tensor) -> Tensor:
+    """residual + F.linear(x, w): one launch up to SMALL_M_MAX rows, the eager ops beyond."""
+    if x.shape[0] > SMALL_M_MAX or not HAVE_TRITON:
+        return residual + F.linear(x, w)
+    return small_m_matmul(x, w, residual=residual)
+
+
+@linear_add.register_fake
+def _(x: Tensor, w: Tensor, residual: Tensor) -> Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))

@@ -9,8 +9,8 @@
 #   bash scripts/gpu_variants.sh attention               # <= 2 min: the attention kernels alone
 #
 # Stages: tests, pytest (the tests PYTEST_ARGS names), sampler (the sampler kernel alone), attention, gemm, profile,
-# codec (Code2Wav alone), engine. VARIANTS overrides the engine stage's variant list, CODEC_VARIANTS the Code2Wav
-# variants of the profile and codec stages.
+# step (the frame step alone, per STEP_SIZES), codec (Code2Wav alone), engine. VARIANTS overrides the engine stage's
+# variant list, CODEC_VARIANTS the Code2Wav variants of the profile and codec stages, STEP_VARIANTS the step stage's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,11 +19,14 @@ WHL=${WHEEL_DIR:-.whl}
 SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
 VARIANTS=${VARIANTS:-channels-last,no-snake-kernel}
+DEFAULT_STEP=fused-split+small-m+cp-one-pass+kernel-sampler
+STEP_VARIANTS=${STEP_VARIANTS:-$DEFAULT_STEP,$DEFAULT_STEP+fusion,$DEFAULT_STEP+pdl,$DEFAULT_STEP+fusion+pdl}
+STEP_SIZES=${STEP_SIZES:-1.7b 0.6b}
 CODEC_VARIANTS=${CODEC_VARIANTS:-fp16+polyphase-9,fp16+polyphase-9+snake-kernel,fp16+polyphase-9+snake-kernel+channels-last}
 
 [ $# -gt 0 ] || { sed -n 2,13p "$0" >&2; exit 2; }
 for stage in "$@"; do
-  case $stage in tests | pytest | sampler | attention | gemm | profile | codec | engine) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
+  case $stage in tests | pytest | sampler | attention | gemm | profile | step | codec | engine) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
 done
 
 # The same folder as gpu_bench.sh's, which installs the server's wheels only: the test wheels (pytest-asyncio)
@@ -78,6 +81,12 @@ for stage in "$@"; do
       run profile 240 "$PY" benchmarks/profile_step.py --size 1.7b --batches 1,64 \
         --variants fused-split+small-m+cp-one-pass+kernel-sampler,fused-split+small-m,fused-split+small-m+kernel-sampler \
         --codec-batches 64 --codec-variants "$CODEC_VARIANTS" --out "$OUT_DIR/profile.json"
+      ;;
+    step)
+      for size in $STEP_SIZES; do
+        run "step-$size" 240 "$PY" benchmarks/profile_step.py --size "$size" --batches 1,64 --variants "$STEP_VARIANTS" \
+          --codec-batches "" --out "$OUT_DIR/step-$size.json"
+      done
       ;;
     codec)
       run codec 120 "$PY" benchmarks/profile_step.py --size 1.7b --variants "" --codec-batches 64 \

@@ -233,7 +233,7 @@ def test_gpu_variants_script_names_its_stages_and_refuses_unknown_ones_before_in
     words = " ".join(usage.stderr.replace("#", " ").split())  # the header's lines joined
     stages = (
         "Stages: tests, pytest (the tests PYTEST_ARGS names), sampler (the sampler kernel alone), attention, gemm, "
-        "profile, codec (Code2Wav alone), engine."
+        "profile, step (the frame step alone, per STEP_SIZES), codec (Code2Wav alone), engine."
     )
     assert usage.returncode == 2 and stages in words
     bad = subprocess.run(["bash", str(script), "tests", "speed"], capture_output=True, text=True, env=env)

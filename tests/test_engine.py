@@ -84,6 +84,7 @@ async def test_stream_equals_whole_decode(tiny_model):
     assert not any(getattr(m, "polyphase", False) for m in eng._code2wav.modules())
     assert info["decoder_snake_kernel"] is False and eng._code2wav.snake_kernel is None
     assert info["decoder_channels_last"] is False
+    assert info["small_m_fusion"] is False and info["small_m_pdl"] is False
     try:
         (h,), (audio,) = await run(eng, [req(tiny_model, TEXTS[1], greedy=True, max_frames=23)])
     finally:
@@ -502,6 +503,8 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
         {"cp_prompt_one_pass": False},
         {"kernel_sampler": False},
         {"step_blas": "cublaslt"},
+        {"small_m_fusion": True},
+        {"small_m_fusion": True, "small_m_pdl": True},
     ],
     ids=[
         "default",
@@ -512,6 +515,8 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
         "cp-two-passes",
         "compiled-sampler",
         "cublaslt",
+        "small-m-fusion",
+        "small-m-fusion-pdl",
     ],
 )
 @pytest.mark.parametrize("greedy", [True, False])
@@ -532,9 +537,12 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
         await eng.stop()
         torch.backends.cuda.preferred_blas_library("cublas")  # process-wide: leave it as other tests expect
         small_m_gemm.set_max_split_k(1)
+        small_m_gemm.set_pdl(False)
     assert eng._runner is not None and eng._runner.num_graphs > 1
     assert torch.equal(codes_of(alone), codes_of(handles[3]))
-    for name in ("split_attention", "small_m_gemm"):
+    assert eng.model_info["small_m_fusion"] == variant.get("small_m_fusion", EngineSettings.small_m_fusion)
+    assert eng.model_info["small_m_pdl"] == variant.get("small_m_pdl", EngineSettings.small_m_pdl)
+    for name in ("split_attention", "small_m_gemm", "small_m_fusion"):
         want = variant.get(name, getattr(EngineSettings, name))  # the default is both kernels on
         assert all(getattr(layer.fused, name) == want for layer in model.talker.model.layers)
 

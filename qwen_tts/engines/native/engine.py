@@ -193,15 +193,22 @@ class NativeEngine(Engine):
         self._codebook_size = t.codebook_size
         if self.device.type == "cuda" and self.config.fused_kernels and fused.supported(self._talker):
             fused.enable(
-                self._talker, split_attention=self.config.split_attention, small_m_gemm=self.config.small_m_gemm
+                self._talker,
+                split_attention=self.config.split_attention,
+                small_m_gemm=self.config.small_m_gemm,
+                small_m_fusion=self.config.small_m_fusion,
             )
             # Process-wide, read when each graph is captured (as step_blas); its counters exist before capture.
             small_m_gemm.set_max_split_k(self.config.small_m_split_k)
+            small_m_gemm.set_pdl(self.config.small_m_gemm and self.config.small_m_pdl)
             small_m_gemm.prepare(self.device)
             self._talker.code_predictor.prompt_one_pass = self.config.cp_prompt_one_pass
             self._talker.kernel_sampler = self.config.kernel_sampler
             sample_kernel.set_warp_elements(self.config.kernel_sampler_warp_elements)  # read at capture
         self._model_info["fused_kernels"] = fused.is_enabled(self._talker)
+        fused_on = self._model_info["fused_kernels"] and self.config.small_m_gemm
+        self._model_info["small_m_fusion"] = bool(fused_on and self.config.small_m_fusion)
+        self._model_info["small_m_pdl"] = bool(fused_on and self.config.small_m_pdl and small_m_gemm.pdl_active())
         self._model_info["kernel_sampler"] = self._talker.kernel_sampler
         self._model_info["cp_prompt_one_pass"] = self._talker.code_predictor.prompt_one_pass
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
