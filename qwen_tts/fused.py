@@ -27,8 +27,8 @@ from torch import Tensor, nn
 
 from qwen_tts.decode_attention import HAVE_TRITON, decode_attention
 from qwen_tts.sampling import apply_repetition_penalty, mask_eos, sample, suppress
+from qwen_tts.small_m_gemm import SMALL_M_MAX, linear_add, norm_linear, norm_linear_silu
 from qwen_tts.small_m_gemm import linear as small_m_linear
-from qwen_tts.small_m_gemm import linear_add, norm_linear, norm_linear_silu
 
 log = logging.getLogger("qwen_tts.fused")
 
@@ -66,7 +66,7 @@ def _pre_attention(
     small_m): the input RMSNorm inside that kernel (`small_m_gemm.norm_linear`)."""
     B = x.shape[0]
     D = cos.shape[-1]
-    fused_norm = small_m and fuse
+    fused_norm = small_m and fuse and x.shape[0] <= SMALL_M_MAX  # more rows: F.linear, the norm as inductor fuses it
     qkv = norm_linear(x, ln_w, eps, w_qkv) if fused_norm else _linear(small_m)(rms_norm(x, ln_w, eps), w_qkv)
     q, k, v = qkv.split([n_q * D, n_kv * D, n_kv * D], dim=-1)
     c, s = cos[:, None], sin[:, None]
@@ -94,7 +94,7 @@ def _post_attention(
     """x (B, H), attn (B, Hq, D) -> the layer output (B, H).
 
     fuse (with small_m): three launches, the RMSNorm, SiLU * up and both residual adds inside the matmul kernel."""
-    if small_m and fuse:
+    if small_m and fuse and x.shape[0] <= SMALL_M_MAX:  # more rows: F.linear, the rest as inductor fuses it
         x = linear_add(attn.reshape(attn.shape[0], -1), w_o, x)
         return linear_add(norm_linear_silu(x, ln_w, eps, w_gate_up), w_down, x)
     linear = _linear(small_m)

@@ -65,28 +65,29 @@ if HAVE_TRITON:
         return tl.load(W + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
 
     @triton.jit
-    def _load_x(X, LNW, m, kk, k0, K, mmask, stride_xm, inv_rms, NORM: tl.constexpr):
-        """x[:, k0:k0+BLOCK_K], the tails masked; NORM: as fused.rms_norm gives it (normalised in float32, cast to
-        x's dtype, then times the norm's weight, rounded to x's dtype again)."""
+    def _load_x(X, LNW, m, kk, k0, K, mmask, stride_xm, ss, NORM: tl.constexpr):
+        """(x[:, k0:k0+BLOCK_K] for the dot, ss), the tails masked. NORM: the dot's operand is x times the norm's
+        weight, rounded to x's dtype, and ss accumulates the rows' sums of squares (float32) for the 1/rms that
+        scales the product afterwards: the norm costs no pass of its own."""
         kmask = (k0 + kk) < K
         x = tl.load(X + m[:, None] * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         if NORM:
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
             g = tl.load(LNW + k0 + kk, mask=kmask, other=0.0)
-            xn = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype)
-            x = (xn.to(tl.float32) * g.to(tl.float32)[None, :]).to(x.dtype)
-        return x
+            x = (xf * g.to(tl.float32)[None, :]).to(x.dtype)
+        return x, ss
 
     @triton.jit
-    def _epilogue(acc, acc_up, R, m, n, stride_rm, mmask, nmask, dtype, SILU: tl.constexpr, RESIDUAL: tl.constexpr):
+    def _epilogue(acc, acc_up, r, dtype, SILU: tl.constexpr, RESIDUAL: tl.constexpr):
         """The tile's output in `dtype`: SILU: SiLU(gate) * up, each rounded as the eager ops round; RESIDUAL: plus the
-        residual row (the product rounded first, as `r + F.linear(x, w)` is)."""
+        residual tile r (the product rounded first, as `r + F.linear(x, w)` is)."""
         y = acc.to(dtype)
         if SILU:
             g = y.to(tl.float32)
-            s = (g * tl.sigmoid(g)).to(dtype)
+            s = (g / (1.0 + tl.exp(-g))).to(dtype)  # F.silu's x * sigmoid(x), in float32
             y = (s.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
         if RESIDUAL:
-            r = tl.load(R + m[:, None] * stride_rm + n[None, :], mask=mmask[:, None] & nmask[None, :], other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
         return y
 
@@ -113,7 +114,7 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32), else ignored
-        NORM: tl.constexpr,  # RMSNorm each row of x first (over all K; eps, LNW)
+        NORM: tl.constexpr,  # x RMS-normalised first (over all K; eps, LNW); unsplit
         SILU: tl.constexpr,  # gate|up weights: write SiLU(x @ gate.T) * (x @ up.T)
         RESIDUAL: tl.constexpr,  # add R to the product
         PDL: tl.constexpr,  # launched as a programmatic dependent: load the first weight tile, then wait
@@ -138,29 +139,28 @@ if HAVE_TRITON:
         if PDL:
             tl.extra.cuda.gdc_wait()  # the kernel before has finished and its writes are visible
             tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start loading its weights
-        inv_rms = tl.zeros((BLOCK_M,), tl.float32)
-        if NORM:  # the mean square of each row over all of K, in float32, the same order for every row
-            ss = tl.zeros((BLOCK_M,), tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kmask = (k0 + kk) < K
-                xs = tl.load(
-                    X + m[:, None] * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0
-                ).to(tl.float32)
-                ss += tl.sum(xs * xs, axis=1)
-            inv_rms = tl.math.rsqrt(ss / K + eps)
-        x = _load_x(X, LNW, m, kk, k_start, K, mmask, stride_xm, inv_rms, NORM)
+        # The residual tile now, while the weights stream in, not after the last K tile.
+        r = tl.zeros((BLOCK_M, BLOCK_N), Y.dtype.element_ty)
+        if RESIDUAL:
+            r = tl.load(R + m[:, None] * stride_rm + n[None, :], mask=tile_mask, other=0.0)
+        ss = tl.zeros((BLOCK_M,), tl.float32)  # NORM: the rows' sums of squares, the same order for every row
+        x, ss = _load_x(X, LNW, m, kk, k_start, K, mmask, stride_xm, ss, NORM)
         acc = tl.dot(x, tl.trans(w), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), input_precision=PRECISION)
         acc_up = acc
         if SILU:
             acc_up = tl.dot(x, tl.trans(wu), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), input_precision=PRECISION)
         for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-            x = _load_x(X, LNW, m, kk, k0, K, mmask, stride_xm, inv_rms, NORM)
+            x, ss = _load_x(X, LNW, m, kk, k0, K, mmask, stride_xm, ss, NORM)
             acc = tl.dot(x, tl.trans(_load_w(W, n, kk, k0, K, nmask, stride_wn)), acc, input_precision=PRECISION)
             if SILU:
                 wu = _load_w(W + N * stride_wn, n, kk, k0, K, nmask, stride_wn)
                 acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=PRECISION)
+        if NORM:  # rms_norm(x) @ w.T = (x * weight) @ w.T / rms(x), row by row
+            inv_rms = tl.math.rsqrt(ss / K + eps)
+            acc = acc * inv_rms[:, None]
+            acc_up = acc_up * inv_rms[:, None]
         if SPLIT == 1:
-            y = _epilogue(acc, acc_up, R, m, n, stride_rm, mmask, nmask, Y.dtype.element_ty, SILU, RESIDUAL)
+            y = _epilogue(acc, acc_up, r, Y.dtype.element_ty, SILU, RESIDUAL)
             tl.store(Y + m[:, None] * stride_ym + n[None, :], y, mask=tile_mask)
         else:
             split = tl.program_id(1)
@@ -175,7 +175,7 @@ if HAVE_TRITON:
                 total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
                 for s in tl.static_range(SPLIT):  # split order, whichever program came last
                     total += tl.load(P + s * M * N + tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
-                y = _epilogue(total, total, R, m, n, stride_rm, mmask, nmask, Y.dtype.element_ty, False, RESIDUAL)
+                y = _epilogue(total, total, r, Y.dtype.element_ty, False, RESIDUAL)
                 tl.store(Y + m[:, None] * stride_ym + n[None, :], y, mask=tile_mask)
                 tl.atomic_xchg(C + pid, 0)  # ready for the next launch
 
@@ -282,10 +282,12 @@ def small_m_matmul(
     """x (M <= SMALL_M_MAX, K) @ w (N, K).T -> (M, N) in x's dtype, by the Triton kernel (block sizes for sweeps,
     None: the defaults; split_k None: `split_k_for` the shape).
 
-    With the fusions the kernel computes, in one launch, what the eager ops compute (rounded where they round):
-    norm_weight: `fused.rms_norm(x, norm_weight, eps)` in place of x; silu: w is gate|up (2N, K) and the result
-    SiLU(gate) * up (N columns; never split over K; half the column block, so as many programs as without it);
-    residual (M, N): `residual + product`."""
+    With the fusions the kernel computes, in one launch, what the eager ops compute: norm_weight:
+    `fused.rms_norm(x, norm_weight, eps)` in place of x, as (x * norm_weight) @ w.T / rms(x) row by row (the sum of
+    squares taken from the same loads as the product; one bf16 rounding of the normalised input instead of the eager
+    two, so not its bits); silu: w is gate|up (2N, K) and the result SiLU(gate) * up, rounded where the eager ops
+    round (N columns; half the column block, so as many programs as without it); residual (M, N): `residual +
+    product`, the product rounded first. With norm_weight or silu the kernel runs unsplit over K."""
     block_n, block_k, num_stages = block_n or BLOCK_N, block_k or BLOCK_K, num_stages or NUM_STAGES
     M, K = x.shape
     N = w.shape[0] // 2 if silu else w.shape[0]
@@ -309,10 +311,10 @@ def small_m_matmul(
         block_n = max(16, block_n // 2)  # two weight tiles a program: the same programs, the same bytes each
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     blocks, tiles = _cdiv(N, block_n), _cdiv(K, block_k)
-    if silu:
+    if silu or norm_weight is not None:  # the epilogue needs every K tile's part: one program per block
         split = 1
         if split_k not in (None, 1):
-            raise ValueError("silu runs unsplit (split_k 1)")
+            raise ValueError("silu and norm_weight run unsplit (split_k 1)")
     else:
         split = split_k_for(N, K, x.device, block_n, block_k) if split_k is None else split_k
     if not 1 <= split <= tiles:

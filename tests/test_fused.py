@@ -310,8 +310,9 @@ def test_fused_matmuls_compute_the_eager_ops(M, K, N, dtype) -> None:
     }
     for name, (got, want) in cases.items():
         assert got.shape == want.shape and got.dtype == dtype, name
-        # float32: IEEE products; bf16: the intermediate roundings the eager ops make (normalised x, SiLU, product).
-        tol = 1e-6 if dtype == torch.float32 else 6e-3
+        # float32: IEEE products (SiLU: the GPU's approximate exp2, a few ulp); bf16: the intermediate roundings
+        # (the normalised input, SiLU, the product).
+        tol = (5e-6 if name == "norm_linear_silu" else 1e-6) if dtype == torch.float32 else 6e-3
         assert ((got.double() - want).norm() / want.norm()).item() < tol, name
     if K >= 512:  # several K tiles: the residual added once, after the partial sums
         split = small_m_gemm.small_m_matmul(x, w, block_k=128, split_k=3, residual=residual)
@@ -322,14 +323,13 @@ def test_fused_matmuls_compute_the_eager_ops(M, K, N, dtype) -> None:
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's arithmetic is torch's CPU ops'")
 def test_fused_matmuls_round_where_the_eager_ops_round() -> None:
-    """In Triton's interpreter (numpy, as torch's CPU kernels) the fusions give the bits of the unfused kernel run
-    on the eager ops' bf16 results: each intermediate is rounded where the eager expression rounds it."""
-    x, w, norm_w = _fusion_inputs(3, 1024, 256, torch.bfloat16, 11)
+    """In Triton's interpreter (numpy, as torch's CPU kernels) the SiLU and residual epilogues give the bits of
+    the unfused kernel followed by the eager ops: each intermediate is rounded where the eager expression rounds it.
+    (The norm is not bit for bit: it scales the product by 1/rms instead of rounding the normalised input twice.)"""
+    x, w, _ = _fusion_inputs(3, 1024, 256, torch.bfloat16, 11)
     residual = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    xn = fused.rms_norm(x, norm_w, 1e-6)
-    assert torch.equal(small_m_gemm.norm_linear(x, norm_w, 1e-6, w), small_m_gemm.small_m_matmul(xn, w))
-    gate, up = small_m_gemm.small_m_matmul(xn, w, block_n=16).chunk(2, dim=-1)  # the fused call's column block
-    assert torch.equal(small_m_gemm.norm_linear_silu(x, norm_w, 1e-6, w), F.silu(gate) * up)
+    gate, up = small_m_gemm.small_m_matmul(x, w, block_n=16).chunk(2, dim=-1)  # the fused call's column block
+    assert torch.equal(small_m_gemm.small_m_matmul(x, w, silu=True), F.silu(gate) * up)
     assert torch.equal(small_m_gemm.linear_add(x, w, residual), residual + small_m_gemm.small_m_matmul(x, w))
 
 
@@ -356,8 +356,10 @@ def test_fused_matmuls_beyond_sixteen_rows_are_the_eager_ops() -> None:
     gate, up = F.linear(xn, w).chunk(2, dim=-1)
     assert torch.equal(small_m_gemm.norm_linear_silu(x, norm_w, 1e-5, w), F.silu(gate) * up)
     assert torch.equal(small_m_gemm.linear_add(x, w, residual), residual + F.linear(x, w))
-    with pytest.raises(ValueError, match="silu runs unsplit"):
+    with pytest.raises(ValueError, match="silu and norm_weight run unsplit"):
         small_m_gemm.small_m_matmul(x[:4], w, silu=True, split_k=2)
+    with pytest.raises(ValueError, match="silu and norm_weight run unsplit"):
+        small_m_gemm.small_m_matmul(x[:4], w, norm_weight=norm_w, split_k=2)
     with pytest.raises(ValueError, match=r"residual must be \(4, 32\)"):
         small_m_gemm.small_m_matmul(x[:4], w, residual=residual)
 
