@@ -241,3 +241,39 @@ def test_gpu_variants_script_names_its_stages_and_refuses_unknown_ones_before_in
     # A known stage gets as far as the wheel install, which names the missing folder.
     none = subprocess.run(["bash", str(script), "gemm"], capture_output=True, text=True, env=env)
     assert none.returncode == 2 and f"no wheels in {tmp_path / 'none'}/server" in none.stderr
+
+
+def test_step_bytes_counts_each_sizes_weights_and_the_overhead_a_speed_ratio_allows(tmp_path, monkeypatch):
+    """benchmarks/step_bytes.py from the checkpoint layout: every weight matrix of a frame step counted once per read,
+    the code predictor's the same in both sizes, and the overhead budget the exact one at which the ratio holds."""
+    spec = importlib.util.spec_from_file_location("step_bytes", ROOT / "benchmarks" / "step_bytes.py")
+    sb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sb)
+    from qwen_tts.random_checkpoint import model_config
+
+    out = tmp_path / "bytes.json"
+    monkeypatch.setattr(sys, "argv", ["step_bytes.py", "--bandwidth-tb-s", "4.0", "--ratio", "1.4", "--out", str(out)])
+    sb.main()
+    res = json.loads(out.read_text())
+    big, small = res["sizes"]
+    for r in (big, small):
+        t = model_config(r["size"]).talker
+        cp = t.code_predictor
+        layer = lambda h, i, q, kv, d: 2 * (h * (q + 2 * kv) * d + q * d * h + 3 * h * i + 2 * h + 2 * d)  # noqa: E731
+        assert r["bytes"]["talker_layers"] == t.num_hidden_layers * layer(
+            t.hidden_size, t.intermediate_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim
+        )
+        cp_layer = layer(cp.hidden_size, cp.intermediate_size, cp.num_attention_heads, cp.num_key_value_heads,
+                         cp.head_dim)  # fmt: skip
+        assert r["bytes"]["cp_layers"] == 15 * cp.num_hidden_layers * cp_layer
+        assert r["bytes"]["talker_kv"] == 2 * t.num_hidden_layers * t.num_key_value_heads * t.head_dim * 2 * 300
+        assert r["total_bytes"] == sum(r["bytes"].values())
+        assert r["floor_ms"] == round(r["total_bytes"] / 4.0e9, 3)
+    assert big["bytes"]["cp_layers"] == small["bytes"]["cp_layers"]  # one code predictor for both sizes
+    assert small["bytes"]["cp_projection"] == 0 < big["bytes"]["cp_projection"]
+    floor = res["ratio_floor"]
+    assert (floor["faster"], floor["than"]) == ("0.6b", "1.7b")
+    assert floor["bytes_ratio"] == round(big["total_bytes"] / small["total_bytes"], 3)
+    # At the budget the two steps are exactly the asked ratio apart.
+    o, bw = floor["overhead_budget_ms"], 4.0e9
+    assert abs((big["total_bytes"] / bw + o) / (small["total_bytes"] / bw + o) - 1.4) < 2e-3
