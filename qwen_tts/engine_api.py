@@ -157,14 +157,16 @@ class EngineSettings:
     small_m_split_k: int = 4
     # With small_m_gemm, the RMSNorms before the q|k|v and gate|up matmuls, SiLU * up after gate|up and the residual
     # adds after the o and down projections inside the few-row matmul kernel (small_m_gemm.norm_linear,
-    # norm_linear_silu, linear_add): a decoder layer of one to 16 rows in seven launches instead of ten, the same
-    # ops rounded where the eager ones round. Off until measured (bench_gpu.py --engine-variants small-m-fusion).
-    # Ignored on CPU.
+    # norm_linear_silu, linear_add): a decoder layer of one to 16 rows in seven launches instead of ten. Measured
+    # on an H200 (profile_step.py, 1.7B, batch 1): 1,631 -> 1,322 kernels but the graphed step 5.22 -> 7.10 ms;
+    # our matmul kernel's 412 launches took 2.93 -> 5.29 ms while the compiled kernels it replaced saved 0.36 ms
+    # (docs/benchmarks.md). Off (bench_gpu.py --engine-variants small-m-fusion). Ignored on CPU.
     small_m_fusion: bool = False
     # With small_m_gemm on Hopper, launch the few-row matmuls as programmatic dependents (small_m_gemm.set_pdl):
     # each loads its first weight tile while the kernel before it drains, then waits for it; attention lets the o
-    # projection start early. Off until measured (bench_gpu.py --engine-variants small-m-pdl). Process-wide.
-    # Ignored on CPU and before compute capability 9.0.
+    # projection start early. Measured on an H200: slower (1.7B step at batch 1 with small_m_fusion 7.10 -> 8.21
+    # ms; without it 5.24 -> 5.37). Off (bench_gpu.py --engine-variants small-m-pdl). Process-wide. Ignored on CPU
+    # and before compute capability 9.0.
     small_m_pdl: bool = False
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
@@ -227,7 +229,11 @@ class EngineSettings:
     # and run its convs in that layout (Code2Wav.set_snake_kernel(channels_last=True)): on an H200 cuDNN's
     # float16 kernels transformed every (batch, channels, samples) input and output, 4.8 ms of a 64-row 12-frame
     # chunk's 24.3 ms of kernels; its k=1 convs become matmuls and its polyphase convs read a free view of
-    # whole phases. The same function. Built after the device time ran out; off until measured (bench_gpu.py
+    # whole phases. The same function. Measured on an H200 (profile_step.py, three device calls): the chunk's
+    # kernels 24.4 -> 16.3 ms (layout transforms 4.9 -> 0.3 ms, copies 3.0 -> 1.0, the snake kernel 5.9 -> 4.4), the
+    # audio as close to the exact decode (-50.5 dBFS, joins -57.7), 0.46 GiB less scratch. Through the engine only
+    # its one-stream row was measured (14.52x against 14.44x); its 64-stream row did not come within the stage's
+    # limit, so it stays off until the engine's figures at 64 and 256 streams are in (bench_gpu.py
     # --engine-variants channels-last; profile_step.py --codec-variants fp16+polyphase-9+snake-kernel+channels-last).
     decoder_channels_last: bool = False
     # Decode each request's chunks on their own instead of batched with others' of the same length: the waveform

@@ -23,6 +23,12 @@ on the data, and the sum's order is fixed whichever program finishes last: the r
 row's bits still do not depend on the other rows (S is chosen from N, K and the SM count only). The counters live
 in one buffer per device (`prepare`, before any graph capture), so the kernel runs on one stream at a time, as the
 engine's frame steps and prefill do.
+
+Fusions and programmatic dependent launch (`EngineSettings.small_m_fusion`, `small_m_pdl`; both off, measured
+slower on an H200: docs/benchmarks.md). A second kernel, `_small_m_fused_kernel`, takes the RMSNorm before a
+matmul (`norm_linear`), SiLU * up after gate|up (`norm_linear_silu`) and the residual add after it (`linear_add`),
+and may be launched as a programmatic dependent (`set_pdl`). The plain matmul keeps the first kernel, unchanged
+from the one measured into the defaults.
 """
 
 from __future__ import annotations
@@ -60,6 +66,69 @@ COUNTERS = 4096
 if HAVE_TRITON:
 
     @triton.jit
+    def _dot_tile(acc, X, W, m, n, kk, k0, K, mmask, nmask, stride_xm, stride_wn, PRECISION: tl.constexpr):
+        """acc + x[:, k0:k0+BLOCK_K] @ w[n, k0:k0+BLOCK_K].T, the tails masked."""
+        kmask = (k0 + kk) < K
+        x = tl.load(X + m[:, None] * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(W + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+
+    @triton.jit
+    def _small_m_kernel(
+        X,  # (M, K)
+        W,  # (N, K)
+        Y,  # (M, N)
+        P,  # split K: (SPLIT, M, N) float32 partial sums (else unused)
+        C,  # split K: (>= column blocks,) int32 counters, zero on entry and on exit (else unused)
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        SPLIT: tl.constexpr,  # programs per column block (grid axis 1)
+        TILES_PER_SPLIT: tl.constexpr,  # split K: K tiles of BLOCK_K per program
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32), else ignored
+    ):
+        pid = tl.program_id(0)
+        m = tl.arange(0, BLOCK_M)
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = tl.arange(0, BLOCK_K)
+        mmask = m < M
+        nmask = n < N
+        tile_mask = mmask[:, None] & nmask[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if SPLIT == 1:
+            for k0 in range(0, K, BLOCK_K):
+                acc = _dot_tile(acc, X, W, m, n, kk, k0, K, mmask, nmask, stride_xm, stride_wn, PRECISION)
+            tl.store(Y + m[:, None] * stride_ym + n[None, :], acc.to(Y.dtype.element_ty), mask=tile_mask)
+        else:
+            split = tl.program_id(1)
+            k_start = split * TILES_PER_SPLIT * BLOCK_K
+            for t in range(TILES_PER_SPLIT):
+                k0 = k_start + t * BLOCK_K
+                acc = _dot_tile(acc, X, W, m, n, kk, k0, K, mmask, nmask, stride_xm, stride_wn, PRECISION)
+            tile = m[:, None] * N + n[None, :]
+            tl.store(P + split * M * N + tile, acc, mask=tile_mask)
+            # Every thread's partials before the one thread's release (a CTA barrier; release is cumulative), then
+            # learn whether every other split of this block has released its own.
+            tl.debug_barrier()
+            done = tl.atomic_add(C + pid, 1, sem="acq_rel")
+            if done == SPLIT - 1:
+                tl.debug_barrier()  # every thread's loads after the acquire
+                total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                for s in tl.static_range(SPLIT):  # split order, whichever program came last
+                    total += tl.load(P + s * M * N + tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
+                tl.store(Y + m[:, None] * stride_ym + n[None, :], total.to(Y.dtype.element_ty), mask=tile_mask)
+                tl.atomic_xchg(C + pid, 0)  # ready for the next launch
+
+
+if HAVE_TRITON:
+
+    @triton.jit
     def _load_w(W, n, kk, k0, K, nmask, stride_wn):
         kmask = (k0 + kk) < K
         return tl.load(W + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
@@ -92,7 +161,7 @@ if HAVE_TRITON:
         return y
 
     @triton.jit
-    def _small_m_kernel(
+    def _small_m_fused_kernel(
         X,  # (M, K)
         W,  # (N, K); SILU: (2N, K), the gate's rows then the up projection's
         Y,  # (M, N)
@@ -329,7 +398,30 @@ def small_m_matmul(
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
     pdl = _pdl and _pdl_capable(x.device)
-    _small_m_kernel[(blocks, split)](
+    if norm_weight is None and not silu and residual is None and not pdl:
+        _small_m_kernel[(blocks, split)](
+            x,
+            w,
+            y,
+            partial,
+            counters,
+            M,
+            N,
+            K,
+            x.stride(0),
+            w.stride(0),
+            y.stride(0),
+            SPLIT=split,
+            TILES_PER_SPLIT=per_split if split > 1 else 0,
+            BLOCK_M=SMALL_M_MAX,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            PRECISION=precision,
+            num_warps=4,
+            num_stages=num_stages,
+        )
+        return y
+    _small_m_fused_kernel[(blocks, split)](
         x,
         w,
         y,
