@@ -19,6 +19,7 @@ weights into one tensor each (the parameters become views into it: no extra memo
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -188,6 +189,17 @@ def _allow_recompiles() -> None:
         setattr(cfg, name, RECOMPILE_LIMIT)
 
 
+def _compile(fn, **kwargs):
+    """torch.compile with this module's recompile limit for its own regions where torch takes one per call (2.13+).
+    The process-wide limit alone was not enough: the whole CPU suite hit Dynamo's default of 8 on `_pre_attention`
+    although `_allow_recompiles` had raised it (the global was back at 8 when the limit was checked); a region's
+    own limit does not depend on the global."""
+    _allow_recompiles()
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        kwargs["recompile_limit"] = RECOMPILE_LIMIT
+    return torch.compile(fn, **kwargs)
+
+
 def compiled(name: str):
     """The compiled version of one of this module's functions (compiled once per process, on first use).
 
@@ -198,9 +210,8 @@ def compiled(name: str):
     fn = _compiled.get(name)
     if fn is not None:
         return fn
-    _allow_recompiles()
     # No split reductions: they are chosen by shape, so a row's sums would depend on how many rows came along.
-    inner = torch.compile(_SOURCES[name], dynamic=True, fullgraph=True, options={"split_reductions": False})
+    inner = _compile(_SOURCES[name], dynamic=True, fullgraph=True, options={"split_reductions": False})
     batched = _BATCHED[name]
 
     def run(*args):
@@ -231,8 +242,7 @@ def snake_beta(x: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
     fullgraph, so hitting the limit again would run the eager expression instead of failing."""
     global _snake_compiled
     if _snake_compiled is None:
-        _allow_recompiles()
-        _snake_compiled = torch.compile(_snake_beta, dynamic=True)
+        _snake_compiled = _compile(_snake_beta, dynamic=True)
     return _snake_compiled(x.contiguous(), alpha, beta)
 
 

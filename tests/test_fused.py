@@ -501,3 +501,28 @@ def test_gemm_benchmark_sweeps_configs_and_totals_the_step(tmp_path) -> None:
         rs = [r for r in result["shapes"] if r["M"] == step["M"]]
         assert step["cublas_ms"] == round(sum(r["calls"] * r["cublas_us"] for r in rs) / 1e3, 3)
         assert step["per_shape_best_ms"] <= step["kernel_ms"] + 1e-3
+
+
+@pytest.mark.skipif(
+    "recompile_limit" not in __import__("inspect").signature(torch.compile).parameters,
+    reason="torch.compile takes no per-call recompile limit here",
+)
+def test_compiled_regions_keep_their_recompile_limit_whatever_the_global() -> None:
+    """fused.compiled's regions carry RECOMPILE_LIMIT themselves: with Dynamo's global limit at 1, a region still
+    compiles once per dtype (three specialisations) instead of failing under fullgraph."""
+    cfg = torch._dynamo.config
+    before = cfg.recompile_limit
+    rope = fused.compiled("rope")
+    positions = torch.arange(4)
+    inv_freq = torch.rand(8)
+    try:
+        cfg.recompile_limit = 1
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            cos, sin = rope(positions, inv_freq, dtype)
+            want = positions[:, None].float() * inv_freq
+            emb = torch.cat((want, want), -1)
+            assert cos.dtype == sin.dtype == dtype
+            torch.testing.assert_close(cos.float(), emb.cos().to(dtype).float())
+            torch.testing.assert_close(sin.float(), emb.sin().to(dtype).float())
+    finally:
+        cfg.recompile_limit = before
