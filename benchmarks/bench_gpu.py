@@ -975,6 +975,7 @@ class Run:
             "sizes": {},
             "baselines": {},
             "skipped": [],
+            "timed_out": [],
         }
 
     def time_left(self, part: str) -> bool:
@@ -1022,14 +1023,29 @@ class Run:
         freeze_startup_heap()
         return engine, round(time.perf_counter() - t0, 1)
 
+    async def _level(self, engine, n: int, greedy: bool) -> None:
+        await closed_level(engine, n, min(self.a.frames, 8), greedy)  # warm this batch size
+        self._last_level = await closed_level(engine, n, self.a.frames, greedy)
+
     async def engine_levels(self, engine, size: str, levels: list[int], out: list, variant: str = "") -> None:
         """The closed-loop levels on one engine, each warmed first; rows appended to `out` as they end."""
         greedy = not self.a.sampling
         for n in levels:
-            if not self.time_left(" ".join(filter(None, (size, "engine", variant, f"c={n}")))):
+            name = " ".join(filter(None, (size, "engine", variant, f"c={n}")))
+            if not self.time_left(name):
                 break
-            await closed_level(engine, n, min(self.a.frames, 8), greedy)  # warm this batch size
-            r = await closed_level(engine, n, self.a.frames, greedy)
+            t0 = time.perf_counter()
+            log(f"bench: {name}: warm-up, then {self.a.frames} frames")
+            try:
+                await asyncio.wait_for(self._level(engine, n, greedy), self.a.level_timeout_s or None)
+            except TimeoutError:
+                # A level that never ends (a stuck or pathologically slow variant) is reported, and this engine's
+                # later levels are not started: the run goes on to the next engine or part instead of its limit.
+                self.results["timed_out"].append(name)
+                log(f"bench: {name}: no result after {time.perf_counter() - t0:.0f} s (--level-timeout-s)")
+                self.save()
+                break
+            r = self._last_level
             if variant:
                 r = {"variant": variant, **r}
             emit({"size": size, "part": "engine", **r})
@@ -1168,6 +1184,8 @@ def report(results: dict) -> str:
     lines += [f"ratio {k}: {v}" for k, v in results.get("ratios", {}).items()]
     if results.get("skipped"):
         lines.append("skipped (time budget): " + ", ".join(results["skipped"]))
+    if results.get("timed_out"):
+        lines.append("timed out (--level-timeout-s): " + ", ".join(results["timed_out"]))
     m, args = results["machine"], results["args"]
     lines.append(
         f"\n{m['device']} | torch {m['torch']} | {args['frames']} frames/request | "
@@ -1266,6 +1284,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tokenizer-dir", help="a real Qwen2 tokenizer for the full-size checkpoints")
     ap.add_argument("--workdir", help="where checkpoints are written (default: the system temp dir)")
     ap.add_argument("--time-budget-s", type=float, default=0.0, help="skip parts that would start after this")
+    ap.add_argument("--level-timeout-s", type=float, default=0.0,
+                    help="give up an engine level (and that engine's later levels) after this; 0: never")  # fmt: skip
     ap.add_argument("--out", default="bench_out/bench_gpu.json")
     ap.add_argument("--table-from", nargs="+", metavar="JSON",
                     help="(first argument only) print the merged table of earlier runs' JSON and exit")  # fmt: skip

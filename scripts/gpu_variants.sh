@@ -93,7 +93,7 @@ for stage in "$@"; do
         --codec-variants "$CODEC_VARIANTS" --out "$OUT_DIR/codec.json"
       ;;
     engine)
-      run engine 330 "$PY" benchmarks/bench_gpu.py --time-budget-s 280 --sizes 1.7b --parts engine \
+      run engine 330 "$PY" benchmarks/bench_gpu.py --time-budget-s 280 --level-timeout-s 90 --sizes 1.7b --parts engine \
         --concurrency 1,64,256 --engine-variants "$VARIANTS" --variant-concurrency 1,64,256 \
         "${tokenizer[@]}" --out "$OUT_DIR/engine.json"
       ;;

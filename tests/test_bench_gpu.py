@@ -182,6 +182,32 @@ def test_tiny_run_end_to_end(tmp_path):
     assert "| tiny | engine | 2 |" in text
 
 
+def test_a_level_that_never_ends_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
+    """--level-timeout-s: a level with no result in time is named in the results and the report, that engine's
+    later levels are not started, and the parts after it still run."""
+    import asyncio
+
+    real = bench.closed_level
+
+    async def stuck_at_two(engine, n, frames, greedy):
+        if n == 2:
+            await asyncio.sleep(60)
+        return await real(engine, n, frames, greedy)
+
+    monkeypatch.setattr(bench, "closed_level", stuck_at_two)
+    out = tmp_path / "bench.json"
+    argv = ["--sizes", "tiny", "--parts", "engine,poisson", "--concurrency", "1,2,4", "--frames", "4",
+            "--level-timeout-s", "3", "--poisson-rates", "50", "--poisson-count", "2", "--workdir", str(tmp_path),
+            "--out", str(out)]  # fmt: skip
+    results = bench.main(argv)
+    assert results["timed_out"] == ["tiny engine c=2"]
+    assert [r["concurrency"] for r in results["sizes"]["tiny"]["engine"]] == [1]  # c=4 not started
+    [p] = results["sizes"]["tiny"]["poisson"]
+    assert (p["requests"], p["ok"]) == (2, 2)
+    assert "timed out (--level-timeout-s): tiny engine c=2" in bench.report(results)
+    assert json.loads(out.read_text())["timed_out"] == ["tiny engine c=2"]
+
+
 def _waves(argv: list[str]) -> list[dict]:
     spec = importlib.util.spec_from_file_location("bench_http_waves", ROOT / "benchmarks" / "bench_http_waves.py")
     waves = importlib.util.module_from_spec(spec)
