@@ -198,3 +198,29 @@ def test_conv_stack_on_the_kernel_decodes_and_streams_like_the_modules(
     fast.set_snake_kernel(None)
     with torch.no_grad():
         torch.testing.assert_close(fast(codes), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["bct", "channels-last"])
+def test_slot_decoder_on_the_snake_kernel_matches_the_modules(no_tf32, channels_last) -> None:
+    """The engine's slot-indexed decoder (gather rows by slot, decode, scatter the state back; padded to its
+    buckets) on the snake kernel's conv stack, either layout: five slots in a batched first chunk, then three
+    rows together and two alone, against the same through the eager modules."""
+    from qwen_tts.engines.native.decoder import SlotDecoder
+
+    cfg = tiny_config()
+    base = variance_preserving_init(Code2Wav(cfg).eval()).to(DEVICE)
+    codes = random_codes(cfg, 5, 9, seed=3).to(DEVICE)
+
+    def run(model):
+        dec = SlotDecoder(model, max_slots=6, chunk_lens=[3, 6], mode="padded")
+        with torch.inference_mode():
+            first = dec.decode([0, 1, 2, 3, 4], [True] * 5, codes[:, :, :3])
+            rest = [dec.decode([0, 1, 2], [False] * 3, codes[:3, :, 3:9])]
+            rest += [dec.decode([s], [False], codes[s : s + 1, :, 3:9]) for s in (3, 4)]
+        return torch.cat([first, torch.cat(rest)], dim=-1)
+
+    fast = copy.deepcopy(base)
+    fast.set_snake_kernel(snake_kernel.snake, channels_last=channels_last)
+    want, got = run(base), run(fast)
+    assert got.shape == want.shape == (5, 9 * base.total_upsample)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
