@@ -467,17 +467,17 @@ def _(x: Tensor, w: Tensor) -> Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """fused.rms_norm (normalise in float32, cast back, then scale), here to keep this module free of fused's."""
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+def _eager_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    from qwen_tts.fused import rms_norm  # here, not at the top: fused imports this module
+
+    return rms_norm(x, weight, eps)
 
 
 @torch.library.custom_op("qwen_tts::small_m_norm_linear", mutates_args=())
 def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor) -> Tensor:
     """F.linear(rms_norm(x, norm_weight, eps), w): one launch up to SMALL_M_MAX rows, the eager ops beyond."""
     if x.shape[0] > SMALL_M_MAX or not HAVE_TRITON:
-        return F.linear(_rms_norm(x, norm_weight, eps), w)
+        return F.linear(_eager_rms_norm(x, norm_weight, eps), w)
     return small_m_matmul(x, w, norm_weight=norm_weight, eps=eps)
 
 
@@ -491,7 +491,7 @@ def norm_linear_silu(x: Tensor, norm_weight: Tensor, eps: float, w_gate_up: Tens
     """SiLU(gate) * up of F.linear(rms_norm(x, norm_weight, eps), w_gate_up).chunk(2): one launch up to
     SMALL_M_MAX rows, the eager ops beyond."""
     if x.shape[0] > SMALL_M_MAX or not HAVE_TRITON:
-        gate, up = F.linear(_rms_norm(x, norm_weight, eps), w_gate_up).chunk(2, dim=-1)
+        gate, up = F.linear(_eager_rms_norm(x, norm_weight, eps), w_gate_up).chunk(2, dim=-1)
         return F.silu(gate) * up
     return small_m_matmul(x, w_gate_up, norm_weight=norm_weight, eps=eps, silu=True)
 
