@@ -104,6 +104,9 @@ VARIANTS: dict[str, dict] = {
     "sampler-w2k": {"kernel_sampler_warp_elements": 2048},  # and 1 warp
     "small-m-fusion": {"small_m_fusion": True},  # RMSNorm, SiLU * up, residual adds inside the few-row matmul
     "small-m-pdl": {"small_m_pdl": True},  # the few-row matmuls as programmatic dependents (Hopper)
+    "small-m-heads": {"small_m_heads": True},  # the talker's and code predictor's heads by the few-row kernel
+    "cp-input-tables": {"cp_input_tables": True},  # the code predictor's pass inputs from projected tables
+    "no-cp-input-tables": {"cp_input_tables": False},  # and through the projection every pass (before the default)
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from qwen_tts import fused, small_m_gemm, snake_kernel
+from qwen_tts import fused, sample_kernel, small_m_gemm, snake_kernel
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.native.frame_step import FrameStepRunner, SlotState, bucket
 from qwen_tts.loading import load_model
@@ -48,7 +48,8 @@ def weight_bytes(talker) -> int:
     tk = sum(p.numel() * p.element_size() for p in talker.model.layers.parameters())
     tk += talker.codec_head.weight.numel() * talker.codec_head.weight.element_size()
     passes = 15 if cp.prompt_one_pass else 16
-    return tk + passes * cp_layers + heads + passes * proj
+    proj_reads = 1 if cp.input_tables is not None else passes  # with the tables only the prompt is projected
+    return tk + passes * cp_layers + heads + proj_reads * proj
 
 
 # Frame-step variants: the eager kernels; the fused path with neither optional kernel; with attention split over
@@ -73,6 +74,12 @@ STEP_VARIANTS = {
     "fused-split+small-m+cp-one-pass+kernel-sampler+fusion": {**_BOTH, "small_m_fusion": True},
     "fused-split+small-m+cp-one-pass+kernel-sampler+pdl": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+fusion+pdl": {**_BOTH, "small_m_fusion": True},
+    # The engine's default with the heads by the few-row kernel (small_m_heads), the code predictor's inputs from
+    # projected tables (cp_input_tables), both; and with greedy rows through the sampler's whole draw.
+    "fused-split+small-m+cp-one-pass+kernel-sampler+heads": _BOTH,
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables": _BOTH,
+    "fused-split+small-m+cp-one-pass+kernel-sampler+heads+tables": _BOTH,
+    "fused-split+small-m+cp-one-pass+kernel-sampler+no-greedy-branch": _BOTH,
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}
@@ -88,6 +95,7 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
     small_m_gemm.set_max_split_k(STEP_SPLIT_K.get(variant, DEFAULT_SPLIT_K))
     small_m_gemm.set_blocks(*STEP_BLOCKS.get(variant, DEFAULT_BLOCKS))
     small_m_gemm.set_pdl(variant.endswith("+pdl"))
+    sample_kernel.set_greedy_branch("+no-greedy-branch" not in variant)
     small_m_gemm.prepare("cuda")
     model = load_model(path, device="cuda", dtype=torch.bfloat16)
     talker = model.talker.eval()
@@ -95,6 +103,9 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
         fused.enable(talker, **STEP_VARIANTS[variant])
         talker.code_predictor.prompt_one_pass = "+cp-one-pass" in variant
         talker.kernel_sampler = "+kernel-sampler" in variant
+        fused.set_small_m_heads(talker, "+heads" in variant)
+        if "+tables" in variant:
+            talker.code_predictor.build_input_tables()
     t = model.config.talker
     S = max_rows
     cache = talker.new_cache(S + 1, max_len)
@@ -139,6 +150,8 @@ def time_replays(runner: FrameStepRunner, B: int, args, iters: int) -> dict:
 
 # Kernel families by name (first match wins): where a step's kernels and device time go.
 CATEGORIES = (
+    ("few-row matmul", ("_small_m",)),
+    ("sampler kernel", ("_sample_kernel",)),
     ("gemm", ("gemm", "gemv", "cutlass", "cublas", "sm90_", "sm80_", "xmma", "splitk")),
     ("attention", ("attention", "_attn", "combine_partitions")),
     ("sort", ("sort", "radix", "cub::")),
@@ -189,6 +202,46 @@ def profile_eager(runner: FrameStepRunner, B: int, args) -> dict:
         **ranges,
         "top": [(k, v[0], round(v[1] / 1000, 3)) for k, v in top],
         "by_category": {k: (v[0], round(v[1] / 1000, 3)) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1][1])},
+    }
+
+
+def profile_replays(runner: FrameStepRunner, B: int, args, replays: int = 5) -> dict:
+    """The captured graph itself under torch.profiler (the kernels a replay runs, not an eager run's): kernels and
+    kernel device time per replay, by family and by name, and the replay's wall time on the device beside it. What
+    the kernels' sum leaves of the replay is time between kernels (launch gaps, dependency waits)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kv = bucket(max(args[3]) + 1, runner.kv_buckets)
+    graph = runner._graphs[(bucket(B, runner.batch_buckets), kv)]
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_cat: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        t = (e.device_time if hasattr(e, "device_time") else e.cuda_time) / 1000 / replays
+        for d, k in ((by_name, e.name[:60]), (by_cat, category(e.name))):
+            d[k][0] += 1 / replays
+            d[k][1] += t
+    kernel_ms = sum(v[1] for v in by_cat.values())
+    replay_ms = start.elapsed_time(end) / replays
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
+    return {
+        "replay_kernels": round(len(kernels) / replays),
+        "replay_kernel_ms": round(kernel_ms, 3),
+        "replay_profiled_ms": round(replay_ms, 3),
+        "replay_gap_ms": round(replay_ms - kernel_ms, 3),
+        "replay_top": [(k, round(v[0]), round(v[1], 3)) for k, v in top],
+        "replay_by_category": {
+            k: (round(v[0]), round(v[1], 3)) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1][1])
+        },
     }
 
 
@@ -381,6 +434,8 @@ def main() -> None:
                     state.h[:B] = h0
                     pr = profile_eager(runner, B, args)
                     state.h[:B] = h0
+                    rp = profile_replays(runner, B, args) if STEP_VARIANTS[variant] is not None else {}
+                    state.h[:B] = h0
                     # Teacher-forced agreement: the same h through each variant's cb0 logits.
                     lg = talker.logits(h0).float()
                     codes = runner.step(*args)
@@ -393,12 +448,16 @@ def main() -> None:
                     "tb_per_s": round(gbytes / tm["replay_ms"], 2),
                     **{k: v for k, v in pr.items() if k not in ("top", "by_category")},
                     "by_category": pr["by_category"],
+                    **rp,
                     "graphs": runner.num_graphs,
                     "setup_s": round(time.perf_counter() - t0, 1),
                 }
                 rows.append(row)
                 print(json.dumps(row), "\n  top kernels:", json.dumps(pr["top"]), flush=True)
                 print("  by category (kernels, device ms):", json.dumps(pr["by_category"]), flush=True)
+                if rp:
+                    print("  graph replay, per replay: top kernels", json.dumps(rp["replay_top"]), flush=True)
+                    print("  graph replay by category:", json.dumps(rp["replay_by_category"]), flush=True)
             del model, talker, state, cache, runner
             torch.cuda.empty_cache()
         agree = {}
@@ -418,7 +477,8 @@ def main() -> None:
     Path(a.out).write_text(json.dumps(results, indent=2))
     print("\nagreement with eager:", json.dumps(agree))
     cols = ["variant", "batch", "replay_ms", "step_call_ms", "tb_per_s", "kernels", "kernel_device_ms",
-            "code_predictor_device_ms", "talker_device_ms", "setup_s"]  # fmt: skip
+            "replay_kernels", "replay_kernel_ms", "replay_gap_ms", "code_predictor_device_ms", "talker_device_ms",
+            "setup_s"]  # fmt: skip
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")

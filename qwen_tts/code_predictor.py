@@ -45,6 +45,13 @@ class CodePredictor(nn.Module):
         # On the fused path, run the two prompt tokens as two rows of one pass instead of two passes
         # (fused.stack_step's shared_slots): 15 passes per frame instead of 16. EngineSettings.cp_prompt_one_pass.
         self.prompt_one_pass = False
+        # The heads' matmul, (hidden, weight) -> logits, where it is not each head's own F.linear: the few-row kernel
+        # on the fused path (fused.set_small_m_heads; EngineSettings.small_m_heads).
+        self.head_linear: Callable[[Tensor, Tensor], Tensor] | None = None
+        # (num_residual - 1, vocab, hidden) small_to_mtp_projection(codec_embedding[j].weight): the next pass's input
+        # as one row gathered from a table instead of an embedding row through the projection's matmul and bias
+        # (`build_input_tables`; EngineSettings.cp_input_tables). None: the projection runs every pass.
+        self.input_tables: Tensor | None = None
         # Scratch cache reused across frames (not module state); grown by reserve().
         self._cache: KVCache | None = None
         self._slot_ids: Tensor | None = None
@@ -60,6 +67,27 @@ class CodePredictor(nn.Module):
         self._cache = self.model.new_cache(batch, self.num_residual + 1, device, dtype)
         self._slot_ids = torch.arange(batch, device=device)
         self._positions = torch.arange(self.num_residual + 1, device=device)[None]
+
+    def build_input_tables(self) -> int:
+        """Project every residual embedding table through small_to_mtp_projection once (`input_tables`); returns
+        the tables' bytes, 0 where the projection is an Identity (the embedding row is the input: nothing to save).
+
+        Each row is what the projection makes of that embedding row, up to the matmul's rounding at this shape
+        (bf16: within one rounding of the per-pass product). Build it again after loading other weights."""
+        self.input_tables = None
+        if not isinstance(self.small_to_mtp_projection, nn.Linear):
+            return 0
+        with torch.no_grad():
+            tables = [
+                self.small_to_mtp_projection(self.model.codec_embedding[j].weight) for j in range(self.num_residual - 1)
+            ]
+            self.input_tables = torch.stack(tables)
+        return self.input_tables.numel() * self.input_tables.element_size()
+
+    def _head(self, j: int, hidden: Tensor) -> Tensor:
+        if self.head_linear is not None:
+            return self.head_linear(hidden, self.lm_head[j].weight)
+        return self.lm_head[j](hidden)
 
     def forward(
         self, h: Tensor, cb0_embed: Tensor, sample: Callable[[int, Tensor], LongTensor]
@@ -92,11 +120,14 @@ class CodePredictor(nn.Module):
         codes = []
         embed_sum = None
         for j in range(self.num_residual):
-            code = sample(j, self.lm_head[j](hidden))
+            code = sample(j, self._head(j, hidden))
             emb = self.model.codec_embedding[j](code)
             embed_sum = emb if embed_sum is None else embed_sum + emb
             codes.append(code)
             if j + 1 < self.num_residual:  # the last code is not fed back
-                x = self.small_to_mtp_projection(emb[:, None])
+                if self.input_tables is not None:
+                    x = self.input_tables[j][code][:, None]
+                else:
+                    x = self.small_to_mtp_projection(emb[:, None])
                 hidden = self.model(x, pos[:, j + 2 : j + 3], cache, slots, kv_len)[:, -1]
         return torch.stack(codes, dim=1), embed_sum

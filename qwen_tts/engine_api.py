@@ -168,6 +168,18 @@ class EngineSettings:
     # ms; without it 5.24 -> 5.37). Off (bench_gpu.py --engine-variants small-m-pdl). Process-wide. Ignored on CPU
     # and before compute capability 9.0.
     small_m_pdl: bool = False
+    # With small_m_gemm, the talker's codec head and the code predictor's 15 heads (16 matmuls of 4-12 MB a frame
+    # step, cuBLAS's by default) through the few-row kernel as well (fused.set_small_m_heads). Measured on an H200
+    # (profile_step.py, graph replays): the 0.6B step 3.97 -> 3.99 ms at batch 1, 5.65 -> 5.65 at batch 64; cuBLAS
+    # already takes ~4.4 us a head there. Off (bench_gpu.py --engine-variants small-m-heads). Ignored on CPU.
+    small_m_heads: bool = False
+    # On the fast path, the code predictor's input for its passes 2-15 gathered from 14 tables made once, each
+    # residual embedding table through small_to_mtp_projection (CodePredictor.build_input_tables: 59 MB for the
+    # 1.7B), instead of an embedding row through the projection's matmul and bias every pass. Nothing to do where
+    # the projection is an Identity (the 0.6B). Measured on an H200 (profile_step.py, 1.7B, graph replays, with
+    # small_m_heads): the step 4.69 -> 4.59 ms at batch 1, 6.28 -> 6.20 at batch 64; the 15 bias-fused cuBLAS
+    # kernels took 0.16 ms a step at batch 1 (bench_gpu.py --engine-variants no-cp-input-tables). Ignored on CPU.
+    cp_input_tables: bool = True
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
     # On an H200 the graphed step at batch 1 went 5.66 -> 5.54 ms; with the sampler kernel and polyphase convs on,

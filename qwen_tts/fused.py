@@ -320,6 +320,15 @@ def set_variants(module: nn.Module, split_attention: bool, small_m_gemm: bool, s
     return len(layers)
 
 
+def set_small_m_heads(talker: nn.Module, on: bool) -> None:
+    """Run the talker's codec head and the code predictor's 15 heads (16 matmuls a frame step, 4-12 MB of weights
+    each) through the few-row kernel instead of cuBLAS: `small_m_gemm.linear`, which sends more than SMALL_M_MAX rows
+    to F.linear. A row's logits then do not depend on the batch up to SMALL_M_MAX rows, as the layers' matmuls."""
+    fn = small_m_linear if on else None
+    talker.head_linear = fn
+    talker.code_predictor.head_linear = fn
+
+
 class FusedWeights:
     """The re-laid weights of one decoder layer (views of its parameters share their storage)."""
 

@@ -15,7 +15,8 @@ holds one row in registers and finds what the sort was for by bisection over the
   sums. The largest logit is always kept. Same set as the sort's unless logits tie at the cut (HF then drops some
   of the tied ids by sort position, this all or none) or the two sums' rounding straddles 1 - top_p.
 - the Gumbel noise is `sampling.uniform_noise`'s counter-based hash in uint32 arithmetic, bit for bit, and the
-  draw is argmax(filtered + noise); greedy rows take the argmax of the unwarped logits.
+  draw is argmax(filtered + noise); greedy rows take the argmax of the unwarped logits, in a branch of their own
+  that skips the 32-64 bisection rounds and the noise (`set_greedy_branch`).
 
 A row's draw reads only its own logits and settings: batch invariant by construction, with no two-copy trick for
 a lone row (`fused.compiled`), and one launch that captures into the step's CUDA graph.
@@ -58,29 +59,9 @@ if HAVE_TRITON:
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
     @triton.jit
-    def _sample_kernel(
-        Logits,  # (B, V), float32 / bfloat16 / float16
-        Temperature,  # (B,) float32
-        TopK,  # (B,) int64
-        TopP,  # (B,) float32
-        Greedy,  # (B,) bool
-        Seeds,  # (B,) int64
-        Counters,  # (B,) int64
-        Out,  # (B,) int64
-        stride_row,
-        counter_offset,
-        V,
-        BLOCK: tl.constexpr,
-    ):
-        b = tl.program_id(0)
-        idx = tl.arange(0, BLOCK)
-        valid = idx < V
+    def _draw(x, y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V):
+        """The sampled id of one row: y (the logits over the temperature) through top-k, top-p and the noise."""
         neg_inf = float("-inf")
-        x = tl.load(Logits + b * stride_row + idx, mask=valid, other=neg_inf).to(tl.float32)
-        temperature = tl.load(Temperature + b).to(tl.float32)
-        greedy = (tl.load(Greedy + b) != 0) | (temperature <= 0)
-        t = tl.where(greedy, 1.0, temperature)
-        y = tl.math.div_rn(x, t)  # IEEE division, as torch's `logits / temperature`
         key = _order_key(y)
 
         # top-k: the largest key with at least k keys >= it. Bit 31 first (is the k-th largest >= +0.0?), then
@@ -127,8 +108,41 @@ if HAVE_TRITON:
         u = tl.minimum(u, _UNIT_MAX)
         noise = -tl.log(-tl.log(u))
         scores = tl.where(y > neg_inf, y + noise, neg_inf)
-        drawn = tl.argmax(scores, axis=0)
-        tl.store(Out + b, tl.where(greedy, tl.argmax(x, axis=0), drawn).to(tl.int64))
+        return tl.argmax(scores, axis=0)
+
+    @triton.jit
+    def _sample_kernel(
+        Logits,  # (B, V), float32 / bfloat16 / float16
+        Temperature,  # (B,) float32
+        TopK,  # (B,) int64
+        TopP,  # (B,) float32
+        Greedy,  # (B,) bool
+        Seeds,  # (B,) int64
+        Counters,  # (B,) int64
+        Out,  # (B,) int64
+        stride_row,
+        counter_offset,
+        V,
+        BLOCK: tl.constexpr,
+        GREEDY_BRANCH: tl.constexpr,  # a greedy row skips the filters and the noise (else computes and drops them)
+    ):
+        b = tl.program_id(0)
+        idx = tl.arange(0, BLOCK)
+        valid = idx < V
+        x = tl.load(Logits + b * stride_row + idx, mask=valid, other=float("-inf")).to(tl.float32)
+        temperature = tl.load(Temperature + b).to(tl.float32)
+        greedy = (tl.load(Greedy + b) != 0) | (temperature <= 0)
+        if GREEDY_BRANCH:
+            if greedy:
+                out = tl.argmax(x, axis=0).to(tl.int64)
+            else:
+                y = tl.math.div_rn(x, temperature)  # IEEE division, as torch's `logits / temperature`
+                out = _draw(x, y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V).to(tl.int64)
+        else:
+            y = tl.math.div_rn(x, tl.where(greedy, 1.0, temperature))
+            drawn = _draw(x, y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V)
+            out = tl.where(greedy, tl.argmax(x, axis=0), drawn).to(tl.int64)
+        tl.store(Out + b, out)
 
 
 # Row elements per warp: a program gets max(1, BLOCK // this) warps (512: the code predictor's 2048-wide row on 4
@@ -138,6 +152,9 @@ if HAVE_TRITON:
 # a CUDA graph is captured); EngineSettings.kernel_sampler_warp_elements.
 WARP_ELEMENTS = 512
 _warp_elements = WARP_ELEMENTS
+# Greedy rows branch around the filters and the noise (one argmax) instead of computing a draw they drop: the same
+# ids either way. `set_greedy_branch` switches it process-wide (A/B runs), read at launch (so at graph capture).
+_greedy_branch = True
 
 
 def warp_elements_error(n: object) -> str | None:
@@ -153,6 +170,12 @@ def set_warp_elements(n: int) -> None:
     if err := warp_elements_error(n):
         raise ValueError(f"warp elements {err}")
     _warp_elements = n
+
+
+def set_greedy_branch(on: bool) -> None:
+    """Whether greedy rows skip the filters and the noise (the same ids either way; A/B runs)."""
+    global _greedy_branch
+    _greedy_branch = bool(on)
 
 
 def num_warps(vocab: int) -> int:
@@ -193,6 +216,7 @@ def sample(
         counter_offset,
         V,
         BLOCK=block,
+        GREEDY_BRANCH=_greedy_branch,
         num_warps=num_warps(V),
     )
     return out

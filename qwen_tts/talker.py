@@ -8,6 +8,8 @@ engine can decode rows at different positions in one call. Attribute names equal
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import LongTensor, Tensor, nn
@@ -53,6 +55,9 @@ class Talker(nn.Module):
         # On the fused path, draw every code with sample_kernel.sample (one Triton launch, no sort) instead of the
         # compiled sampling.sample. EngineSettings.kernel_sampler.
         self.kernel_sampler = False
+        # The output head's matmul, (hidden, weight) -> logits, where it is not the head's own F.linear: the few-row
+        # kernel on the fused path (fused.set_small_m_heads; EngineSettings.small_m_heads).
+        self.head_linear: Callable[[Tensor, Tensor], Tensor] | None = None
 
     def new_cache(
         self, slots: int, max_len: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
@@ -77,4 +82,6 @@ class Talker(nn.Module):
         return self.model(embeds, positions, cache, slots, kv_len)
 
     def logits(self, hidden: Tensor) -> Tensor:
+        if self.head_linear is not None:
+            return self.head_linear(hidden, self.codec_head.weight)
         return self.codec_head(hidden)

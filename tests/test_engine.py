@@ -85,6 +85,7 @@ async def test_stream_equals_whole_decode(tiny_model):
     assert info["decoder_snake_kernel"] is False and eng._code2wav.snake_kernel is None
     assert info["decoder_channels_last"] is False
     assert info["small_m_fusion"] is False and info["small_m_pdl"] is False
+    assert info["cp_input_tables"] is False and info["small_m_heads"] is False
     try:
         (h,), (audio,) = await run(eng, [req(tiny_model, TEXTS[1], greedy=True, max_frames=23)])
     finally:
@@ -505,6 +506,7 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
         {"step_blas": "cublaslt"},
         {"small_m_fusion": True},
         {"small_m_fusion": True, "small_m_pdl": True},
+        {"small_m_heads": True},
     ],
     ids=[
         "default",
@@ -517,6 +519,7 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
         "cublaslt",
         "small-m-fusion",
         "small-m-fusion-pdl",
+        "small-m-heads",
     ],
 )
 @pytest.mark.parametrize("greedy", [True, False])

@@ -167,14 +167,21 @@ async def test_a_code_outside_the_codebook_ends_only_its_request(tiny_qwen3tts, 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("frame_step", ["eager", "graphs"])
-async def test_engine_codes_equal_the_reference_loop_on_cuda_in_float32(tiny_checkpoint, frame_step) -> None:
+@pytest.mark.parametrize("size", ["tiny", "tiny-mtp"])
+async def test_engine_codes_equal_the_reference_loop_on_cuda_in_float32(
+    tiny_checkpoint, tmp_path, size, frame_step
+) -> None:
     """The same mixed requests on CUDA in float32: the reference loop eager, the engine eager or on its full fast
-    path (fused kernels, CUDA-graph frame steps and prefill, the decoder thread)."""
+    path (fused kernels, CUDA-graph frame steps and prefill, the decoder thread). tiny-mtp has a code predictor
+    behind small_to_mtp_projection, as the 1.7B: there the engine gathers the predictor's inputs from projected
+    tables (cp_input_tables) and runs the heads on the few-row kernel (small_m_heads)."""
     from qwen_tts.loading import load_model
+    from qwen_tts.random_checkpoint import write_random_checkpoint
 
-    model = load_model(tiny_checkpoint, device="cuda", dtype=torch.float32)
+    path = tiny_checkpoint if size == "tiny" else write_random_checkpoint(tmp_path / size, size=size, seed=0)
+    model = load_model(path, device="cuda", dtype=torch.float32)
     reqs = [request(model, i, text, opts) for i, (text, opts) in enumerate(CASES)]
-    expected = [reference(model, r) for r in reqs]
+    expected = [reference(model, r) for r in reqs]  # before the engine builds its tables on this model
     eng, handles = await run_engine(
         model,
         reqs,
@@ -183,8 +190,12 @@ async def test_engine_codes_equal_the_reference_loop_on_cuda_in_float32(tiny_che
         warmup=frame_step == "graphs",
         frame_step=frame_step,
         decoder_tf32=False,
+        cp_input_tables=True,
+        small_m_heads=True,
     )
     assert eng.model_info["cuda_graphs"] == (frame_step == "graphs")
+    assert eng.model_info["cp_input_tables"] == (size == "tiny-mtp")
+    assert eng.model_info["small_m_heads"] is True
     for (text, _), h, ref in zip(CASES, handles, expected, strict=True):
         got = torch.cat(h.codes) if h.codes else torch.zeros(0, 16, dtype=torch.long)
         n = min(len(got), len(ref))

@@ -132,3 +132,31 @@ def test_the_warp_count_leaves_the_draws_alone_and_bad_sizes_are_refused() -> No
     for bad in (0, 100, 8192):
         with pytest.raises(ValueError, match="power of two from 32 to 4096"):
             sample_kernel.set_warp_elements(bad)
+
+
+@pytest.mark.parametrize("top_p", [False, True], ids=["top-k", "top-k-and-top-p"])
+def test_greedy_rows_branch_around_the_draw_with_the_same_ids(top_p) -> None:
+    """`set_greedy_branch`: greedy rows (flagged, or temperature 0) skip the filters and the noise. Every id is
+    the same as without the branch and as `sampling.sample`'s, in a batch that mixes greedy and sampled rows; the
+    greedy rows' ids are their logits' argmax."""
+    g = torch.Generator().manual_seed(17)
+    rows, vocab = 40, 2048
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    temperature, top_k, tp, greedy, seeds, counters = settings(rows, g, top_p=top_p)
+    greedy[:rows:3] = True
+    args = on(DEVICE, logits, temperature, top_k, tp, greedy, seeds, counters)
+    is_greedy = args[4] | (args[1] <= 0)
+    assert 0 < int(is_greedy.sum()) < rows  # both kinds of row in the batch
+    try:
+        draws = {}
+        for branch in (True, False):
+            sample_kernel.set_greedy_branch(branch)
+            draws[branch] = sample_kernel.sample(*args)
+    finally:
+        sample_kernel.set_greedy_branch(True)
+    assert torch.equal(draws[True], draws[False])
+    assert torch.equal(draws[True][is_greedy], args[0].argmax(-1)[is_greedy])
+    if not top_p:  # top-p's cut may differ from the sort's at ties (the module's docstring); top-k's may not
+        assert torch.equal(draws[True], sampling.sample(*args))
+    # The sampled rows are draws, not argmaxes: the noise moves some of them.
+    assert not torch.equal(draws[True][~is_greedy], args[0].argmax(-1)[~is_greedy])

@@ -267,6 +267,57 @@ def test_code_predictor_without_projection_has_no_projection_tensors() -> None:
     assert codes.shape == (2, 15) and embed_sum.shape == (2, 32)
 
 
+def test_code_predictor_input_tables_hold_the_projected_rows_and_leave_the_codes_alone(cfg: ModelConfig) -> None:
+    """CodePredictor.build_input_tables (EngineSettings.cp_input_tables): 14 tables, each row the projection of its
+    embedding row; a frame's codes and embedding sum with the tables equal those without; an Identity projection
+    builds nothing."""
+    talker = random_talker(cfg, seed=3)
+    cp = talker.code_predictor
+    V, H_cp = cp.cfg.vocab_size, cp.cfg.hidden_size
+    assert cp.build_input_tables() == 14 * V * H_cp * 4
+    assert cp.input_tables.shape == (14, V, H_cp)
+    ids = torch.tensor([0, 7, V - 1])
+    for j in (0, 13):
+        want = cp.small_to_mtp_projection(cp.model.codec_embedding[j](ids))
+        torch.testing.assert_close(cp.input_tables[j][ids], want, atol=1e-6, rtol=1e-6)
+    torch.manual_seed(8)
+    h, cb0 = torch.randn(4, talker.cfg.hidden_size), torch.randint(0, 2048, (4,))
+    log_tables: list = []
+    codes_t, sum_t = cp(h, talker.embed_codec(cb0), _argmax_sampler(log_tables))
+    cp.input_tables = None
+    log: list = []
+    codes, embed_sum = cp(h, talker.embed_codec(cb0), _argmax_sampler(log))
+    assert torch.equal(codes_t, codes)
+    torch.testing.assert_close(sum_t, embed_sum, atol=1e-6, rtol=1e-6)
+    for (_, a), (_, b) in zip(log_tables, log, strict=True):  # every pass's logits, not only their argmax
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert len(set(codes[0].tolist())) > 3
+    flat = random_talker(tiny_config(hidden=32, cp_hidden=32)).code_predictor
+    assert flat.build_input_tables() == 0 and flat.input_tables is None
+
+
+def test_a_head_linear_hook_runs_every_head_matmul(cfg: ModelConfig) -> None:
+    """Talker.head_linear and CodePredictor.head_linear (fused.set_small_m_heads sets both): each of a frame's 16
+    head matmuls goes through the hook with the head's own weight, and the logits are the heads' own."""
+    talker = random_talker(cfg, seed=4)
+    calls: list = []
+
+    def hook(x, w):
+        calls.append(w.data_ptr())
+        return F.linear(x, w)
+
+    torch.manual_seed(9)
+    h, cb0 = torch.randn(2, talker.cfg.hidden_size), torch.randint(0, 2048, (2,))
+    want_logits = talker.logits(h)
+    want = talker.code_predictor(h, talker.embed_codec(cb0), _argmax_sampler())
+    talker.head_linear = talker.code_predictor.head_linear = hook
+    torch.testing.assert_close(talker.logits(h), want_logits)
+    got = talker.code_predictor(h, talker.embed_codec(cb0), _argmax_sampler())
+    assert torch.equal(got[0], want[0])
+    heads = [talker.codec_head.weight] + [m.weight for m in talker.code_predictor.lm_head]
+    assert calls == [w.data_ptr() for w in heads]
+
+
 def _embed_text(talker: Talker, i: int) -> torch.Tensor:
     return talker.embed_text(torch.tensor([i]))[0]
 

@@ -203,6 +203,10 @@ class NativeEngine(Engine):
             small_m_gemm.set_pdl(self.config.small_m_gemm and self.config.small_m_pdl)
             small_m_gemm.prepare(self.device)
             self._talker.code_predictor.prompt_one_pass = self.config.cp_prompt_one_pass
+            fused.set_small_m_heads(self._talker, self.config.small_m_gemm and self.config.small_m_heads)
+            if self.config.cp_input_tables:
+                n = self._talker.code_predictor.build_input_tables()
+                log.info("code predictor input tables: %.1f MB", n / 1e6)
             self._talker.kernel_sampler = self.config.kernel_sampler
             sample_kernel.set_warp_elements(self.config.kernel_sampler_warp_elements)  # read at capture
         self._model_info["fused_kernels"] = fused.is_enabled(self._talker)
@@ -210,6 +214,8 @@ class NativeEngine(Engine):
         self._model_info["small_m_fusion"] = bool(fused_on and self.config.small_m_fusion)
         self._model_info["small_m_pdl"] = bool(fused_on and self.config.small_m_pdl and small_m_gemm.pdl_active())
         self._model_info["kernel_sampler"] = self._talker.kernel_sampler
+        self._model_info["small_m_heads"] = self._talker.head_linear is not None
+        self._model_info["cp_input_tables"] = self._talker.code_predictor.input_tables is not None
         self._model_info["cp_prompt_one_pass"] = self._talker.code_predictor.prompt_one_pass
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)
