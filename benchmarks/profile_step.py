@@ -150,7 +150,7 @@ def time_replays(runner: FrameStepRunner, B: int, args, iters: int) -> dict:
 
 # Kernel families by name (first match wins): where a step's kernels and device time go.
 CATEGORIES = (
-    ("few-row matmul", ("_small_m",)),
+    ("few-row matmul", ("_small_m_kernel", "_small_m_fused_kernel")),  # not inductor's kernels named after the op
     ("sampler kernel", ("_sample_kernel",)),
     ("gemm", ("gemm", "gemv", "cutlass", "cublas", "sm90_", "sm80_", "xmma", "splitk")),
     ("attention", ("attention", "_attn", "combine_partitions")),

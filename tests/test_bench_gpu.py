@@ -303,3 +303,23 @@ def test_step_bytes_counts_each_sizes_weights_and_the_overhead_a_speed_ratio_all
     # At the budget the two steps are exactly the asked ratio apart.
     o, bw = floor["overhead_budget_ms"], 4.0e9
     assert abs((big["total_bytes"] / bw + o) / (small["total_bytes"] / bw + o) - 1.4) < 2e-3
+
+
+def test_profile_step_files_the_step_kernels_by_family() -> None:
+    """benchmarks/profile_step.py's kernel families, on kernel names an H200 replay of the frame step showed: our
+    matmul kernels apart from inductor's kernels that are named after the op around them."""
+    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "benchmarks" / "profile_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    want = {
+        "_small_m_kernel": "few-row matmul",
+        "_small_m_fused_kernel": "few-row matmul",
+        "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_small_m_lin": "compiled",
+        "triton_poi_fused_mul_silu_small_m_linear_split_1": "compiled",
+        "_sample_kernel": "sampler kernel",
+        "_split_attention_kernel": "attention",
+        "_combine_partitions_kernel": "attention",
+        "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT": "gemm",
+        "void at::native::index_elementwise_kernel<128, 4, at::native": "copy/index",
+    }
+    assert {name: mod.category(name) for name in want} == want
