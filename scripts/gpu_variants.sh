@@ -4,13 +4,15 @@
 # gpu_bench.sh, then runs the stages named on the command line, in order, each under its own time limit so that one
 # device call (600 s at most) can hold several. Logs and JSON go to $OUT (else bench_out/variants).
 #
-#   bash scripts/gpu_variants.sh tests gemm              # <= 10 min: the CUDA tests (5-6 min on an H200), the matmuls
+#   bash scripts/gpu_variants.sh tests gemm              # <= 10 min: the CUDA tests but the engine's, the matmuls
+#   bash scripts/gpu_variants.sh tests-engine            # <= 8 min: the engine's CUDA tests
 #   bash scripts/gpu_variants.sh profile engine          # <= 9.5 min: the step and Code2Wav; the engine per variant
 #   bash scripts/gpu_variants.sh attention               # <= 2 min: the attention kernels alone
 #
-# Stages: tests, pytest (the tests PYTEST_ARGS names), sampler (the sampler kernel alone), attention, gemm, profile,
-# step (the frame step alone, per STEP_SIZES), codec (Code2Wav alone), engine. VARIANTS overrides the engine stage's
-# variant list, CODEC_VARIANTS the Code2Wav variants of the profile and codec stages, STEP_VARIANTS the step stage's.
+# Stages: tests, tests-engine (the engine's CUDA tests), pytest (the tests PYTEST_ARGS names), sampler (the sampler
+# kernel alone), attention, gemm, profile, step (the frame step alone, per STEP_SIZES), codec (Code2Wav alone),
+# engine. VARIANTS overrides the engine stage's variant list, CODEC_VARIANTS the Code2Wav variants of the profile
+# and codec stages, STEP_VARIANTS the step stage's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,9 +26,9 @@ STEP_VARIANTS=${STEP_VARIANTS:-$DEFAULT_STEP,$DEFAULT_STEP+fusion,$DEFAULT_STEP+
 STEP_SIZES=${STEP_SIZES:-1.7b 0.6b}
 CODEC_VARIANTS=${CODEC_VARIANTS:-fp16+polyphase-9,fp16+polyphase-9+snake-kernel,fp16+polyphase-9+snake-kernel+channels-last}
 
-[ $# -gt 0 ] || { sed -n 2,13p "$0" >&2; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,15p "$0" >&2; exit 2; }
 for stage in "$@"; do
-  case $stage in tests | pytest | sampler | attention | gemm | profile | step | codec | engine) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
+  case $stage in tests | tests-engine | pytest | sampler | attention | gemm | profile | step | codec | engine) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
 done
 
 # The same folder as gpu_bench.sh's, which installs the server's wheels only: the test wheels (pytest-asyncio)
@@ -54,12 +56,16 @@ run() {  # run <name> <seconds> <command...>: its output to the terminal and $OU
 
 for stage in "$@"; do
   case $stage in
-    tests)
-      run tests 480 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf -o log_level=WARNING \
+    tests)  # the kernels, the fused path, Code2Wav, the engine against the reference loop (75 cases, ~4 min)
+      run tests 360 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf -o log_level=WARNING \
         tests/test_fused.py tests/test_decoder.py tests/test_codec_decoder.py tests/test_engine_reference.py \
-        tests/test_engine.py -k "cuda or attention or small_m or split_k or fp16 or fused"
+        -k "cuda or attention or small_m or split_k or fp16 or fused"
       run kernel-tests 120 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf tests/test_sample_kernel.py \
         tests/test_snake_kernel.py
+      ;;
+    tests-engine)  # the engine's CUDA cases: graphs == eager, batch invariance per kernel variant (24 cases)
+      run tests-engine 480 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf -o log_level=WARNING \
+        tests/test_engine.py -k "cuda or attention or small_m or split_k or fp16 or fused"
       ;;
     sampler)
       run sampler 120 "$PY" benchmarks/bench_sampler.py --batches 2,64,256 --warp-elements 256,512,1024,2048 \
