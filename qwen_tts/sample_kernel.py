@@ -59,7 +59,7 @@ if HAVE_TRITON:
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
     @triton.jit
-    def _draw(x, y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V):
+    def _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V):
         """The sampled id of one row: y (the logits over the temperature) through top-k, top-p and the noise."""
         neg_inf = float("-inf")
         key = _order_key(y)
@@ -137,10 +137,10 @@ if HAVE_TRITON:
                 out = tl.argmax(x, axis=0).to(tl.int64)
             else:
                 y = tl.math.div_rn(x, temperature)  # IEEE division, as torch's `logits / temperature`
-                out = _draw(x, y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V).to(tl.int64)
+                out = _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V).to(tl.int64)
         else:
             y = tl.math.div_rn(x, tl.where(greedy, 1.0, temperature))
-            drawn = _draw(x, y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V)
+            drawn = _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V)
             out = tl.where(greedy, tl.argmax(x, axis=0), drawn).to(tl.int64)
         tl.store(Out + b, out)
 
