@@ -182,27 +182,39 @@ def profile_eager(runner: FrameStepRunner, B: int, args) -> dict:
         runner._run(B, kv)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    by_cat: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for e in kernels:
-        key = e.name[:48]
-        t = e.device_time if hasattr(e, "device_time") else e.cuda_time
-        by_name[key][0] += 1
-        by_name[key][1] += t
-        by_cat[category(e.name)][0] += 1
-        by_cat[category(e.name)][1] += t
+    by_name, by_cat = kernel_tables(kernels, name_len=48)
     ranges = {}
     for ev in prof.key_averages():
         if ev.key in ("code_predictor", "talker"):
             ranges[ev.key + "_device_ms"] = round(getattr(ev, "device_time_total", 0.0) / 1000, 3)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
     return {
         "kernels": len(kernels),
-        "kernel_device_ms": round(sum(v[1] for v in by_name.values()) / 1000, 3),
+        "kernel_device_ms": round(sum(v[1] for v in by_name.values()), 3),
         **ranges,
-        "top": [(k, v[0], round(v[1] / 1000, 3)) for k, v in top],
-        "by_category": {k: (v[0], round(v[1] / 1000, 3)) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1][1])},
+        "top": top_rows(by_name, 12),
+        "by_category": top_rows(by_cat),
     }
+
+
+def kernel_tables(kernels, name_len: int, runs: int = 1) -> tuple[dict, dict]:
+    """Launches and device ms per run of profiler kernel events, by name (its first name_len characters) and by
+    family (`category`)."""
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    by_cat: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for e in kernels:
+        ms = (e.device_time if hasattr(e, "device_time") else e.cuda_time) / 1000 / runs
+        for table, key in ((by_name, e.name[:name_len]), (by_cat, category(e.name))):
+            table[key][0] += 1 / runs
+            table[key][1] += ms
+    return by_name, by_cat
+
+
+def top_rows(table: dict, n: int | None = None) -> list | dict:
+    """A `kernel_tables` table by device time, launches and ms rounded: the first n rows as a list, else a dict."""
+    rows = sorted(table.items(), key=lambda kv: -kv[1][1])
+    if n is not None:
+        return [(k, round(v[0]), round(v[1], 3)) for k, v in rows[:n]]
+    return {k: (round(v[0]), round(v[1], 3)) for k, v in rows}
 
 
 def profile_replays(runner: FrameStepRunner, B: int, args, replays: int = 5) -> dict:
@@ -223,25 +235,16 @@ def profile_replays(runner: FrameStepRunner, B: int, args, replays: int = 5) -> 
         end.record()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    by_cat: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for e in kernels:
-        t = (e.device_time if hasattr(e, "device_time") else e.cuda_time) / 1000 / replays
-        for d, k in ((by_name, e.name[:60]), (by_cat, category(e.name))):
-            d[k][0] += 1 / replays
-            d[k][1] += t
+    by_name, by_cat = kernel_tables(kernels, name_len=60, runs=replays)
     kernel_ms = sum(v[1] for v in by_cat.values())
     replay_ms = start.elapsed_time(end) / replays
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
     return {
         "replay_kernels": round(len(kernels) / replays),
         "replay_kernel_ms": round(kernel_ms, 3),
         "replay_profiled_ms": round(replay_ms, 3),
         "replay_gap_ms": round(replay_ms - kernel_ms, 3),
-        "replay_top": [(k, round(v[0]), round(v[1], 3)) for k, v in top],
-        "replay_by_category": {
-            k: (round(v[0]), round(v[1], 3)) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1][1])
-        },
+        "replay_top": top_rows(by_name, 15),
+        "replay_by_category": top_rows(by_cat),
     }
 
 

@@ -307,12 +307,17 @@ def test_step_bytes_counts_each_sizes_weights_and_the_overhead_a_speed_ratio_all
     assert abs((big["total_bytes"] / bw + o) / (small["total_bytes"] / bw + o) - 1.4) < 2e-3
 
 
-def test_profile_step_files_the_step_kernels_by_family() -> None:
-    """benchmarks/profile_step.py's kernel families, on kernel names an H200 replay of the frame step showed: our
-    matmul kernels apart from inductor's kernels that are named after the op around them."""
+def _profile_step():
     spec = importlib.util.spec_from_file_location("profile_step", ROOT / "benchmarks" / "profile_step.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_profile_step_files_the_step_kernels_by_family() -> None:
+    """benchmarks/profile_step.py's kernel families, on kernel names an H200 replay of the frame step showed: our
+    matmul kernels apart from inductor's kernels that are named after the op around them."""
+    mod = _profile_step()
     want = {
         "_small_m_kernel": "few-row matmul",
         "_small_m_fused_kernel": "few-row matmul",
@@ -325,3 +330,17 @@ def test_profile_step_files_the_step_kernels_by_family() -> None:
         "void at::native::index_elementwise_kernel<128, 4, at::native": "copy/index",
     }
     assert {name: mod.category(name) for name in want} == want
+
+
+def test_profile_step_tables_count_launches_and_ms_per_run() -> None:
+    """profile_step.kernel_tables over profiler kernel events (device time in us): launches and ms per run, by name
+    and by family; top_rows orders them by time."""
+    from types import SimpleNamespace
+
+    mod = _profile_step()
+    events = [SimpleNamespace(name="_small_m_kernel", device_time=6.0)] * 8  # 4 a run
+    events += [SimpleNamespace(name="_split_attention_kernel", device_time=20.0)] * 2  # 1 a run
+    by_name, by_cat = mod.kernel_tables(events, name_len=6, runs=2)
+    assert mod.top_rows(by_name) == {"_small": (4, 0.024), "_split": (1, 0.02)}
+    assert mod.top_rows(by_cat, 1) == [("few-row matmul", 4, 0.024)]
+    assert mod.top_rows(by_cat) == {"few-row matmul": (4, 0.024), "attention": (1, 0.02)}
