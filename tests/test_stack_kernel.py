@@ -1,0 +1,229 @@
+"""The one-kernel decoder stack (qwen_tts/stack_kernel.py) computes what the eager `DecoderStack` computes.
+
+Without a GPU the kernel runs in Triton's interpreter, one launch per phase ("phases"); on CUDA the persistent mode
+(one launch a pass, grid-wide barriers) must give the phases' bits.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from qwen_tts import fused, stack_kernel
+from qwen_tts.config import DecoderLayersConfig
+from qwen_tts.decode_attention import HAVE_TRITON
+from qwen_tts.layers import DecoderStack
+
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CACHE_LEN = 16  # the code predictor's
+
+# (hidden, intermediate, layers, q heads, kv heads, head dim): the tiny checkpoints' code predictors (a hidden width
+# that is not a power of two among them), one with every matmul split over K, and GQA groups of one and four.
+SHAPES = {
+    "tiny": (32, 64, 2, 2, 1, 16),
+    "tiny-mtp": (24, 48, 2, 2, 1, 16),
+    "split": (256, 512, 2, 4, 2, 64),
+    "group4": (64, 96, 1, 4, 1, 32),
+}
+
+
+def make_stack(shape, dtype, seed=0):
+    H, inter, L, nq, nkv, D = shape
+    cfg = DecoderLayersConfig(
+        hidden_size=H, intermediate_size=inter, num_hidden_layers=L, num_attention_heads=nq,
+        num_key_value_heads=nkv, head_dim=D, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=64, vocab_size=8,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    ref = DecoderStack(cfg)
+    with torch.no_grad():
+        for p in ref.parameters():  # norm weights around 1, matrices with outputs of order 1
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if p.dim() == 1 else torch.randn_like(p) / p.shape[1] ** 0.5)
+    ref = ref.to(DEVICE, dtype)
+    kern = copy.deepcopy(ref)
+    fused.enable(kern)
+    stack_kernel.enable(kern, "phases")
+    return ref, kern
+
+
+def eager(stack, x, positions, cache, slots):
+    with torch.no_grad():
+        return stack(x[:, None], positions[:, None], cache, slots, CACHE_LEN)[:, 0]
+
+
+@pytest.fixture
+def options():
+    """Restores the kernel's process-wide options after a test that sets them."""
+    before = stack_kernel.set_options()
+    yield stack_kernel.set_options
+    stack_kernel.set_options(**before)
+
+
+@pytest.mark.parametrize("unsplit", [False, True], ids=["split", "unsplit-o-down"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_stack_pass_equals_the_eager_stack_over_positions(shape, dtype, unsplit, options) -> None:
+    """Four passes (positions 0-3) of three rows in scattered slots: the output and every K/V written match the
+    eager stack; float32 to float32 rounding, bf16 within two roundings of the output's scale. unsplit: the o and
+    down projections on 16-column units with every K tile (residual_split 1), the residual added by the unit."""
+    if unsplit:  # and K steps up to 512: the unsplit o projection of "split" loads its 256-wide K in one step
+        options(residual_split=1, residual_block_n=16, max_step_k=512)
+    ref, kern = make_stack(SHAPES[shape], dtype)
+    if unsplit:
+        assert kern.stack_weights.splits(torch.device(DEVICE))[1::2] == (1, 1)
+    H = SHAPES[shape][0]
+    c_ref, c_kern = ref.new_cache(4, CACHE_LEN, DEVICE, dtype), kern.new_cache(4, CACHE_LEN, DEVICE, dtype)
+    slots = torch.tensor([2, 0, 3], device=DEVICE)
+    g = torch.Generator().manual_seed(1)
+    tol = 2e-5 if dtype == torch.float32 else 2 * 2**-7
+    for t in range(4):
+        x = torch.randn(3, H, generator=g).to(DEVICE, dtype)
+        pos = torch.full((3,), t, device=DEVICE)
+        want = eager(ref, x, pos, c_ref, slots)
+        got = stack_kernel.stack_pass(kern, x, pos, c_kern, slots)
+        scale = want.float().abs().max().item()
+        assert got.shape == want.shape and got.dtype == dtype
+        assert (got.float() - want.float()).abs().max().item() <= tol * scale, t
+        for a, b in ((c_kern.k, c_ref.k), (c_kern.v, c_ref.v)):
+            assert (a.float() - b.float()).abs().max().item() <= tol * max(1.0, b.float().abs().max().item())
+    # Slot 1 was never written; the counters are back at zero for the next launch.
+    assert not c_kern.k[:, 1].any() and not c_kern.v[:, 1].any()
+    assert not stack_kernel.prepare(DEVICE).any()
+
+
+def test_splits_and_units_come_from_the_shapes() -> None:
+    """The "split" shape splits every matmul over K (so the partial sums and the last split's epilogue run); the
+    1.7B's code predictor gets four splits for q|k|v, o and down and none for gate|up on 132 SMs."""
+    _, kern = make_stack(SHAPES["split"], torch.float32)
+    sw = kern.stack_weights
+    assert sw.block_k == 128 and all(s > 1 for s in sw.splits(torch.device("cpu")))
+    big = stack_kernel.StackWeights.__new__(stack_kernel.StackWeights)
+    big.H, big.I, big.D, big.NQ, big.NKV = 1024, 3072, 128, 16, 8
+    cpu = torch.device("cpu")
+    assert big.block_k == 128
+    assert big.splits(cpu) == (4, 4, 1, 4)
+    assert big.steps(cpu) == (128, 128, 128, 128)
+    before = stack_kernel.set_options()
+    try:
+        # Each unit's K range: q|k|v 256, o 512, gate|up 1024 (unsplit), down 768 (three 256-steps).
+        stack_kernel.set_options(max_step_k=512)
+        assert big.steps(cpu) == (256, 512, 512, 256)
+    finally:
+        stack_kernel.set_options(**before)
+
+
+def test_rows_sharing_a_slot_see_each_others_keys() -> None:
+    """The code predictor's two prompt tokens as two rows of one pass (fused.stack_step's shared_slots): row 1 at
+    position 1 attends to row 0's key at position 0, written in the same pass. Equals the eager stack run on the
+    two tokens as one sequence."""
+    ref, kern = make_stack(SHAPES["split"], torch.float32)
+    H = SHAPES["split"][0]
+    c_ref, c_kern = (
+        ref.new_cache(3, CACHE_LEN, DEVICE, torch.float32),
+        kern.new_cache(3, CACHE_LEN, DEVICE, torch.float32),
+    )
+    x = torch.randn(2, 2, H, generator=torch.Generator().manual_seed(2)).to(DEVICE)  # two sequences of two tokens
+    slots = torch.tensor([1, 2], device=DEVICE)
+    with torch.no_grad():
+        want = ref(x, torch.arange(2, device=DEVICE).expand(2, 2), c_ref, slots, CACHE_LEN)
+    got = fused.stack_step(kern, x.reshape(4, H), torch.tensor([0, 1, 0, 1], device=DEVICE), c_kern,
+                           slots.repeat_interleave(2), shared_slots=True)  # fmt: skip
+    assert (got.view(2, 2, H) - want).abs().max().item() < 2e-5 * want.abs().max().item()
+    assert (c_kern.k - c_ref.k).abs().max().item() < 1e-4
+
+
+def test_a_row_gets_the_same_bits_alone_and_in_a_batch() -> None:
+    _, kern = make_stack(SHAPES["split"], torch.bfloat16)
+    H = SHAPES["split"][0]
+    x = torch.randn(16, H, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+    pos = torch.zeros(16, dtype=torch.long, device=DEVICE)
+    batch = stack_kernel.stack_pass(kern, x, pos, kern.new_cache(16, CACHE_LEN, DEVICE, torch.bfloat16),
+                                    torch.arange(16, device=DEVICE))  # fmt: skip
+    for i in (0, 7, 15):
+        alone = stack_kernel.stack_pass(kern, x[i : i + 1], pos[:1], kern.new_cache(1, CACHE_LEN, DEVICE, torch.bfloat16),
+                                        torch.zeros(1, dtype=torch.long, device=DEVICE))  # fmt: skip
+        assert torch.equal(alone[0], batch[i]), i
+
+
+def test_the_layers_parameters_are_views_of_the_stacked_weights() -> None:
+    """enable() re-lays the weights (one tensor per kind for all layers) without copying: the state dict is the same
+    and each parameter shares the stacked tensor's storage, so loading weights in place reaches the kernel."""
+    ref, kern = make_stack(SHAPES["tiny"], torch.float32)
+    want = ref.state_dict()
+    got = kern.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    sw = kern.stack_weights
+    lay = kern.layers[1]
+    assert lay.self_attn.k_proj.weight.data_ptr() == sw.w_qkv[1, 2 * 16 :].data_ptr()
+    assert lay.mlp.up_proj.weight.data_ptr() == sw.w_gate_up[1, 64:].data_ptr()
+    assert lay.self_attn.k_norm.weight.data_ptr() == sw.qk_norm[1, 1].data_ptr()
+    with torch.no_grad():
+        lay.mlp.down_proj.weight.mul_(2)
+    assert torch.equal(sw.w_down[1], lay.mlp.down_proj.weight)
+
+
+def test_options_refuse_what_the_kernel_cannot_take(options) -> None:
+    with pytest.raises(ValueError, match="residual_split"):
+        options(residual_split=5)
+    with pytest.raises(ValueError, match="residual_block_n"):
+        options(residual_block_n=24)
+    with pytest.raises(ValueError, match="max_step_k"):
+        options(max_step_k=384)
+    with pytest.raises(ValueError, match="num_warps"):
+        options(num_warps=2)
+    assert options(residual_split=2)["residual_split"] == 2
+
+
+def test_what_the_kernel_does_not_take() -> None:
+    ref, kern = make_stack(SHAPES["tiny"], torch.float32)
+    cache = kern.new_cache(17, CACHE_LEN, DEVICE, torch.float32)
+    x = torch.zeros(17, 32, device=DEVICE)
+    assert not stack_kernel.runs(kern, x, cache)  # 17 rows: the fused path's kernels
+    assert stack_kernel.runs(kern, x[:16], cache)
+    assert not stack_kernel.runs(kern, x[:2], kern.new_cache(2, stack_kernel.MAX_POSITIONS + 1, DEVICE, torch.float32))
+    assert not stack_kernel.runs(ref, x[:2], cache)  # not enabled
+    with pytest.raises(ValueError, match="17 rows"):
+        stack_kernel.stack_pass(kern, x, torch.zeros(17, dtype=torch.long), cache, torch.arange(17))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        stack_kernel.enable(kern, "fast")
+    with pytest.raises(ValueError, match=r"fused\.enable"):
+        stack_kernel.enable(copy.deepcopy(ref), "phases")
+    stack_kernel.enable(kern, "off")
+    assert not stack_kernel.runs(kern, x[:2], cache)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="needs a GPU"):
+            stack_kernel.stack_pass(kern, x[:2], torch.zeros(2, dtype=torch.long), cache, torch.arange(2),
+                                    mode="persistent")  # fmt: skip
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the persistent mode needs every program resident: a GPU")
+@pytest.mark.parametrize("opts", ["default", "prefetch", "unsplit", "step512-w8"])
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("shape", ["split", "full"])
+def test_cuda_persistent_gives_the_phases_bits(shape, rows, opts, options) -> None:
+    """One launch a pass with grid-wide barriers: the bits of one launch per phase, output and cache, over passes at
+    positions 0-3; and the barrier and counters are back at zero after each. With the options: the next phase's
+    weights prefetched into L2, the o and down projections unsplit, K steps up to 512 on eight warps."""
+    if opts == "prefetch":
+        options(prefetch=True)
+    if opts == "unsplit":
+        options(residual_split=1, residual_block_n=16)
+    if opts == "step512-w8":
+        options(max_step_k=512, num_warps=8)
+    dims = SHAPES["split"] if shape == "split" else (1024, 3072, 5, 16, 8, 128)  # the 1.7B's code predictor
+    _, kern = make_stack(dims, torch.bfloat16)
+    H = dims[0]
+    caches = [kern.new_cache(rows, CACHE_LEN, DEVICE, torch.bfloat16) for _ in range(2)]
+    slots = torch.arange(rows, device=DEVICE).flip(0)
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    for t in range(4):
+        x = torch.randn(rows, H, generator=g, device=DEVICE).to(torch.bfloat16)
+        pos = torch.full((rows,), t, device=DEVICE)
+        a = stack_kernel.stack_pass(kern, x, pos, caches[0], slots, mode="phases")
+        b = stack_kernel.stack_pass(kern, x, pos, caches[1], slots, mode="persistent")
+        assert torch.equal(a, b), t
+        assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+        assert not stack_kernel.prepare(DEVICE).any()
