@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from qwen_tts import fused, sample_kernel, small_m_gemm, snake_kernel
+from qwen_tts import fused, sample_kernel, small_m_gemm, snake_kernel, stack_kernel
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.native.frame_step import FrameStepRunner, SlotState, bucket
 from qwen_tts.loading import load_model
@@ -80,6 +80,10 @@ STEP_VARIANTS = {
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+heads+tables": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+no-greedy-branch": _BOTH,
+    # The engine's default with each code-predictor pass by the one-kernel stack (stack_kernel.py): a launch a
+    # phase, or one persistent launch a pass.
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-phases": _BOTH,
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-persistent": _BOTH,
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}
@@ -106,6 +110,10 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
         fused.set_small_m_heads(talker, "+heads" in variant)
         if "+tables" in variant:
             talker.code_predictor.build_input_tables()
+        for mode in ("phases", "persistent"):
+            if f"+stack-{mode}" in variant:
+                stack_kernel.prepare("cuda")
+                stack_kernel.enable(talker.code_predictor.model, mode)
     t = model.config.talker
     S = max_rows
     cache = talker.new_cache(S + 1, max_len)

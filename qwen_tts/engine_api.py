@@ -180,6 +180,13 @@ class EngineSettings:
     # small_m_heads): the step 4.69 -> 4.59 ms at batch 1, 6.28 -> 6.20 at batch 64; the 15 bias-fused cuBLAS
     # kernels took 0.16 ms a step at batch 1 (bench_gpu.py --engine-variants no-cp-input-tables). Ignored on CPU.
     cp_input_tables: bool = True
+    # On the fast path, each code-predictor pass of up to 16 rows through one Triton kernel for the whole stack
+    # (qwen_tts/stack_kernel.py): "phases", one launch per phase (five a layer and the final norm, 26 for the 1.7B's
+    # five layers, instead of ~50); "persistent", one launch a pass, its programs waiting at a grid-wide barrier
+    # between phases; "off", the fused path's kernels. Same function, rounded where the eager layers round. See
+    # docs/benchmarks.md for the measurements (bench_gpu.py --engine-variants cp-stack-phases,cp-stack-persistent).
+    # Ignored on CPU.
+    cp_stack_kernel: str = "off"
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
     # On an H200 the graphed step at batch 1 went 5.66 -> 5.54 ms; with the sampler kernel and polyphase convs on,
@@ -310,6 +317,10 @@ class EngineSettings:
             raise EngineSettingsError(
                 "decoder_polyphase_dilation",
                 f"decoder_polyphase_dilation must be >= 0, not {self.decoder_polyphase_dilation!r}",
+            )
+        if self.cp_stack_kernel not in ("off", "phases", "persistent"):
+            raise EngineSettingsError(
+                "cp_stack_kernel", f"cp_stack_kernel must be off, phases or persistent, not {self.cp_stack_kernel!r}"
             )
         if self.step_blas not in ("cublas", "cublaslt"):
             raise EngineSettingsError("step_blas", f"step_blas must be cublas or cublaslt, not {self.step_blas!r}")

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qwen_tts import stack_kernel
 from qwen_tts.decode_attention import HAVE_TRITON, decode_attention
 from qwen_tts.sampling import apply_repetition_penalty, mask_eos, sample, suppress
 from qwen_tts.small_m_gemm import SMALL_M_MAX, linear_add, norm_linear, norm_linear_silu
@@ -359,6 +360,8 @@ def stack_step(stack, x: Tensor, positions: Tensor, cache, slots: Tensor, shared
     rows of one pass): every row's K/V is written into the cache before the attention kernel runs, so a row reads
     the earlier positions of its slot whichever program runs first (the kernel writes them again, the same bits).
     """
+    if stack_kernel.runs(stack, x, cache):  # the whole pass as one kernel (or one per phase): stack_kernel.py
+        return stack_kernel.stack_pass(stack, x, positions, cache, slots)
     layers = stack.layers
     cos, sin = compiled("rope")(positions, stack.rotary_emb.inv_freq, x.dtype)
     first = layers[0]

@@ -175,6 +175,10 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        # stack_kernel.enable: one-token passes through one kernel for the whole stack ("phases" or "persistent"),
+        # over its weights re-laid as one tensor per kind (stack_kernel.StackWeights). None: the fused path's.
+        self.stack_kernel: str | None = None
+        self.stack_weights = None
 
     def new_cache(self, slots: int, max_len: int, device: torch.device | str | None, dtype: torch.dtype) -> KVCache:
         c = self.cfg

@@ -9,10 +9,10 @@
 #   bash scripts/gpu_variants.sh profile engine          # <= 9.5 min: the step and Code2Wav; the engine per variant
 #   bash scripts/gpu_variants.sh attention               # <= 2 min: the attention kernels alone
 #
-# Stages: tests, tests-engine (the engine's CUDA tests), pytest (the tests PYTEST_ARGS names), sampler (the sampler
-# kernel alone), attention, gemm, profile, step (the frame step alone, per STEP_SIZES), codec (Code2Wav alone),
-# engine. VARIANTS overrides the engine stage's variant list, CODEC_VARIANTS the Code2Wav variants of the profile
-# and codec stages, STEP_VARIANTS the step stage's.
+# Stages: tests, tests-engine (the engine's CUDA tests), pytest (PYTEST_ARGS's tests), stack (the one-kernel code
+# predictor stack: its tests, its passes alone), sampler (the sampler kernel alone), attention, gemm, profile, step
+# (the frame step alone, per STEP_SIZES), codec (Code2Wav alone), engine. VARIANTS overrides the engine stage's
+# variant list, CODEC_VARIANTS the profile and codec stages' Code2Wav variants, STEP_VARIANTS the step stage's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,7 +28,7 @@ CODEC_VARIANTS=${CODEC_VARIANTS:-fp16+polyphase-9,fp16+polyphase-9+snake-kernel,
 
 [ $# -gt 0 ] || { sed -n 2,15p "$0" >&2; exit 2; }
 for stage in "$@"; do
-  case $stage in tests | tests-engine | pytest | sampler | attention | gemm | profile | step | codec | engine) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
+  case $stage in tests | tests-engine | pytest | stack | sampler | attention | gemm | profile | step | codec | engine) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
 done
 
 # The same folder as gpu_bench.sh's, which installs the server's wheels only: the test wheels (pytest-asyncio)
@@ -66,6 +66,10 @@ for stage in "$@"; do
     tests-engine)  # the engine's CUDA cases: graphs == eager, batch invariance per kernel variant (24 cases)
       run tests-engine 480 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf -o log_level=WARNING \
         tests/test_engine.py -k "cuda or attention or small_m or split_k or fp16 or fused"
+      ;;
+    stack)  # the one-kernel stack's tests, then the code predictor's passes alone: the fused path's kernels against it
+      run stack-tests 300 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf tests/test_stack_kernel.py
+      run stack 240 "$PY" benchmarks/bench_stack.py --rows 1,2,4,8,16 --out "$OUT_DIR/stack.json"
       ;;
     sampler)
       run sampler 120 "$PY" benchmarks/bench_sampler.py --batches 2,64,256 --warp-elements 256,512,1024,2048 \

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from qwen_tts import fused, sample_kernel, small_m_gemm, snake_kernel
+from qwen_tts import fused, sample_kernel, small_m_gemm, snake_kernel, stack_kernel
 from qwen_tts.config import ConfigError, ModelConfig
 from qwen_tts.engine_api import (
     Engine,
@@ -207,6 +207,9 @@ class NativeEngine(Engine):
             if self.config.cp_input_tables:
                 n = self._talker.code_predictor.build_input_tables()
                 log.info("code predictor input tables: %.1f MB", n / 1e6)
+            stack_kernel.enable(self._talker.code_predictor.model, self.config.cp_stack_kernel)
+            if self.config.cp_stack_kernel != "off":
+                stack_kernel.prepare(self.device)  # its counters, before any graph capture
             self._talker.kernel_sampler = self.config.kernel_sampler
             sample_kernel.set_warp_elements(self.config.kernel_sampler_warp_elements)  # read at capture
         self._model_info["fused_kernels"] = fused.is_enabled(self._talker)
@@ -217,6 +220,7 @@ class NativeEngine(Engine):
         self._model_info["small_m_heads"] = self._talker.head_linear is not None
         self._model_info["cp_input_tables"] = self._talker.code_predictor.input_tables is not None
         self._model_info["cp_prompt_one_pass"] = self._talker.code_predictor.prompt_one_pass
+        self._model_info["cp_stack_kernel"] = self._talker.code_predictor.model.stack_kernel or "off"
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)
         self._model_info["fused_decoder"] = any(getattr(m, "fast", None) for m in self._code2wav.modules())

@@ -1,0 +1,162 @@
+"""The code predictor's 15 passes a frame alone, on CUDA: the fused path's kernels (fused.stack_step: compiled
+blocks, the few-row matmul split over K, split attention; the engine's defaults) against the one-kernel stack
+(qwen_tts/stack_kernel.py), one launch per phase and persistent.
+
+Full-size code-predictor weights (random, bf16; the 1.7B's and the 0.6B's are the same shape), built on the GPU.
+For each row count and mode it captures a frame's passes (positions 1-15, as after the prompt) into a CUDA graph,
+replays it back to back (CUDA events) and reports microseconds per pass and the weight bandwidth that implies;
+it checks each mode's output against the fused path's and that the persistent mode gives the phases' bits. Prints
+a table last, writes JSON.
+
+    python3 benchmarks/bench_stack.py --rows 1,2,4,8,16 --out stack.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from bench_attention import time_calls  # this script's directory is on sys.path when run
+
+from qwen_tts import fused, small_m_gemm, stack_kernel
+from qwen_tts.config import DecoderLayersConfig
+from qwen_tts.engine_api import EngineSettings
+from qwen_tts.layers import DecoderStack
+
+PASSES = 15  # positions 1..15 of a frame
+CACHE_LEN = 16
+
+
+@torch.no_grad()
+def build(dims: tuple[int, ...], seed: int = 0) -> DecoderStack:
+    H, inter, L, nq, nkv, D = dims
+    cfg = DecoderLayersConfig(
+        hidden_size=H, intermediate_size=inter, num_hidden_layers=L, num_attention_heads=nq,
+        num_key_value_heads=nkv, head_dim=D, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=65536, vocab_size=2048,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        stack = DecoderStack(cfg)
+    for p in stack.parameters():
+        p.requires_grad_(False)  # inference only: the compiled blocks must not trace a backward
+        p.copy_(1.0 + 0.1 * torch.randn_like(p) if p.dim() == 1 else torch.randn_like(p) / p.shape[1] ** 0.5)
+    return stack.to(torch.bfloat16)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--modes", default="fused,phases,persistent,persistent+step512,persistent+step512+w8",
+                    help="fused, phases or persistent, each with options: +prefetch, +unsplit (o and down on "
+                    "16-column units with every K tile), +stepN (K steps up to N), +w8 (eight warps)")  # fmt: skip
+    ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument(
+        "--phase-profile",
+        default="1,2,3,4,5,6,10,15,20,25,26",
+        help="time the persistent kernel cut after each of these phase counts (one row); empty: skip",
+    )
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_stack: needs CUDA")
+    dims = tuple(map(int, args.dims.split(",")))
+    modes = args.modes.split(",")
+    small_m_gemm.set_max_split_k(EngineSettings().small_m_split_k)
+    small_m_gemm.prepare("cuda")
+    stack_kernel.prepare("cuda")
+    stacks = {}
+    for mode in modes:  # one copy of the same weights each (same seed)
+        stacks[mode] = s = build(dims)
+        fused.enable(s, split_attention=True, small_m_gemm=True)
+        kind = mode.split("+")[0]
+        stack_kernel.enable(s, "off" if kind == "fused" else kind)
+    base = stacks[modes[0]]
+    default_options = stack_kernel.set_options()
+
+    def use_options(mode: str) -> None:  # read at launch: before each mode's capture and its check
+        stack_kernel.set_options(**default_options)
+        parts = mode.split("+")[1:]
+        stack_kernel.set_options(prefetch="prefetch" in parts)
+        if "unsplit" in parts:
+            stack_kernel.set_options(residual_split=1, residual_block_n=16)
+        for p in parts:
+            if p.startswith("step"):  # step256: K steps up to 256
+                stack_kernel.set_options(max_step_k=int(p[4:]))
+            if p.startswith("w") and p[1:].isdigit():  # w8: eight warps
+                stack_kernel.set_options(num_warps=int(p[1:]))
+
+    weight_bytes = sum(
+        p.numel() * p.element_size() for n, p in base.named_parameters() if n.startswith("layers.") and p.dim() > 1
+    )
+    rows_out = []
+    torch.set_grad_enabled(False)
+    for M in map(int, args.rows.split(",")):
+        g = torch.Generator(device="cuda").manual_seed(M)
+        xs = [torch.randn(M, dims[0], device="cuda", generator=g).to(torch.bfloat16) for _ in range(PASSES)]
+        slots = torch.arange(M, device="cuda")
+        positions = [torch.full((M,), t + 1, device="cuda") for t in range(PASSES)]
+        outs, times = {}, {}
+        init = base.new_cache(M, CACHE_LEN, "cuda", torch.bfloat16)
+        init.k.normal_(generator=g)
+        init.v.normal_(generator=g)
+        for mode in modes:
+            stack = stacks[mode]
+            cache = stack.new_cache(M, CACHE_LEN, "cuda", torch.bfloat16)
+            res: list[torch.Tensor] = []
+
+            def frame(stack=stack, cache=cache, res=res, xs=xs, positions=positions, slots=slots):
+                res.clear()
+                res.extend(fused.stack_step(stack, x, p, cache, slots) for x, p in zip(xs, positions, strict=True))
+
+            use_options(mode)
+            times[mode] = time_calls(frame, "cuda", args.iters) / PASSES
+            cache.k.copy_(init.k)  # every mode's check from the same cache
+            cache.v.copy_(init.v)
+            frame()  # eager, from the same cache as every mode
+            torch.cuda.synchronize()
+            outs[mode] = torch.stack(res).float()
+        ref = outs[modes[0]]
+        for mode in modes:
+            us = times[mode] * 1e6
+            diff = (outs[mode] - ref).abs().max().item()
+            row = dict(rows=M, mode=mode, us_per_pass=round(us, 2), tb_per_s=round(weight_bytes / times[mode] / 1e12, 3),
+                       max_abs_diff_vs_first=diff, out_scale=ref.abs().max().item())  # fmt: skip
+            if mode.startswith("persistent") and "phases" in outs:
+                row["equals_phases"] = bool(torch.equal(outs[mode], outs["phases"]))
+            rows_out.append(row)
+            print(json.dumps(row), flush=True)
+    profile = []
+    if args.phase_profile:  # the persistent kernel cut after k phases: what each phase adds, barrier included
+        M = 1
+        stack = stacks[args.profile_mode]
+        stack_kernel.enable(stack, "persistent")
+        cache = stack.new_cache(M, CACHE_LEN, "cuda", torch.bfloat16)
+        x, slots, pos = torch.randn(M, dims[0], device="cuda").to(torch.bfloat16), torch.zeros(M, dtype=torch.long,
+            device="cuda"), torch.ones(M, dtype=torch.long, device="cuda")  # fmt: skip
+        for variant in (args.profile_mode, "persistent"):
+            use_options(variant)
+            for k in map(int, args.phase_profile.split(",")):
+                us = time_calls(lambda k=k: stack_kernel.stack_pass(stack, x, pos, cache, slots, phase_range=(0, k)),
+                                "cuda", args.iters) * 1e6  # fmt: skip
+                profile.append(dict(phases=k, options=variant, us=round(us, 2)))
+                print(json.dumps(profile[-1]), flush=True)
+    print(f"\nweights a pass: {weight_bytes / 1e6:.1f} MB; {torch.cuda.get_device_name()}")
+    print(f"{'rows':>4} {'mode':>11} {'us/pass':>8} {'TB/s':>6} {'max diff':>9}")
+    for r in rows_out:
+        print(
+            f"{r['rows']:>4} {r['mode']:>11} {r['us_per_pass']:>8.1f} {r['tb_per_s']:>6.2f} {r['max_abs_diff_vs_first']:>9.4f}"
+        )
+    if args.out:
+        out = {"device": torch.cuda.get_device_name(), "dims": dims, "rows": rows_out, "phase_profile": profile}
+        args.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
