@@ -52,9 +52,9 @@ def build(dims: tuple[int, ...], seed: int = 0) -> DecoderStack:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8,16")
-    ap.add_argument("--modes", default="fused,phases,persistent,persistent+step512,persistent+step512+w8",
+    ap.add_argument("--modes", default="fused,phases,persistent,persistent+step128+w4",
                     help="fused, phases or persistent, each with options: +prefetch, +unsplit (o and down on "
-                    "16-column units with every K tile), +stepN (K steps up to N), +w8 (eight warps)")  # fmt: skip
+                    "16-column units with every K tile), +stepN (K steps up to N), +wN (N warps)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument(
@@ -62,6 +62,7 @@ def main() -> None:
         default="1,2,3,4,5,6,10,15,20,25,26",
         help="time the persistent kernel cut after each of these phase counts (one row); empty: skip",
     )
+    ap.add_argument("--profile-mode", default="persistent", help="the options of the phase profile, as in --modes")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -97,6 +98,9 @@ def main() -> None:
     )
     rows_out = []
     torch.set_grad_enabled(False)
+    profile_kind, *_ = args.profile_mode.split("+")
+    if args.phase_profile and profile_kind != "persistent":
+        sys.exit(f"bench_stack: --profile-mode must be persistent with options, not {args.profile_mode}")
     for M in map(int, args.rows.split(",")):
         g = torch.Generator(device="cuda").manual_seed(M)
         xs = [torch.randn(M, dims[0], device="cuda", generator=g).to(torch.bfloat16) for _ in range(PASSES)]
@@ -135,12 +139,13 @@ def main() -> None:
     profile = []
     if args.phase_profile:  # the persistent kernel cut after k phases: what each phase adds, barrier included
         M = 1
-        stack = stacks[args.profile_mode]
+        stack = build(dims)  # its own copy: the modes' stacks keep their kinds
+        fused.enable(stack, split_attention=True, small_m_gemm=True)
         stack_kernel.enable(stack, "persistent")
         cache = stack.new_cache(M, CACHE_LEN, "cuda", torch.bfloat16)
         x, slots, pos = torch.randn(M, dims[0], device="cuda").to(torch.bfloat16), torch.zeros(M, dtype=torch.long,
             device="cuda"), torch.ones(M, dtype=torch.long, device="cuda")  # fmt: skip
-        for variant in (args.profile_mode, "persistent"):
+        for variant in dict.fromkeys((args.profile_mode, "persistent")):  # and the defaults, once
             use_options(variant)
             for k in map(int, args.phase_profile.split(",")):
                 us = time_calls(lambda k=k: stack_kernel.stack_pass(stack, x, pos, cache, slots, phase_range=(0, k)),
@@ -148,10 +153,10 @@ def main() -> None:
                 profile.append(dict(phases=k, options=variant, us=round(us, 2)))
                 print(json.dumps(profile[-1]), flush=True)
     print(f"\nweights a pass: {weight_bytes / 1e6:.1f} MB; {torch.cuda.get_device_name()}")
-    print(f"{'rows':>4} {'mode':>11} {'us/pass':>8} {'TB/s':>6} {'max diff':>9}")
+    print(f"{'rows':>4} {'mode':>26} {'us/pass':>8} {'TB/s':>6} {'max diff':>9}")
     for r in rows_out:
         print(
-            f"{r['rows']:>4} {r['mode']:>11} {r['us_per_pass']:>8.1f} {r['tb_per_s']:>6.2f} {r['max_abs_diff_vs_first']:>9.4f}"
+            f"{r['rows']:>4} {r['mode']:>26} {r['us_per_pass']:>8.1f} {r['tb_per_s']:>6.2f} {r['max_abs_diff_vs_first']:>9.4f}"
         )
     if args.out:
         out = {"device": torch.cuda.get_device_name(), "dims": dims, "rows": rows_out, "phase_profile": profile}

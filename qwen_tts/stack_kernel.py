@@ -440,8 +440,10 @@ if HAVE_TRITON:
                 tl.atomic_xchg(BAR + 1, 0)
 
 
-# The kernel's choices, process-wide (`set_options`; CUDA graphs keep those they were captured with).
-_options = {"prefetch": False, "residual_split": 4, "residual_block_n": BLOCK_N, "max_step_k": 128, "num_warps": 4}
+# The kernel's choices, process-wide (`set_options`; CUDA graphs keep those they were captured with). K steps up to
+# 512 on eight warps: on an H200 at the 1.7B's code predictor dims a persistent pass took 171.5-184.5 us at 1-16 rows
+# against 194.8-246.3 with steps of 128 on four warps (benchmarks/bench_stack.py, docs/benchmarks.md).
+_options = {"prefetch": False, "residual_split": 4, "residual_block_n": BLOCK_N, "max_step_k": 512, "num_warps": 8}
 
 
 def set_options(prefetch: bool | None = None, residual_split: int | None = None,

@@ -9,10 +9,11 @@
 #   bash scripts/gpu_variants.sh profile engine          # <= 9.5 min: the step and Code2Wav; the engine per variant
 #   bash scripts/gpu_variants.sh attention               # <= 2 min: the attention kernels alone
 #
-# Stages: tests, tests-engine (the engine's CUDA tests), pytest (PYTEST_ARGS's tests), stack (the one-kernel code
-# predictor stack: its tests, its passes alone), sampler (the sampler kernel alone), attention, gemm, profile, step
-# (the frame step alone, per STEP_SIZES), codec (Code2Wav alone), engine. VARIANTS overrides the engine stage's
-# variant list, CODEC_VARIANTS the profile and codec stages' Code2Wav variants, STEP_VARIANTS the step stage's.
+# Stages: tests, tests-engine (the engine's CUDA tests), pytest (the tests PYTEST_ARGS names), stack (the
+# one-kernel code predictor stack: its passes alone, STACK_MODES naming bench_stack.py's modes, then its tests),
+# sampler (the sampler kernel alone), attention, gemm, profile, step (the frame step alone, per STEP_SIZES), codec
+# (Code2Wav alone), engine. VARIANTS overrides the engine stage's variant list, CODEC_VARIANTS the Code2Wav
+# variants of the profile and codec stages, STEP_VARIANTS the step stage's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,7 +27,7 @@ STEP_VARIANTS=${STEP_VARIANTS:-$DEFAULT_STEP,$DEFAULT_STEP+fusion,$DEFAULT_STEP+
 STEP_SIZES=${STEP_SIZES:-1.7b 0.6b}
 CODEC_VARIANTS=${CODEC_VARIANTS:-fp16+polyphase-9,fp16+polyphase-9+snake-kernel,fp16+polyphase-9+snake-kernel+channels-last}
 
-[ $# -gt 0 ] || { sed -n 2,15p "$0" >&2; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,16p "$0" >&2; exit 2; }
 for stage in "$@"; do
   case $stage in tests | tests-engine | pytest | stack | sampler | attention | gemm | profile | step | codec | engine) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
 done
@@ -67,9 +68,9 @@ for stage in "$@"; do
       run tests-engine 480 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf -o log_level=WARNING \
         tests/test_engine.py -k "cuda or attention or small_m or split_k or fp16 or fused"
       ;;
-    stack)  # the one-kernel stack's tests, then the code predictor's passes alone: the fused path's kernels against it
+    stack)  # the code predictor's passes alone (the fused path's kernels against the one-kernel stack), then its tests
+      run stack 240 "$PY" benchmarks/bench_stack.py --rows 1,2,4,8,16 ${STACK_MODES:+--modes "$STACK_MODES"} --out "$OUT_DIR/stack.json"
       run stack-tests 300 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf tests/test_stack_kernel.py
-      run stack 240 "$PY" benchmarks/bench_stack.py --rows 1,2,4,8,16 --out "$OUT_DIR/stack.json"
       ;;
     sampler)
       run sampler 120 "$PY" benchmarks/bench_sampler.py --batches 2,64,256 --warp-elements 256,512,1024,2048 \

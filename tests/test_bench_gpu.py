@@ -258,8 +258,9 @@ def test_gpu_variants_script_names_its_stages_and_refuses_unknown_ones_before_in
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
     words = " ".join(usage.stderr.replace("#", " ").split())  # the header's lines joined
     stages = (
-        "Stages: tests, tests-engine (the engine's CUDA tests), pytest (the tests PYTEST_ARGS names), sampler (the "
-        "sampler kernel alone), attention, gemm, profile, step (the frame step alone, per STEP_SIZES), codec "
+        "Stages: tests, tests-engine (the engine's CUDA tests), pytest (the tests PYTEST_ARGS names), stack (the "
+        "one-kernel code predictor stack: its passes alone, STACK_MODES naming bench_stack.py's modes, then its "
+        "tests), sampler (the sampler kernel alone), attention, gemm, profile, step (the frame step alone, per STEP_SIZES), codec "
         "(Code2Wav alone), engine. VARIANTS overrides the engine stage's variant list, CODEC_VARIANTS the Code2Wav "
         "variants of the profile and codec stages, STEP_VARIANTS the step stage's."
     )

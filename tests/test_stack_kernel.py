@@ -105,12 +105,13 @@ def test_splits_and_units_come_from_the_shapes() -> None:
     cpu = torch.device("cpu")
     assert big.block_k == 128
     assert big.splits(cpu) == (4, 4, 1, 4)
-    assert big.steps(cpu) == (128, 128, 128, 128)
+    # By default K steps up to 512: each unit's K range is q|k|v 256, o 512, gate|up 1024 (unsplit), down 768 (three
+    # 256-steps).
+    assert big.steps(cpu) == (256, 512, 512, 256)
     before = stack_kernel.set_options()
     try:
-        # Each unit's K range: q|k|v 256, o 512, gate|up 1024 (unsplit), down 768 (three 256-steps).
-        stack_kernel.set_options(max_step_k=512)
-        assert big.steps(cpu) == (256, 512, 512, 256)
+        stack_kernel.set_options(max_step_k=128)
+        assert big.steps(cpu) == (128, 128, 128, 128)
     finally:
         stack_kernel.set_options(**before)
 
@@ -200,19 +201,19 @@ def test_what_the_kernel_does_not_take() -> None:
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the persistent mode needs every program resident: a GPU")
-@pytest.mark.parametrize("opts", ["default", "prefetch", "unsplit", "step512-w8"])
+@pytest.mark.parametrize("opts", ["default", "prefetch", "unsplit", "step128-w4"])
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("shape", ["split", "full"])
 def test_cuda_persistent_gives_the_phases_bits(shape, rows, opts, options) -> None:
     """One launch a pass with grid-wide barriers: the bits of one launch per phase, output and cache, over passes at
     positions 0-3; and the barrier and counters are back at zero after each. With the options: the next phase's
-    weights prefetched into L2, the o and down projections unsplit, K steps up to 512 on eight warps."""
+    weights prefetched into L2, the o and down projections unsplit, K steps up to 128 on four warps."""
     if opts == "prefetch":
         options(prefetch=True)
     if opts == "unsplit":
         options(residual_split=1, residual_block_n=16)
-    if opts == "step512-w8":
-        options(max_step_k=512, num_warps=8)
+    if opts == "step128-w4":
+        options(max_step_k=128, num_warps=4)
     dims = SHAPES["split"] if shape == "split" else (1024, 3072, 5, 16, 8, 128)  # the 1.7B's code predictor
     _, kern = make_stack(dims, torch.bfloat16)
     H = dims[0]
