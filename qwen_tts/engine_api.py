@@ -183,9 +183,10 @@ class EngineSettings:
     # On the fast path, each code-predictor pass of up to 16 rows through one Triton kernel for the whole stack
     # (qwen_tts/stack_kernel.py): "phases", one launch per phase (five a layer and the final norm, 26 for the 1.7B's
     # five layers, instead of ~50); "persistent", one launch a pass, its programs waiting at a grid-wide barrier
-    # between phases; "off", the fused path's kernels. Same function, rounded where the eager layers round. See
-    # docs/benchmarks.md for the measurements (bench_gpu.py --engine-variants cp-stack-phases,cp-stack-persistent).
-    # Ignored on CPU.
+    # between phases; "off", the fused path's kernels. Same function, rounded where the eager layers round. On an
+    # H200 (1.7B, batch 1, graph replays) "persistent" cut the step's kernels 1,204 -> 443 but not its time: 4.57 ->
+    # 4.69 ms (profile_step.py variant +stack-persistent); each of the 26 phases waits on latency, not bytes. So off
+    # (docs/benchmarks.md; bench_gpu.py --engine-variants cp-stack-phases,cp-stack-persistent). Ignored on CPU.
     cp_stack_kernel: str = "off"
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
