@@ -106,11 +106,9 @@ VARIANTS: dict[str, dict] = {
     "small-m-pdl": {"small_m_pdl": True},  # the few-row matmuls as programmatic dependents (Hopper)
     "small-m-heads": {"small_m_heads": True},  # the talker's and code predictor's heads by the few-row kernel
     "cp-input-tables": {"cp_input_tables": True},  # the code predictor's pass inputs from projected tables
-    "no-cp-input-tables": {"cp_input_tables": False},
+    "no-cp-input-tables": {"cp_input_tables": False},  # and through the projection every pass (before the default)
     "cp-stack-phases": {"cp_stack_kernel": "phases"},  # each code-predictor pass by the stack kernel, a launch a phase
-    "cp-stack-persistent": {
-        "cp_stack_kernel": "persistent"
-    },  # and in one persistent launch a pass  # and through the projection every pass (before the default)
+    "cp-stack-persistent": {"cp_stack_kernel": "persistent"},  # and in one persistent launch a pass
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints

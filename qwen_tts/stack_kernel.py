@@ -82,6 +82,19 @@ if HAVE_TRITON:
         return tl.math.rsqrt(tl.sum(xf * xf, axis=1) / H + eps)
 
     @triton.jit
+    def _x_tile(X, m, mmask, k, kmask, K, inv, LNW, NORM: tl.constexpr):
+        """x[:, k] of X (rows, K), data the kernel wrote (so past L1: .cg); NORM: rms_norm(x) = LNW * (x * inv)
+        .to(dtype), rounded as `layers.RMSNorm` rounds."""
+        x = tl.load(
+            X + m[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0, cache_modifier=".cg"
+        )
+        if NORM:
+            g = tl.load(LNW + k, mask=kmask, other=0.0).to(tl.float32)
+            xn = (x.to(tl.float32) * inv[:, None]).to(x.dtype)
+            x = (g[None, :] * xn.to(tl.float32)).to(x.dtype)
+        return x
+
+    @triton.jit
     def _matmul(
         acc, X, W, m, mmask, n, nmask, k_start, k_end, K, inv, LNW, NORM: tl.constexpr, BLOCK_K: tl.constexpr,
         PRECISION: tl.constexpr,
@@ -92,13 +105,7 @@ if HAVE_TRITON:
         for k0 in range(k_start, k_end, BLOCK_K):
             k = k0 + kk
             kmask = k < K
-            x = tl.load(
-                X + m[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0, cache_modifier=".cg"
-            )
-            if NORM:
-                g = tl.load(LNW + k, mask=kmask, other=0.0).to(tl.float32)
-                xn = (x.to(tl.float32) * inv[:, None]).to(x.dtype)
-                x = (g[None, :] * xn.to(tl.float32)).to(x.dtype)
+            x = _x_tile(X, m, mmask, k, kmask, K, inv, LNW, NORM)
             w = tl.load(W + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         return acc
@@ -183,13 +190,7 @@ if HAVE_TRITON:
         for k0 in range(k_start, k_end, BLOCK_K):
             k = k0 + kk
             kmask = k < K
-            x = tl.load(
-                X + m[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0, cache_modifier=".cg"
-            )
-            if NORM:
-                g = tl.load(LNW + k, mask=kmask, other=0.0).to(tl.float32)
-                xn = (x.to(tl.float32) * inv[:, None]).to(x.dtype)
-                x = (g[None, :] * xn.to(tl.float32)).to(x.dtype)
+            x = _x_tile(X, m, mmask, k, kmask, K, inv, LNW, NORM)
             wmask = nmask[:, None] & kmask[None, :]
             wa = tl.load(W + rows_a[:, None] * K + k[None, :], mask=wmask, other=0.0)
             wb = tl.load(W + rows_b[:, None] * K + k[None, :], mask=wmask, other=0.0)
