@@ -53,7 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--modes", default="fused,phases,persistent,persistent+step128+w4",
-                    help="fused, phases or persistent, each with options: +prefetch, +unsplit (o and down on "
+                    help="fused, phases or persistent, each with options: +prefetch, +preload, +unsplit (o and down on "
                     "16-column units with every K tile), +stepN (K steps up to N), +wN (N warps)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
     ap.add_argument("--iters", type=int, default=50)
@@ -84,7 +84,7 @@ def main() -> None:
     def use_options(mode: str) -> None:  # read at launch: before each mode's capture and its check
         stack_kernel.set_options(**default_options)
         parts = mode.split("+")[1:]
-        stack_kernel.set_options(prefetch="prefetch" in parts)
+        stack_kernel.set_options(prefetch="prefetch" in parts, preload="preload" in parts)
         if "unsplit" in parts:
             stack_kernel.set_options(residual_split=1, residual_block_n=16)
         for p in parts:

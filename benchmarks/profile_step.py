@@ -84,6 +84,8 @@ STEP_VARIANTS = {
     # phase, or one persistent launch a pass.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-phases": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-persistent": _BOTH,
+    # and with each matmul phase's first weight tile loaded before the grid wait (stack_kernel's preload).
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-persistent+preload": _BOTH,
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}
@@ -110,6 +112,7 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
         fused.set_small_m_heads(talker, "+heads" in variant)
         if "+tables" in variant:
             talker.code_predictor.build_input_tables()
+        stack_kernel.set_options(preload="+preload" in variant)  # process-wide, read at capture
         for mode in ("phases", "persistent"):
             if f"+stack-{mode}" in variant:
                 stack_kernel.prepare("cuda")

@@ -18,7 +18,9 @@ per layer and the final norm:
 Each phase reads what the one before wrote, from other programs. Two modes:
   - "phases": one launch per phase (26 for a five-layer stack), the launch boundary orders them;
   - "persistent": one launch per pass with at most one program per SM, every program looping over its units of
-    each phase and waiting at a grid-wide barrier (an atomic counter) before the next. All programs must be
+    each phase and waiting at a grid-wide barrier (an atomic counter) before the next: it counts in at the end of
+    a phase and waits at the start of the next, with the `preload` option after loading the phase's first weight
+    tile (weights no phase writes), so that load is in flight while the grid catches up. All programs must be
     resident at once, which one program per SM and a grid no larger than the SM count give. Triton's CPU
     interpreter runs programs one after another, so there only "phases" can run.
 
@@ -60,16 +62,30 @@ _counters: dict[torch.device, Tensor] = {}
 if HAVE_TRITON:
 
     @triton.jit
-    def _grid_sync(BAR, target):
-        """Wait until `target` arrivals at the barrier counter, this program's included (a grid-wide barrier).
-        The CTA barrier before the release orders every thread's stores before it; the one after the acquire
-        orders every thread's loads after it (the loads of data written in the kernel also skip L1: .cg)."""
+    def _grid_arrive(BAR):
+        """Count this program in at the grid-wide barrier (an atomic counter): its phase is done. The CTA barrier
+        before the release orders every thread's stores before it."""
         tl.debug_barrier()
         tl.atomic_add(BAR, 1, sem="release", scope="gpu")
-        seen = tl.atomic_add(BAR, 0, sem="acquire", scope="gpu")
-        while seen < target:
-            seen = tl.atomic_add(BAR, 0, sem="acquire", scope="gpu")
-        tl.debug_barrier()
+
+    @triton.jit
+    def _grid_wait(BAR, target, PERSISTENT: tl.constexpr):
+        """Persistent: wait until `target` arrivals at the barrier (0: the launch's first phase, no wait). The CTA
+        barrier after the acquire orders every thread's loads after it (the loads of data written in the kernel
+        also skip L1: .cg). Loads issued before the wait (the phase's weights, which no phase writes) stay in
+        flight while it spins."""
+        if PERSISTENT:  # noqa: SIM102 (a compile-time branch around a runtime one)
+            if target > 0:
+                seen = tl.atomic_add(BAR, 0, sem="acquire", scope="gpu")
+                while seen < target:
+                    seen = tl.atomic_add(BAR, 0, sem="acquire", scope="gpu")
+                tl.debug_barrier()
+
+    @triton.jit
+    def _w_tile(W, rows, rmask, k_start, K, STEP: tl.constexpr):
+        """w[rows, k_start:k_start + STEP] of W (N, K) contiguous, zero outside rmask and K: a unit's first K step."""
+        k = k_start + tl.arange(0, STEP)
+        return tl.load(W + rows[:, None] * K + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0)
 
     @triton.jit
     def _inv_rms(X, m, mmask, eps, H: tl.constexpr, H_P2: tl.constexpr):
@@ -96,19 +112,33 @@ if HAVE_TRITON:
 
     @triton.jit
     def _matmul(
-        acc, X, W, m, mmask, n, nmask, k_start, k_end, K, inv, LNW, NORM: tl.constexpr, BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr,
+        acc, w0, X, W, m, mmask, n, nmask, k_start, k_end, K, inv, LNW, NORM: tl.constexpr, BLOCK_K: tl.constexpr,
+        PRECISION: tl.constexpr, PEEL: tl.constexpr,
     ):  # fmt: skip
-        """acc + x[:, k_start:k_end] @ w[n, k_start:k_end].T; X (rows, K) and W (N, K) contiguous. NORM: x is
-        replaced by rms_norm(x) = LNW * (x * inv).to(dtype), rounded as `layers.RMSNorm` rounds."""
+        """acc + x[:, k_start:k_end] @ w[n, k_start:k_end].T; X (rows, K) and W (N, K) contiguous. PEEL: w0 is the
+        first step's weight tile, loaded by the caller (`_w_tile`, before a grid wait), and the other steps are not
+        pipelined (the preloaded tile's shared memory and the pipeline's would not fit together); else w0 is unused
+        and the loop loads every tile itself. NORM: x is replaced by rms_norm(x) = LNW * (x * inv).to(dtype),
+        rounded as `layers.RMSNorm` rounds."""
         kk = tl.arange(0, BLOCK_K)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            k = k0 + kk
-            kmask = k < K
-            x = _x_tile(X, m, mmask, k, kmask, K, inv, LNW, NORM)
-            w = tl.load(W + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if PEEL:
+            k = k_start + kk
+            x = _x_tile(X, m, mmask, k, k < K, K, inv, LNW, NORM)
+            acc = tl.dot(x, tl.trans(w0), acc, input_precision=PRECISION)
+            for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=1):
+                acc = _step(acc, X, W, m, mmask, n, nmask, k0 + kk, K, inv, LNW, NORM, PRECISION)
+        else:
+            for k0 in range(k_start, k_end, BLOCK_K):
+                acc = _step(acc, X, W, m, mmask, n, nmask, k0 + kk, K, inv, LNW, NORM, PRECISION)
         return acc
+
+    @triton.jit
+    def _step(acc, X, W, m, mmask, n, nmask, k, K, inv, LNW, NORM: tl.constexpr, PRECISION: tl.constexpr):
+        """One K step of `_matmul`: the x tile and the weight tile at columns k, one dot."""
+        kmask = k < K
+        x = _x_tile(X, m, mmask, k, kmask, K, inv, LNW, NORM)
+        w = tl.load(W + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
 
     @triton.jit
     def _arrive(PART, CNT, acc, tile, tmask, blk, s, part_stride, SPLIT: tl.constexpr):
@@ -128,23 +158,35 @@ if HAVE_TRITON:
 
     @triton.jit
     def _residual_phase(
-        SRC, W, XIN, XS, PART, CNT, m, mmask, pid, nprog, H: tl.constexpr, K: tl.constexpr, SPLIT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEP_K: tl.constexpr,
-        PRECISION: tl.constexpr,
+        SRC, W, XIN, XS, PART, CNT, BAR, target, m, mmask, pid, nprog, H: tl.constexpr, K: tl.constexpr,
+        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        STEP_K: tl.constexpr, PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, PRELOAD: tl.constexpr,
+        UNIT_STAGES: tl.constexpr,
     ):  # fmt: skip
         """x + src @ w.T into XS (phases 3 and 5): BLOCK_N columns a unit, split over K, the last split adding the
-        partials and the residual (the product rounded first, as `x + F.linear(...)` is); unsplit, the unit adds."""
+        partials and the residual (the product rounded first, as `x + F.linear(...)` is); unsplit, the unit adds.
+        Waits at the grid barrier for `target` first; PRELOAD: after loading its first unit's first weight tile."""
         dt = XS.dtype.element_ty
         per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
         jn = tl.arange(0, BLOCK_N)
-        for u in range(pid, tl.cdiv(H, BLOCK_N) * SPLIT, nprog):
+        units = tl.cdiv(H, BLOCK_N) * SPLIT
+        w_pre = 0
+        if PRELOAD:
+            n_pre = (pid // SPLIT) * BLOCK_N + jn
+            w_pre = _w_tile(W, n_pre, (n_pre < H) & (pid < units), (pid % SPLIT) * per, K, STEP_K)
+        _grid_wait(BAR, target, PERSISTENT)
+        for u in tl.range(pid, units, nprog, num_stages=UNIT_STAGES):
             blk = u // SPLIT
             s = u % SPLIT
             n = blk * BLOCK_N + jn
             k_start = s * per
+            w0 = w_pre
+            if PRELOAD:  # noqa: SIM102 (a compile-time branch around a runtime one)
+                if u != pid:
+                    w0 = _w_tile(W, n, n < H, k_start, K, STEP_K)
             acc = _matmul(
-                tl.zeros((BLOCK_M, BLOCK_N), tl.float32), SRC, W, m, mmask, n, n < H, k_start,
-                tl.minimum(k_start + per, K), K, m.to(tl.float32), W, False, STEP_K, PRECISION,
+                tl.zeros((BLOCK_M, BLOCK_N), tl.float32), w0, SRC, W, m, mmask, n, n < H, k_start,
+                tl.minimum(k_start + per, K), K, m.to(tl.float32), W, False, STEP_K, PRECISION, PRELOAD,
             )  # fmt: skip
             tile = m[:, None] * H + n[None, :]
             tmask = mmask[:, None] & (n < H)[None, :]
@@ -182,20 +224,37 @@ if HAVE_TRITON:
 
     @triton.jit
     def _matmul2(
-        acc_a, acc_b, X, W, m, mmask, rows_a, rows_b, nmask, k_start, k_end, K, inv, LNW, NORM: tl.constexpr,
-        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+        acc_a, acc_b, wa0, wb0, X, W, m, mmask, rows_a, rows_b, nmask, k_start, k_end, K, inv, LNW,
+        NORM: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PEEL: tl.constexpr,
     ):  # fmt: skip
-        """`_matmul` for two row sets of one weight sharing the x operand (gate and up)."""
+        """`_matmul` for two row sets of one weight sharing the x operand (gate and up); PEEL: with their first
+        tiles."""
         kk = tl.arange(0, BLOCK_K)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            k = k0 + kk
-            kmask = k < K
-            x = _x_tile(X, m, mmask, k, kmask, K, inv, LNW, NORM)
-            wmask = nmask[:, None] & kmask[None, :]
-            wa = tl.load(W + rows_a[:, None] * K + k[None, :], mask=wmask, other=0.0)
-            wb = tl.load(W + rows_b[:, None] * K + k[None, :], mask=wmask, other=0.0)
-            acc_a = tl.dot(x, tl.trans(wa), acc_a, input_precision=PRECISION)
-            acc_b = tl.dot(x, tl.trans(wb), acc_b, input_precision=PRECISION)
+        if PEEL:
+            k = k_start + kk
+            x = _x_tile(X, m, mmask, k, k < K, K, inv, LNW, NORM)
+            acc_a = tl.dot(x, tl.trans(wa0), acc_a, input_precision=PRECISION)
+            acc_b = tl.dot(x, tl.trans(wb0), acc_b, input_precision=PRECISION)
+            for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=1):
+                acc_a, acc_b = _step2(acc_a, acc_b, X, W, m, mmask, rows_a, rows_b, nmask, k0 + kk, K, inv, LNW, NORM,
+                                      PRECISION)  # fmt: skip
+        else:
+            for k0 in range(k_start, k_end, BLOCK_K):
+                acc_a, acc_b = _step2(acc_a, acc_b, X, W, m, mmask, rows_a, rows_b, nmask, k0 + kk, K, inv, LNW, NORM,
+                                      PRECISION)  # fmt: skip
+        return acc_a, acc_b
+
+    @triton.jit
+    def _step2(acc_a, acc_b, X, W, m, mmask, rows_a, rows_b, nmask, k, K, inv, LNW, NORM: tl.constexpr,
+               PRECISION: tl.constexpr):  # fmt: skip
+        """One K step of `_matmul2`: the x tile at columns k, the two weight tiles, two dots."""
+        kmask = k < K
+        x = _x_tile(X, m, mmask, k, kmask, K, inv, LNW, NORM)
+        wmask = nmask[:, None] & kmask[None, :]
+        wa = tl.load(W + rows_a[:, None] * K + k[None, :], mask=wmask, other=0.0)
+        wb = tl.load(W + rows_b[:, None] * K + k[None, :], mask=wmask, other=0.0)
+        acc_a = tl.dot(x, tl.trans(wa), acc_a, input_precision=PRECISION)
+        acc_b = tl.dot(x, tl.trans(wb), acc_b, input_precision=PRECISION)
         return acc_a, acc_b
 
     @triton.jit
@@ -250,6 +309,8 @@ if HAVE_TRITON:
         PERSISTENT: tl.constexpr,
         RES_BLOCK_N: tl.constexpr,  # output columns per unit of the o and down projections
         PREFETCH: tl.constexpr,  # each phase first asks L2 for this program's weights of the next matmul phase
+        PRELOAD: tl.constexpr,  # each matmul phase loads its first weight tile before the grid wait
+        UNIT_STAGES: tl.constexpr,  # the software pipeline's stages over a matmul phase's units (a program's loop)
         LINE: tl.constexpr,  # weight elements per 128-byte line
         STEP_QKV: tl.constexpr,  # the K step of each matmul's loop (a multiple of BLOCK_K's split ranges divides)
         STEP_O: tl.constexpr,
@@ -267,10 +328,10 @@ if HAVE_TRITON:
         NQKV: tl.constexpr = NQ + 2 * NKV
         QD: tl.constexpr = NQ * D
         BAR = CNT + 4096
-        barriers = 0
         for ph in range(ph_start, ph_end):
             layer = ph // 5
             kind = ph % 5
+            target = (ph - ph_start) * nprog  # every program's arrivals from the launch's phases before this one
             xin = XS  # the residual stream; the pass input until layer 0's o projection has added to it
             if ph < 3:
                 xin = X_IN
@@ -291,6 +352,7 @@ if HAVE_TRITON:
                                             D, BLOCK_K, LINE)  # fmt: skip
             if ph == 5 * L:
                 # The final RMSNorm, in place (one program: 16 rows of H).
+                _grid_wait(BAR, target, PERSISTENT)
                 if pid == 0:
                     inv = _inv_rms(XS, m, mmask, eps, H, H_P2)
                     kk = tl.arange(0, BLOCK_K)
@@ -303,17 +365,28 @@ if HAVE_TRITON:
                         tl.store(XS + m[:, None] * H + k[None, :], (g[None, :] * xn.to(tl.float32)).to(dt), mask=tmask)
             elif kind == 0:
                 # q|k|v, one head's D columns per block, split over K; the block's last split finishes the head.
-                inv = _inv_rms(xin, m, mmask, eps, H, H_P2)
                 per = tl.cdiv(tl.cdiv(H, BLOCK_K), SPLIT_QKV) * BLOCK_K
-                for u in range(pid, NQKV * SPLIT_QKV, nprog):
+                wqkv = WQKV + layer * (NQKV * D * H)
+                w_pre = 0
+                if PRELOAD:
+                    n_pre = (pid // SPLIT_QKV) * D + c
+                    w_pre = _w_tile(wqkv, n_pre, (n_pre < NQKV * D) & (pid < NQKV * SPLIT_QKV), (pid % SPLIT_QKV) * per,
+                                    H, STEP_QKV)  # fmt: skip
+                _grid_wait(BAR, target, PERSISTENT)
+                inv = _inv_rms(xin, m, mmask, eps, H, H_P2)
+                for u in tl.range(pid, NQKV * SPLIT_QKV, nprog, num_stages=UNIT_STAGES):
                     blk = u // SPLIT_QKV
                     s = u % SPLIT_QKV
                     n = blk * D + c
                     k_start = s * per
+                    w0 = w_pre
+                    if PRELOAD:  # noqa: SIM102
+                        if u != pid:
+                            w0 = _w_tile(wqkv, n, n < NQKV * D, k_start, H, STEP_QKV)
                     acc = _matmul(
-                        tl.zeros((BLOCK_M, D), tl.float32), xin, WQKV + layer * (NQKV * D * H), m, mmask, n,
+                        tl.zeros((BLOCK_M, D), tl.float32), w0, xin, wqkv, m, mmask, n,
                         n < NQKV * D, k_start, tl.minimum(k_start + per, H), H, inv, LN1 + layer * H, True, STEP_QKV,
-                        PRECISION,
+                        PRECISION, PRELOAD,
                     )  # fmt: skip
                     tile = m[:, None] * (NQKV * D) + n[None, :]
                     tmask = mmask[:, None] & (c < D)[None, :]
@@ -356,6 +429,7 @@ if HAVE_TRITON:
                         tl.atomic_xchg(CNT + blk, 0)  # ready for the next phase
             elif kind == 1:
                 # Attention: the G query heads of one kv head for one row, over positions 0..position.
+                _grid_wait(BAR, target, PERSISTENT)
                 g = tl.arange(0, G_P2)
                 gmask = g < G
                 t = tl.arange(0, T_P2)
@@ -381,20 +455,43 @@ if HAVE_TRITON:
                     tl.store(ABUF + b * QD + heads[:, None] * D + c[None, :], o.to(dt), mask=gmask[:, None])
             elif kind == 3:
                 # SiLU(gate) * up of rms_norm(x) @ w_gate_up.T: a unit's tile is BLOCK_N gate rows and their up rows.
-                inv = _inv_rms(xin, m, mmask, eps, H, H_P2)
                 per = tl.cdiv(tl.cdiv(H, BLOCK_K), SPLIT_GU) * BLOCK_K
                 j = tl.arange(0, 2 * BLOCK_N)
                 jn = tl.arange(0, BLOCK_N)
-                for u in range(pid, tl.cdiv(I, BLOCK_N) * SPLIT_GU, nprog):
+                wgu = WGU + layer * (2 * I * H)
+                gu_units = tl.cdiv(I, BLOCK_N) * SPLIT_GU
+                # The first unit's first K step (SPLIT_GU 1: its gate and up tiles; else both in one tile).
+                w_pre = 0
+                wa_pre = 0
+                wb_pre = 0
+                if PRELOAD:
+                    ok_pre = pid < gu_units
+                    if SPLIT_GU == 1:
+                        n_pre = pid * BLOCK_N + jn
+                        wa_pre = _w_tile(wgu, n_pre, (n_pre < I) & ok_pre, 0, H, STEP_GU)
+                        wb_pre = _w_tile(wgu, I + n_pre, (n_pre < I) & ok_pre, 0, H, STEP_GU)
+                    else:
+                        col_pre = (pid // SPLIT_GU) * BLOCK_N + j % BLOCK_N
+                        rows_pre = tl.where(j < BLOCK_N, col_pre, I + col_pre)
+                        w_pre = _w_tile(wgu, rows_pre, (col_pre < I) & ok_pre, (pid % SPLIT_GU) * per, H, STEP_GU)
+                _grid_wait(BAR, target, PERSISTENT)
+                inv = _inv_rms(xin, m, mmask, eps, H, H_P2)
+                for u in tl.range(pid, gu_units, nprog, num_stages=UNIT_STAGES):
                     blk = u // SPLIT_GU
                     s = u % SPLIT_GU
                     if SPLIT_GU == 1:  # the unit has every K tile: SiLU * up straight from its accumulators
                         n = blk * BLOCK_N + jn
                         nmask = mmask[:, None] & (n < I)[None, :]
                         zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                        wa0 = wa_pre
+                        wb0 = wb_pre
+                        if PRELOAD:  # noqa: SIM102
+                            if u != pid:
+                                wa0 = _w_tile(wgu, n, n < I, 0, H, STEP_GU)
+                                wb0 = _w_tile(wgu, I + n, n < I, 0, H, STEP_GU)
                         acc_g, acc_u = _matmul2(
-                            zero, zero, xin, WGU + layer * (2 * I * H), m, mmask, n, I + n, n < I, 0, H, H, inv,
-                            LN2 + layer * H, True, STEP_GU, PRECISION,
+                            zero, zero, wa0, wb0, xin, wgu, m, mmask, n, I + n, n < I, 0, H, H, inv,
+                            LN2 + layer * H, True, STEP_GU, PRECISION, PRELOAD,
                         )  # fmt: skip
                         gate = acc_g.to(dt).to(tl.float32)
                         act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
@@ -404,10 +501,14 @@ if HAVE_TRITON:
                         col = blk * BLOCK_N + j % BLOCK_N
                         rows = tl.where(j < BLOCK_N, col, I + col)
                         k_start = s * per
+                        w0 = w_pre
+                        if PRELOAD:  # noqa: SIM102
+                            if u != pid:
+                                w0 = _w_tile(wgu, rows, col < I, k_start, H, STEP_GU)
                         acc = _matmul(
-                            tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32), xin, WGU + layer * (2 * I * H), m, mmask, rows,
+                            tl.zeros((BLOCK_M, 2 * BLOCK_N), tl.float32), w0, xin, wgu, m, mmask, rows,
                             col < I, k_start, tl.minimum(k_start + per, H), H, inv, LN2 + layer * H, True, STEP_GU,
-                            PRECISION,
+                            PRECISION, PRELOAD,
                         )  # fmt: skip
                         tile = m[:, None] * (2 * I) + rows[None, :]
                         pstride = BLOCK_M * 2 * I
@@ -425,15 +526,16 @@ if HAVE_TRITON:
                             tl.store(GBUF + m[:, None] * I + n[None, :], (act * up).to(dt), mask=nmask)
                             tl.atomic_xchg(CNT + blk, 0)
             elif kind == 2:
-                _residual_phase(ABUF, WO + layer * (H * QD), xin, XS, PART, CNT, m, mmask, pid, nprog, H, QD,
-                                SPLIT_O, BLOCK_M, RES_BLOCK_N, BLOCK_K, STEP_O, PRECISION)  # fmt: skip
+                _residual_phase(ABUF, WO + layer * (H * QD), xin, XS, PART, CNT, BAR, target, m, mmask, pid, nprog, H,
+                                QD, SPLIT_O, BLOCK_M, RES_BLOCK_N, BLOCK_K, STEP_O, PRECISION, PERSISTENT,
+                                PRELOAD, UNIT_STAGES)  # fmt: skip
             else:
-                _residual_phase(GBUF, WD + layer * (H * I), xin, XS, PART, CNT, m, mmask, pid, nprog, H, I,
-                                SPLIT_D, BLOCK_M, RES_BLOCK_N, BLOCK_K, STEP_D, PRECISION)  # fmt: skip
+                _residual_phase(GBUF, WD + layer * (H * I), xin, XS, PART, CNT, BAR, target, m, mmask, pid, nprog, H,
+                                I, SPLIT_D, BLOCK_M, RES_BLOCK_N, BLOCK_K, STEP_D, PRECISION, PERSISTENT,
+                                PRELOAD, UNIT_STAGES)  # fmt: skip
             if PERSISTENT:  # noqa: SIM102
                 if ph + 1 < ph_end:
-                    barriers += 1
-                    _grid_sync(BAR, barriers * nprog)
+                    _grid_arrive(BAR)
         if PERSISTENT:  # noqa: SIM102
             # The last program out resets the barrier for the next launch (every program has passed it).
             if tl.atomic_add(BAR + 1, 1, sem="acq_rel", scope="gpu") == nprog - 1:
@@ -444,16 +546,25 @@ if HAVE_TRITON:
 # The kernel's choices, process-wide (`set_options`; CUDA graphs keep those they were captured with). K steps up to
 # 512 on eight warps: on an H200 at the 1.7B's code predictor dims a persistent pass took 171.5-184.5 us at 1-16 rows
 # against 194.8-246.3 with steps of 128 on four warps (benchmarks/bench_stack.py, docs/benchmarks.md).
-_options = {"prefetch": False, "residual_split": 4, "residual_block_n": BLOCK_N, "max_step_k": 512, "num_warps": 8}
+_options = {
+    "prefetch": False,
+    "preload": False,
+    "residual_split": 4,
+    "residual_block_n": BLOCK_N,
+    "max_step_k": 512,
+    "num_warps": 8,
+}
 
 
-def set_options(prefetch: bool | None = None, residual_split: int | None = None,
+def set_options(prefetch: bool | None = None, preload: bool | None = None, residual_split: int | None = None,
                 residual_block_n: int | None = None, max_step_k: int | None = None,
                 num_warps: int | None = None) -> dict:  # fmt: skip
     """prefetch: each phase asks L2 for the next matmul's weights first (on CUDA; the interpreter has no inline
-    assembly); residual_split: at most this many splits over K for the o and down projections (1: each unit has
-    every K tile and adds the residual itself); residual_block_n: their output columns per unit (16-128, a power of
-    two); max_step_k: the largest K step of a matmul loop (128-1024, a power of two; each unit's K range in as few
+    assembly); preload: each matmul phase loads its first unit's first weight tile into registers before it waits
+    at the grid barrier, so the load is in flight while the grid catches up (in the phases mode, nothing waits);
+    residual_split: at most this many splits over K for the o and down projections (1: each unit has every K tile
+    and adds the residual itself); residual_block_n: their output columns per unit (16-128, a power of two);
+    max_step_k: the largest K step of a matmul loop (128-1024, a power of two; each unit's K range in as few
     steps, so as few dependent loads, as divide it); num_warps: 4 or 8. Returns the options now in force."""
     if residual_split is not None and not 1 <= residual_split <= 4:
         raise ValueError(f"residual_split must be 1 to 4, not {residual_split}")
@@ -463,7 +574,7 @@ def set_options(prefetch: bool | None = None, residual_split: int | None = None,
         raise ValueError(f"max_step_k must be 128, 256, 512 or 1024, not {max_step_k}")
     if num_warps is not None and num_warps not in (4, 8):
         raise ValueError(f"num_warps must be 4 or 8, not {num_warps}")
-    given = dict(prefetch=prefetch, residual_split=residual_split, residual_block_n=residual_block_n,
+    given = dict(prefetch=prefetch, preload=preload, residual_split=residual_split, residual_block_n=residual_block_n,
                  max_step_k=max_step_k, num_warps=num_warps)  # fmt: skip
     for k, v in given.items():
         if v is not None:
@@ -663,7 +774,9 @@ def stack_pass(
         L=sw.L, SPLIT_QKV=s_qkv, SPLIT_O=s_o, SPLIT_GU=s_gu, SPLIT_D=s_d, BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N,
         BLOCK_K=sw.block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=_options["num_warps"],
         num_stages=NUM_STAGES, RES_BLOCK_N=_options["residual_block_n"],
-        PREFETCH=bool(_options["prefetch"]) and not interpreted, LINE=128 // x.element_size(),
+        PREFETCH=bool(_options["prefetch"]) and not interpreted, PRELOAD=bool(_options["preload"]),
+        UNIT_STAGES=1 if _options["preload"] else NUM_STAGES,
+        LINE=128 // x.element_size(),
         **dict(zip(("STEP_QKV", "STEP_O", "STEP_GU", "STEP_D"), sw.steps(dev), strict=True)),
     )  # fmt: skip
     tail = (sw.eps, 1.0 / math.sqrt(sw.D), *kc.stride()[:4])

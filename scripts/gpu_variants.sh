@@ -68,8 +68,8 @@ for stage in "$@"; do
       run tests-engine 480 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf -o log_level=WARNING \
         tests/test_engine.py -k "cuda or attention or small_m or split_k or fp16 or fused"
       ;;
-    stack)  # the code predictor's passes alone (the fused path's kernels against the one-kernel stack), then its tests
-      run stack 240 "$PY" benchmarks/bench_stack.py --rows 1,2,4,8,16 ${STACK_MODES:+--modes "$STACK_MODES"} --out "$OUT_DIR/stack.json"
+    stack)  # the code predictor's passes alone (the fused path's kernels against the one-kernel stack), then its tests; STACK_PROFILE_MODE: the phase profile's options
+      run stack 240 "$PY" benchmarks/bench_stack.py --rows 1,2,4,8,16 ${STACK_MODES:+--modes "$STACK_MODES"} ${STACK_PROFILE_MODE:+--profile-mode "$STACK_PROFILE_MODE"} --out "$OUT_DIR/stack.json"
       run stack-tests 300 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf tests/test_stack_kernel.py
       ;;
     sampler)

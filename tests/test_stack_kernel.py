@@ -62,15 +62,19 @@ def options():
     stack_kernel.set_options(**before)
 
 
-@pytest.mark.parametrize("unsplit", [False, True], ids=["split", "unsplit-o-down"])
+@pytest.mark.parametrize("variant", ["split", "unsplit-o-down", "preload"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_stack_pass_equals_the_eager_stack_over_positions(shape, dtype, unsplit, options) -> None:
+def test_stack_pass_equals_the_eager_stack_over_positions(shape, dtype, variant, options) -> None:
     """Four passes (positions 0-3) of three rows in scattered slots: the output and every K/V written match the
-    eager stack; float32 to float32 rounding, bf16 within two roundings of the output's scale. unsplit: the o and
-    down projections on 16-column units with every K tile (residual_split 1), the residual added by the unit."""
+    eager stack; float32 to float32 rounding, bf16 within two roundings of the output's scale. unsplit-o-down: the o
+    and down projections on 16-column units with every K tile (residual_split 1), the residual added by the unit;
+    preload: each matmul phase's first weight tile loaded ahead of the phase's other loads."""
+    unsplit = variant == "unsplit-o-down"
     if unsplit:  # and K steps up to 512: the unsplit o projection of "split" loads its 256-wide K in one step
         options(residual_split=1, residual_block_n=16, max_step_k=512)
+    if variant == "preload":
+        options(preload=True)
     ref, kern = make_stack(SHAPES[shape], dtype)
     if unsplit:
         assert kern.stack_weights.splits(torch.device(DEVICE))[1::2] == (1, 1)
@@ -201,19 +205,25 @@ def test_what_the_kernel_does_not_take() -> None:
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the persistent mode needs every program resident: a GPU")
-@pytest.mark.parametrize("opts", ["default", "prefetch", "unsplit", "step128-w4"])
+@pytest.mark.parametrize("opts", ["default", "prefetch", "unsplit", "step128-w4", "preload", "preload-few-sms"])
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("shape", ["split", "full"])
-def test_cuda_persistent_gives_the_phases_bits(shape, rows, opts, options) -> None:
+def test_cuda_persistent_gives_the_phases_bits(shape, rows, opts, options, monkeypatch) -> None:
     """One launch a pass with grid-wide barriers: the bits of one launch per phase, output and cache, over passes at
     positions 0-3; and the barrier and counters are back at zero after each. With the options: the next phase's
-    weights prefetched into L2, the o and down projections unsplit, K steps up to 128 on four warps."""
+    weights prefetched into L2, the o and down projections unsplit, K steps up to 128 on four warps, each phase's
+    first weight tile loaded before the grid wait, and that on a device of 40 SMs (as the splits and the persistent
+    grid see it), so each program has several units of a phase."""
     if opts == "prefetch":
         options(prefetch=True)
     if opts == "unsplit":
         options(residual_split=1, residual_block_n=16)
     if opts == "step128-w4":
         options(max_step_k=128, num_warps=4)
+    if opts.startswith("preload"):
+        options(preload=True)
+    if opts == "preload-few-sms":
+        monkeypatch.setattr(stack_kernel, "_sm_count", lambda device: 40)
     dims = SHAPES["split"] if shape == "split" else (1024, 3072, 5, 16, 8, 128)  # the 1.7B's code predictor
     _, kern = make_stack(dims, torch.bfloat16)
     H = dims[0]
