@@ -12,8 +12,11 @@ length (--frames, default 100 = 8 s of audio per request, end-of-speech held off
            class), elapsed time per module from CUDA events, and graph launch (host) vs kernel time; with CUDA
            graphs and, with --profile-eager, the eager engine too.
 and, once, the side-by-side baselines in their own processes and Python paths (1.7B, the same architecture,
-fixed length, random weights of their own):
-  reference  the official implementation at batch 1 and 32 (--reference-script, --reference-site);
+fixed length, random weights of their own), after our parts, before them (--baselines-first) or beside them on
+another GPU (--baseline-gpu):
+  reference  the official implementation at batch 1 and 32 (--reference-script, --reference-site), through
+             reference_full_length.py: rows the official generate cuts at a sampled end-of-speech are padded
+             back to the length generated, so a batch stacks and its frames are all counted;
   peer       faster-qwen3-tts at one stream (--peer-script, --peer-site).
 
 Continuity: each stream's chunk arrival times are replayed against a player that starts at its first chunk;
@@ -974,6 +977,7 @@ class Run:
     def __init__(self, a: argparse.Namespace):
         self.a = a
         self.t0 = time.perf_counter()
+        self._save_lock = threading.Lock()
         self.results: dict = {
             "args": {**vars(a), "parts": sorted(a.parts)},
             "machine": machine(),
@@ -999,8 +1003,10 @@ class Run:
 
     def save(self) -> None:
         if self.a.out:
-            Path(self.a.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(self.a.out).write_text(json.dumps(self.results, indent=2, default=str))
+            with self._save_lock:  # the baselines' thread saves too (--baseline-gpu)
+                text = json.dumps(self.results, indent=2, default=str)
+                Path(self.a.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(self.a.out).write_text(text)
 
     def engine_config(self, ckpt: Path, slots: int, graphs: bool = True, variant: str = "") -> EngineSettings:
         a = self.a
@@ -1152,19 +1158,27 @@ class Run:
 
     def baselines(self) -> None:
         a, b = self.a, self.results["baselines"]
+        env = {} if a.baseline_gpu is None else {"CUDA_VISIBLE_DEVICES": str(a.baseline_gpu)}
         if "reference" in a.parts and a.reference_script and self.time_left("reference"):
             batches = ",".join(map(str, a.reference_batches))
-            cmd = [sys.executable, str(Path(a.reference_script).resolve()), "--size", a.reference_size]
+            # Through our wrapper: rows cut at a sampled end-of-speech padded back to the length generated.
+            cmd = [sys.executable, str(REPO / "benchmarks" / "reference_full_length.py")]
+            cmd += [str(Path(a.reference_script).resolve()), "--size", a.reference_size]
             cmd += ["--frames", str(a.frames), "--batches", batches, "--text-tokens", "40"]
             log("bench: reference baseline:", " ".join(cmd))
-            b["reference"] = run_baseline("reference", cmd, a.reference_site, {}, self.baseline_timeout())
+            res = run_baseline("reference", cmd, a.reference_site, env, self.baseline_timeout())
+            with self._save_lock:
+                b["reference"] = res
             for r in b["reference"]["rows"]:
                 emit({"part": "reference", **r})
             self.save()
         if "peer" in a.parts and a.peer_script and self.time_left("peer"):
             cmd = [sys.executable, str(Path(a.peer_script).resolve())]
             log("bench: peer baseline:", " ".join(cmd))
-            b["peer"] = run_baseline("peer", cmd, a.peer_site, {"FRAMES": str(a.frames)}, self.baseline_timeout())
+            env = {**env, "FRAMES": str(a.frames)}
+            res = run_baseline("peer", cmd, a.peer_site, env, self.baseline_timeout())
+            with self._save_lock:
+                b["peer"] = res
             for r in b["peer"]["rows"]:
                 emit({"part": "peer", **r})
             self.save()
@@ -1173,10 +1187,25 @@ class Run:
                 log(f"bench: {k} baseline error: {v['error']}")
 
     async def main(self) -> None:
+        # With --baseline-gpu the baselines run on that GPU beside our engine's parts, in this same run; else after.
+        # With --baselines-first they run before our parts (their fixed cost first: the device's call limit then
+        # cuts our last parts, whose figures are saved as each ends, not the baselines).
+        side = None
+        if self.a.baseline_gpu is not None:
+            side = threading.Thread(target=self.baselines, name="baselines", daemon=True)
+            side.start()
+        elif self.a.baselines_first:
+            self.baselines()
         with tempfile.TemporaryDirectory(prefix="bench_gpu_", dir=self.a.workdir) as tmp:
             for size in self.a.sizes if SIZE_PARTS & self.a.parts else []:
                 await self.size(size, Path(tmp))
-        self.baselines()
+        if side is None:
+            if not self.a.baselines_first:
+                self.baselines()
+        else:
+            side.join(max(0.0, self.baseline_timeout() + 30))
+            if side.is_alive():
+                self.results["timed_out"].append("baselines")
         self.results["ratios"] = ratios(self.results)
         self.results["total_s"] = round(time.perf_counter() - self.t0, 1)
         self.save()
@@ -1286,6 +1315,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--peer-script", help="faster-qwen3-tts baseline script (peer_baseline.py)")
     ap.add_argument("--peer-site", help="PYTHONPATH for it")
     ap.add_argument("--baseline-timeout", type=float, default=900.0)
+    ap.add_argument("--baseline-gpu", type=int, default=None,
+                    help="run the baselines on this GPU (its index) at the same time as our parts, not after")  # fmt: skip
+    ap.add_argument("--baselines-first", action="store_true", help="run the baselines before our parts, not after")
     ap.add_argument("--tokenizer-dir", help="a real Qwen2 tokenizer for the full-size checkpoints")
     ap.add_argument("--workdir", help="where checkpoints are written (default: the system temp dir)")
     ap.add_argument("--time-budget-s", type=float, default=0.0, help="skip parts that would start after this")

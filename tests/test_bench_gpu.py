@@ -345,3 +345,101 @@ def test_profile_step_tables_count_launches_and_ms_per_run() -> None:
     assert mod.top_rows(by_name) == {"_small": (4, 0.024), "_split": (1, 0.02)}
     assert mod.top_rows(by_cat, 1) == [("few-row matmul", 4, 0.024)]
     assert mod.top_rows(by_cat) == {"few-row matmul": (4, 0.024), "attention": (1, 0.02)}
+
+
+FAKE_OFFICIAL = """
+import torch
+
+
+class _Result:
+    def __init__(self, hidden_states):
+        self.hidden_states = hidden_states
+
+
+class Qwen3TTSTalkerForConditionalGeneration:
+    def generate(self, frames):
+        # One entry per step; the last step's codes are not out yet (None), as in the official generate.
+        return _Result([(None, torch.zeros(1))] * frames + [(None, None)])
+
+
+class Qwen3TTSForConditionalGeneration:
+    def __init__(self):
+        self.talker = Qwen3TTSTalkerForConditionalGeneration()
+
+    def generate(self, lengths, frames):
+        self.talker.generate(frames)  # every row ran `frames` steps; each is cut where it drew end-of-speech
+        codes = [torch.full((n, 16), 7) for n in lengths]
+        return codes, [torch.ones(n, 4) for n in lengths]
+"""
+
+
+def _fake_official_site(root: Path) -> Path:
+    pkg = root / "qwen_tts" / "core" / "models"
+    pkg.mkdir(parents=True)
+    for d in (root / "qwen_tts", root / "qwen_tts" / "core", pkg):
+        (d / "__init__.py").write_text("")
+    (pkg / "modeling_qwen3_tts.py").write_text(FAKE_OFFICIAL)
+    return root
+
+
+def test_reference_wrapper_pads_rows_cut_at_end_of_speech_back_to_the_generated_length(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location(
+        "reference_full_length", ROOT / "benchmarks" / "reference_full_length.py"
+    )
+    wrapper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wrapper)
+    import torch
+
+    rows, padded = wrapper.pad_rows([torch.ones(3, 2), torch.ones(5, 2), torch.ones(6, 2)], 5)
+    assert padded == 1 and [r.shape[0] for r in rows] == [5, 5, 6]  # padded to 5, never cut
+    assert rows[0][3:].eq(0).all() and rows[0][:3].eq(1).all()
+
+    # The official module is a stand-in here: our own qwen_tts has the same top-level name, so it is swapped out.
+    spec = importlib.util.spec_from_file_location(
+        "fake_modeling", _fake_official_site(tmp_path) / "qwen_tts/core/models/modeling_qwen3_tts.py"
+    )
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    models = type(sys)("qwen_tts.core.models")
+    models.modeling_qwen3_tts = fake
+    monkeypatch.setitem(sys.modules, "qwen_tts.core", type(sys)("qwen_tts.core"))
+    monkeypatch.setitem(sys.modules, "qwen_tts.core.models", models)
+    monkeypatch.setitem(sys.modules, "qwen_tts.core.models.modeling_qwen3_tts", fake)
+    seen = wrapper.install(stub_audio_io=False)
+    codes, hidden = fake.Qwen3TTSForConditionalGeneration().generate([9, 2, 4], 9)
+    assert [c.shape for c in codes] == [torch.Size([9, 16])] * 3
+    assert [h.shape[0] for h in hidden] == [9, 9, 9]
+    assert codes[1][:2].eq(7).all() and codes[1][2:].eq(0).all()  # the row's own codes, then code 0
+    assert seen["padded_rows"] == 2 and seen["calls"] == 1
+    # Rows all cut short: padded to what the talker generated (9), not to the longest row left (4).
+    codes, _ = fake.Qwen3TTSForConditionalGeneration().generate([3, 4], 9)
+    assert [c.shape[0] for c in codes] == [9, 9]
+
+
+@pytest.mark.parametrize("order", [["--baseline-gpu", "1"], ["--baselines-first"]], ids=["other-gpu", "first"])
+def test_baselines_run_in_the_same_run_through_the_full_length_wrapper(tmp_path, order):
+    site = _fake_official_site(tmp_path / "site")
+    script = tmp_path / "reference_baseline.py"
+    script.write_text(
+        "import json, os, sys, torch\n"
+        "from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSForConditionalGeneration as M\n"
+        "codes, _ = M().generate([5, 2, 9], 9)\n"
+        "batch = torch.stack(codes)\n"  # fails on rows of different lengths without the wrapper
+        "print(json.dumps({'batch': 3, 'frames': sum(c.shape[0] for c in codes), 'gen_xRT': 1.0, 'ms_per_step': 1.0,"
+        " 'shape': list(batch.shape), 'argv': sys.argv[1:], 'gpu': os.environ.get('CUDA_VISIBLE_DEVICES')}))\n"
+    )
+    out = tmp_path / "bench.json"
+    argv = ["--sizes", "tiny", "--parts", "engine,reference", "--concurrency", "1", "--frames", "4",
+            "--reference-script", str(script), "--reference-site", str(site), "--reference-batches", "3",
+            *order, "--workdir", str(tmp_path), "--out", str(out)]  # fmt: skip
+    results = bench.main(argv)
+    ref = results["baselines"]["reference"]
+    assert ref["rc"] == 0 and "error" not in ref
+    padded, row = ref["rows"]
+    assert padded == {"padded_rows": 2, "rows": 3, "frames": 9}
+    gpu = "1" if "--baseline-gpu" in order else None  # the other GPU is the only one the baseline sees
+    assert (row["shape"], row["frames"], row["gpu"]) == ([3, 9, 16], 27, gpu)
+    assert row["argv"][row["argv"].index("--batches") + 1] == "3"
+    assert [r["concurrency"] for r in results["sizes"]["tiny"]["engine"]] == [1]
+    assert json.loads(out.read_text())["baselines"]["reference"]["rows"] == ref["rows"]
+    assert [r[2] for r in bench.baseline_rows(results)] == [3]  # the padding line is not a table row
