@@ -17,7 +17,8 @@ another GPU (--baseline-gpu):
   reference  the official implementation at batch 1 and 32 (--reference-script, --reference-site), through
              reference_full_length.py: rows the official generate cuts at a sampled end-of-speech are padded
              back to the length generated, so a batch stacks and its frames are all counted;
-  peer       faster-qwen3-tts at one stream (--peer-script, --peer-site).
+  peer       faster-qwen3-tts at one stream (--peer-script, --peer-site), and the official code's transformers-5
+             build at batch 1 and 16, through the same wrapper.
 
 Continuity: each stream's chunk arrival times are replayed against a player that starts at its first chunk;
 a chunk that arrives after the audio before it has played out stalls the player for the difference. Reported:
@@ -1173,7 +1174,10 @@ class Run:
                 emit({"part": "reference", **r})
             self.save()
         if "peer" in a.parts and a.peer_script and self.time_left("peer"):
-            cmd = [sys.executable, str(Path(a.peer_script).resolve())]
+            # Its official (transformers-5 build) rows come from the same generate, so through the same wrapper;
+            # faster-qwen3-tts's own generation does not call it.
+            cmd = [sys.executable, str(REPO / "benchmarks" / "reference_full_length.py")]
+            cmd += [str(Path(a.peer_script).resolve())]
             log("bench: peer baseline:", " ".join(cmd))
             env = {**env, "FRAMES": str(a.frames)}
             res = run_baseline("peer", cmd, a.peer_site, env, self.baseline_timeout())

@@ -443,3 +443,13 @@ def test_baselines_run_in_the_same_run_through_the_full_length_wrapper(tmp_path,
     assert [r["concurrency"] for r in results["sizes"]["tiny"]["engine"]] == [1]
     assert json.loads(out.read_text())["baselines"]["reference"]["rows"] == ref["rows"]
     assert [r[2] for r in bench.baseline_rows(results)] == [3]  # the padding line is not a table row
+
+
+def test_the_wrapper_runs_a_script_unwrapped_where_the_official_module_is_missing(tmp_path):
+    script = tmp_path / "peer_baseline.py"
+    script.write_text("import json, sys\nprint(json.dumps({'batch': 1, 'argv': sys.argv[1:]}))\n")
+    wrapper = str(ROOT / "benchmarks" / "reference_full_length.py")
+    res = bench.run_baseline("peer", [sys.executable, wrapper, str(script), "--x", "1"], str(tmp_path), {}, 60)
+    note, row = res["rows"]
+    assert note["full_length_wrapper"].startswith("not installed: ModuleNotFoundError")
+    assert row == {"batch": 1, "argv": ["--x", "1"]} and res["rc"] == 0
