@@ -876,6 +876,8 @@ def baseline_rows(results: dict) -> list[list]:
             rows.append(["1.7b", "faster-qwen3-tts", "-", "error", "-", "-", "-", "-", "-", "-"])
         best: dict[str, dict] = {}
         for r in peer.get("rows", []):
+            if "system" not in r:  # a note line (say, the wrapper's padded rows), not a measurement
+                continue
             key = r.get("mode") or f"batch {r.get('batch')}"
             key = f"{r.get('system')}|{key}"
             speed = r.get("xRT") or r.get("audio_s_per_s") or 0

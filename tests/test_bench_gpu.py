@@ -142,6 +142,7 @@ def test_baseline_rows_and_ratios_from_the_scripts_output_lines():
                     {"system": "faster-qwen3-tts", "mode": "whole", "audio_s": 8.0, "wall_s": 2.2, "xRT": 3.6},
                     {"system": "faster-qwen3-tts", "mode": "whole", "audio_s": 8.0, "wall_s": 2.0, "xRT": 4.0},
                     {"system": "faster-qwen3-tts", "mode": "stream chunk=4", "ttfa_ms": 140.0, "xRT": 3.2},
+                    {"padded_rows": 1, "rows": 16, "frames": 99},  # the wrapper's note: no table row
                     {"system": "official (tf5 build)", "batch": 16, "audio_s": 128.0, "audio_s_per_s": 6.0},
                 ]
             },
@@ -152,6 +153,7 @@ def test_baseline_rows_and_ratios_from_the_scripts_output_lines():
     assert rows["faster-qwen3-tts whole n=1"][3] == "4.00"  # the best of the repeats
     assert rows["faster-qwen3-tts stream chunk=4 n=1"][6] == "140/-"
     assert rows["official tf5 batch 16 n=16"][3:5] == ["0.38", "6.0"]
+    assert len(rows) == 5  # official 1 and 32, faster-qwen3-tts whole and stream, official tf5 16
     assert bench.ratios(results) == {
         "engine c=1 / official b=1 (audio-s/s)": round(6.0 / 0.39, 2),
         "engine c=64 / official b=32 (audio-s/s)": 8.0,
