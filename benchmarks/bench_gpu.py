@@ -862,22 +862,20 @@ def baseline_rows(results: dict) -> list[list]:
     ref = b.get("reference")
     if ref:
         size = reference_size(results)
-        if not ref.get("rows"):
+        measured = [r for r in ref.get("rows", []) if "batch" in r]  # not the note lines (the wrapper's)
+        if not measured:
             rows.append([size, "official (HF generate)", "-", "error", "-", "-", "-", "-", "-", "-"])
-        for r in ref.get("rows", []):
-            if "batch" not in r:
-                continue
+        for r in measured:
             B = r["batch"]
             rows.append([size, "official (HF generate)", B, fmt(r["gen_xRT"] / B, 2), fmt(r["gen_xRT"], 1),
                          fmt(r["ms_per_step"]), "-", "-", "-", "-"])  # fmt: skip
     peer = b.get("peer")
     if peer:
-        if not peer.get("rows"):
+        measured = [r for r in peer.get("rows", []) if "system" in r]  # not the note lines (the wrapper's)
+        if not measured:
             rows.append(["1.7b", "faster-qwen3-tts", "-", "error", "-", "-", "-", "-", "-", "-"])
         best: dict[str, dict] = {}
-        for r in peer.get("rows", []):
-            if "system" not in r:  # a note line (say, the wrapper's padded rows), not a measurement
-                continue
+        for r in measured:
             key = r.get("mode") or f"batch {r.get('batch')}"
             key = f"{r.get('system')}|{key}"
             speed = r.get("xRT") or r.get("audio_s_per_s") or 0

@@ -154,6 +154,13 @@ def test_baseline_rows_and_ratios_from_the_scripts_output_lines():
     assert rows["faster-qwen3-tts stream chunk=4 n=1"][6] == "140/-"
     assert rows["official tf5 batch 16 n=16"][3:5] == ["0.38", "6.0"]
     assert len(rows) == 5  # official 1 and 32, faster-qwen3-tts whole and stream, official tf5 16
+    # A baseline that printed only notes (its script failed after the wrapper's line) shows as an error row.
+    note = {"full_length_wrapper": "not installed: ImportError"}
+    failed = {**results, "baselines": {"reference": {"rows": [note]}, "peer": {"rows": [note]}}}
+    assert [(r[1], r[3]) for r in bench.baseline_rows(failed)] == [
+        ("official (HF generate)", "error"),
+        ("faster-qwen3-tts", "error"),
+    ]
     assert bench.ratios(results) == {
         "engine c=1 / official b=1 (audio-s/s)": round(6.0 / 0.39, 2),
         "engine c=64 / official b=32 (audio-s/s)": 8.0,
