@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -446,7 +447,8 @@ def test_baselines_run_in_the_same_run_through_the_full_length_wrapper(tmp_path,
     assert ref["rc"] == 0 and "error" not in ref
     padded, row = ref["rows"]
     assert padded == {"padded_rows": 2, "rows": 3, "frames": 9}
-    gpu = "1" if "--baseline-gpu" in order else None  # the other GPU is the only one the baseline sees
+    # The other GPU is the only one the baseline sees; first, it inherits this process's setting.
+    gpu = "1" if "--baseline-gpu" in order else os.environ.get("CUDA_VISIBLE_DEVICES")
     assert (row["shape"], row["frames"], row["gpu"]) == ([3, 9, 16], 27, gpu)
     assert row["argv"][row["argv"].index("--batches") + 1] == "3"
     assert [r["concurrency"] for r in results["sizes"]["tiny"]["engine"]] == [1]
