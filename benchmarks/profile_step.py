@@ -80,6 +80,8 @@ STEP_VARIANTS = {
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+heads+tables": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+no-greedy-branch": _BOTH,
+    # The engine's default with the compiled regions rounding bf16 where the eager layers round (emulate casts).
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+emulate-casts": _BOTH,
     # The engine's default with each code-predictor pass by the one-kernel stack (stack_kernel.py): a launch a
     # phase, or one persistent launch a pass.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-phases": _BOTH,
@@ -103,6 +105,7 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
     small_m_gemm.set_pdl(variant.endswith("+pdl"))
     sample_kernel.set_greedy_branch("+no-greedy-branch" not in variant)
     small_m_gemm.prepare("cuda")
+    fused.set_emulate_casts("+emulate-casts" in variant)  # read when the regions compile
     model = load_model(path, device="cuda", dtype=torch.bfloat16)
     talker = model.talker.eval()
     if STEP_VARIANTS[variant] is not None:

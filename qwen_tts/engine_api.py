@@ -162,6 +162,14 @@ class EngineSettings:
     # our matmul kernel's 412 launches took 2.93 -> 5.29 ms while the compiled kernels it replaced saved 0.36 ms
     # (docs/benchmarks.md). Off (bench_gpu.py --engine-variants small-m-fusion). Ignored on CPU.
     small_m_fusion: bool = False
+    # On the fast path, compile its regions with inductor's emulate_precision_casts (fused.set_emulate_casts): each
+    # bf16 intermediate rounded where the eager layers round it (the RMSNorm's cast, RoPE's products, the residual
+    # adds, SiLU * up) instead of kept in float32 inside a fused kernel. Same function, rounded as the official
+    # package rounds. Measured on an H200 (make_fixture.py --teacher-forced, 1.7B and 0.6B, 64 frames): the same
+    # step (4.535 against 4.532 ms at batch 1), logits 1.47-1.57% (relative RMS) from the official bf16 generation's
+    # instead of 1.67-1.70%, but 1.40-1.48% from exact float32, as the official bf16 is, instead of 1.03-1.10%. Off:
+    # the default is the closer to exact. Process-wide. Ignored on CPU.
+    fused_emulate_casts: bool = False
     # With small_m_gemm on Hopper, launch the few-row matmuls as programmatic dependents (small_m_gemm.set_pdl):
     # each loads its first weight tile while the kernel before it drains, then waits for it; attention lets the o
     # projection start early. Measured on an H200: slower (1.7B step at batch 1 with small_m_fusion 7.10 -> 8.21

@@ -174,6 +174,8 @@ _BATCHED = {
     "talker_logits": (0, 1, 2, 5),
 }
 _compiled: dict[str, object] = {}
+# Inductor's emulate_precision_casts for the regions compiled from here on (`set_emulate_casts`).
+_emulate_casts = False
 
 
 # Recompiles one process may need per compiled function: one per (dtype, fixed argument values such as eps and
@@ -201,6 +203,22 @@ def _compile(fn, **kwargs):
     return torch.compile(fn, **kwargs)
 
 
+def set_emulate_casts(on: bool) -> None:
+    """Compile the regions with inductor's `emulate_precision_casts`: a bf16 value is rounded to bf16 wherever the
+    eager ops round it (after the RMSNorm's cast, each RoPE product, the residual adds, SiLU * up), where by default
+    a fused kernel keeps it in float32 until its store. The compiled function is the same, but rounded as
+    `layers.py` rounds, so closer to the official package's bf16 logits (docs/benchmarks.md). Drops the regions
+    compiled so far when the setting changes; CUDA graphs keep the kernels they were captured with."""
+    global _emulate_casts
+    if bool(on) != _emulate_casts:
+        _emulate_casts = bool(on)
+        _compiled.clear()
+
+
+def emulate_casts() -> bool:
+    return _emulate_casts
+
+
 def compiled(name: str):
     """The compiled version of one of this module's functions (compiled once per process, on first use).
 
@@ -212,7 +230,8 @@ def compiled(name: str):
     if fn is not None:
         return fn
     # No split reductions: they are chosen by shape, so a row's sums would depend on how many rows came along.
-    inner = _compile(_SOURCES[name], dynamic=True, fullgraph=True, options={"split_reductions": False})
+    options = {"split_reductions": False, "emulate_precision_casts": _emulate_casts}
+    inner = _compile(_SOURCES[name], dynamic=True, fullgraph=True, options=options)
     batched = _BATCHED[name]
 
     def run(*args):

@@ -8,11 +8,13 @@
 #   bash scripts/gpu_variants.sh tests-engine            # <= 8 min: the engine's CUDA tests
 #   bash scripts/gpu_variants.sh profile engine          # <= 9.5 min: the step and Code2Wav; the engine per variant
 #   bash scripts/gpu_variants.sh attention               # <= 2 min: the attention kernels alone
+#   bash scripts/gpu_variants.sh teacher-forced          # <= 4 min a size: top-1 agreement with the official package
 #
 # Stages: tests, tests-engine (the engine's CUDA tests), pytest (the tests PYTEST_ARGS names), stack (the
 # one-kernel code predictor stack: its passes alone, STACK_MODES naming bench_stack.py's modes, then its tests),
 # sampler (the sampler kernel alone), attention, gemm, profile, step (the frame step alone, per STEP_SIZES), codec
-# (Code2Wav alone), engine. VARIANTS overrides the engine stage's variant list, CODEC_VARIANTS the Code2Wav
+# (Code2Wav alone), engine, teacher-forced (tests/reference/make_fixture.py --teacher-forced per TF_SIZES, with the
+# official package from .whl/reference; scripts/gpu_wheels.sh with REFERENCE_WHEELS). VARIANTS overrides the engine stage's variant list, CODEC_VARIANTS the Code2Wav
 # variants of the profile and codec stages, STEP_VARIANTS the step stage's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +31,7 @@ CODEC_VARIANTS=${CODEC_VARIANTS:-fp16+polyphase-9,fp16+polyphase-9+snake-kernel,
 
 [ $# -gt 0 ] || { sed -n 2,16p "$0" >&2; exit 2; }
 for stage in "$@"; do
-  case $stage in tests | tests-engine | pytest | stack | sampler | attention | gemm | profile | step | codec | engine) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
+  case $stage in tests | tests-engine | pytest | stack | sampler | attention | gemm | profile | step | codec | engine | teacher-forced) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
 done
 
 # The same folder as gpu_bench.sh's, which installs the server's wheels only: the test wheels (pytest-asyncio)
@@ -102,6 +104,18 @@ for stage in "$@"; do
     codec)
       run codec 120 "$PY" benchmarks/profile_step.py --size 1.7b --variants "" --codec-batches 64 \
         --codec-variants "$CODEC_VARIANTS" --out "$OUT_DIR/codec.json"
+      ;;
+    teacher-forced)  # ours (float32, bf16, the engine's path and its variants) against the official package in bf16
+      compgen -G "$WHL/reference/*.whl" >/dev/null || { echo "gpu_variants: no wheels in $WHL/reference" >&2; exit 2; }
+      if [ ! -f "$SITE-reference/.installed" ]; then
+        "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --target "$SITE-reference" \
+          "$WHL"/reference/*.whl
+        touch "$SITE-reference/.installed"
+      fi
+      for size in ${TF_SIZES:-1.7b 0.6b}; do
+        run "tf-$size" 300 env PYTHONPATH="$SITE-reference:$PYTHONPATH" "$PY" tests/reference/make_fixture.py \
+          --size "$size" --device cuda --teacher-forced --frames "${TF_FRAMES:-64}" --json "$OUT_DIR/tf-$size.json"
+      done
       ;;
     engine)
       run engine 330 "$PY" benchmarks/bench_gpu.py --time-budget-s 280 --level-timeout-s 90 --sizes 1.7b --parts engine \

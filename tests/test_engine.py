@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from qwen_tts import small_m_gemm
+from qwen_tts import fused, small_m_gemm
 from qwen_tts.engine_api import (
     EngineSettings,
     EngineSettingsError,
@@ -164,6 +164,17 @@ async def test_batch_invariance(tiny_model, greedy):
         await eng.stop()
     assert torch.equal(codes_of(alone), codes_of(handles[3]))
     assert codes_of(alone).shape[0] > 0
+
+
+def test_fast_path_is_the_cuda_path_only(tiny_checkpoint):
+    """enable_fast_path (the engine's set-up of fused.py, also run by make_fixture.py's teacher-forced check) does
+    nothing on the CPU: the layers keep their eager modules, the code predictor builds no input tables."""
+    from qwen_tts.engines.native.engine import enable_fast_path
+
+    m = load_model(tiny_checkpoint, device="cpu")
+    assert enable_fast_path(m.talker, EngineSettings(), torch.device("cpu")) is False
+    assert not fused.is_enabled(m.talker)
+    assert m.talker.code_predictor.input_tables is None and m.talker.code_predictor.prompt_one_pass is False
 
 
 def test_engine_settings_name_the_field_and_its_choices():

@@ -538,3 +538,32 @@ def test_compiled_regions_keep_their_recompile_limit_whatever_the_global() -> No
             torch.testing.assert_close(sin.float(), emb.sin().to(dtype).float())
     finally:
         cfg.recompile_limit = before
+
+
+def test_emulate_casts_recompiles_the_regions_with_inductors_option(monkeypatch) -> None:
+    """fused.set_emulate_casts: the regions compiled after it carry emulate_precision_casts (with the batch-invariant
+    split_reductions off as before), and a change drops the regions compiled so far; setting the same value keeps
+    them."""
+    seen = []
+
+    def fake_compile(fn, **kwargs):
+        seen.append(kwargs["options"])
+        return fn
+
+    monkeypatch.setattr(fused, "_compile", fake_compile)
+    monkeypatch.setattr(fused, "_compiled", {})
+    before = fused.emulate_casts()
+    try:
+        fused.set_emulate_casts(False)
+        fused.compiled("rope")
+        assert seen[-1] == {"split_reductions": False, "emulate_precision_casts": False}
+        fused.set_emulate_casts(False)
+        assert "rope" in fused._compiled  # unchanged setting: the region stays
+        fused.set_emulate_casts(True)
+        assert fused.emulate_casts() and fused._compiled == {}
+        cos, sin = fused.compiled("rope")(torch.arange(3), torch.rand(4), torch.float32)
+        assert sin.shape == (3, 8)
+        assert seen[-1] == {"split_reductions": False, "emulate_precision_casts": True} and len(seen) == 2
+        assert cos.shape == (3, 8)
+    finally:
+        fused.set_emulate_casts(before)

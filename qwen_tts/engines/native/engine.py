@@ -191,30 +191,11 @@ class NativeEngine(Engine):
         self._suppress = suppress_mask(t.vocab_size, t.codebook_size, t.codec_eos_token_id, self.device)
         self._eos = t.codec_eos_token_id
         self._codebook_size = t.codebook_size
-        if self.device.type == "cuda" and self.config.fused_kernels and fused.supported(self._talker):
-            fused.enable(
-                self._talker,
-                split_attention=self.config.split_attention,
-                small_m_gemm=self.config.small_m_gemm,
-                small_m_fusion=self.config.small_m_fusion,
-            )
-            # Process-wide, read when each graph is captured (as step_blas); its counters exist before capture.
-            small_m_gemm.set_max_split_k(self.config.small_m_split_k)
-            small_m_gemm.set_pdl(self.config.small_m_gemm and self.config.small_m_pdl)
-            small_m_gemm.prepare(self.device)
-            self._talker.code_predictor.prompt_one_pass = self.config.cp_prompt_one_pass
-            fused.set_small_m_heads(self._talker, self.config.small_m_gemm and self.config.small_m_heads)
-            if self.config.cp_input_tables:
-                n = self._talker.code_predictor.build_input_tables()
-                log.info("code predictor input tables: %.1f MB", n / 1e6)
-            stack_kernel.enable(self._talker.code_predictor.model, self.config.cp_stack_kernel)
-            if self.config.cp_stack_kernel != "off":
-                stack_kernel.prepare(self.device)  # its counters, before any graph capture
-            self._talker.kernel_sampler = self.config.kernel_sampler
-            sample_kernel.set_warp_elements(self.config.kernel_sampler_warp_elements)  # read at capture
+        enable_fast_path(self._talker, self.config, self.device)
         self._model_info["fused_kernels"] = fused.is_enabled(self._talker)
         fused_on = self._model_info["fused_kernels"] and self.config.small_m_gemm
         self._model_info["small_m_fusion"] = bool(fused_on and self.config.small_m_fusion)
+        self._model_info["fused_emulate_casts"] = bool(self._model_info["fused_kernels"] and fused.emulate_casts())
         self._model_info["small_m_pdl"] = bool(fused_on and self.config.small_m_pdl and small_m_gemm.pdl_active())
         self._model_info["kernel_sampler"] = self._talker.kernel_sampler
         self._model_info["small_m_heads"] = self._talker.head_linear is not None
@@ -779,3 +760,34 @@ class NativeEngine(Engine):
         """The request is over: its slot is free and the consumer sees the end (once)."""
         self._scheduler.release(lv)
         lv.handle.finish_threadsafe(reason, error)
+
+
+def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bool:
+    """Turn on the CUDA fast path (qwen_tts/fused.py and the kernels around it) for a talker and its code
+    predictor as `config` asks; returns whether it is on. The engine's own set-up, a function of its own so that a
+    check outside the engine (tests/reference/make_fixture.py's teacher-forced agreement) runs the same path."""
+    if not (device.type == "cuda" and config.fused_kernels and fused.supported(talker)):
+        return False
+    fused.set_emulate_casts(config.fused_emulate_casts)  # read when the regions compile: before the first step
+    fused.enable(
+        talker,
+        split_attention=config.split_attention,
+        small_m_gemm=config.small_m_gemm,
+        small_m_fusion=config.small_m_fusion,
+    )
+    # Process-wide, read when each graph is captured (as step_blas); its counters exist before capture.
+    small_m_gemm.set_max_split_k(config.small_m_split_k)
+    small_m_gemm.set_pdl(config.small_m_gemm and config.small_m_pdl)
+    small_m_gemm.prepare(device)
+    talker.code_predictor.prompt_one_pass = config.cp_prompt_one_pass
+    fused.set_small_m_heads(talker, config.small_m_gemm and config.small_m_heads)
+    talker.code_predictor.input_tables = None
+    if config.cp_input_tables:
+        n = talker.code_predictor.build_input_tables()
+        log.info("code predictor input tables: %.1f MB", n / 1e6)
+    stack_kernel.enable(talker.code_predictor.model, config.cp_stack_kernel)
+    if config.cp_stack_kernel != "off":
+        stack_kernel.prepare(device)  # its counters, before any graph capture
+    talker.kernel_sampler = config.kernel_sampler
+    sample_kernel.set_warp_elements(config.kernel_sampler_warp_elements)  # read at capture
+    return True
