@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import importlib.machinery
 import importlib.metadata
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 REPO = Path(__file__).resolve().parents[2]
 SR = 24000
@@ -236,8 +238,10 @@ def record_code_predictor(tts, hidden: torch.Tensor, cb0: int) -> dict:
     }
 
 
-def load_official(off, ckpt: Path, device: str, dtype: torch.dtype = torch.float32, values: bool = True):
-    tts = off.Qwen3TTSModel.from_pretrained(str(ckpt), dtype=dtype, attn_implementation="eager", device_map=device)
+def load_official(
+    off, ckpt: Path, device: str, dtype: torch.dtype = torch.float32, values: bool = True, attn: str = "eager"
+):
+    tts = off.Qwen3TTSModel.from_pretrained(str(ckpt), dtype=dtype, attn_implementation=attn, device_map=device)
     check_official_state_dicts(tts, ckpt, values=values)
     return tts
 
@@ -376,15 +380,78 @@ def compare_full_size(size: str, device: str, frames: int, dtype: torch.dtype, w
     print("ALL CODES IDENTICAL" if all_equal else "CODES DIFFER")
 
 
-def _ours_talker_tf(model, seq: torch.Tensor, prefill_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _teacher_inputs(ours, m32, frames: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """A teacher-forced sequence from our float32 model (equal to the official one in float32): the prompt of
+    TEXTS[0] in English with a fixed random x-vector, then `frames` frames generated greedily (end-of-speech held
+    off). -> (talker inputs (L + F - 1, H), code-predictor inputs (F, 15, H) = [C(cb0), E_0(cb1), ..., E_13(cb14)],
+    codes (F, 16), prompt length L)."""
+    cfg = m32.config
+    tc = cfg.talker
+    device = m32.talker.codec_head.weight.device
+    x = torch.randn(tc.hidden_size, generator=torch.Generator().manual_seed(7)).to(device)
+    text, language = TEXTS[0], "english"
+    codes = ours.reference_loop.generate_codes(
+        m32.talker, cfg, m32.tokenizer, text, x, language, True, max_frames=frames, min_new_tokens=frames
+    )  # (F, 16)
+    ids = m32.tokenizer.chat_ids(text)
+    R, T_ = ours.tokenizer.ROLE_LEN, ours.tokenizer.TAIL_LEN
+    prompt = ours.prompt.build_prompt(cfg, m32.talker, ids[R:-T_], ids[:R], x, language, True)
+    cp_emb = m32.talker.code_predictor.model.codec_embedding
+    c0 = m32.talker.embed_codec(codes[:, 0])  # (F, H)
+    resid = [cp_emb[j](codes[:, j + 1]) for j in range(15)]  # each (F, H)
+    track = torch.stack([prompt.trailing[k] if k < len(prompt.trailing) else prompt.pad for k in range(frames)])
+    steps = c0 + torch.stack(resid).sum(0) + track  # input of the step after frame k
+    seq = torch.cat((prompt.prefill, steps[:-1]))  # (L + F - 1, H)
+    return seq, torch.stack([c0, *resid[:14]], dim=1), codes, prompt.prefill.shape[0]
+
+
+@torch.inference_mode()
+def record_tiny_bf16(out: Path, seed: int, frames: int = 8) -> None:
+    """The bf16 parity fixture: for tiny and tiny-mtp, a teacher-forced sequence (`_teacher_inputs`) and the
+    official package's bf16 logits on it as its generation computes them on the CPU (`_official_tf_incremental`,
+    SDPA). `tests/test_parity.py` runs our bf16 model the engine's way on the same inputs against it."""
+    ours = import_ours(["random_checkpoint", "loading", "reference_loop", "prompt", "tokenizer"])
+    off = import_official()
+    work = Path(tempfile.mkdtemp(prefix="qwen_tts_fixture_bf16_"))
+    fx: dict = {"meta": {"seed": seed, "frames": frames, "torch": str(torch.__version__), "attn": "sdpa"}}
+    for size in ("tiny", "tiny-mtp"):
+        ckpt = ours.random_checkpoint.write_random_checkpoint(work / size, size=size, seed=seed)
+        m32 = ours.loading.load_model(ckpt, device="cpu", dtype=torch.float32)
+        seq, cp_in, codes, L = _teacher_inputs(ours, m32, frames)
+        V = m32.config.talker.codebook_size
+        tts = load_official(off, ckpt, "cpu", torch.bfloat16, values=False, attn="sdpa")
+        lo, co = _official_tf_incremental(tts, seq.bfloat16(), L, cp_in.bfloat16(), codes)
+        top2 = torch.cat((lo[:, :V].flatten(0, -2), co.flatten(0, -2))).topk(2, dim=-1).values
+        fx[size] = {
+            "weights_digest": ours.random_checkpoint.weights_digest(ckpt),
+            "inputs": seq.bfloat16(),
+            "prefill_len": L,
+            "codes": codes,
+            "talker_logits": lo[:, :V].bfloat16(),  # computed in bf16: stored without loss
+            "code_predictor_logits": co.bfloat16(),
+        }
+        gap = (top2[:, 0] - top2[:, 1]).min().item()
+        print(f"{size}: L={L} frames={frames} talker {tuple(lo[:, :V].shape)} code predictor {tuple(co.shape)}; "
+              f"smallest top-2 gap {gap:.4f}")  # fmt: skip
+    torch.save(fx, out)
+    print(f"wrote {out}")
+
+
+def _ours_talker_tf(
+    model, seq: torch.Tensor, prefill_len: int, pad_to: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Our talker over a teacher-forced sequence (L + F - 1, H): the prompt as one prefill, then one token per step
-    (the engine's order; the fused decode path when it is on). -> (hidden, logits) at positions L-1 .. end."""
+    (the engine's order; the fused decode path when it is on). pad_to: the prefill padded with zero rows to this
+    length, as the engine's CUDA prefill pads a prompt to its length bucket (prefill.py; the decode steps overwrite
+    the padding's cache rows before any query sees them). -> (hidden, logits) at positions L-1 .. end."""
     talker = model.talker
     dev = seq.device
     n = len(seq)
-    cache = talker.new_cache(1, n)
+    T = max(prefill_len, pad_to or 0)
+    cache = talker.new_cache(1, max(n, T))
     slot = torch.zeros(1, dtype=torch.long, device=dev)
-    hs = [talker(seq[None, :prefill_len], torch.arange(prefill_len, device=dev)[None], cache, slot, prefill_len)[0, -1]]
+    prompt = torch.cat((seq[:prefill_len], seq.new_zeros(T - prefill_len, seq.shape[1])))
+    hs = [talker(prompt[None], torch.arange(T, device=dev)[None], cache, slot, T)[0, prefill_len - 1]]
     for p in range(prefill_len, n):
         hs.append(talker(seq[None, p : p + 1], torch.full((1, 1), p, device=dev), cache, slot, p + 1)[0, -1])
     h = torch.stack(hs)
@@ -400,8 +467,55 @@ def _ours_cp_tf(model, h: torch.Tensor, cp_in: torch.Tensor) -> torch.Tensor:
     cache = cp.model.new_cache(F_, 16, dev, x.dtype)
     slots = torch.arange(F_, device=dev)
     pos = torch.arange(16, device=dev)[None].expand(F_, -1)
-    hidden = [cp.model(x[:, t : t + 1], pos[:, t : t + 1], cache, slots, 16)[:, 0] for t in range(16)]
+    hidden = [cp.model(x[:, t : t + 1], pos[:, t : t + 1], cache, slots, t + 1)[:, 0] for t in range(16)]
     return torch.stack([cp.lm_head[j](hidden[j + 1]) for j in range(15)], dim=1).float()
+
+
+def _ours_cp_engine(model, h: torch.Tensor, codes: torch.Tensor, frames_per_call: int) -> torch.Tensor:
+    """Our code predictor as the engine runs it: `CodePredictor.forward` (the prompt's two tokens, the input tables,
+    the heads as the engine set them up), its sampler replaced by the teacher's codes. `frames_per_call` frames a
+    call: 1 is one stream (the few-row kernels), F every frame as one batch of streams. h (F, H), codes (F, 16)
+    -> logits (F, 15, V) of cb1..cb15."""
+    talker = model.talker
+    c0 = talker.embed_codec(codes[:, 0])
+    out = []
+    for s in range(0, len(h), frames_per_call):
+        teacher, logits = codes[s : s + frames_per_call], []
+
+        def sample(j: int, lg: torch.Tensor, teacher=teacher, logits=logits) -> torch.Tensor:
+            logits.append(lg.float())
+            return teacher[:, j + 1]
+
+        talker.code_predictor(h[s : s + frames_per_call], c0[s : s + frames_per_call], sample)
+        out.append(torch.stack(logits, dim=1))
+    return torch.cat(out)
+
+
+def _official_tf_incremental(tts, seq: torch.Tensor, prefill_len: int, cp_in: torch.Tensor, codes: torch.Tensor):
+    """The official talker and code predictor as its generation runs them, teacher-forced: the prompt as one
+    forward, then one token at a time on its KV cache; per frame, the code predictor's two prompt tokens as one
+    forward, then each of its 14 codes fed back as `generate` feeds it (input ids, `generation_steps`).
+    -> (talker logits at L-1.., cp logits (F, 15, V))."""
+    talker = tts.model.talker
+    out = talker.model(inputs_embeds=seq[None, :prefill_len], use_cache=True)
+    past, hs = out.past_key_values, [out.last_hidden_state[0, -1]]
+    for p in range(prefill_len, len(seq)):
+        out = talker.model(inputs_embeds=seq[None, p : p + 1], past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        hs.append(out.last_hidden_state[0, -1])
+    h = torch.stack(hs)
+    logits = talker.codec_head(h).float()
+    cpm = talker.code_predictor
+    frames = []
+    for f in range(len(h)):
+        o = cpm(inputs_embeds=torch.stack((h[f], cp_in[f, 0]))[None], use_cache=True)
+        row, past = [o.logits[0, -1]], o.past_key_values
+        for j in range(1, 15):
+            o = cpm(input_ids=codes[f : f + 1, j : j + 1], past_key_values=past, use_cache=True, generation_steps=j)
+            row.append(o.logits[0, -1])
+            past = o.past_key_values
+        frames.append(torch.stack(row))
+    return logits, torch.stack(frames).float()
 
 
 def _official_tf(tts, seq: torch.Tensor, prefill_len: int, cp_in_of) -> tuple[torch.Tensor, torch.Tensor]:
@@ -416,15 +530,24 @@ def _official_tf(tts, seq: torch.Tensor, prefill_len: int, cp_in_of) -> tuple[to
     return logits, cp_logits
 
 
+# A top-2 gap (logits) above every bf16 difference seen between two implementations (at most ~0.1 on the
+# full-size random checkpoints): a position where bf16 rounding alone cannot flip the top-1.
+CLEAR_GAP = 0.125
+
+
 def _agreement(a: torch.Tensor, b: torch.Tensor, ref_scale: torch.Tensor) -> dict:
-    """Top-1 agreement, max |diff| and RMS diff relative to the reference's RMS, of two logit tensors (..., V); and
-    where the top-1 differs, b's gap between the two ids (how near a tie the flip was) against b's median top-2 gap."""
+    """Top-1 agreement, max |diff| and RMS diff relative to the reference's RMS, of two logit tensors (..., V); where
+    the top-1 differs, b's gap between the two ids (how near a tie the flip was) against b's median top-2 gap; and
+    the top-1 agreement over the positions whose top-2 gap in b exceeds CLEAR_GAP (no near-tie), with their share."""
     same = a.argmax(-1) == b.argmax(-1)
     top2 = b.topk(2, dim=-1).values
     gap = top2[..., 0] - top2[..., 1]
     flipped = gap[~same]
+    clear = gap > CLEAR_GAP
     return {
         "top1_agreement": round(same.float().mean().item(), 4),
+        "top1_agreement_clear": round(same[clear].float().mean().item(), 4) if clear.any() else None,
+        "clear_share": round(clear.float().mean().item(), 4),
         "flip_gap_max": round(flipped.max().item(), 4) if flipped.numel() else None,
         "median_top2_gap": round(gap.median().item(), 4),
         "max_abs_diff": round((a - b).abs().max().item(), 4),
@@ -441,30 +564,16 @@ def teacher_forced(size: str, device: str, frames: int, workdir: Path, seed: int
     compared over the codebook ids (the sampler suppresses the rest), code-predictor logits over its vocabulary."""
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    ours = import_ours(["random_checkpoint", "loading", "reference_loop", "prompt", "tokenizer", "fused", "layers"])
+    ours = import_ours(
+        ["random_checkpoint", "loading", "reference_loop", "prompt", "tokenizer", "fused", "layers", "engine_api"]
+    )
     off = import_official()
     ckpt = workdir / f"random-{size}-seed{seed}"
     if not (ckpt / "speech_tokenizer/model.safetensors").is_file():
         ours.random_checkpoint.write_random_checkpoint(ckpt, size=size, seed=seed)
     m32 = ours.loading.load_model(ckpt, device=device, dtype=torch.float32)
-    cfg = m32.config
-    tc = cfg.talker
-    x = torch.randn(tc.hidden_size, generator=torch.Generator().manual_seed(7)).to(device)
-    text, language = TEXTS[0], "english"
-    codes = ours.reference_loop.generate_codes(
-        m32.talker, cfg, m32.tokenizer, text, x, language, True, max_frames=frames, min_new_tokens=frames
-    )  # (F, 16)
-    ids = m32.tokenizer.chat_ids(text)
-    R, T_ = ours.tokenizer.ROLE_LEN, ours.tokenizer.TAIL_LEN
-    prompt = ours.prompt.build_prompt(cfg, m32.talker, ids[R:-T_], ids[:R], x, language, True)
-    L = prompt.prefill.shape[0]
-    cp_emb = m32.talker.code_predictor.model.codec_embedding
-    c0 = m32.talker.embed_codec(codes[:, 0])  # (F, H)
-    resid = [cp_emb[j](codes[:, j + 1]) for j in range(15)]  # each (F, H)
-    track = torch.stack([prompt.trailing[k] if k < len(prompt.trailing) else prompt.pad for k in range(frames)])
-    steps = c0 + torch.stack(resid).sum(0) + track  # input of the step after frame k
-    seq32 = torch.cat((prompt.prefill, steps[:-1]))  # (L + F - 1, H)
-    cp_in32 = torch.stack([c0, *resid[:14]], dim=1)  # (F, 15, H)
+    tc = m32.config.talker
+    seq32, cp_in32, codes, L = _teacher_inputs(ours, m32, frames)
     V = tc.codebook_size
 
     results: dict = {"size": size, "frames": frames, "prefill_len": L, "device": device}
@@ -476,26 +585,55 @@ def teacher_forced(size: str, device: str, frames: int, workdir: Path, seed: int
     h, lg = _ours_talker_tf(m16, seq16, L)
     ref["bf16"] = (lg[:, :V], _ours_cp_tf(m16, h, cp_in16))
     with ours_active():
-        if device.startswith("cuda") and ours.fused.supported(m16.talker):
-            ours.fused.enable(m16.talker)
-            h, lg = _ours_talker_tf(m16, seq16, L)
-            ref["bf16-fused"] = (lg[:, :V], _ours_cp_tf(m16, h, cp_in16))
-            # The optional kernels (split attention, the few-row matmul; the engine's default) on the same weights.
-            ours.fused.set_variants(m16.talker, split_attention=True, small_m_gemm=True)
-            h, lg = _ours_talker_tf(m16, seq16, L)
-            ref["bf16-fused-variants"] = (lg[:, :V], _ours_cp_tf(m16, h, cp_in16))
+        from qwen_tts.engines.native.engine import enable_fast_path
+
+        # The engine's path at its defaults (enable_fast_path, as NativeEngine sets it up; on CPU the eager layers):
+        # the talker one token a step; the code predictor one frame a call (one stream) and every frame in one call
+        # (a batch of streams).
+        default = ours.engine_api.EngineSettings()
+        runs = [("engine", default)]
+        if not default.fused_emulate_casts:  # and rounded where the eager layers round (fused.set_emulate_casts)
+            runs.append(("engine-emulate-casts", dataclasses.replace(default, fused_emulate_casts=True)))
+        if default.cp_input_tables and not isinstance(m16.talker.code_predictor.small_to_mtp_projection, nn.Identity):
+            # and the code predictor's inputs through the projection each pass, as the official computes them
+            runs.append(("engine-no-tables", dataclasses.replace(default, cp_input_tables=False)))
+            runs.append(("engine-emulate-casts-no-tables", dataclasses.replace(runs[-1][1], fused_emulate_casts=True)))
+        pad_to = None
+        if device.startswith("cuda"):  # the engine's CUDA prefill runs at the prompt's length bucket
+            from qwen_tts.engines.native.prefill import len_buckets
+
+            pad_to = next(b for b in len_buckets(default.max_text_tokens + L) if b >= L)
+        results["engine_prefill_len"] = pad_to or L
+        for name, settings in runs:
+            if not enable_fast_path(m16.talker, settings, torch.device(device)) and name != "engine":
+                continue  # no fast path here: the variants are the eager layers again
+            h, lg = _ours_talker_tf(m16, seq16, L, pad_to)
+            ref[f"{name}-1"] = (lg[:, :V], _ours_cp_engine(m16, h, codes, 1))
+            ref[f"{name}-{frames}"] = (lg[:, :V], _ours_cp_engine(m16, h, codes, frames))
+        ours.fused.set_emulate_casts(default.fused_emulate_casts)
     del m16
     # float32 official == float32 ours first: the teacher-forced inputs reach both implementations alike.
     tts = load_official(off, ckpt, device, torch.float32, values=False)
     lo, co = _official_tf(tts, seq32, L, lambda dt: cp_in32.to(dt))
     ref["official-fp32"] = (lo[:, :V], co)
     del tts
-    tts = load_official(off, ckpt, device, torch.bfloat16, values=False)
-    lo, co = _official_tf(tts, seq16, L, lambda dt: cp_in16.to(dt))
-    ref["official-bf16"] = (lo[:, :V], co)
-    pairs = [("official-fp32", "fp32"), ("bf16", "fp32"), ("bf16-fused", "fp32"), ("official-bf16", "fp32"),
-             ("bf16", "official-bf16"), ("bf16-fused", "official-bf16"), ("bf16-fused-variants", "fp32"),
-             ("bf16-fused-variants", "official-bf16"), ("bf16-fused-variants", "bf16-fused")]  # fmt: skip
+    # The official package in bf16 three ways: one full forward (eager attention), and as its generation runs
+    # (incremental, on its KV cache) with eager attention and with SDPA (what loading without an
+    # attn_implementation gives: the baseline's configuration).
+    for attn in ("eager", "sdpa"):
+        tts = load_official(off, ckpt, device, torch.bfloat16, values=False, attn=attn)
+        if attn == "eager":
+            lo, co = _official_tf(tts, seq16, L, lambda dt: cp_in16.to(dt))
+            ref["official-bf16"] = (lo[:, :V], co)
+        lo, co = _official_tf_incremental(tts, seq16, L, cp_in16, codes)
+        ref[f"official-bf16-incremental-{attn}"] = (lo[:, :V], co)
+        del tts
+    inc = ("official-bf16-incremental-sdpa", "official-bf16-incremental-eager")
+    engines = [k for k in ref if k.startswith("engine")]
+    pairs = [("official-fp32", "fp32"), ("bf16", "fp32"), ("official-bf16", "fp32"), (inc[0], "fp32"),
+             ("bf16", "official-bf16"), (inc[0], "official-bf16"), (inc[0], inc[1]), ("bf16", inc[0]),
+             ("bf16", inc[1])]  # fmt: skip
+    pairs += [(e, b) for e in engines for b in ("fp32", inc[0], inc[1], "bf16")]
     for a, b in pairs:
         if a in ref and b in ref:
             results[f"{a} vs {b}"] = {
@@ -522,9 +660,12 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()), help="where full-size checkpoints go")
     ap.add_argument("--teacher-forced", action="store_true", help="full-size: teacher-forced top-1 agreement")
     ap.add_argument("--json", type=Path, default=None, help="--teacher-forced: write the figures here")
+    ap.add_argument("--bf16-out", type=Path, default=None, help="write the tiny bf16 parity fixture here instead")
     a = ap.parse_args()
     torch.manual_seed(0)
-    if a.teacher_forced:
+    if a.bf16_out is not None:
+        record_tiny_bf16(a.bf16_out, a.seed)
+    elif a.teacher_forced:
         teacher_forced(a.size, a.device, a.frames, a.workdir, a.seed, a.json)
     elif a.size == "tiny":
         record_tiny(a.out, a.seed, a.device)
