@@ -82,6 +82,9 @@ STEP_VARIANTS = {
     "fused-split+small-m+cp-one-pass+kernel-sampler+no-greedy-branch": _BOTH,
     # The engine's default with the compiled regions rounding bf16 where the eager layers round (emulate casts).
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+emulate-casts": _BOTH,
+    # and with the regions' reduction configurations picked by rule (inductor's deterministic mode), and without.
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+deterministic": _BOTH,
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+no-deterministic": _BOTH,
     # The engine's default with each code-predictor pass by the one-kernel stack (stack_kernel.py): a launch a
     # phase, or one persistent launch a pass.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-phases": _BOTH,
@@ -106,6 +109,8 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
     sample_kernel.set_greedy_branch("+no-greedy-branch" not in variant)
     small_m_gemm.prepare("cuda")
     fused.set_emulate_casts("+emulate-casts" in variant)  # read when the regions compile
+    default_det = EngineSettings().fused_deterministic
+    fused.set_deterministic(("+deterministic" in variant or default_det) and "+no-deterministic" not in variant)
     model = load_model(path, device="cuda", dtype=torch.bfloat16)
     talker = model.talker.eval()
     if STEP_VARIANTS[variant] is not None:

@@ -170,6 +170,15 @@ class EngineSettings:
     # instead of 1.67-1.70%, but 1.40-1.48% from exact float32, as the official bf16 is, instead of 1.03-1.10%. Off:
     # the default is the closer to exact. Process-wide. Ignored on CPU.
     fused_emulate_casts: bool = False
+    # On the fast path, compile its regions in inductor's deterministic mode (fused.set_deterministic): each
+    # reduction kernel's configuration picked by a fixed rule instead of timed on first use, so a restarted server
+    # or another replica sums the RMSNorms in the same order and gives the same bits for the same request and seed.
+    # Measured on an H200 (benchmarks/bench_reproducible.py, 0.6B, two fresh processes each, empty caches): without
+    # it 39% of the talker's and 53% of the code predictor's bf16 logits differed between the two processes, and a
+    # top-1 flipped; with it both runs were bit-identical. Cost: the 1.7B step 4.543 -> 4.597 ms at batch 1, 6.237 ->
+    # 6.245 at batch 64 (profile_step.py, graph replays); one stream 15.47x real time with it. Process-wide. Ignored
+    # on CPU and where torch has no such mode (bench_gpu.py --engine-variants no-deterministic).
+    fused_deterministic: bool = True
     # With small_m_gemm on Hopper, launch the few-row matmuls as programmatic dependents (small_m_gemm.set_pdl):
     # each loads its first weight tile while the kernel before it drains, then waits for it; attention lets the o
     # projection start early. Measured on an H200: slower (1.7B step at batch 1 with small_m_fusion 7.10 -> 8.21

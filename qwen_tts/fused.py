@@ -174,8 +174,10 @@ _BATCHED = {
     "talker_logits": (0, 1, 2, 5),
 }
 _compiled: dict[str, object] = {}
-# Inductor's emulate_precision_casts for the regions compiled from here on (`set_emulate_casts`).
+# Inductor's emulate_precision_casts and deterministic options for the regions compiled from here on
+# (`set_emulate_casts`, `set_deterministic`).
 _emulate_casts = False
+_deterministic = False
 
 
 # Recompiles one process may need per compiled function: one per (dtype, fixed argument values such as eps and
@@ -219,6 +221,24 @@ def emulate_casts() -> bool:
     return _emulate_casts
 
 
+def set_deterministic(on: bool) -> None:
+    """Compile the regions in inductor's deterministic mode: no on-device benchmarking where it would change the
+    numbers. By default inductor times several configurations of each reduction kernel (the RMSNorms' sums) on
+    first use and keeps the fastest, so two processes can sum a row in different orders and give bf16 outputs a
+    few bits apart (seen on an H200: teacher-forced logits of two runs on the same weights; docs/benchmarks.md).
+    Deterministic mode picks one configuration by a fixed rule. Drops the regions compiled so far when the setting
+    changes. A no-op where this torch has no such mode."""
+    global _deterministic
+    on = bool(on) and hasattr(torch._inductor.config, "deterministic")
+    if on != _deterministic:
+        _deterministic = on
+        _compiled.clear()
+
+
+def deterministic() -> bool:
+    return _deterministic
+
+
 def compiled(name: str):
     """The compiled version of one of this module's functions (compiled once per process, on first use).
 
@@ -231,6 +251,8 @@ def compiled(name: str):
         return fn
     # No split reductions: they are chosen by shape, so a row's sums would depend on how many rows came along.
     options = {"split_reductions": False, "emulate_precision_casts": _emulate_casts}
+    if _deterministic:
+        options["deterministic"] = True
     inner = _compile(_SOURCES[name], dynamic=True, fullgraph=True, options=options)
     batched = _BATCHED[name]
 

@@ -14,8 +14,9 @@
 # one-kernel code predictor stack: its passes alone, STACK_MODES naming bench_stack.py's modes, then its tests),
 # sampler (the sampler kernel alone), attention, gemm, profile, step (the frame step alone, per STEP_SIZES), codec
 # (Code2Wav alone), engine, teacher-forced (tests/reference/make_fixture.py --teacher-forced per TF_SIZES, with the
-# official package from .whl/reference; scripts/gpu_wheels.sh with REFERENCE_WHEELS). VARIANTS overrides the engine stage's variant list, CODEC_VARIANTS the Code2Wav
-# variants of the profile and codec stages, STEP_VARIANTS the step stage's.
+# official package from .whl/reference; scripts/gpu_wheels.sh with REFERENCE_WHEELS). VARIANTS overrides the engine
+# stage's variant list, CODEC_VARIANTS the Code2Wav variants of the profile and codec stages, STEP_VARIANTS the step
+# stage's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,7 +30,7 @@ STEP_VARIANTS=${STEP_VARIANTS:-$DEFAULT_STEP,$DEFAULT_STEP+fusion,$DEFAULT_STEP+
 STEP_SIZES=${STEP_SIZES:-1.7b 0.6b}
 CODEC_VARIANTS=${CODEC_VARIANTS:-fp16+polyphase-9,fp16+polyphase-9+snake-kernel,fp16+polyphase-9+snake-kernel+channels-last}
 
-[ $# -gt 0 ] || { sed -n 2,16p "$0" >&2; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^set -euo/p' "$0" | sed '$d' >&2; exit 2; }
 for stage in "$@"; do
   case $stage in tests | tests-engine | pytest | stack | sampler | attention | gemm | profile | step | codec | engine | teacher-forced) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
 done

@@ -271,8 +271,10 @@ def test_gpu_variants_script_names_its_stages_and_refuses_unknown_ones_before_in
         "Stages: tests, tests-engine (the engine's CUDA tests), pytest (the tests PYTEST_ARGS names), stack (the "
         "one-kernel code predictor stack: its passes alone, STACK_MODES naming bench_stack.py's modes, then its "
         "tests), sampler (the sampler kernel alone), attention, gemm, profile, step (the frame step alone, per STEP_SIZES), codec "
-        "(Code2Wav alone), engine. VARIANTS overrides the engine stage's variant list, CODEC_VARIANTS the Code2Wav "
-        "variants of the profile and codec stages, STEP_VARIANTS the step stage's."
+        "(Code2Wav alone), engine, teacher-forced (tests/reference/make_fixture.py --teacher-forced per TF_SIZES, with "
+        "the official package from .whl/reference; scripts/gpu_wheels.sh with REFERENCE_WHEELS). VARIANTS overrides "
+        "the engine stage's variant list, CODEC_VARIANTS the Code2Wav variants of the profile and codec stages, "
+        "STEP_VARIANTS the step stage's."
     )
     assert usage.returncode == 2 and stages in words
     bad = subprocess.run(["bash", str(script), "tests", "speed"], capture_output=True, text=True, env=env)
@@ -464,3 +466,24 @@ def test_the_wrapper_runs_a_script_unwrapped_where_the_official_module_is_missin
     note, row = res["rows"]
     assert note["full_length_wrapper"].startswith("not installed: ModuleNotFoundError")
     assert row == {"batch": 1, "argv": ["--x", "1"]} and res["rc"] == 0
+
+
+def test_reproducibility_benchmark_compares_fresh_processes(tmp_path) -> None:
+    """benchmarks/bench_reproducible.py on the CPU: two child processes with empty compile caches teacher-force the
+    same sequence the engine's way; the report compares their logits bit for bit (equal on the CPU's eager path)."""
+    import subprocess
+
+    out = tmp_path / "rep.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_reproducible.py"), "--size", "tiny", "--device", "cpu"]
+    cmd += ["--runs", "2", "--variants", "default,deterministic", "--frames", "4", "--prompt-len", "8"]
+    cmd += ["--workdir", str(tmp_path), "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    rep = json.loads(out.read_text())
+    assert rep["size"] == "tiny" and rep["runs"] == 2 and sorted(rep["variants"]) == ["default", "deterministic"]
+    for variant in rep["variants"].values():
+        assert variant["fast_path"] is False  # no CUDA: the eager layers
+        (pair,) = variant["against_run_0"]
+        assert pair["talker"] == {
+            "equal": True, "elements_differing": 0, "max_abs_diff": 0.0, "top1_agreement": 1.0, "positions": 4
+        }  # fmt: skip
+        assert pair["code_predictor"]["equal"] and pair["code_predictor"]["positions"] == 4 * 15

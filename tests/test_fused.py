@@ -567,3 +567,29 @@ def test_emulate_casts_recompiles_the_regions_with_inductors_option(monkeypatch)
         assert cos.shape == (3, 8)
     finally:
         fused.set_emulate_casts(before)
+
+
+def test_deterministic_mode_compiles_the_regions_without_timed_reduction_configs(monkeypatch) -> None:
+    """fused.set_deterministic: the regions compiled after it carry inductor's deterministic option (a reduction's
+    configuration by rule, not by timing on first use), and a change drops the regions compiled so far."""
+    if not hasattr(torch._inductor.config, "deterministic"):
+        pytest.skip("this torch has no deterministic mode in inductor")
+    seen = []
+
+    def fake_compile(fn, **kwargs):
+        seen.append(kwargs["options"])
+        return fn
+
+    monkeypatch.setattr(fused, "_compile", fake_compile)
+    monkeypatch.setattr(fused, "_compiled", {})
+    before = fused.deterministic()
+    try:
+        fused.set_deterministic(False)
+        fused.compiled("rope")
+        assert "deterministic" not in seen[-1]
+        fused.set_deterministic(True)
+        assert fused.deterministic() and fused._compiled == {}
+        fused.compiled("rope")
+        assert seen[-1]["deterministic"] is True and seen[-1]["split_reductions"] is False
+    finally:
+        fused.set_deterministic(before)

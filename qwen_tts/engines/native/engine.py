@@ -196,6 +196,7 @@ class NativeEngine(Engine):
         fused_on = self._model_info["fused_kernels"] and self.config.small_m_gemm
         self._model_info["small_m_fusion"] = bool(fused_on and self.config.small_m_fusion)
         self._model_info["fused_emulate_casts"] = bool(self._model_info["fused_kernels"] and fused.emulate_casts())
+        self._model_info["fused_deterministic"] = bool(self._model_info["fused_kernels"] and fused.deterministic())
         self._model_info["small_m_pdl"] = bool(fused_on and self.config.small_m_pdl and small_m_gemm.pdl_active())
         self._model_info["kernel_sampler"] = self._talker.kernel_sampler
         self._model_info["small_m_heads"] = self._talker.head_linear is not None
@@ -769,6 +770,7 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
     if not (device.type == "cuda" and config.fused_kernels and fused.supported(talker)):
         return False
     fused.set_emulate_casts(config.fused_emulate_casts)  # read when the regions compile: before the first step
+    fused.set_deterministic(config.fused_deterministic)
     fused.enable(
         talker,
         split_attention=config.split_attention,
