@@ -540,10 +540,10 @@ def test_compiled_regions_keep_their_recompile_limit_whatever_the_global() -> No
         cfg.recompile_limit = before
 
 
-def test_emulate_casts_recompiles_the_regions_with_inductors_option(monkeypatch) -> None:
-    """fused.set_emulate_casts: the regions compiled after it carry emulate_precision_casts (with the batch-invariant
-    split_reductions off as before), and a change drops the regions compiled so far; setting the same value keeps
-    them."""
+@pytest.fixture
+def compile_options(monkeypatch):
+    """The inductor options each of fused's regions is compiled with, in order (torch.compile replaced by a
+    recorder), from both of fused's options off; its settings restored afterwards."""
     seen = []
 
     def fake_compile(fn, **kwargs):
@@ -552,44 +552,37 @@ def test_emulate_casts_recompiles_the_regions_with_inductors_option(monkeypatch)
 
     monkeypatch.setattr(fused, "_compile", fake_compile)
     monkeypatch.setattr(fused, "_compiled", {})
-    before = fused.emulate_casts()
-    try:
-        fused.set_emulate_casts(False)
-        fused.compiled("rope")
-        assert seen[-1] == {"split_reductions": False, "emulate_precision_casts": False}
-        fused.set_emulate_casts(False)
-        assert "rope" in fused._compiled  # unchanged setting: the region stays
-        fused.set_emulate_casts(True)
-        assert fused.emulate_casts() and fused._compiled == {}
-        cos, sin = fused.compiled("rope")(torch.arange(3), torch.rand(4), torch.float32)
-        assert sin.shape == (3, 8)
-        assert seen[-1] == {"split_reductions": False, "emulate_precision_casts": True} and len(seen) == 2
-        assert cos.shape == (3, 8)
-    finally:
-        fused.set_emulate_casts(before)
+    before = fused.emulate_casts(), fused.deterministic()
+    fused.set_emulate_casts(False)
+    fused.set_deterministic(False)
+    yield seen
+    fused.set_emulate_casts(before[0])
+    fused.set_deterministic(before[1])
 
 
-def test_deterministic_mode_compiles_the_regions_without_timed_reduction_configs(monkeypatch) -> None:
+def test_emulate_casts_recompiles_the_regions_with_inductors_option(compile_options) -> None:
+    """fused.set_emulate_casts: the regions compiled after it carry emulate_precision_casts (with the batch-invariant
+    split_reductions off as before), and a change drops the regions compiled so far; setting the same value keeps
+    them."""
+    fused.compiled("rope")
+    assert compile_options[-1] == {"split_reductions": False, "emulate_precision_casts": False}
+    fused.set_emulate_casts(False)
+    assert "rope" in fused._compiled  # unchanged setting: the region stays
+    fused.set_emulate_casts(True)
+    assert fused.emulate_casts() and fused._compiled == {}
+    cos, sin = fused.compiled("rope")(torch.arange(3), torch.rand(4), torch.float32)
+    assert compile_options[-1] == {"split_reductions": False, "emulate_precision_casts": True}
+    assert len(compile_options) == 2 and cos.shape == sin.shape == (3, 8)
+
+
+def test_deterministic_mode_compiles_the_regions_without_timed_reduction_configs(compile_options) -> None:
     """fused.set_deterministic: the regions compiled after it carry inductor's deterministic option (a reduction's
     configuration by rule, not by timing on first use), and a change drops the regions compiled so far."""
     if not hasattr(torch._inductor.config, "deterministic"):
         pytest.skip("this torch has no deterministic mode in inductor")
-    seen = []
-
-    def fake_compile(fn, **kwargs):
-        seen.append(kwargs["options"])
-        return fn
-
-    monkeypatch.setattr(fused, "_compile", fake_compile)
-    monkeypatch.setattr(fused, "_compiled", {})
-    before = fused.deterministic()
-    try:
-        fused.set_deterministic(False)
-        fused.compiled("rope")
-        assert "deterministic" not in seen[-1]
-        fused.set_deterministic(True)
-        assert fused.deterministic() and fused._compiled == {}
-        fused.compiled("rope")
-        assert seen[-1]["deterministic"] is True and seen[-1]["split_reductions"] is False
-    finally:
-        fused.set_deterministic(before)
+    fused.compiled("rope")
+    assert "deterministic" not in compile_options[-1]
+    fused.set_deterministic(True)
+    assert fused.deterministic() and fused._compiled == {}
+    fused.compiled("rope")
+    assert compile_options[-1]["deterministic"] is True and compile_options[-1]["split_reductions"] is False
