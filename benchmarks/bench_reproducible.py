@@ -32,6 +32,7 @@ import torch
 
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.reference_loop import teacher_forced_logits
 
 # Variant name -> EngineSettings fields over the defaults.
 VARIANTS = {
@@ -57,25 +58,9 @@ def child(ckpt: Path, device: str, variant: str, prompt_len: int, frames: int, o
     ids = torch.randint(0, vocab, (prompt_len + frames - 1,), generator=g).to(dev)
     codes = torch.randint(0, vocab, (frames, t.code_predictor.num_residual + 1), generator=g).to(dev)
     seq = t.embed_codec(ids)  # inputs at the scale of the codec embeddings
-    n = len(seq)
-    cache = t.new_cache(1, n)
-    slot = torch.zeros(1, dtype=torch.long, device=dev)
-    hs = [t(seq[None, :prompt_len], torch.arange(prompt_len, device=dev)[None], cache, slot, prompt_len)[0, -1]]
-    for p in range(prompt_len, n):
-        hs.append(t(seq[None, p : p + 1], torch.full((1, 1), p, device=dev), cache, slot, p + 1)[0, -1])
-    h = torch.stack(hs)
-    cp_logits = []
-    for f in range(frames):
-        row: list[torch.Tensor] = []
-
-        def teacher(j: int, lg: torch.Tensor, f=f, row=row) -> torch.Tensor:
-            row.append(lg[0].float())
-            return codes[f : f + 1, j + 1]
-
-        t.code_predictor(h[f : f + 1], t.embed_codec(codes[f : f + 1, 0]), teacher)
-        cp_logits.append(torch.stack(row))
+    _, talker_logits, cp_logits = teacher_forced_logits(t, seq, prompt_len, codes)
     torch.save(
-        {"talker": t.logits(h)[:, :vocab].float().cpu(), "code_predictor": torch.stack(cp_logits).cpu(), "fast": fast},
+        {"talker": talker_logits[:, :vocab].cpu(), "code_predictor": cp_logits.cpu(), "fast": fast},
         out,
     )
 

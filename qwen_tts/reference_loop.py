@@ -101,3 +101,45 @@ def generate_codes(
     if not frames:
         return torch.zeros((0, tc.num_code_groups), dtype=torch.long, device=dev)
     return torch.cat(frames, dim=0)
+
+
+@torch.inference_mode()
+def teacher_forced_logits(
+    talker: Talker,
+    seq: Tensor,
+    prompt_len: int,
+    codes: LongTensor,
+    frames_per_call: int = 1,
+    pad_to: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The talker and code predictor over fixed inputs, the engine's way: the prompt as one prefill, then a talker
+    token a step on the KV cache; the code predictor through `CodePredictor.forward` with its sampler replaced by the
+    given codes, `frames_per_call` frames a call (1: one stream; all: a batch of streams). For agreement checks
+    against the official package and across processes (make_fixture.py, bench_reproducible.py, test_parity.py).
+
+    seq (L + F - 1, H): the prompt's L rows, then each frame's input; codes (F, 16). pad_to: the prefill padded with
+    zero rows to this length, as the engine's CUDA prefill pads a prompt to its length bucket (the decode steps
+    overwrite the padding's cache rows before any query sees them). -> (hidden (F, H), talker logits (F, vocab),
+    code-predictor logits (F, 15, V)), logits in float32."""
+    dev = seq.device
+    n = len(seq)
+    T = max(prompt_len, pad_to or 0)
+    cache = talker.new_cache(1, max(n, T))
+    slot = torch.zeros(1, dtype=torch.long, device=dev)
+    prompt = torch.cat((seq[:prompt_len], seq.new_zeros(T - prompt_len, seq.shape[1])))
+    hs = [talker(prompt[None], torch.arange(T, device=dev)[None], cache, slot, T)[0, prompt_len - 1]]
+    for p in range(prompt_len, n):
+        hs.append(talker(seq[None, p : p + 1], torch.full((1, 1), p, device=dev), cache, slot, p + 1)[0, -1])
+    h = torch.stack(hs)
+    c0 = talker.embed_codec(codes[:, 0])
+    out = []
+    for s in range(0, len(h), frames_per_call):
+        teacher, logits = codes[s : s + frames_per_call], []
+
+        def replay(j: int, lg: Tensor, teacher=teacher, logits=logits) -> LongTensor:
+            logits.append(lg.float())
+            return teacher[:, j + 1]
+
+        talker.code_predictor(h[s : s + frames_per_call], c0[s : s + frames_per_call], replay)
+        out.append(torch.stack(logits, dim=1))
+    return h, talker.logits(h).float(), torch.cat(out)

@@ -18,7 +18,7 @@ from qwen_tts.loading import load_model
 from qwen_tts.mel import mel_spectrogram
 from qwen_tts.prompt import build_prompt
 from qwen_tts.random_checkpoint import weights_digest, write_random_checkpoint
-from qwen_tts.reference_loop import generate_codes
+from qwen_tts.reference_loop import generate_codes, teacher_forced_logits
 from qwen_tts.tokenizer import ROLE_LEN, TAIL_LEN
 
 FIXTURE = Path(__file__).parent / "reference" / "fixture_tiny.pt"
@@ -198,28 +198,10 @@ def test_bf16_engine_path_matches_the_official_generation(size, tmp_path_factory
     if weights_digest(path) != fx["weights_digest"]:
         pytest.fail(f"the {size} checkpoint differs from the one the bf16 fixture was recorded on: {BF16_REGENERATE}")
     model = load_model(path, device="cpu", dtype=torch.bfloat16)
-    t, cp = model.talker, model.talker.code_predictor
     seq, L, codes = fx["inputs"], fx["prefill_len"], fx["codes"]
     V = fx["talker_logits"].shape[-1]
-    slot = torch.zeros(1, dtype=torch.long)
-    with torch.inference_mode():
-        cache = t.new_cache(1, len(seq))
-        hs = [t(seq[None, :L], torch.arange(L)[None], cache, slot, kv_len=L)[0, -1]]
-        for p in range(L, len(seq)):
-            hs.append(t(seq[None, p : p + 1], torch.tensor([[p]]), cache, slot, kv_len=p + 1)[0, -1])
-        h = torch.stack(hs)
-        talker_logits = t.logits(h)[:, :V]
-        cp_logits = []
-        for f in range(len(h)):
-            row = []
-
-            def teacher(j: int, lg: torch.Tensor, f=f, row=row) -> torch.Tensor:
-                row.append(lg[0])
-                return codes[f : f + 1, j + 1]
-
-            cp(h[f : f + 1], t.embed_codec(codes[f : f + 1, 0]), teacher)
-            cp_logits.append(torch.stack(row))
-        cp_logits = torch.stack(cp_logits)
+    _, talker_logits, cp_logits = teacher_forced_logits(model.talker, seq, L, codes)
+    talker_logits = talker_logits[:, :V]
     for name, ours, theirs in (
         ("talker", talker_logits, fx["talker_logits"]),
         ("code predictor", cp_logits, fx["code_predictor_logits"]),

@@ -437,21 +437,15 @@ def record_tiny_bf16(out: Path, seed: int, frames: int = 8) -> None:
     print(f"wrote {out}")
 
 
-def _ours_talker_tf(
-    model, seq: torch.Tensor, prefill_len: int, pad_to: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _ours_talker_tf(model, seq: torch.Tensor, prefill_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Our talker over a teacher-forced sequence (L + F - 1, H): the prompt as one prefill, then one token per step
-    (the engine's order; the fused decode path when it is on). pad_to: the prefill padded with zero rows to this
-    length, as the engine's CUDA prefill pads a prompt to its length bucket (prefill.py; the decode steps overwrite
-    the padding's cache rows before any query sees them). -> (hidden, logits) at positions L-1 .. end."""
+    (the engine's order). -> (hidden, logits) at positions L-1 .. end."""
     talker = model.talker
     dev = seq.device
     n = len(seq)
-    T = max(prefill_len, pad_to or 0)
-    cache = talker.new_cache(1, max(n, T))
+    cache = talker.new_cache(1, n)
     slot = torch.zeros(1, dtype=torch.long, device=dev)
-    prompt = torch.cat((seq[:prefill_len], seq.new_zeros(T - prefill_len, seq.shape[1])))
-    hs = [talker(prompt[None], torch.arange(T, device=dev)[None], cache, slot, T)[0, prefill_len - 1]]
+    hs = [talker(seq[None, :prefill_len], torch.arange(prefill_len, device=dev)[None], cache, slot, prefill_len)[0, -1]]
     for p in range(prefill_len, n):
         hs.append(talker(seq[None, p : p + 1], torch.full((1, 1), p, device=dev), cache, slot, p + 1)[0, -1])
     h = torch.stack(hs)
@@ -469,26 +463,6 @@ def _ours_cp_tf(model, h: torch.Tensor, cp_in: torch.Tensor) -> torch.Tensor:
     pos = torch.arange(16, device=dev)[None].expand(F_, -1)
     hidden = [cp.model(x[:, t : t + 1], pos[:, t : t + 1], cache, slots, t + 1)[:, 0] for t in range(16)]
     return torch.stack([cp.lm_head[j](hidden[j + 1]) for j in range(15)], dim=1).float()
-
-
-def _ours_cp_engine(model, h: torch.Tensor, codes: torch.Tensor, frames_per_call: int) -> torch.Tensor:
-    """Our code predictor as the engine runs it: `CodePredictor.forward` (the prompt's two tokens, the input tables,
-    the heads as the engine set them up), its sampler replaced by the teacher's codes. `frames_per_call` frames a
-    call: 1 is one stream (the few-row kernels), F every frame as one batch of streams. h (F, H), codes (F, 16)
-    -> logits (F, 15, V) of cb1..cb15."""
-    talker = model.talker
-    c0 = talker.embed_codec(codes[:, 0])
-    out = []
-    for s in range(0, len(h), frames_per_call):
-        teacher, logits = codes[s : s + frames_per_call], []
-
-        def sample(j: int, lg: torch.Tensor, teacher=teacher, logits=logits) -> torch.Tensor:
-            logits.append(lg.float())
-            return teacher[:, j + 1]
-
-        talker.code_predictor(h[s : s + frames_per_call], c0[s : s + frames_per_call], sample)
-        out.append(torch.stack(logits, dim=1))
-    return torch.cat(out)
 
 
 def _official_tf_incremental(tts, seq: torch.Tensor, prefill_len: int, cp_in: torch.Tensor, codes: torch.Tensor):
@@ -607,9 +581,9 @@ def teacher_forced(size: str, device: str, frames: int, workdir: Path, seed: int
         for name, settings in runs:
             if not enable_fast_path(m16.talker, settings, torch.device(device)) and name != "engine":
                 continue  # no fast path here: the variants are the eager layers again
-            h, lg = _ours_talker_tf(m16, seq16, L, pad_to)
-            ref[f"{name}-1"] = (lg[:, :V], _ours_cp_engine(m16, h, codes, 1))
-            ref[f"{name}-{frames}"] = (lg[:, :V], _ours_cp_engine(m16, h, codes, frames))
+            for per_call in (1, frames):
+                _, lg, cp = ours.reference_loop.teacher_forced_logits(m16.talker, seq16, L, codes, per_call, pad_to)
+                ref[f"{name}-{per_call}"] = (lg[:, :V], cp)
         ours.fused.set_emulate_casts(default.fused_emulate_casts)
     del m16
     # float32 official == float32 ours first: the teacher-forced inputs reach both implementations alike.
