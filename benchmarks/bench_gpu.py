@@ -116,6 +116,7 @@ VARIANTS: dict[str, dict] = {
     "no-cp-input-tables": {"cp_input_tables": False},  # and through the projection every pass (before the default)
     "cp-stack-phases": {"cp_stack_kernel": "phases"},  # each code-predictor pass by the stack kernel, a launch a phase
     "cp-stack-persistent": {"cp_stack_kernel": "persistent"},  # and in one persistent launch a pass
+    "cp-stack-cuda": {"cp_stack_kernel": "cuda"},  # passes of up to 4 rows by the CUDA kernel (stack_cuda.cu)
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints

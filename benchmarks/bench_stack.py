@@ -1,6 +1,7 @@
 """The code predictor's 15 passes a frame alone, on CUDA: the fused path's kernels (fused.stack_step: compiled
 blocks, the few-row matmul split over K, split attention; the engine's defaults) against the one-kernel stack
-(qwen_tts/stack_kernel.py), one launch per phase and persistent.
+(qwen_tts/stack_kernel.py), one launch per phase and persistent, and the CUDA kernel (qwen_tts/stack_cuda.cu, mode
+"cuda", at most four rows: more fall back to the fused path).
 
 Full-size code-predictor weights (random, bf16; the 1.7B's and the 0.6B's are the same shape), built on the GPU.
 For each row count and mode it captures a frame's passes (positions 1-15, as after the prompt) into a CUDA graph,
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from bench_attention import time_calls  # this script's directory is on sys.path when run
 
-from qwen_tts import fused, small_m_gemm, stack_kernel
+from qwen_tts import fused, small_m_gemm, stack_cuda, stack_kernel
 from qwen_tts.config import DecoderLayersConfig
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.layers import DecoderStack
@@ -53,8 +54,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--modes", default="fused,phases,persistent,persistent+step128+w4",
-                    help="fused, phases or persistent, each with options: +prefetch, +preload, +unsplit (o and down on "
-                    "16-column units with every K tile), +stepN (K steps up to N), +wN (N warps)")  # fmt: skip
+                    help="fused, phases, persistent or cuda, each with options: +prefetch, +preload, +unsplit (o and down "
+                    "on 16-column units with every K tile), +stepN (K steps up to N), +wN (N warps); cuda's: +cpasync "
+                    "(16-byte cp.async, not the copy engine), +noweights (no weight copies: profiling only)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument(
@@ -81,9 +83,13 @@ def main() -> None:
     base = stacks[modes[0]]
     default_options = stack_kernel.set_options()
 
+    default_cuda = stack_cuda.set_options()
+
     def use_options(mode: str) -> None:  # read at launch: before each mode's capture and its check
         stack_kernel.set_options(**default_options)
         parts = mode.split("+")[1:]
+        stack_cuda.set_options(**default_cuda)
+        stack_cuda.set_options(bulk="cpasync" not in parts, weights="noweights" not in parts)
         stack_kernel.set_options(prefetch="prefetch" in parts, preload="preload" in parts)
         if "unsplit" in parts:
             stack_kernel.set_options(residual_split=1, residual_block_n=16)
@@ -99,8 +105,8 @@ def main() -> None:
     rows_out = []
     torch.set_grad_enabled(False)
     profile_kind, *_ = args.profile_mode.split("+")
-    if args.phase_profile and profile_kind != "persistent":
-        sys.exit(f"bench_stack: --profile-mode must be persistent with options, not {args.profile_mode}")
+    if args.phase_profile and profile_kind not in ("persistent", "cuda"):
+        sys.exit(f"bench_stack: --profile-mode must be persistent or cuda with options, not {args.profile_mode}")
     for M in map(int, args.rows.split(",")):
         g = torch.Generator(device="cuda").manual_seed(M)
         xs = [torch.randn(M, dims[0], device="cuda", generator=g).to(torch.bfloat16) for _ in range(PASSES)]
@@ -141,15 +147,22 @@ def main() -> None:
         M = 1
         stack = build(dims)  # its own copy: the modes' stacks keep their kinds
         fused.enable(stack, split_attention=True, small_m_gemm=True)
-        stack_kernel.enable(stack, "persistent")
+        stack_kernel.enable(stack, profile_kind)
         cache = stack.new_cache(M, CACHE_LEN, "cuda", torch.bfloat16)
         x, slots, pos = torch.randn(M, dims[0], device="cuda").to(torch.bfloat16), torch.zeros(M, dtype=torch.long,
             device="cuda"), torch.ones(M, dtype=torch.long, device="cuda")  # fmt: skip
-        for variant in dict.fromkeys((args.profile_mode, "persistent")):  # and the defaults, once
+        bar = stack_kernel.prepare("cuda")[stack_kernel.COUNTERS :]
+
+        def cut(k: int) -> None:
+            if profile_kind == "cuda":
+                stack_cuda.stack_pass(stack.stack_weights, x, pos, cache, slots, bar, stop=k)
+            else:
+                stack_kernel.stack_pass(stack, x, pos, cache, slots, phase_range=(0, k))
+
+        for variant in dict.fromkeys((args.profile_mode, profile_kind)):  # and the defaults, once
             use_options(variant)
             for k in map(int, args.phase_profile.split(",")):
-                us = time_calls(lambda k=k: stack_kernel.stack_pass(stack, x, pos, cache, slots, phase_range=(0, k)),
-                                "cuda", args.iters) * 1e6  # fmt: skip
+                us = time_calls(lambda k=k: cut(k), "cuda", args.iters) * 1e6
                 profile.append(dict(phases=k, options=variant, us=round(us, 2)))
                 print(json.dumps(profile[-1]), flush=True)
     print(f"\nweights a pass: {weight_bytes / 1e6:.1f} MB; {torch.cuda.get_device_name()}")

@@ -91,6 +91,9 @@ STEP_VARIANTS = {
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-persistent": _BOTH,
     # and with each matmul phase's first weight tile loaded before the grid wait (stack_kernel's preload).
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-persistent+preload": _BOTH,
+    # and with each code-predictor pass of up to four rows by the CUDA kernel (stack_cuda.cu: weights copied into
+    # shared memory a phase ahead of the grid wait).
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-cuda": _BOTH,
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}
@@ -121,7 +124,7 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
         if "+tables" in variant:
             talker.code_predictor.build_input_tables()
         stack_kernel.set_options(preload="+preload" in variant)  # process-wide, read at capture
-        for mode in ("phases", "persistent"):
+        for mode in ("phases", "persistent", "cuda"):
             if f"+stack-{mode}" in variant:
                 stack_kernel.prepare("cuda")
                 stack_kernel.enable(talker.code_predictor.model, mode)

@@ -336,9 +336,10 @@ class EngineSettings:
                 "decoder_polyphase_dilation",
                 f"decoder_polyphase_dilation must be >= 0, not {self.decoder_polyphase_dilation!r}",
             )
-        if self.cp_stack_kernel not in ("off", "phases", "persistent"):
+        if self.cp_stack_kernel not in ("off", "phases", "persistent", "cuda"):
             raise EngineSettingsError(
-                "cp_stack_kernel", f"cp_stack_kernel must be off, phases or persistent, not {self.cp_stack_kernel!r}"
+                "cp_stack_kernel",
+                f"cp_stack_kernel must be off, phases, persistent or cuda, not {self.cp_stack_kernel!r}",
             )
         if self.step_blas not in ("cublas", "cublaslt"):
             raise EngineSettingsError("step_blas", f"step_blas must be cublas or cublaslt, not {self.step_blas!r}")

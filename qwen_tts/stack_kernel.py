@@ -39,13 +39,14 @@ import math
 import torch
 from torch import Tensor, nn
 
+from qwen_tts import stack_cuda
 from qwen_tts.decode_attention import HAVE_TRITON
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-MODES = ("off", "phases", "persistent")
+MODES = ("off", "phases", "persistent", "cuda")  # cuda: the CUDA kernel of stack_cuda.py, same weights
 # Rows per pass the kernel takes (one 16-row tile for tl.dot); more go to the fused path's kernels.
 MAX_ROWS = 16
 # Cache positions attention reads at most (the code predictor's cache holds 16).
@@ -705,7 +706,8 @@ def _point(fused: Tensor, params: list[Tensor]) -> None:
 
 def enable(stack: nn.Module, mode: str) -> None:
     """Run the stack's one-token passes of up to MAX_ROWS rows through this kernel ("phases" or "persistent"), or
-    not ("off"). The stack must be on the fused path (fused.enable) already."""
+    those of up to stack_cuda.MAX_ROWS bf16 rows through the CUDA kernel ("cuda"), or not ("off"). The stack must be
+    on the fused path (fused.enable) already."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if mode != "off" and stack.stack_weights is None:
@@ -715,6 +717,8 @@ def enable(stack: nn.Module, mode: str) -> None:
 
 def runs(stack: nn.Module, x: Tensor, cache) -> bool:
     """Whether `stack_pass` takes this pass (the kernel is on, the rows and the cache within its limits)."""
+    if stack.stack_kernel == "cuda":
+        return stack_cuda.runs(stack.stack_weights, x, cache)
     return (
         stack.stack_kernel is not None
         and x.shape[0] <= MAX_ROWS
@@ -733,6 +737,8 @@ def stack_pass(
     partial)."""
     sw: StackWeights = stack.stack_weights
     mode = mode or stack.stack_kernel
+    if mode == "cuda":
+        return stack_cuda.stack_pass(sw, x, positions, cache, slots, prepare(x.device)[COUNTERS:])
     M, H = x.shape
     if M > MAX_ROWS:
         raise ValueError(f"{M} rows > MAX_ROWS ({MAX_ROWS})")

@@ -7,6 +7,8 @@ Without a GPU the kernel runs in Triton's interpreter, one launch per phase ("ph
 from __future__ import annotations
 
 import copy
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -238,3 +240,139 @@ def test_cuda_persistent_gives_the_phases_bits(shape, rows, opts, options, monke
         assert torch.equal(a, b), t
         assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
         assert not stack_kernel.prepare(DEVICE).any()
+
+
+# The CUDA kernel (stack_cuda.cu): bf16 passes of at most four rows, one persistent launch with the weights copied
+# into shared memory a phase ahead of the grid wait.
+FULL = (1024, 3072, 5, 16, 8, 128)  # the code predictor of both sizes
+
+
+def test_cuda_kernel_layout_fits_an_h200_with_the_code_predictor() -> None:
+    """The 1.7B/0.6B code predictor on 132 SMs: a block's largest weight share is 48 gate|up rows of 1024 (96 KiB),
+    two slots of it and four rows of activations fit the H200's 227 KiB a block; a longer cache, a width that 16-byte
+    copies cannot take or a smaller shared memory are refused with the reason."""
+    from qwen_tts import stack_cuda
+
+    H, inter, L, nq, nkv, D = FULL
+    lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=CACHE_LEN, nblk=132)
+    assert lay.slot_bytes == 48 * 1024 * 2
+    assert lay.act_bytes == 4 * 3072 * 2
+    assert lay.shared_bytes == 2 * 98304 + 24576 + 64 <= 232448
+    assert stack_cuda.why_not(lay, 232448) is None
+    assert "positions" in stack_cuda.why_not(stack_cuda.Layout(**{**lay.__dict__, "T": 64}), 232448)
+    assert "multiples of 8" in stack_cuda.why_not(stack_cuda.Layout(**{**lay.__dict__, "H": 1020}), 232448)
+    assert "shared memory" in stack_cuda.why_not(lay, 101376)  # a consumer GPU's 99 KiB
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
+def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, tmp_path) -> None:
+    """The source the engine hands NVRTC, for the code predictor's shape and a tiny one, builds for sm_90 with nvcc
+    (the same front end) and its registers do not spill."""
+    from qwen_tts import stack_cuda
+
+    H, inter, L, nq, nkv, D = FULL if shape == "full" else SHAPES[shape]
+    lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=CACHE_LEN, nblk=132)
+    src = tmp_path / "k.cu"
+    src.write_text(lay.source())
+    res = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "cp_stack_pass" in res.stderr and " 0 bytes spill stores" in res.stderr, res.stderr[-3000:]
+
+
+def make_cuda_stack(dims, seed=0):
+    ref, kern = make_stack(dims, torch.bfloat16, seed)
+    stack_kernel.enable(kern, "cuda")
+    return ref, kern
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("shape", ["full", "split", "group4", "tiny", "tiny-mtp"])
+def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows) -> None:
+    """Passes at positions 0-4 of rows in scattered slots, against the same weights in float32: the kernel's output
+    and the K/V it writes are as close to float32 as the eager bf16 stack's (relative RMS within 1.5x, largest
+    difference within 2x, the eager error floored at one bf16 rounding); the barrier is back at zero, unwritten slots
+    stay zero. (Against the eager bf16 stack itself two implementations' roundings add up: at the code predictor's
+    five layers and four rows the largest difference reached 0.094 at an output scale of 5.)"""
+    from qwen_tts import stack_cuda
+
+    dims = FULL if shape == "full" else SHAPES[shape]
+    ref, kern = make_cuda_stack(dims)
+    exact = copy.deepcopy(ref).float()
+    H = dims[0]
+    c_ref, c_kern = (s.new_cache(rows + 2, CACHE_LEN, DEVICE, torch.bfloat16) for s in (ref, kern))
+    c_exact = exact.new_cache(rows + 2, CACHE_LEN, DEVICE, torch.float32)
+    slots = torch.tensor([rows + 1, 0, 3, 2][:rows], device=DEVICE)
+    assert stack_cuda.runs(kern.stack_weights, torch.zeros(rows, H, device=DEVICE, dtype=torch.bfloat16), c_kern)
+    g = torch.Generator().manual_seed(5)
+
+    def errors(a, b):  # relative RMS and largest difference of a from the float32 b
+        d = a.float() - b
+        return (d.square().mean() / b.square().mean()).sqrt().item(), d.abs().max().item()
+
+    for t in range(5):
+        x = torch.randn(rows, H, generator=g).to(DEVICE, torch.bfloat16)
+        pos = torch.full((rows,), t, device=DEVICE)
+        want = eager(exact, x.float(), pos, c_exact, slots)
+        base = eager(ref, x, pos, c_ref, slots)
+        got = stack_kernel.stack_pass(kern, x, pos, c_kern, slots)
+        assert got.shape == want.shape and got.dtype == torch.bfloat16
+        for ours, theirs, exact_t in (
+            (got, base, want),
+            (c_kern.k, c_ref.k, c_exact.k),
+            (c_kern.v, c_ref.v, c_exact.v),
+        ):
+            (rms, big), (rms_e, big_e) = errors(ours, exact_t), errors(theirs, exact_t)
+            one = 2**-8 * exact_t.abs().max().item()
+            assert rms <= 1.5 * max(rms_e, 2**-9) and big <= 2 * max(big_e, one), (t, rms, rms_e, big, big_e)
+    assert not c_kern.k[:, 1].any() and not c_kern.v[:, 1].any()
+    assert not stack_kernel.prepare(DEVICE).any()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
+def test_cuda_kernel_rows_sharing_a_slot_see_each_others_keys() -> None:
+    """The code predictor's two prompt tokens as two rows of one pass, for two sequences (four rows): each second
+    row attends to its first row's key written in the same pass. Equals the eager stack on the two-token sequences."""
+    ref, kern = make_cuda_stack(FULL)
+    H = FULL[0]
+    c_ref, c_kern = (s.new_cache(3, CACHE_LEN, DEVICE, torch.bfloat16) for s in (ref, kern))
+    x = torch.randn(2, 2, H, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
+    slots = torch.tensor([1, 2], device=DEVICE)
+    with torch.no_grad():
+        want = ref(x, torch.arange(2, device=DEVICE).expand(2, 2), c_ref, slots, CACHE_LEN)
+    got = fused.stack_step(kern, x.reshape(4, H), torch.tensor([0, 1, 0, 1], device=DEVICE), c_kern,
+                           slots.repeat_interleave(2), shared_slots=True)  # fmt: skip
+    scale = want.float().abs().max().item()
+    assert (got.view(2, 2, H).float() - want.float()).abs().max().item() <= 2 * 2**-7 * scale
+    assert (c_kern.k.float() - c_ref.k.float()).abs().max().item() <= 2 * 2**-7 * c_ref.k.float().abs().max().item()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
+def test_cuda_kernel_gives_a_row_the_same_bits_alone_in_a_batch_and_replayed() -> None:
+    """Batch invariance (a row alone and among four: the same bits) and CUDA graph capture (a replay gives the eager
+    launch's bits), on the code predictor's shape."""
+    _, kern = make_cuda_stack(FULL)
+    H = FULL[0]
+    x = torch.randn(4, H, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+    pos = torch.ones(4, dtype=torch.long, device=DEVICE)
+    slots = torch.arange(4, device=DEVICE)
+    base = kern.new_cache(4, CACHE_LEN, DEVICE, torch.bfloat16)
+    base.k.normal_(generator=torch.Generator(device=DEVICE).manual_seed(6))
+    base.v.normal_(generator=torch.Generator(device=DEVICE).manual_seed(7))
+    cache = copy.deepcopy(base)
+    batch = stack_kernel.stack_pass(kern, x, pos, cache, slots)
+    for i in (0, 3):
+        alone = stack_kernel.stack_pass(kern, x[i : i + 1], pos[:1], copy.deepcopy(base), slots[i : i + 1])
+        assert torch.equal(alone[0], batch[i]), i
+    graphed = copy.deepcopy(base)
+    stack_kernel.stack_pass(kern, x, pos, copy.deepcopy(base), slots)  # compiled and warmed outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = stack_kernel.stack_pass(kern, x, pos, graphed, slots)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, batch)
+    assert torch.equal(graphed.k, cache.k) and torch.equal(graphed.v, cache.v)

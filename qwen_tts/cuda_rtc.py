@@ -1,0 +1,101 @@
+"""CUDA C++ compiled at run time with NVRTC and launched on PyTorch's current stream, through the driver API.
+
+The kernels that Triton cannot express (explicit asynchronous copies into shared memory, stack_cuda.cu) are
+compiled here on first use: NVRTC ships with PyTorch's CUDA wheels (libnvrtc), so a server needs no compiler and
+no build step. A launch goes to `torch.cuda.current_stream()`, so CUDA graph capture records it like any other
+kernel. PyTorch has a private helper for this (`torch.cuda._compile_kernel`), but its launch signature and its
+shared-memory setting changed between releases; this module keeps the few calls we need in one place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import os
+import sys
+
+import torch
+
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+@functools.cache
+def _nvrtc() -> ctypes.CDLL:
+    major = (torch.version.cuda or "").split(".")[0]
+    names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
+    for base in sys.path:  # pip's CUDA wheels: site-packages/nvidia/<part or cuNN>/lib
+        names += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", f"libnvrtc.so.{major}*")))
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise RuntimeError(f"NVRTC (libnvrtc.so.{major}) not found: install PyTorch's CUDA build or the CUDA toolkit")
+
+
+@functools.cache
+def _cuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        msg = ctypes.c_char_p()
+        _cuda().cuGetErrorString(result, ctypes.byref(msg))
+        raise RuntimeError(f"{what} failed: {msg.value.decode() if msg.value else result}")
+
+
+class Kernel:
+    """A compiled kernel: `launch(grid, block, args, shared_bytes)` on the current stream; args are ctypes values."""
+
+    def __init__(self, module: ctypes.c_void_p, func: ctypes.c_void_p, name: str) -> None:
+        self._module, self._func, self.name = module, func, name
+        self._shared = 0
+
+    def set_max_shared(self, nbytes: int) -> None:
+        """Allow this many bytes of dynamic shared memory a block (above 48 KiB needs the opt-in)."""
+        if nbytes > self._shared:
+            _check(
+                _cuda().cuFuncSetAttribute(self._func, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
+                f"cuFuncSetAttribute({self.name}, {nbytes} bytes of shared memory)",
+            )
+            self._shared = nbytes
+
+    def launch(self, grid: int, block: int, args: list, shared_bytes: int = 0) -> None:
+        self.set_max_shared(shared_bytes)
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        _check(
+            _cuda().cuLaunchKernel(self._func, grid, 1, 1, block, 1, 1, shared_bytes, stream, params, None),
+            f"launching {self.name}",
+        )
+
+
+def compile_kernel(source: str, name: str, device: torch.device) -> Kernel:
+    """`name` (an extern "C" __global__ function of `source`) compiled for `device`'s architecture and loaded there."""
+    major, minor = torch.cuda.get_device_capability(device)
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None):
+        raise RuntimeError(f"nvrtcCreateProgram({name}) failed")
+    try:
+        opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"-std=c++17"]
+        if lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)):
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"compiling {name} failed:\n{log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, cubin)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    with torch.cuda.device(device):
+        torch.zeros(1, device=device)  # the device's primary context current on this thread
+        module, func = ctypes.c_void_p(), ctypes.c_void_p()
+        _check(_cuda().cuModuleLoadData(ctypes.byref(module), cubin), f"loading {name}")
+        _check(_cuda().cuModuleGetFunction(ctypes.byref(func), module, name.encode()), f"finding {name}")
+    return Kernel(module, func, name)

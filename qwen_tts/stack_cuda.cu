@@ -1,0 +1,482 @@
+// One code-predictor pass (the decoder stack for one token per row, at most MAXM rows) as one persistent CUDA
+// kernel: our own (qwen_tts/stack_cuda.py compiles it with NVRTC and documents the design). What it computes is
+// `layers.DecoderStack.forward` for T = 1 in bf16, rounded where the eager layers round.
+//
+// Each block owns a fixed slice of output rows of every matmul, with the whole K: its slice of a weight is one or
+// two contiguous byte ranges, copied into shared memory by cp.async one matmul phase ahead of its use (two slots),
+// so the copy is in flight while the block waits at the grid barrier and runs the phase in between. The phases of a
+// layer: q|k|v (input norm recomputed per block), attention (q/k norm, RoPE, cache write, one unit per row and kv
+// head), o + residual, gate|up with SiLU * up (post-attention norm recomputed per block), down + residual; then the
+// final norm. Blocks meet at a grid-wide barrier (an atomic counter) between phases; the grid is one block per SM,
+// all resident. Data written in the kernel is read past L1 (ld.global.cg).
+//
+// Constants come from stack_cuda.py as `constexpr int`s written before this text: H, I, D, NQ, NKV, L, T, MAXM,
+// NBLK, SLOT_BYTES, ACT_BYTES (constants, not macros, so no header's names are touched), and the options: BULK (1:
+// the weights by the copy engine, cp.async.bulk, one instruction a range, completion on an mbarrier; 0: 16-byte
+// cp.async by every thread) and WEIGHTS (0: no weight copies at all, the matmuls read whatever the slots hold; for
+// profiling only, to see what the phases cost without their bytes).
+// No headers: bf16 is handled as its bits (round to nearest even, as torch rounds), so NVRTC needs no include path.
+
+typedef unsigned short bf16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+constexpr int NQKV = NQ + 2 * NKV;
+constexpr int QD = NQ * D;
+constexpr int GQ = NQ / NKV;
+constexpr int NTHREADS = 256;
+constexpr int NWARPS = NTHREADS / 32;
+
+__device__ __forceinline__ float f32(bf16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ bf16 b16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+__device__ __forceinline__ float rnd(float f) { return f32(b16(f)); }  // rounded to bf16, as a bf16 op's result
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+
+__device__ __forceinline__ void cp16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+__device__ __forceinline__ void cp_wait_all_but_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+__device__ __forceinline__ void mbar_init(u64* bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// One thread: this phase's copies will bring `bytes` to the slot's mbarrier (the thread's arrival counts too).
+__device__ __forceinline__ void mbar_expect(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    u32 done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+            : "=r"(done)
+            : "r"(smem_addr(bar)), "r"(parity)
+            : "memory");
+    }
+}
+
+__device__ __forceinline__ uint4 ldcg4(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ bf16 ldcg1(const bf16* p) {
+    unsigned short v;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The block's phase is done: every thread's stores before the one release.
+__device__ __forceinline__ void grid_arrive(u32* bar) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(bar, 1u);
+    }
+}
+
+// Wait until `target` arrivals (every block's, of every phase so far).
+__device__ __forceinline__ void grid_wait(const u32* bar, u32 target) {
+    if (threadIdx.x == 0) {
+        while (ld_acquire(bar) < target) {
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block b's share [lo(b), lo(b + 1)) of n rows.
+__device__ __forceinline__ int lo(int n, int b) { return (int)(((long long)n * b) / NBLK); }
+
+// Copy `bytes` (a multiple of 16) from global to shared memory, no wait: BULK, one copy-engine instruction by
+// thread 0 completing on `bar`; else every thread a part, 16 bytes a cp.async.
+__device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes, u64* bar) {
+    if (!WEIGHTS || bytes == 0) return;
+    if (BULK) {
+        if (threadIdx.x == 0) bulk_copy(dst, src, bytes, bar);
+    } else {
+        for (int i = threadIdx.x; i < bytes / 16; i += NTHREADS) cp16((char*)dst + 16 * i, (const char*)src + 16 * i);
+    }
+}
+
+// The bytes of matmul phase f's weight share for block b.
+__device__ int share_bytes(int f) {
+    const int b = blockIdx.x, kind = f % 4;
+    if (kind == 0) return (lo(NQKV * D, b + 1) - lo(NQKV * D, b)) * H * 2;
+    if (kind == 1) return (lo(H, b + 1) - lo(H, b)) * QD * 2;
+    if (kind == 2) return 2 * (lo(I, b + 1) - lo(I, b)) * H * 2;
+    return (lo(H, b + 1) - lo(H, b)) * I * 2;
+}
+
+// Matmul phase f's weight share for block b into `dst` (f = 4 * layer + kind: q|k|v, o, gate|up, down); BULK: thread
+// 0 first tells the slot's mbarrier how many bytes will land.
+__device__ void issue(int f, void* dst, u64* bar, const bf16* wqkv, const bf16* wo, const bf16* wgu, const bf16* wd) {
+    const int b = blockIdx.x, layer = f / 4, kind = f % 4;
+    if (BULK && threadIdx.x == 0) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's last reads before the copy's writes
+        mbar_expect(bar, WEIGHTS ? share_bytes(f) : 0);
+    }
+    if (kind == 0) {
+        const int r0 = lo(NQKV * D, b), r1 = lo(NQKV * D, b + 1);
+        copy_async(dst, wqkv + (u64)layer * NQKV * D * H + (u64)r0 * H, (r1 - r0) * H * 2, bar);
+    } else if (kind == 1) {
+        const int r0 = lo(H, b), r1 = lo(H, b + 1);
+        copy_async(dst, wo + (u64)layer * H * QD + (u64)r0 * QD, (r1 - r0) * QD * 2, bar);
+    } else if (kind == 2) {
+        const int j0 = lo(I, b), j1 = lo(I, b + 1);
+        const bf16* w = wgu + (u64)layer * 2 * I * H;
+        copy_async(dst, w + (u64)j0 * H, (j1 - j0) * H * 2, bar);  // gate rows
+        copy_async((bf16*)dst + (j1 - j0) * H, w + (u64)(I + j0) * H, (j1 - j0) * H * 2, bar);  // then their up rows
+    } else {
+        const int r0 = lo(H, b), r1 = lo(H, b + 1);
+        copy_async(dst, wd + (u64)layer * H * I + (u64)r0 * I, (r1 - r0) * I * 2, bar);
+    }
+}
+
+// act (M, K) <- rows of x (M, K) from global (written in the kernel); NORM: each row RMS-normed and scaled by g,
+// rounded as `layers.RMSNorm` rounds (normalise in float32, round, scale, round).
+__device__ void load_rows(bf16* act, const bf16* x, const bf16* g, int M, int K, bool norm, float eps, float* inv) {
+    const int n8 = M * K / 8;
+    for (int i = threadIdx.x; i < n8; i += NTHREADS) *(uint4*)(act + 8 * i) = ldcg4(x + 8 * i);
+    __syncthreads();
+    if (!norm) return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int m = warp; m < M; m += NWARPS) {
+        float ss = 0.f;
+        for (int k = lane; k < K; k += 32) {
+            const float v = f32(act[m * K + k]);
+            ss += v * v;
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) inv[m] = rsqrtf(ss / K + eps);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < M * K; i += NTHREADS) {
+        const int m = i / K, k = i - m * K;
+        act[i] = b16(f32(g[k]) * rnd(f32(act[i]) * inv[m]));
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ float dot8(uint4 w, uint4 a) {
+    const u32 wv[4] = {w.x, w.y, w.z, w.w}, av[4] = {a.x, a.y, a.z, a.w};
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        s += __uint_as_float(wv[j] << 16) * __uint_as_float(av[j] << 16);
+        s += __uint_as_float(wv[j] & 0xffff0000u) * __uint_as_float(av[j] & 0xffff0000u);
+    }
+    return s;
+}
+
+// acc[m] = act[m, :] . w[row, :] for one weight row in shared memory, summed over the warp (every lane gets it).
+// The order of the sum depends on K only, never on M or the other rows: a row's result is batch invariant.
+__device__ __forceinline__ void row_dot(const bf16* w, const bf16* act, int M, int K, float* acc) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) acc[m] = 0.f;
+    for (int k = 8 * lane; k < K; k += 256) {
+        const uint4 wv = *(const uint4*)(w + k);
+#pragma unroll
+        for (int m = 0; m < MAXM; ++m)
+            if (m < M) acc[m] += dot8(wv, *(const uint4*)(act + m * K + k));
+    }
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) acc[m] = warp_sum(acc[m]);
+}
+
+// RMSNorm over D (weight nw) then RoPE at position t of one head vector y (lane-strided, in registers via `v`):
+// the result into dst (shared, D floats). One warp.
+__device__ void norm_rope(const float* y, const bf16* nw, int t, const float* inv_freq, float eps, float* dst) {
+    const int lane = threadIdx.x % 32;
+    float ss = 0.f;
+    for (int c = lane; c < D; c += 32) ss += y[c] * y[c];
+    const float inv = rsqrtf(warp_sum(ss) / D + eps);
+    for (int c = lane; c < D; c += 32) dst[c] = rnd(f32(nw[c]) * rnd(y[c] * inv));
+    __syncwarp();
+    float o[(D + 31) / 32];
+    for (int c = lane, j = 0; c < D; c += 32, ++j) {
+        const float part = dst[(c + D / 2) % D];
+        const float rot = c < D / 2 ? -part : part;
+        const float fr = (float)t * inv_freq[c % (D / 2)];
+        const float cs = rnd(cosf(fr)), sn = rnd(sinf(fr));
+        o[j] = rnd(rnd(dst[c] * cs) + rnd(rot * sn));
+    }
+    __syncwarp();
+    for (int c = lane, j = 0; c < D; c += 32, ++j) dst[c] = o[j];
+    __syncwarp();
+}
+
+// Attention for layer l: one unit per (row, kv head). Keys and values of positions written in this pass (this row's
+// and those of rows sharing its slot at earlier positions) come from the raw q|k|v, normed and roped here; the rest
+// from the cache. The unit writes its own row's key and value into the cache.
+__device__ void attention(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc, bf16* vc,
+                          const bf16* qkn, const float* inv_freq, const bf16* qkvbuf, bf16* abuf, float eps,
+                          float scale, int scl, int scs, int sch, int sct, float* scratch) {
+    float* kf = scratch;  // (T, D)
+    float* vf = kf + T * D;  // (T, D)
+    float* qf = vf + T * D;  // (GQ, D)
+    float* sc = qf + GQ * D;  // (GQ, T)
+    float* raw = sc + GQ * T;  // (NWARPS, D): a warp's raw vector
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const bf16* qn = qkn + l * 2 * D;
+    const bf16* kn = qn + D;
+    for (int u = blockIdx.x; u < M * NKV; u += NBLK) {
+        const int m = u / NKV, h = u % NKV;
+        const int p = (int)pos_p[m], s = (int)slot_p[m];
+        const long long at = (long long)l * scl + (long long)s * scs + (long long)h * sch;
+        // Vectors: t < p + 1 keys (with their values), then GQ queries; a warp each.
+        for (int j = warp; j < p + 1 + GQ; j += NWARPS) {
+            float* y = raw + warp * D;
+            if (j <= p) {
+                int src = -1;  // the row of this pass that writes position j of this slot, if any
+                for (int r = 0; r < M; ++r)
+                    if (src < 0 && (int)slot_p[r] == s && (int)pos_p[r] == j) src = r;
+                if (src >= 0) {
+                    const bf16* row = qkvbuf + src * NQKV * D;
+                    for (int c = lane; c < D; c += 32) {
+                        y[c] = f32(ldcg1(row + (NQ + h) * D + c));
+                        vf[j * D + c] = f32(ldcg1(row + (NQ + NKV + h) * D + c));
+                    }
+                    __syncwarp();
+                    norm_rope(y, kn, j, inv_freq, eps, kf + j * D);
+                    if (src == m) {
+                        for (int c = lane; c < D; c += 32) {
+                            kc[at + (long long)j * sct + c] = b16(kf[j * D + c]);
+                            vc[at + (long long)j * sct + c] = b16(vf[j * D + c]);
+                        }
+                    }
+                } else {
+                    for (int c = lane; c < D; c += 32) {
+                        kf[j * D + c] = f32(ldcg1(kc + at + (long long)j * sct + c));
+                        vf[j * D + c] = f32(ldcg1(vc + at + (long long)j * sct + c));
+                    }
+                }
+            } else {
+                const int g = j - p - 1;
+                const bf16* row = qkvbuf + m * NQKV * D + (h * GQ + g) * D;
+                for (int c = lane; c < D; c += 32) y[c] = f32(ldcg1(row + c));
+                __syncwarp();
+                norm_rope(y, qn, p, inv_freq, eps, qf + g * D);
+            }
+            __syncwarp();
+        }
+        __syncthreads();
+        for (int j = warp; j < GQ * (p + 1); j += NWARPS) {  // scores, a warp each
+            const int g = j / (p + 1), t = j % (p + 1);
+            float d = 0.f;
+            for (int c = lane; c < D; c += 32) d += qf[g * D + c] * kf[t * D + c];
+            d = warp_sum(d);
+            if (lane == 0) sc[g * T + t] = d * scale;
+        }
+        __syncthreads();
+        for (int g = warp; g < GQ; g += NWARPS) {  // softmax over positions 0..p (T <= 32: a lane each)
+            const float v = lane <= p ? sc[g * T + lane] : -3.0e38f;
+            const float mx = warp_max(v);
+            const float e = lane <= p ? expf(v - mx) : 0.f;
+            const float tot = warp_sum(e);
+            if (lane <= p) sc[g * T + lane] = e / tot;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < GQ * D; i += NTHREADS) {
+            const int g = i / D, c = i % D;
+            float o = 0.f;
+            for (int t = 0; t <= p; ++t) o += sc[g * T + t] * vf[t * D + c];
+            abuf[m * QD + (h * GQ + g) * D + c] = b16(o);
+        }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+    cp_stack_pass(const bf16* x_in, bf16* xs, bf16* out, const long long* pos_p, const long long* slot_p, bf16* kc,
+                  bf16* vc, const bf16* ln1, const bf16* wqkv, const bf16* qkn, const bf16* wo, const bf16* ln2,
+                  const bf16* wgu, const bf16* wd, const bf16* normw, const float* inv_freq, bf16* qkvbuf,
+                  bf16* abuf, bf16* gbuf, u32* bar, int M, float eps, float scale, int scl, int scs, int sch,
+                  int sct, int stop) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    bf16* act = (bf16*)(smem + 2 * SLOT_BYTES);
+    float* inv = (float*)(smem + 2 * SLOT_BYTES + ACT_BYTES);  // MAXM floats
+    u64* full = (u64*)(inv + MAXM);  // the two slots' mbarriers (BULK)
+    const int b = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float acc[MAXM], acc2[MAXM];
+    u32 target = 0;  // arrivals every block has made so far: the barrier's next wait
+    int ph = 0;  // phases run (stop: profiling, the kernel cut after that many phases; the output is then partial)
+    int issued = -1, awaited = -1;  // the last matmul phase whose weights were asked for, and waited for
+    if (BULK && threadIdx.x == 0) {
+        mbar_init(full);
+        mbar_init(full + 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    // Matmul phase f's weights into slot f % 2, ahead of its grid wait (the slot's last use ended at a barrier).
+    auto prefetch = [&](int f) {
+        if (f < 4 * L) {
+            issue(f, smem + (f & 1) * SLOT_BYTES, full + (f & 1), wqkv, wo, wgu, wd);
+            issued = f;
+        }
+        if (!BULK) cp_commit();
+    };
+    // Wait for matmul phase f's weights: the slot's (f / 2)-th fill, or all cp.async groups but the newest (f + 1's).
+    auto await_weights = [&](int f) -> const bf16* {
+        if (BULK) {
+            mbar_wait(full + (f & 1), (f >> 1) & 1);
+        } else {
+            cp_wait_all_but_one();
+        }
+        awaited = f;
+        __syncthreads();
+        return (const bf16*)(smem + (f & 1) * SLOT_BYTES);
+    };
+    auto end_phase = [&]() {
+        grid_arrive(bar);
+        target += NBLK;
+    };
+    prefetch(0);
+    for (int l = 0; l < L && ph < stop; ++l) {
+        const bf16* xcur = l == 0 ? x_in : xs;  // the residual stream (the pass input until layer 0's o adds to it)
+        // q|k|v = rms_norm(x) @ w_qkv.T, each block its rows, the raw product rounded to bf16.
+        if (ph++ < stop) {
+            const int f = 4 * l;
+            prefetch(f + 1);
+            if (target) grid_wait(bar, target);
+            const bf16* w = await_weights(f);
+            load_rows(act, xcur, ln1 + l * H, M, H, true, eps, inv);
+            const int r0 = lo(NQKV * D, b), r1 = lo(NQKV * D, b + 1);
+            for (int r = warp; r < r1 - r0; r += NWARPS) {
+                row_dot(w + r * H, act, M, H, acc);
+#pragma unroll
+                for (int m = 0; m < MAXM; ++m)
+                    if (m == lane && m < M) qkvbuf[m * NQKV * D + r0 + r] = b16(acc[m]);
+            }
+            end_phase();
+        }
+        if (ph++ < stop) {
+            grid_wait(bar, target);
+            attention(l, M, pos_p, slot_p, kc, vc, qkn, inv_freq, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
+                      (float*)act);
+            end_phase();
+        }
+        // x = x + attn @ w_o.T
+        if (ph++ < stop) {
+            const int f = 4 * l + 1;
+            prefetch(f + 1);
+            grid_wait(bar, target);
+            const bf16* w = await_weights(f);
+            load_rows(act, abuf, 0, M, QD, false, eps, inv);
+            const int r0 = lo(H, b), r1 = lo(H, b + 1);
+            for (int r = warp; r < r1 - r0; r += NWARPS) {
+                row_dot(w + r * QD, act, M, QD, acc);
+#pragma unroll
+                for (int m = 0; m < MAXM; ++m)
+                    if (m == lane && m < M) {
+                        const int at = m * H + r0 + r;
+                        xs[at] = b16(rnd(acc[m]) + f32(ldcg1(xcur + at)));
+                    }
+            }
+            end_phase();
+        }
+        // SiLU(gate) * up of rms_norm(x) @ w_gate_up.T
+        if (ph++ < stop) {
+            const int f = 4 * l + 2;
+            prefetch(f + 1);
+            grid_wait(bar, target);
+            const bf16* w = await_weights(f);
+            load_rows(act, xs, ln2 + l * H, M, H, true, eps, inv);
+            const int j0 = lo(I, b), j1 = lo(I, b + 1);
+            for (int j = warp; j < j1 - j0; j += NWARPS) {
+                row_dot(w + j * H, act, M, H, acc);
+                row_dot(w + (j1 - j0 + j) * H, act, M, H, acc2);
+#pragma unroll
+                for (int m = 0; m < MAXM; ++m)
+                    if (m == lane && m < M) {
+                        const float gate = rnd(acc[m]);
+                        const float a = rnd(gate / (1.f + expf(-gate)));
+                        gbuf[m * I + j0 + j] = b16(a * rnd(acc2[m]));
+                    }
+            }
+            end_phase();
+        }
+        // x = x + act @ w_down.T
+        if (ph++ < stop) {
+            const int f = 4 * l + 3;
+            prefetch(f + 1);
+            grid_wait(bar, target);
+            const bf16* w = await_weights(f);
+            load_rows(act, gbuf, 0, M, I, false, eps, inv);
+            const int r0 = lo(H, b), r1 = lo(H, b + 1);
+            for (int r = warp; r < r1 - r0; r += NWARPS) {
+                row_dot(w + r * I, act, M, I, acc);
+#pragma unroll
+                for (int m = 0; m < MAXM; ++m)
+                    if (m == lane && m < M) {
+                        const int at = m * H + r0 + r;
+                        xs[at] = b16(rnd(acc[m]) + f32(ldcg1(xs + at)));
+                    }
+            }
+            end_phase();
+        }
+    }
+    // The final norm: block m < M its row.
+    if (ph < stop && b < M) {
+        grid_wait(bar, target);
+        load_rows(act, xs + b * H, normw, 1, H, true, eps, inv);
+        for (int k = threadIdx.x; k < H; k += NTHREADS) out[b * H + k] = act[k];
+    }
+    // Copies still in flight (a cut run's next phase) land before the block leaves its shared memory.
+    if (BULK) {
+        for (int f = awaited + 1; f <= issued; ++f) mbar_wait(full + (f & 1), (f >> 1) & 1);
+    } else {
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+    }
+    // The last block out resets the barrier for the next launch (every block has passed its last wait).
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(bar + 1, 1u) == NBLK - 1) {
+            atomicExch(bar, 0u);
+            atomicExch(bar + 1, 0u);
+        }
+    }
+}

@@ -1,0 +1,198 @@
+"""The code predictor's decoder stack for one token per row (a pass of at most MAX_ROWS rows) as one persistent
+CUDA kernel whose weights stream into shared memory ahead of the grid barriers (stack_cuda.cu).
+
+Our own kernel (no official counterpart), beside the Triton one (stack_kernel.py), whose persistent mode measured
+~33 us a layer on an H200 where the layer's 31.5 MB take 6.6 us at the memory's bandwidth: each of its five
+phases a layer waited at the grid barrier and only then loaded its weights, so each phase cost a round trip to
+memory plus the barrier (docs/benchmarks.md, tenth and eleventh rounds). Triton gives no control over
+asynchronous copies into shared memory, so that kernel could not start the next phase's loads before the wait.
+
+Here each block owns the same slice of output rows of every matmul (with the whole K), so its share of a weight
+is one or two contiguous byte ranges that depend on nothing computed. It copies the next matmul phase's share
+into one of two shared-memory slots with cp.async before waiting at the barrier for the current one: the copy
+flies while the grid catches up and while the phase in between (attention) runs. The rows' activations are tiny
+(at most 4 x 3072 bf16) and every block reads them whole from L2, normalising them itself where a norm comes
+first, so the norm needs no phase of its own. Attention is one unit per (row, kv head); keys written in the same
+pass (the code predictor's two prompt tokens as two rows of one slot) are computed from the raw q|k|v by the unit
+that reads them, so no phase orders the cache writes before the reads.
+
+The arithmetic rounds where the eager layers round; matmul sums are float32 in an order fixed by K alone, so a
+row's result does not depend on the other rows (batch invariant). bf16 only. The kernel is compiled by NVRTC on
+first use for each shape (cuda_rtc.py) and launched on the current stream, so CUDA graphs capture it. The grid is
+one block per SM and every block must be resident: the barrier would otherwise wait for a block that cannot start.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+MAX_ROWS = 4  # rows a pass: their activations share the block's shared memory with two weight slots
+MAX_POSITIONS = 32  # cache positions attention reads at most (a lane each in the softmax; the code predictor's: 16)
+NTHREADS = 256
+NWARPS = NTHREADS // 32
+_SOURCE = Path(__file__).with_name("stack_cuda.cu")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The kernel's compile-time shape: the stack's dims, the cache length, the grid and the shared memory."""
+
+    H: int
+    I: int  # noqa: E741 (the intermediate size, as H is the hidden)
+    D: int
+    NQ: int
+    NKV: int
+    L: int
+    T: int
+    nblk: int
+    bulk: bool = True  # the weights by the copy engine (cp.async.bulk); False: 16-byte cp.async by every thread
+    weights: bool = True  # False: no weight copies (profiling only: the phases' cost without their bytes)
+
+    @property
+    def slot_bytes(self) -> int:
+        """The largest share of one matmul's weights a block copies (q|k|v, o, gate|up, down), 16-byte aligned."""
+        H, I, D, NQ, NKV, n = self.H, self.I, self.D, self.NQ, self.NKV, self.nblk  # noqa: E741
+        rows = max(_most(NQ * D + 2 * NKV * D, n) * H, _most(H, n) * NQ * D, 2 * _most(I, n) * H, _most(H, n) * I)
+        return _align16(2 * rows)
+
+    @property
+    def act_bytes(self) -> int:
+        """Activations (MAX_ROWS rows of the widest K, bf16), or attention's float32 scratch, whichever is larger."""
+        acts = 2 * MAX_ROWS * max(self.H, self.NQ * self.D, self.I)
+        g = self.NQ // self.NKV
+        attn = 4 * (2 * self.T * self.D + g * self.D + g * self.T + NWARPS * self.D)
+        return _align16(max(acts, attn))
+
+    @property
+    def shared_bytes(self) -> int:
+        return 2 * self.slot_bytes + self.act_bytes + 16 * MAX_ROWS
+
+    def source(self) -> str:
+        consts = dict(H=self.H, I=self.I, D=self.D, NQ=self.NQ, NKV=self.NKV, L=self.L, T=self.T, MAXM=MAX_ROWS,
+                      NBLK=self.nblk, SLOT_BYTES=self.slot_bytes, ACT_BYTES=self.act_bytes, BULK=int(self.bulk),
+                      WEIGHTS=int(self.weights))  # fmt: skip
+        prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
+        return prelude + _SOURCE.read_text()
+
+
+def _most(n: int, parts: int) -> int:
+    """The most rows any block gets of n split over `parts` (the kernel's lo(n, b) split)."""
+    return max((n * (b + 1)) // parts - (n * b) // parts for b in range(parts))
+
+
+def _align16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+# The kernel's choices, process-wide (`set_options`; CUDA graphs keep the kernel they were captured with).
+_options = {"bulk": True, "weights": True}
+
+
+def set_options(bulk: bool | None = None, weights: bool | None = None) -> dict:
+    """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
+    only (no weight copies: the matmuls read stale shared memory). Returns the options now in force."""
+    for k, v in (("bulk", bulk), ("weights", weights)):
+        if v is not None:
+            _options[k] = bool(v)
+    return dict(_options)
+
+
+def layout(sw, max_len: int, nblk: int) -> Layout:
+    """The layout of a `stack_kernel.StackWeights` stack with a cache of max_len positions on nblk SMs."""
+    return Layout(H=sw.H, I=sw.I, D=sw.D, NQ=sw.NQ, NKV=sw.NKV, L=sw.L, T=max_len, nblk=nblk, **_options)
+
+
+def why_not(lay: Layout, max_shared: int) -> str | None:
+    """Why the kernel cannot take this layout (None: it can)."""
+    if lay.T > MAX_POSITIONS:
+        return f"the cache holds {lay.T} positions, more than {MAX_POSITIONS}"
+    if any(k % 8 for k in (lay.H, lay.I, lay.NQ * lay.D)):
+        return "the hidden, intermediate and q widths must be multiples of 8 (16-byte copies)"
+    if lay.NQ % lay.NKV:
+        return f"{lay.NQ} query heads do not group over {lay.NKV} kv heads"
+    if lay.NQ // lay.NKV > NWARPS:
+        return f"more than {NWARPS} query heads a kv head"
+    if lay.shared_bytes > max_shared:
+        return f"{lay.shared_bytes} bytes of shared memory a block, more than the device's {max_shared}"
+    return None
+
+
+@functools.cache
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, props.shared_memory_per_block_optin
+
+
+def device_layout(sw, max_len: int, device: torch.device) -> tuple[Layout, str | None]:
+    sms, max_shared = _device_limits(device)
+    lay = layout(sw, max_len, sms)
+    return lay, why_not(lay, max_shared)
+
+
+@functools.cache
+def _kernel(device: torch.device, lay: Layout):
+    from qwen_tts import cuda_rtc
+
+    k = cuda_rtc.compile_kernel(lay.source(), "cp_stack_pass", device)
+    k.set_max_shared(lay.shared_bytes)
+    return k
+
+
+def runs(sw, x: Tensor, cache) -> bool:
+    """Whether `stack_pass` can take this pass: CUDA, bf16, at most MAX_ROWS rows, a layout the device fits."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and cache.k.dtype == torch.bfloat16):
+        return False
+    if x.shape[0] > MAX_ROWS or cache.k.stride(-1) != 1 or cache.k.stride() != cache.v.stride():
+        return False
+    return device_layout(sw, cache.max_len, _index(x.device))[1] is None
+
+
+def _index(device: torch.device) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+
+
+def stack_pass(
+    sw, x: Tensor, positions: Tensor, cache, slots: Tensor, barrier: Tensor, stop: int | None = None
+) -> Tensor:
+    """One token per row through the whole stack and its final norm: x (M, H) -> (M, H); each row's K/V written into
+    its slot at its position (rows may share a slot at different positions). barrier: two int32 zeros on the device
+    (the kernel leaves them zero). stop: run only the first `stop` phases (five a layer, then the final norm;
+    profiling, benchmarks/bench_stack.py: the output is then partial)."""
+    M, H = x.shape
+    if H != sw.H:
+        raise ValueError(f"x has {H} columns, the stack {sw.H}")
+    if M > MAX_ROWS:
+        raise ValueError(f"{M} rows > MAX_ROWS ({MAX_ROWS})")
+    dev = _index(x.device)
+    lay, reason = device_layout(sw, cache.max_len, dev)
+    if reason:
+        raise ValueError(f"stack_cuda cannot take this stack: {reason}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"stack_cuda runs bf16, not {x.dtype}")
+    x = x.contiguous()
+    if x.data_ptr() % 16:
+        x = x.clone()
+    positions = positions.to(torch.long).contiguous()
+    slots = slots.to(torch.long).contiguous()
+    kc, vc = cache.k, cache.v
+    qkv = lay.NQ * lay.D + 2 * lay.NKV * lay.D
+    xs = torch.empty_like(x)
+    out = torch.empty_like(x)
+    qkvbuf = torch.empty((M, qkv), device=dev, dtype=x.dtype)
+    abuf = torch.empty((M, lay.NQ * lay.D), device=dev, dtype=x.dtype)
+    gbuf = torch.empty((M, lay.I), device=dev, dtype=x.dtype)
+    ptrs = (x, xs, out, positions, slots, kc, vc, sw.ln1, sw.w_qkv, sw.qk_norm, sw.w_o, sw.ln2, sw.w_gate_up,
+            sw.w_down, sw.norm, sw.rotary.inv_freq, qkvbuf, abuf, gbuf, barrier)  # fmt: skip
+    args = [ctypes.c_void_p(t.data_ptr()) for t in ptrs]
+    args += [ctypes.c_int(M), ctypes.c_float(sw.eps), ctypes.c_float(1.0 / math.sqrt(lay.D))]
+    args += [ctypes.c_int(s) for s in kc.stride()[:4]]
+    args.append(ctypes.c_int(5 * lay.L + 1 if stop is None else stop))
+    _kernel(dev, lay).launch(lay.nblk, NTHREADS, args, lay.shared_bytes)
+    return out
