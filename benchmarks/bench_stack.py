@@ -56,7 +56,8 @@ def main() -> None:
     ap.add_argument("--modes", default="fused,phases,persistent,persistent+step128+w4",
                     help="fused, phases, persistent or cuda, each with options: +prefetch, +preload, +unsplit (o and down "
                     "on 16-column units with every K tile), +stepN (K steps up to N), +wN (N warps); cuda's: +cpasync "
-                    "(16-byte cp.async, not the copy engine), +noweights (no weight copies: profiling only)")  # fmt: skip
+                    "(16-byte cp.async, not the copy engine), +mma (the matmuls on the tensor cores), +noweights (no weight "
+                    "copies: profiling only)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument(
@@ -89,7 +90,7 @@ def main() -> None:
         stack_kernel.set_options(**default_options)
         parts = mode.split("+")[1:]
         stack_cuda.set_options(**default_cuda)
-        stack_cuda.set_options(bulk="cpasync" not in parts, weights="noweights" not in parts)
+        stack_cuda.set_options(bulk="cpasync" not in parts, weights="noweights" not in parts, mma="mma" in parts)
         stack_kernel.set_options(prefetch="prefetch" in parts, preload="preload" in parts)
         if "unsplit" in parts:
             stack_kernel.set_options(residual_split=1, residual_block_n=16)

@@ -202,8 +202,15 @@ class EngineSettings:
     # five layers, instead of ~50); "persistent", one launch a pass, its programs waiting at a grid-wide barrier
     # between phases; "off", the fused path's kernels. Same function, rounded where the eager layers round. On an
     # H200 (1.7B, batch 1, graph replays) "persistent" cut the step's kernels 1,204 -> 443 but not its time: 4.57 ->
-    # 4.69 ms (profile_step.py variant +stack-persistent); each of the 26 phases waits on latency, not bytes. So off
-    # (docs/benchmarks.md; bench_gpu.py --engine-variants cp-stack-phases,cp-stack-persistent). Ignored on CPU.
+    # 4.69 ms (profile_step.py variant +stack-persistent); each of the 26 phases waits on latency, not bytes.
+    # "cuda": passes of at most four bf16 rows by our CUDA kernel (qwen_tts/stack_cuda.cu, compiled by NVRTC when the
+    # engine starts; if it cannot compile there, a warning and the fused path), whose weights reach shared memory a
+    # phase ahead of each grid wait: 146 us a pass at one row against 216 (fused) and 170 (persistent), 161 against
+    # 176 at two rows, but 198 against 177 at four; one 1.7B stream 15.37x -> 15.84x real time and two 15.99x ->
+    # 16.41x (the engine runs a lone row as two), first audio 30 -> 32 ms (its blocks hold every SM, so Code2Wav
+    # waits). Its rows are batch invariant among themselves, not against the fused path's: a request's codes match
+    # alone and beside one other stream, not beside more. So off by default (docs/benchmarks.md; bench_gpu.py
+    # --engine-variants cp-stack-phases,cp-stack-persistent,cp-stack-cuda). Ignored on CPU.
     cp_stack_kernel: str = "off"
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).

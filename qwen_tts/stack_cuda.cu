@@ -14,7 +14,9 @@
 // NBLK, SLOT_BYTES, ACT_BYTES (constants, not macros, so no header's names are touched), and the options: BULK (1:
 // the weights by the copy engine, cp.async.bulk, one instruction a range, completion on an mbarrier; 0: 16-byte
 // cp.async by every thread) and WEIGHTS (0: no weight copies at all, the matmuls read whatever the slots hold; for
-// profiling only, to see what the phases cost without their bytes).
+// profiling only, to see what the phases cost without their bytes), MMA (1: the matmuls on the tensor cores,
+// mma.sync m16n8k16 with the rows' activations as the 8 columns; 0: dot products on the CUDA cores, a warp a row),
+// RES_ROWS (the most weight rows a block has in one phase) and PART_ITEMS (the tensor-core path's partial tiles).
 // No headers: bf16 is handled as its bits (round to nearest even, as torch rounds), so NVRTC needs no include path.
 
 typedef unsigned short bf16;
@@ -226,6 +228,65 @@ __device__ __forceinline__ void row_dot(const bf16* w, const bf16* act, int M, i
     for (int m = 0; m < MAXM; ++m) acc[m] = warp_sum(acc[m]);
 }
 
+// res[r * MAXM + m] = act[m, :] . w[r, :] for the block's R weight rows in shared memory (K wide). MMA: 16-row tiles
+// times the rows' activations as the columns of an m16n8k16 product (columns past M are zero), K split over the
+// warps that the tiles leave free, the slices' partial tiles summed in order; else a warp a row on the CUDA cores.
+// Either way a sum's order depends on R and K only, never on M: a row's result is batch invariant.
+__device__ void block_matmul(const bf16* w, int R, int K, const bf16* act, int M, float* part, float* res) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (MMA) {
+        const int tiles = (R + 15) / 16, slices = tiles >= NWARPS ? 1 : NWARPS / tiles;
+        const int ksteps = (K + 15) / 16, per = (ksteps + slices - 1) / slices;
+        const int g = lane >> 2, tig = lane & 3;
+        for (int it = warp; it < tiles * slices; it += NWARPS) {
+            const int tile = it % tiles, sl = it / tiles;
+            const int ra = tile * 16 + g, rb = ra + 8;
+            const bool oka = ra < R, okb = rb < R, okn = g < M;
+            const bf16* wa = w + (oka ? ra : 0) * K;
+            const bf16* wb = w + (okb ? rb : 0) * K;
+            const bf16* an = act + (okn ? g : 0) * K;
+            float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
+            const int kend = min(ksteps, (sl + 1) * per);
+            for (int ks = sl * per; ks < kend; ++ks) {
+                const int k = ks * 16 + 2 * tig;
+                const bool k0 = k < K, k1 = k + 8 < K;
+                const u32 a0 = oka && k0 ? *(const u32*)(wa + k) : 0u;
+                const u32 a1 = okb && k0 ? *(const u32*)(wb + k) : 0u;
+                const u32 a2 = oka && k1 ? *(const u32*)(wa + k + 8) : 0u;
+                const u32 a3 = okb && k1 ? *(const u32*)(wb + k + 8) : 0u;
+                const u32 b0 = okn && k0 ? *(const u32*)(an + k) : 0u;
+                const u32 b1 = okn && k1 ? *(const u32*)(an + k + 8) : 0u;
+                asm volatile(
+                    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                    "{%8, %9}, {%0, %1, %2, %3};"
+                    : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+                    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+            }
+            float* pt = part + it * 128;  // (16 rows, 8 columns)
+            pt[g * 8 + 2 * tig] = c0;
+            pt[g * 8 + 2 * tig + 1] = c1;
+            pt[(g + 8) * 8 + 2 * tig] = c2;
+            pt[(g + 8) * 8 + 2 * tig + 1] = c3;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < R * M; i += NTHREADS) {
+            const int r = i / M, m = i - r * M;
+            float v = 0.f;
+            for (int sl = 0; sl < slices; ++sl) v += part[(sl * tiles + r / 16) * 128 + (r % 16) * 8 + m];
+            res[r * MAXM + m] = v;
+        }
+    } else {
+        float acc[MAXM];
+        for (int r = warp; r < R; r += NWARPS) {
+            row_dot(w + r * K, act, M, K, acc);
+#pragma unroll
+            for (int m = 0; m < MAXM; ++m)
+                if (m == lane && m < M) res[r * MAXM + m] = acc[m];
+        }
+    }
+    __syncthreads();
+}
+
 // RMSNorm over D (weight nw) then RoPE at position t of one head vector y (lane-strided, in registers via `v`):
 // the result into dst (shared, D floats). One warp.
 __device__ void norm_rope(const float* y, const bf16* nw, int t, const float* inv_freq, float eps, float* dst) {
@@ -339,8 +400,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     bf16* act = (bf16*)(smem + 2 * SLOT_BYTES);
     float* inv = (float*)(smem + 2 * SLOT_BYTES + ACT_BYTES);  // MAXM floats
     u64* full = (u64*)(inv + MAXM);  // the two slots' mbarriers (BULK)
-    const int b = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float acc[MAXM], acc2[MAXM];
+    float* part = (float*)(full + 2);  // PART_ITEMS (16, 8) float tiles: the tensor-core path's partial sums
+    float* res = part + PART_ITEMS * 128;  // (RES_ROWS, MAXM) a phase's sums
+    const int b = blockIdx.x;
     u32 target = 0;  // arrivals every block has made so far: the barrier's next wait
     int ph = 0;  // phases run (stop: profiling, the kernel cut after that many phases; the output is then partial)
     int issued = -1, awaited = -1;  // the last matmul phase whose weights were asked for, and waited for
@@ -384,11 +446,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             const bf16* w = await_weights(f);
             load_rows(act, xcur, ln1 + l * H, M, H, true, eps, inv);
             const int r0 = lo(NQKV * D, b), r1 = lo(NQKV * D, b + 1);
-            for (int r = warp; r < r1 - r0; r += NWARPS) {
-                row_dot(w + r * H, act, M, H, acc);
-#pragma unroll
-                for (int m = 0; m < MAXM; ++m)
-                    if (m == lane && m < M) qkvbuf[m * NQKV * D + r0 + r] = b16(acc[m]);
+            block_matmul(w, r1 - r0, H, act, M, part, res);
+            for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
+                const int r = i / M, m = i - r * M;
+                qkvbuf[m * NQKV * D + r0 + r] = b16(res[r * MAXM + m]);
             }
             end_phase();
         }
@@ -406,14 +467,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             const bf16* w = await_weights(f);
             load_rows(act, abuf, 0, M, QD, false, eps, inv);
             const int r0 = lo(H, b), r1 = lo(H, b + 1);
-            for (int r = warp; r < r1 - r0; r += NWARPS) {
-                row_dot(w + r * QD, act, M, QD, acc);
-#pragma unroll
-                for (int m = 0; m < MAXM; ++m)
-                    if (m == lane && m < M) {
-                        const int at = m * H + r0 + r;
-                        xs[at] = b16(rnd(acc[m]) + f32(ldcg1(xcur + at)));
-                    }
+            block_matmul(w, r1 - r0, QD, act, M, part, res);
+            for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
+                const int r = i / M, m = i - r * M, at = m * H + r0 + r;
+                xs[at] = b16(rnd(res[r * MAXM + m]) + f32(ldcg1(xcur + at)));
             }
             end_phase();
         }
@@ -424,17 +481,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             grid_wait(bar, target);
             const bf16* w = await_weights(f);
             load_rows(act, xs, ln2 + l * H, M, H, true, eps, inv);
-            const int j0 = lo(I, b), j1 = lo(I, b + 1);
-            for (int j = warp; j < j1 - j0; j += NWARPS) {
-                row_dot(w + j * H, act, M, H, acc);
-                row_dot(w + (j1 - j0 + j) * H, act, M, H, acc2);
-#pragma unroll
-                for (int m = 0; m < MAXM; ++m)
-                    if (m == lane && m < M) {
-                        const float gate = rnd(acc[m]);
-                        const float a = rnd(gate / (1.f + expf(-gate)));
-                        gbuf[m * I + j0 + j] = b16(a * rnd(acc2[m]));
-                    }
+            const int j0 = lo(I, b), nj = lo(I, b + 1) - j0;
+            block_matmul(w, 2 * nj, H, act, M, part, res);  // nj gate rows, then their up rows
+            for (int i = threadIdx.x; i < nj * M; i += NTHREADS) {
+                const int j = i / M, m = i - j * M;
+                const float gate = rnd(res[j * MAXM + m]);
+                const float a = rnd(gate / (1.f + expf(-gate)));
+                gbuf[m * I + j0 + j] = b16(a * rnd(res[(nj + j) * MAXM + m]));
             }
             end_phase();
         }
@@ -446,14 +499,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             const bf16* w = await_weights(f);
             load_rows(act, gbuf, 0, M, I, false, eps, inv);
             const int r0 = lo(H, b), r1 = lo(H, b + 1);
-            for (int r = warp; r < r1 - r0; r += NWARPS) {
-                row_dot(w + r * I, act, M, I, acc);
-#pragma unroll
-                for (int m = 0; m < MAXM; ++m)
-                    if (m == lane && m < M) {
-                        const int at = m * H + r0 + r;
-                        xs[at] = b16(rnd(acc[m]) + f32(ldcg1(xs + at)));
-                    }
+            block_matmul(w, r1 - r0, I, act, M, part, res);
+            for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
+                const int r = i / M, m = i - r * M, at = m * H + r0 + r;
+                xs[at] = b16(rnd(res[r * MAXM + m]) + f32(ldcg1(xs + at)));
             }
             end_phase();
         }

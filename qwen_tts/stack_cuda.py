@@ -54,6 +54,7 @@ class Layout:
     nblk: int
     bulk: bool = True  # the weights by the copy engine (cp.async.bulk); False: 16-byte cp.async by every thread
     weights: bool = True  # False: no weight copies (profiling only: the phases' cost without their bytes)
+    mma: bool = False  # the matmuls on the tensor cores (mma.sync; measured slower); False: dot products on CUDA cores
 
     @property
     def slot_bytes(self) -> int:
@@ -61,6 +62,17 @@ class Layout:
         H, I, D, NQ, NKV, n = self.H, self.I, self.D, self.NQ, self.NKV, self.nblk  # noqa: E741
         rows = max(_most(NQ * D + 2 * NKV * D, n) * H, _most(H, n) * NQ * D, 2 * _most(I, n) * H, _most(H, n) * I)
         return _align16(2 * rows)
+
+    @property
+    def res_rows(self) -> int:
+        """The most weight rows a block has in one phase (its gate|up share counts gate and up rows)."""
+        n = self.nblk
+        return max(_most(self.NQ * self.D + 2 * self.NKV * self.D, n), _most(self.H, n), 2 * _most(self.I, n))
+
+    @property
+    def part_items(self) -> int:
+        """The tensor-core path's partial (16, 8) tiles: a warp each, or a 16-row tile each past NWARPS tiles."""
+        return max(NWARPS, -(-self.res_rows // 16))
 
     @property
     def act_bytes(self) -> int:
@@ -72,12 +84,15 @@ class Layout:
 
     @property
     def shared_bytes(self) -> int:
-        return 2 * self.slot_bytes + self.act_bytes + 16 * MAX_ROWS
+        """Two weight slots, the activations, the rows' norms and the slots' mbarriers (32 bytes), the partial
+        tiles, a phase's sums."""
+        return 2 * self.slot_bytes + self.act_bytes + 32 + 4 * 128 * self.part_items + 4 * MAX_ROWS * self.res_rows
 
     def source(self) -> str:
         consts = dict(H=self.H, I=self.I, D=self.D, NQ=self.NQ, NKV=self.NKV, L=self.L, T=self.T, MAXM=MAX_ROWS,
                       NBLK=self.nblk, SLOT_BYTES=self.slot_bytes, ACT_BYTES=self.act_bytes, BULK=int(self.bulk),
-                      WEIGHTS=int(self.weights))  # fmt: skip
+                      WEIGHTS=int(self.weights), MMA=int(self.mma), RES_ROWS=self.res_rows,
+                      PART_ITEMS=self.part_items)  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
         return prelude + _SOURCE.read_text()
 
@@ -92,13 +107,14 @@ def _align16(n: int) -> int:
 
 
 # The kernel's choices, process-wide (`set_options`; CUDA graphs keep the kernel they were captured with).
-_options = {"bulk": True, "weights": True}
+_options = {"bulk": True, "weights": True, "mma": False}
 
 
-def set_options(bulk: bool | None = None, weights: bool | None = None) -> dict:
+def set_options(bulk: bool | None = None, weights: bool | None = None, mma: bool | None = None) -> dict:
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
-    only (no weight copies: the matmuls read stale shared memory). Returns the options now in force."""
-    for k, v in (("bulk", bulk), ("weights", weights)):
+    only (no weight copies: the matmuls read stale shared memory); mma: the matmuls on the tensor cores (else dot
+    products on the CUDA cores). Returns the options now in force."""
+    for k, v in (("bulk", bulk), ("weights", weights), ("mma", mma)):
         if v is not None:
             _options[k] = bool(v)
     return dict(_options)
@@ -143,6 +159,23 @@ def _kernel(device: torch.device, lay: Layout):
     k = cuda_rtc.compile_kernel(lay.source(), "cp_stack_pass", device)
     k.set_max_shared(lay.shared_bytes)
     return k
+
+
+def prepare(sw, max_len: int, device: torch.device | str) -> str | None:
+    """Compile and load the kernel for this stack, a cache of max_len positions and the device, before any graph
+    capture; returns why it cannot run there (None: it can). A machine without NVRTC, or one whose SMs cannot hold
+    the layout, gets the reason instead of an error, so the caller can fall back."""
+    dev = _index(torch.device(device))
+    if dev.type != "cuda":
+        return "not a CUDA device"
+    lay, reason = device_layout(sw, max_len, dev)
+    if reason:
+        return reason
+    try:
+        _kernel(dev, lay)
+    except (OSError, RuntimeError) as e:
+        return f"{type(e).__name__}: {str(e)[:500]}"
+    return None
 
 
 def runs(sw, x: Tensor, cache) -> bool:

@@ -4,6 +4,8 @@
 #   .whl/server/     what our server imports beyond torch/numpy/safetensors/pyyaml/httpx (fastapi, uvicorn,
 #                    pydantic(-settings), soundfile, soxr, tokenizers, prometheus-client, ...), pinned to the
 #                    versions installed in .venv (the versions our tests ran with) when it exists;
+#   .whl/test/       what our CUDA tests need beyond the machine's pytest (pytest-asyncio, for the engine's async
+#                    tests), pinned to .venv's version like the server's;
 #   .whl/reference/  the official implementation's wheels        (REFERENCE_WHEELS=<list>, one spec a line)
 #   .whl/peer/       faster-qwen3-tts and its official-code build (PEER_WHEELS=<list>, one spec a line)
 # The two baseline lists are optional: a folder is skipped when its list is not given or not found.
@@ -26,6 +28,9 @@ SERVER_PACKAGES=(
   soundfile cffi pycparser soxr
   tokenizers prometheus-client tqdm watchfiles python-multipart sentencex
 )
+
+# The GPU machine has pytest but not the plugin that runs our async tests.
+TEST_PACKAGES=(pytest-asyncio)
 
 download() {  # download <folder> <spec>...
   local dir=$1
@@ -65,6 +70,9 @@ specs_of() {  # the package specs of a list file (comments and blank lines dropp
 mapfile -t server_specs < <(pinned "${SERVER_PACKAGES[@]}")
 echo "gpu_wheels: ${#server_specs[@]} server wheels -> $DEST/server"
 download "$DEST/server" "${server_specs[@]}"
+mapfile -t test_specs < <(pinned "${TEST_PACKAGES[@]}")
+echo "gpu_wheels: ${#test_specs[@]} test wheels -> $DEST/test"
+download "$DEST/test" "${test_specs[@]}"
 
 for kind in reference peer; do
   var=$(echo "${kind}_WHEELS" | tr a-z A-Z)

@@ -38,6 +38,8 @@ def test_defaults_match_the_seed_and_serve_the_demo() -> None:
         ("chunk_growth", 2, "4", 4, "1"),
         ("admission_step_budget_ms", 0.0, "64", 64.0, "-5"),  # 0: off
         ("decoder_fp16", True, "false", False, "maybe"),  # on CUDA only
+        ("cp_stack_kernel", "off", "cuda", "cuda", "fast"),  # on CUDA only
+        ("fused_deterministic", True, "false", False, "sometimes"),  # on CUDA only
     ],
 )
 def test_engine_variables_reach_the_engine_and_are_checked(monkeypatch, field, default, value, parsed, bad) -> None:

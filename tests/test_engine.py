@@ -561,6 +561,47 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
         assert all(getattr(layer.fused, name) == want for layer in model.talker.model.layers)
 
 
+@needs_cuda
+@pytest.mark.parametrize("greedy", [True, False])
+async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_equal_in_a_pair(
+    tiny_model, greedy, monkeypatch
+):
+    """cp_stack_kernel="cuda" (bf16 code-predictor passes of at most four rows by stack_cuda.cu): a request gives the
+    same codes alone and beside another (passes of 2 and 4 rows, all by the kernel), graphed and eager alike. Past four
+    rows the fused path's kernels take the passes, so this invariance holds up to two streams (docs/benchmarks.md)."""
+    from qwen_tts import stack_cuda
+
+    model = load_model(tiny_model.path, device="cuda")
+    calls = []
+    real = stack_cuda.stack_pass
+    monkeypatch.setattr(stack_cuda, "stack_pass", lambda *a, **k: (calls.append(a[1].shape[0]), real(*a, **k))[1])
+    results = {}
+    for frame_step in ("eager", "graphs"):
+        eng = NativeEngine(
+            EngineSettings(model_path=str(model.path), device="cuda", max_slots=2, warmup=False, frame_step=frame_step,
+                           cp_stack_kernel="cuda"),
+            model=model,
+        )  # fmt: skip
+        await eng.start()
+        try:
+            target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
+            (alone,), _ = await run(eng, [target])
+            (pair, _), _ = await run(
+                eng, [req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20), req(model, TEXTS[2], seed=9)]
+            )
+        finally:
+            await eng.stop()
+        assert eng.model_info["cp_stack_kernel"] == "cuda"
+        assert model.talker.code_predictor.model.stack_kernel == "cuda"
+        assert torch.equal(codes_of(alone), codes_of(pair)), frame_step
+        results[frame_step] = codes_of(alone)
+    assert torch.equal(results["eager"], results["graphs"])
+    # Every pass by the kernel: one or two streams' rows, the prompt's two tokens as two rows of one pass.
+    assert calls and max(calls) == 4 and set(calls) <= {1, 2, 4}
+    sw = model.talker.code_predictor.model.stack_weights
+    assert stack_cuda.prepare(sw, model.talker.code_predictor.num_residual + 1, "cuda") is None
+
+
 async def test_batched_prefill_matches_prefill_alone(tiny_model, monkeypatch):
     texts = [TEXTS[0], TEXTS[1] * 2, TEXTS[4]]  # different prompt lengths: the batch is padded
     eng = make_engine(tiny_model, max_slots=4)

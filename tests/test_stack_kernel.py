@@ -257,7 +257,8 @@ def test_cuda_kernel_layout_fits_an_h200_with_the_code_predictor() -> None:
     lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=CACHE_LEN, nblk=132)
     assert lay.slot_bytes == 48 * 1024 * 2
     assert lay.act_bytes == 4 * 3072 * 2
-    assert lay.shared_bytes == 2 * 98304 + 24576 + 64 <= 232448
+    assert lay.res_rows == 48 and lay.part_items == 8  # the gate|up share; a partial tile per warp
+    assert lay.shared_bytes == 2 * 98304 + 24576 + 32 + 8 * 512 + 48 * 16 <= 232448
     assert stack_cuda.why_not(lay, 232448) is None
     assert "positions" in stack_cuda.why_not(stack_cuda.Layout(**{**lay.__dict__, "T": 64}), 232448)
     assert "multiples of 8" in stack_cuda.why_not(stack_cuda.Layout(**{**lay.__dict__, "H": 1020}), 232448)
@@ -265,14 +266,15 @@ def test_cuda_kernel_layout_fits_an_h200_with_the_code_predictor() -> None:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("opts", [{}, {"bulk": False}, {"mma": True}], ids=["default", "cpasync", "mma"])
 @pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
-def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, tmp_path) -> None:
-    """The source the engine hands NVRTC, for the code predictor's shape and a tiny one, builds for sm_90 with nvcc
-    (the same front end) and its registers do not spill."""
+def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
+    """The source the engine hands NVRTC, for the code predictor's shape and a tiny one and each option, builds for
+    sm_90 with nvcc (the same front end) and its registers do not spill."""
     from qwen_tts import stack_cuda
 
     H, inter, L, nq, nkv, D = FULL if shape == "full" else SHAPES[shape]
-    lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=CACHE_LEN, nblk=132)
+    lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=CACHE_LEN, nblk=132, **opts)
     src = tmp_path / "k.cu"
     src.write_text(lay.source())
     res = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)],
@@ -287,17 +289,37 @@ def make_cuda_stack(dims, seed=0):
     return ref, kern
 
 
+@pytest.fixture
+def cuda_options():
+    """Restores stack_cuda's process-wide options after a test that sets them."""
+    from qwen_tts import stack_cuda
+
+    before = stack_cuda.set_options()
+    yield stack_cuda.set_options
+    stack_cuda.set_options(**before)
+
+
+CUDA_CASES = [
+    (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
+]
+CUDA_CASES += [(shape, 3, opt) for shape in ("full", "tiny-mtp") for opt in ("cpasync", "mma")]
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
-@pytest.mark.parametrize("rows", [1, 2, 4])
-@pytest.mark.parametrize("shape", ["full", "split", "group4", "tiny", "tiny-mtp"])
-def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows) -> None:
+@pytest.mark.parametrize(("shape", "rows", "opts"), CUDA_CASES)
+def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cuda_options) -> None:
     """Passes at positions 0-4 of rows in scattered slots, against the same weights in float32: the kernel's output
     and the K/V it writes are as close to float32 as the eager bf16 stack's (relative RMS within 1.5x, largest
     difference within 2x, the eager error floored at one bf16 rounding); the barrier is back at zero, unwritten slots
     stay zero. (Against the eager bf16 stack itself two implementations' roundings add up: at the code predictor's
-    five layers and four rows the largest difference reached 0.094 at an output scale of 5.)"""
+    five layers and four rows the largest difference reached 0.094 at an output scale of 5.) Options: the weights by
+    16-byte cp.async instead of the copy engine; the matmuls on the tensor cores."""
     from qwen_tts import stack_cuda
 
+    if opts == "cpasync":
+        cuda_options(bulk=False)
+    if opts == "mma":
+        cuda_options(mma=True)
     dims = FULL if shape == "full" else SHAPES[shape]
     ref, kern = make_cuda_stack(dims)
     exact = copy.deepcopy(ref).float()

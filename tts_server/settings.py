@@ -43,6 +43,8 @@ ENGINE_FIELDS = {
     "admission_step_budget_ms": "admission_step_budget_ms",
     "batch_invariant_decode": "batch_invariant_decode",
     "decoder_fp16": "decoder_fp16",
+    "cp_stack_kernel": "cp_stack_kernel",
+    "fused_deterministic": "fused_deterministic",
 }
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
@@ -95,6 +97,15 @@ class ServerSettings(BaseSettings):
     # On CUDA, Code2Wav's final conv stack in float16 (the audio within -50 dBFS of the exact float32 decode, ~15%
     # more audio-s/s at 64-256 streams on an H200); false keeps it float32 with TF32. Ignored on CPU.
     decoder_fp16: bool = _ENGINE.decoder_fp16
+    # On CUDA, each code-predictor pass through one kernel for its whole stack: "cuda" (stack_cuda.cu, passes of at
+    # most four bf16 rows; on an H200 one 1.7B stream 15.4x -> 15.8x real time, first audio +2 ms, and a request's
+    # codes then match alone and beside one other, not beside more), "phases"/"persistent" (the Triton kernel, no
+    # faster), "off" (the fused path's kernels; the default). See docs/benchmarks.md. Ignored on CPU.
+    cp_stack_kernel: Literal["off", "phases", "persistent", "cuda"] = _ENGINE.cp_stack_kernel  # type: ignore[assignment]
+    # On CUDA, the compiled blocks in inductor's deterministic mode: the same request and seed give the same codes
+    # from a fresh process (a replica, a restart); off, inductor times its reduction configurations per process
+    # (+1.2% per frame step on an H200, docs/benchmarks.md). Ignored on CPU.
+    fused_deterministic: bool = _ENGINE.fused_deterministic
     # Streaming granularity: a small first chunk for fast first audio, then larger ones for throughput.
     first_chunk_frames: int = Field(_ENGINE.first_chunk_frames, ge=1, le=256)
     chunk_frames: int = Field(_ENGINE.chunk_frames, ge=1, le=256)

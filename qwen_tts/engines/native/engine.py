@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from qwen_tts import fused, sample_kernel, small_m_gemm, snake_kernel, stack_kernel
+from qwen_tts import fused, sample_kernel, small_m_gemm, snake_kernel, stack_cuda, stack_kernel
 from qwen_tts.config import ConfigError, ModelConfig
 from qwen_tts.engine_api import (
     Engine,
@@ -790,6 +790,12 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
     stack_kernel.enable(talker.code_predictor.model, config.cp_stack_kernel)
     if config.cp_stack_kernel != "off":
         stack_kernel.prepare(device)  # its counters, before any graph capture
+    if config.cp_stack_kernel == "cuda":  # compiled and loaded now, not inside a capture; else the fused path's kernels
+        cp = talker.code_predictor
+        reason = stack_cuda.prepare(cp.model.stack_weights, cp.num_residual + 1, device)
+        if reason:
+            log.warning("cp_stack_kernel=cuda cannot run here (%s): the fused path's kernels run instead", reason)
+            stack_kernel.enable(cp.model, "off")
     talker.kernel_sampler = config.kernel_sampler
     sample_kernel.set_warp_elements(config.kernel_sampler_warp_elements)  # read at capture
     return True
