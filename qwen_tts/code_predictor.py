@@ -92,10 +92,11 @@ class CodePredictor(nn.Module):
     def forward(
         self, h: Tensor, cb0_embed: Tensor, sample: Callable[[int, Tensor], LongTensor]
     ) -> tuple[LongTensor, Tensor]:
-        """h, cb0_embed (B, H_talker) -> codes (B, 15), embed_sum (B, H_talker).
+        """h, cb0_embed (B, H_talker) -> codes (B, 15), codec_sum (B, H_talker).
 
-        `sample(j, logits_j)` picks cb_{j+1} from logits (B, vocab). embed_sum = sum_j codec_embedding[j](cb_{j+1}),
-        the residual part of the next talker input.
+        `sample(j, logits_j)` picks cb_{j+1} from logits (B, vocab). codec_sum = cb0_embed + sum_j
+        codec_embedding[j](cb_{j+1}), the codec part of the next talker input, summed as the official generation sums
+        it: the 16 embeddings stacked and reduced at once (in bf16 one rounding of a float32 sum, not 15).
         """
         B = h.shape[0]
         self.reserve(B, h.device, h.dtype)
@@ -120,11 +121,11 @@ class CodePredictor(nn.Module):
         else:
             hidden = self.model(x, pos[:, :2], cache, slots, 2)[:, -1]
         codes = []
-        embed_sum = None
+        embeds = [cb0_embed]
         for j in range(self.num_residual):
             code = sample(j, self._head(j, hidden))
             emb = self.model.codec_embedding[j](code)
-            embed_sum = emb if embed_sum is None else embed_sum + emb
+            embeds.append(emb)
             codes.append(code)
             if j + 1 < self.num_residual:  # the last code is not fed back
                 if self.input_tables is not None:
@@ -132,4 +133,4 @@ class CodePredictor(nn.Module):
                 else:
                     x = self.small_to_mtp_projection(emb[:, None])
                 hidden = self.model(x, pos[:, j + 2 : j + 3], cache, slots, kv_len if fast else j + 3)[:, -1]
-        return torch.stack(codes, dim=1), embed_sum
+        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1)

@@ -4,7 +4,7 @@ Reimplements qwen-tts 0.1.1 MQ `Qwen3TTSForConditionalGeneration.generate` + `Qw
 `forward` under HF `generate` for batch 1 (reference doc 2.4/2.5): per step, cb0 from the talker logits (repetition
 penalty on previously generated cb0 ids, control ids except EOS suppressed, EOS masked for the first
 `min_new_tokens` steps), stop at EOS (which gets no residual codes), cb1..15 from the code predictor, next input =
-C(cb0) + sum of residual embeddings + trailing text (or tpad). The batching engine re-implements this loop; this one
+(C(cb0) + the residual embeddings, one sum) + trailing text (or tpad). The batching engine re-implements this loop; this one
 is the plain API and the parity reference.
 
 `max_frames` counts emitted frames. The official `max_new_tokens=N` samples N cb0 tokens but the last one never gets
@@ -91,12 +91,12 @@ def generate_codes(
             return sample(cp_logits, cp_temp, cp_k, cp_p, cp_greedy_t, seeds, row(16 * k + 1 + j, torch.long))
 
         cb0_embed = talker.embed_codec(cb0)
-        residual, embed_sum = talker.code_predictor(h, cb0_embed, cp_sample)
+        residual, codec_sum = talker.code_predictor(h, cb0_embed, cp_sample)
         frames.append(torch.cat((cb0[:, None], residual), dim=1))
         if k + 1 == max_frames:
             break
         text_track = prompt.trailing[k] if k < n_trailing else prompt.pad
-        x = (cb0_embed + embed_sum + text_track)[:, None]  # (1, 1, H)
+        x = (codec_sum + text_track)[:, None]  # (1, 1, H)
         h = talker(x, torch.full((1, 1), L + k, device=dev), cache, slot, kv_len=L + k + 1)[:, -1]
     if not frames:
         return torch.zeros((0, tc.num_code_groups), dtype=torch.long, device=dev)

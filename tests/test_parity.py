@@ -217,3 +217,41 @@ def test_bf16_engine_path_matches_the_official_generation(size, tmp_path_factory
         assert clear.float().mean() > 0.5, f"{name}: too few positions without a near-tie to compare"
         same = ours.argmax(-1) == theirs.argmax(-1)
         assert same[clear].all(), f"{name}: top-1 differs at {(~same[clear]).sum().item()} of {clear.sum().item()}"
+
+
+@pytest.mark.parametrize("size", ["tiny", "tiny-mtp"])
+def test_bf16_free_running_generation_matches_the_official_generation(size, tmp_path_factory):
+    """bf16, free running: our reference loop's greedy codes and the talker input of every decode step equal the
+    official package's bf16 generation bit for bit (make_fixture.py `official_free_running`). The input sums the 16
+    codec embeddings in one reduction, as the official generation does; added one at a time (15 bf16 roundings, as
+    ours once did) the first decode step's input differs already."""
+    fx = torch.load(BF16_FIXTURE, weights_only=True)[size]
+    if "free_running" not in fx:
+        pytest.fail(f"the bf16 fixture has no free-running case: {BF16_REGENERATE}")
+    rec = fx["free_running"]
+    path = write_random_checkpoint(tmp_path_factory.mktemp(f"free-{size}") / size, size=size, seed=0)
+    if weights_digest(path) != fx["weights_digest"]:
+        pytest.fail(f"the {size} checkpoint differs from the one the bf16 fixture was recorded on: {BF16_REGENERATE}")
+    model = load_model(path, device="cpu", dtype=torch.bfloat16)
+    frames = rec["codes"].shape[0]
+    inputs: list[torch.Tensor] = []
+
+    def hook(_module, args):
+        if args[0].shape[1] == 1:  # a decode step's (1, 1, H) input
+            inputs.append(args[0][0, 0].clone())
+
+    handle = model.talker.register_forward_pre_hook(hook)
+    try:
+        codes = generate_codes(
+            model.talker, model.config, model.tokenizer, rec["text"], rec["xvector"], rec["language"],
+            rec["non_streaming"], max_frames=frames, min_new_tokens=frames,
+        )  # fmt: skip
+    finally:
+        handle.remove()
+    assert codes.shape == rec["codes"].shape
+    mismatch = (codes != rec["codes"]).any(dim=1).nonzero()
+    assert mismatch.numel() == 0, f"first differing frame {int(mismatch[0])}"
+    ours = torch.stack(inputs[: frames - 1])  # the last frame's input feeds no further step in our loop
+    theirs = rec["talker_inputs"][: frames - 1]
+    differ = (ours != theirs).any(dim=1).nonzero()
+    assert differ.numel() == 0, f"talker input differs first at decode step {int(differ[0])}"

@@ -219,18 +219,18 @@ def _argmax_sampler(log: list | None = None):
     return sample
 
 
-def test_code_predictor_returns_15_codes_and_the_sum_of_their_embeddings(talker: Talker) -> None:
+def test_code_predictor_returns_15_codes_and_the_sum_of_all_16_embeddings(talker: Talker) -> None:
     torch.manual_seed(5)
     H = talker.cfg.hidden_size
     h, cb0 = torch.randn(3, H), torch.randint(0, 2048, (3,))
     log: list = []
-    codes, embed_sum = talker.code_predictor(h, talker.embed_codec(cb0), _argmax_sampler(log))
+    codes, codec_sum = talker.code_predictor(h, talker.embed_codec(cb0), _argmax_sampler(log))
     assert codes.shape == (3, 15) and codes.dtype == torch.long
     assert [j for j, _ in log] == list(range(15))
     assert all(lg.shape == (3, 2048) for _, lg in log)
     emb = talker.code_predictor.model.codec_embedding
-    expected = sum(emb[j](codes[:, j]) for j in range(15))
-    torch.testing.assert_close(embed_sum, expected, atol=1e-5, rtol=1e-5)
+    expected = talker.embed_codec(cb0) + sum(emb[j](codes[:, j]) for j in range(15))
+    torch.testing.assert_close(codec_sum, expected, atol=1e-5, rtol=1e-5)
     assert len(set(codes[0].tolist())) > 3, "codes do not depend on the step"
 
 
@@ -252,19 +252,19 @@ def test_code_predictor_rows_do_not_depend_on_the_batch(talker: Talker) -> None:
     torch.manual_seed(7)
     H = talker.cfg.hidden_size
     h, cb0 = torch.randn(4, H), torch.randint(0, 2048, (4,))
-    codes, embed_sum = talker.code_predictor(h, talker.embed_codec(cb0), _argmax_sampler())
+    codes, codec_sum = talker.code_predictor(h, talker.embed_codec(cb0), _argmax_sampler())
     for i in (0, 3):
         c1, e1 = talker.code_predictor(h[i : i + 1], talker.embed_codec(cb0[i : i + 1]), _argmax_sampler())
         assert torch.equal(c1[0], codes[i])
-        torch.testing.assert_close(e1[0], embed_sum[i], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(e1[0], codec_sum[i], atol=1e-5, rtol=1e-5)
 
 
 def test_code_predictor_without_projection_has_no_projection_tensors() -> None:
     cfg = tiny_config(hidden=32, cp_hidden=32)
     talker = random_talker(cfg)
     assert not any("small_to_mtp" in k for k in talker.state_dict())
-    codes, embed_sum = talker.code_predictor(torch.randn(2, 32), torch.randn(2, 32), _argmax_sampler())
-    assert codes.shape == (2, 15) and embed_sum.shape == (2, 32)
+    codes, codec_sum = talker.code_predictor(torch.randn(2, 32), torch.randn(2, 32), _argmax_sampler())
+    assert codes.shape == (2, 15) and codec_sum.shape == (2, 32)
 
 
 def test_code_predictor_input_tables_hold_the_projected_rows_and_leave_the_codes_alone(cfg: ModelConfig) -> None:
@@ -286,9 +286,9 @@ def test_code_predictor_input_tables_hold_the_projected_rows_and_leave_the_codes
     codes_t, sum_t = cp(h, talker.embed_codec(cb0), _argmax_sampler(log_tables))
     cp.input_tables = None
     log: list = []
-    codes, embed_sum = cp(h, talker.embed_codec(cb0), _argmax_sampler(log))
+    codes, codec_sum = cp(h, talker.embed_codec(cb0), _argmax_sampler(log))
     assert torch.equal(codes_t, codes)
-    torch.testing.assert_close(sum_t, embed_sum, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(sum_t, codec_sum, atol=1e-6, rtol=1e-6)
     for (_, a), (_, b) in zip(log_tables, log, strict=True):  # every pass's logits, not only their argmax
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert len(set(codes[0].tolist())) > 3

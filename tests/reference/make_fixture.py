@@ -405,11 +405,37 @@ def _teacher_inputs(ours, m32, frames: int) -> tuple[torch.Tensor, torch.Tensor,
     return seq, torch.stack([c0, *resid[:14]], dim=1), codes, prompt.prefill.shape[0]
 
 
+# The bf16 free-running case: text, language, non_streaming; a seeded random x-vector; frames with EOS held off.
+FREE_CASE = (0, "english", False)
+FREE_FRAMES = 12
+
+
+def official_free_running(tts, xvector: torch.Tensor, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The official greedy generation, free running (its own codes fed back), EOS held off: codes (frames, 16) and
+    the talker's input at each decode step (frames, H), captured where its decoder stack receives it."""
+    inputs: list[torch.Tensor] = []
+
+    def hook(_module, args, kwargs):
+        x = kwargs.get("inputs_embeds")
+        if x is not None and x.shape[1] == 1:  # a decode step (the prefill is the prompt)
+            inputs.append(x[0, 0].detach().cpu())
+
+    handle = tts.model.talker.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        text, language, non_streaming = FREE_CASE
+        codes, _ = official_codes(tts, TEXTS[text], language, non_streaming, xvector, frames)
+    finally:
+        handle.remove()
+    return codes, torch.stack(inputs[:frames])
+
+
 @torch.inference_mode()
 def record_tiny_bf16(out: Path, seed: int, frames: int = 8) -> None:
     """The bf16 parity fixture: for tiny and tiny-mtp, a teacher-forced sequence (`_teacher_inputs`) and the
     official package's bf16 logits on it as its generation computes them on the CPU (`_official_tf_incremental`,
-    SDPA). `tests/test_parity.py` runs our bf16 model the engine's way on the same inputs against it."""
+    SDPA). `tests/test_parity.py` runs our bf16 model the engine's way on the same inputs against it. And the
+    official bf16 greedy generation free running (`official_free_running`): its codes and each decode step's talker
+    input, which our reference loop must reproduce bit for bit."""
     ours = import_ours(["random_checkpoint", "loading", "reference_loop", "prompt", "tokenizer"])
     off = import_official()
     work = Path(tempfile.mkdtemp(prefix="qwen_tts_fixture_bf16_"))
@@ -430,6 +456,13 @@ def record_tiny_bf16(out: Path, seed: int, frames: int = 8) -> None:
             "talker_logits": lo[:, :V].bfloat16(),  # computed in bf16: stored without loss
             "code_predictor_logits": co.bfloat16(),
         }
+        xvector = torch.randn(m32.config.talker.hidden_size, generator=torch.Generator().manual_seed(seed + 7))
+        free_codes, free_inputs = official_free_running(tts, xvector, FREE_FRAMES)
+        text, language, non_streaming = FREE_CASE
+        fx[size]["free_running"] = {
+            "text": TEXTS[text], "language": language, "non_streaming": non_streaming, "xvector": xvector,
+            "codes": free_codes, "talker_inputs": free_inputs,
+        }  # fmt: skip
         gap = (top2[:, 0] - top2[:, 1]).min().item()
         print(f"{size}: L={L} frames={frames} talker {tuple(lo[:, :V].shape)} code predictor {tuple(co.shape)}; "
               f"smallest top-2 gap {gap:.4f}")  # fmt: skip

@@ -130,10 +130,10 @@ def frame_step(
 
     cb0_emb = talker.embed_codec(cb0)
     with record_function("code_predictor"):  # profiler ranges (host side only: free inside a graph)
-        residual, emb_sum = talker.code_predictor(h, cb0_emb, sample_residual)
+        residual, codec_sum = talker.code_predictor(h, cb0_emb, sample_residual)
     # A tensor value, not a Python scalar: index_put_ of a host scalar is not capturable.
     state.seen[slots, cb0] = torch.ones((), dtype=torch.bool, device=slots.device)
-    nxt = (cb0_emb + emb_sum + text.to(cb0_emb.dtype))[:, None]
+    nxt = (codec_sum + text.to(codec_sum.dtype))[:, None]
     with record_function("talker"):
         out = talker(nxt, positions[:, None], cache, slots, kv_len)
     state.h[slots] = out[:, 0]
