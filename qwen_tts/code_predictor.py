@@ -96,7 +96,9 @@ class CodePredictor(nn.Module):
 
         `sample(j, logits_j)` picks cb_{j+1} from logits (B, vocab). codec_sum = cb0_embed + sum_j
         codec_embedding[j](cb_{j+1}), the codec part of the next talker input, summed as the official generation sums
-        it: the 16 embeddings stacked and reduced at once (in bf16 one rounding of a float32 sum, not 15).
+        it (`codec_hiddens.sum(1)`): in float32, in order, rounded once (in bf16 not 15 roundings). On the CPU that is
+        torch's sum bit for bit; written as float32 additions, each row's sum is the same whatever the batch on any
+        device (a reduction kernel may split its work by the batch's size).
         """
         B = h.shape[0]
         self.reserve(B, h.device, h.dtype)
@@ -121,11 +123,11 @@ class CodePredictor(nn.Module):
         else:
             hidden = self.model(x, pos[:, :2], cache, slots, 2)[:, -1]
         codes = []
-        embeds = [cb0_embed]
+        codec_sum = cb0_embed.float()
         for j in range(self.num_residual):
             code = sample(j, self._head(j, hidden))
             emb = self.model.codec_embedding[j](code)
-            embeds.append(emb)
+            codec_sum = codec_sum + emb  # float32 + the embedding's dtype: float32, no rounding
             codes.append(code)
             if j + 1 < self.num_residual:  # the last code is not fed back
                 if self.input_tables is not None:
@@ -133,4 +135,4 @@ class CodePredictor(nn.Module):
                 else:
                     x = self.small_to_mtp_projection(emb[:, None])
                 hidden = self.model(x, pos[:, j + 2 : j + 3], cache, slots, kv_len if fast else j + 3)[:, -1]
-        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1).sum(1)
+        return torch.stack(codes, dim=1), codec_sum.to(cb0_embed.dtype)
