@@ -435,6 +435,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         grid_arrive(bar);
         target += NBLK;
     };
+    // The o and down phases: xs = x + src @ w.T over this block's H rows (the product rounded first, as
+    // `x + F.linear(...)` rounds), x the residual stream as it stood (the pass input before layer 0's o adds to it).
+    auto residual = [&](int f, const bf16* src, int K, const bf16* x) {
+        prefetch(f + 1);
+        grid_wait(bar, target);
+        const bf16* w = await_weights(f);
+        load_rows(act, src, 0, M, K, false, eps, inv);
+        const int r0 = lo(H, b), r1 = lo(H, b + 1);
+        block_matmul(w, r1 - r0, K, act, M, part, res);
+        for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
+            const int r = i / M, m = i - r * M, at = m * H + r0 + r;
+            xs[at] = b16(rnd(res[r * MAXM + m]) + f32(ldcg1(x + at)));
+        }
+        end_phase();
+    };
     prefetch(0);
     for (int l = 0; l < L && ph < stop; ++l) {
         const bf16* xcur = l == 0 ? x_in : xs;  // the residual stream (the pass input until layer 0's o adds to it)
@@ -460,20 +475,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             end_phase();
         }
         // x = x + attn @ w_o.T
-        if (ph++ < stop) {
-            const int f = 4 * l + 1;
-            prefetch(f + 1);
-            grid_wait(bar, target);
-            const bf16* w = await_weights(f);
-            load_rows(act, abuf, 0, M, QD, false, eps, inv);
-            const int r0 = lo(H, b), r1 = lo(H, b + 1);
-            block_matmul(w, r1 - r0, QD, act, M, part, res);
-            for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
-                const int r = i / M, m = i - r * M, at = m * H + r0 + r;
-                xs[at] = b16(rnd(res[r * MAXM + m]) + f32(ldcg1(xcur + at)));
-            }
-            end_phase();
-        }
+        if (ph++ < stop) residual(4 * l + 1, abuf, QD, xcur);
         // SiLU(gate) * up of rms_norm(x) @ w_gate_up.T
         if (ph++ < stop) {
             const int f = 4 * l + 2;
@@ -492,20 +494,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             end_phase();
         }
         // x = x + act @ w_down.T
-        if (ph++ < stop) {
-            const int f = 4 * l + 3;
-            prefetch(f + 1);
-            grid_wait(bar, target);
-            const bf16* w = await_weights(f);
-            load_rows(act, gbuf, 0, M, I, false, eps, inv);
-            const int r0 = lo(H, b), r1 = lo(H, b + 1);
-            block_matmul(w, r1 - r0, I, act, M, part, res);
-            for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
-                const int r = i / M, m = i - r * M, at = m * H + r0 + r;
-                xs[at] = b16(rnd(res[r * MAXM + m]) + f32(ldcg1(xs + at)));
-            }
-            end_phase();
-        }
+        if (ph++ < stop) residual(4 * l + 3, gbuf, I, xs);
     }
     // The final norm: block m < M its row.
     if (ph < stop && b < M) {
