@@ -152,18 +152,11 @@ def main() -> None:
         cache = stack.new_cache(M, CACHE_LEN, "cuda", torch.bfloat16)
         x, slots, pos = torch.randn(M, dims[0], device="cuda").to(torch.bfloat16), torch.zeros(M, dtype=torch.long,
             device="cuda"), torch.ones(M, dtype=torch.long, device="cuda")  # fmt: skip
-        bar = stack_kernel.prepare("cuda")[stack_kernel.COUNTERS :]
-
-        def cut(k: int) -> None:
-            if profile_kind == "cuda":
-                stack_cuda.stack_pass(stack.stack_weights, x, pos, cache, slots, bar, stop=k)
-            else:
-                stack_kernel.stack_pass(stack, x, pos, cache, slots, phase_range=(0, k))
-
         for variant in dict.fromkeys((args.profile_mode, profile_kind)):  # and the defaults, once
             use_options(variant)
             for k in map(int, args.phase_profile.split(",")):
-                us = time_calls(lambda k=k: cut(k), "cuda", args.iters) * 1e6
+                us = time_calls(lambda k=k: stack_kernel.stack_pass(stack, x, pos, cache, slots, phase_range=(0, k)),
+                                "cuda", args.iters) * 1e6  # fmt: skip
                 profile.append(dict(phases=k, options=variant, us=round(us, 2)))
                 print(json.dumps(profile[-1]), flush=True)
     print(f"\nweights a pass: {weight_bytes / 1e6:.1f} MB; {torch.cuda.get_device_name()}")

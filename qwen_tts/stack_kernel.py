@@ -737,8 +737,11 @@ def stack_pass(
     partial)."""
     sw: StackWeights = stack.stack_weights
     mode = mode or stack.stack_kernel
-    if mode == "cuda":
-        return stack_cuda.stack_pass(sw, x, positions, cache, slots, prepare(x.device)[COUNTERS:])
+    if mode == "cuda":  # its phases are this kernel's: five a layer, then the final norm; a range starts at 0
+        if phase_range is not None and phase_range[0] != 0:
+            raise ValueError(f"the cuda mode runs phases from 0, not {phase_range}")
+        stop = None if phase_range is None else phase_range[1]
+        return stack_cuda.stack_pass(sw, x, positions, cache, slots, prepare(x.device)[COUNTERS:], stop=stop)
     M, H = x.shape
     if M > MAX_ROWS:
         raise ValueError(f"{M} rows > MAX_ROWS ({MAX_ROWS})")

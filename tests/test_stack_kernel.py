@@ -198,6 +198,12 @@ def test_what_the_kernel_does_not_take() -> None:
         stack_kernel.enable(kern, "fast")
     with pytest.raises(ValueError, match=r"fused\.enable"):
         stack_kernel.enable(copy.deepcopy(ref), "phases")
+    stack_kernel.enable(kern, "cuda")  # the CUDA kernel: bf16 on a GPU only, at most four rows
+    assert not stack_kernel.runs(kern, x[:2], cache)  # float32
+    assert not stack_kernel.runs(kern, x[:5].bfloat16(), kern.new_cache(5, CACHE_LEN, DEVICE, torch.bfloat16))
+    with pytest.raises(ValueError, match="runs phases from 0"):
+        stack_kernel.stack_pass(kern, x[:2], torch.zeros(2, dtype=torch.long), cache, torch.arange(2),
+                                phase_range=(1, 3))  # fmt: skip
     stack_kernel.enable(kern, "off")
     assert not stack_kernel.runs(kern, x[:2], cache)
     if DEVICE == "cpu":
