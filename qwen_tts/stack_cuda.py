@@ -25,9 +25,9 @@ one block per SM and every block must be resident: the barrier would otherwise w
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,7 +40,7 @@ NWARPS = NTHREADS // 32
 _SOURCE = Path(__file__).with_name("stack_cuda.cu")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """The kernel's compile-time shape: the stack's dims, the cache length, the grid and the shared memory."""
 
@@ -98,8 +98,9 @@ class Layout:
 
 
 def _most(n: int, parts: int) -> int:
-    """The most rows any block gets of n split over `parts` (the kernel's lo(n, b) split)."""
-    return max((n * (b + 1)) // parts - (n * b) // parts for b in range(parts))
+    """The most rows any block gets of n split over `parts` by the kernel's lo(n, b) = n b / parts (floor): the
+    shares differ by at most one, so the largest is the ceiling of n / parts."""
+    return -(-n // parts)
 
 
 def _align16(n: int) -> int:
@@ -147,8 +148,15 @@ def _device_limits(device: torch.device) -> tuple[int, int]:
 
 
 def device_layout(sw, max_len: int, device: torch.device) -> tuple[Layout, str | None]:
+    """The layout on this device and why the kernel cannot take it (None: it can); asked on every pass, so the
+    arithmetic runs once per shape, device and options."""
+    return _checked_layout(layout(sw, max_len, 1), device)
+
+
+@functools.cache
+def _checked_layout(shape: Layout, device: torch.device) -> tuple[Layout, str | None]:
     sms, max_shared = _device_limits(device)
-    lay = layout(sw, max_len, sms)
+    lay = dataclasses.replace(shape, nblk=sms)
     return lay, why_not(lay, max_shared)
 
 
