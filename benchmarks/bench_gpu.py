@@ -117,6 +117,7 @@ VARIANTS: dict[str, dict] = {
     "cp-stack-phases": {"cp_stack_kernel": "phases"},  # each code-predictor pass by the stack kernel, a launch a phase
     "cp-stack-persistent": {"cp_stack_kernel": "persistent"},  # and in one persistent launch a pass
     "cp-stack-cuda": {"cp_stack_kernel": "cuda"},  # passes of up to 4 rows by the CUDA kernel (stack_cuda.cu)
+    "talker-stack-cuda": {"talker_stack_kernel": "cuda"},  # and the talker's (where its layer fits: the 0.6B's)
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints

@@ -3,13 +3,15 @@ blocks, the few-row matmul split over K, split attention; the engine's defaults)
 (qwen_tts/stack_kernel.py), one launch per phase and persistent, and the CUDA kernel (qwen_tts/stack_cuda.cu, mode
 "cuda", at most four rows: more fall back to the fused path).
 
-Full-size code-predictor weights (random, bf16; the 1.7B's and the 0.6B's are the same shape), built on the GPU.
-For each row count and mode it captures a frame's passes (positions 1-15, as after the prompt) into a CUDA graph,
+Full-size code-predictor weights (random, bf16; the 1.7B's and the 0.6B's are the same shape), built on the GPU,
+or another stack's (--dims, --cache-len, --position: the 0.6B's talker). For each row count and mode it captures a frame's passes (positions 1-15, as after the prompt) into a CUDA graph,
 replays it back to back (CUDA events) and reports microseconds per pass and the weight bandwidth that implies;
 it checks each mode's output against the fused path's and that the persistent mode gives the phases' bits. Prints
 a table last, writes JSON.
 
     python3 benchmarks/bench_stack.py --rows 1,2,4,8,16 --out stack.json
+    python3 benchmarks/bench_stack.py --dims 1024,3072,28,16,8,128 --cache-len 3088 --position 300 --modes fused,cuda
+        # the 0.6B's talker (the code predictor's layer shape, 28 layers, a long cache): 15 of its passes
 """
 
 from __future__ import annotations
@@ -59,6 +61,18 @@ def main() -> None:
                     "(16-byte cp.async, not the copy engine), +mma (the matmuls on the tensor cores), +noweights (no weight "
                     "copies: profiling only)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
+    ap.add_argument(
+        "--cache-len",
+        type=int,
+        default=CACHE_LEN,
+        help="cache positions (the talker's: max text tokens + 16 + max frames: 3088 at the defaults)",
+    )
+    ap.add_argument(
+        "--position",
+        type=int,
+        default=1,
+        help="the first pass's position (a frame's passes run at it and the 14 after it)",
+    )
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument(
         "--phase-profile",
@@ -112,14 +126,14 @@ def main() -> None:
         g = torch.Generator(device="cuda").manual_seed(M)
         xs = [torch.randn(M, dims[0], device="cuda", generator=g).to(torch.bfloat16) for _ in range(PASSES)]
         slots = torch.arange(M, device="cuda")
-        positions = [torch.full((M,), t + 1, device="cuda") for t in range(PASSES)]
+        positions = [torch.full((M,), args.position + t, device="cuda") for t in range(PASSES)]
         outs, times = {}, {}
-        init = base.new_cache(M, CACHE_LEN, "cuda", torch.bfloat16)
+        init = base.new_cache(M, args.cache_len, "cuda", torch.bfloat16)
         init.k.normal_(generator=g)
         init.v.normal_(generator=g)
         for mode in modes:
             stack = stacks[mode]
-            cache = stack.new_cache(M, CACHE_LEN, "cuda", torch.bfloat16)
+            cache = stack.new_cache(M, args.cache_len, "cuda", torch.bfloat16)
             res: list[torch.Tensor] = []
 
             def frame(stack=stack, cache=cache, res=res, xs=xs, positions=positions, slots=slots):
@@ -149,9 +163,9 @@ def main() -> None:
         stack = build(dims)  # its own copy: the modes' stacks keep their kinds
         fused.enable(stack, split_attention=True, small_m_gemm=True)
         stack_kernel.enable(stack, profile_kind)
-        cache = stack.new_cache(M, CACHE_LEN, "cuda", torch.bfloat16)
+        cache = stack.new_cache(M, args.cache_len, "cuda", torch.bfloat16)
         x, slots, pos = torch.randn(M, dims[0], device="cuda").to(torch.bfloat16), torch.zeros(M, dtype=torch.long,
-            device="cuda"), torch.ones(M, dtype=torch.long, device="cuda")  # fmt: skip
+            device="cuda"), torch.full((M,), args.position, dtype=torch.long, device="cuda")  # fmt: skip
         for variant in dict.fromkeys((args.profile_mode, profile_kind)):  # and the defaults, once
             use_options(variant)
             for k in map(int, args.phase_profile.split(",")):

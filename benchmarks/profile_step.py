@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from qwen_tts import fused, sample_kernel, small_m_gemm, snake_kernel, stack_kernel
+from qwen_tts import fused, sample_kernel, small_m_gemm, snake_kernel, stack_cuda, stack_kernel
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.native.frame_step import FrameStepRunner, SlotState, bucket
 from qwen_tts.loading import load_model
@@ -94,6 +94,10 @@ STEP_VARIANTS = {
     # and with each code-predictor pass of up to four rows by the CUDA kernel (stack_cuda.cu: weights copied into
     # shared memory a phase ahead of the grid wait).
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-cuda": _BOTH,
+    # and the talker's passes of up to four rows by that kernel too (its attention over the long cache in chunks;
+    # where the talker's layer does not fit the kernel, the 1.7B's, the fused path's kernels).
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+talker-cuda": _BOTH,
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-cuda+talker-cuda": _BOTH,
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}
@@ -128,6 +132,13 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
             if f"+stack-{mode}" in variant:
                 stack_kernel.prepare("cuda")
                 stack_kernel.enable(talker.code_predictor.model, mode)
+        if "+talker-cuda" in variant:
+            stack_kernel.prepare("cuda")
+            stack_kernel.enable(talker.model, "cuda")
+            reason = stack_cuda.prepare(talker.model.stack_weights, max_len, "cuda")
+            if reason:
+                print(json.dumps({"note": f"{variant}: the talker's kernel cannot run ({reason}): the fused path"}))
+                stack_kernel.enable(talker.model, "off")
     t = model.config.talker
     S = max_rows
     cache = talker.new_cache(S + 1, max_len)

@@ -212,6 +212,14 @@ class EngineSettings:
     # alone and beside one other stream, not beside more. So off by default (docs/benchmarks.md; bench_gpu.py
     # --engine-variants cp-stack-phases,cp-stack-persistent,cp-stack-cuda). Ignored on CPU.
     cp_stack_kernel: str = "off"
+    # On the fast path, the talker's passes of at most four bf16 rows by the same CUDA kernel ("cuda"; "off": the
+    # fused path's kernels). Its attention over the talker's long cache runs in chunks of positions whose partial
+    # softmax sums the last chunk to finish combines. The kernel holds two of a layer's weight shares per block in
+    # shared memory: the 0.6B's talker layer (the code predictor's shape) fits an H200's SMs, the 1.7B's does not, and
+    # there a warning says so and the fused path runs. The same batch invariance as cp_stack_kernel: among passes of
+    # up to four rows. Off by default (docs/benchmarks.md; bench_gpu.py --engine-variants talker-stack-cuda). Ignored
+    # on CPU.
+    talker_stack_kernel: str = "off"
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
     # On an H200 the graphed step at batch 1 went 5.66 -> 5.54 ms; with the sampler kernel and polyphase convs on,
@@ -347,6 +355,10 @@ class EngineSettings:
             raise EngineSettingsError(
                 "cp_stack_kernel",
                 f"cp_stack_kernel must be off, phases, persistent or cuda, not {self.cp_stack_kernel!r}",
+            )
+        if self.talker_stack_kernel not in ("off", "cuda"):
+            raise EngineSettingsError(
+                "talker_stack_kernel", f"talker_stack_kernel must be off or cuda, not {self.talker_stack_kernel!r}"
             )
         if self.step_blas not in ("cublas", "cublaslt"):
             raise EngineSettingsError("step_blas", f"step_blas must be cublas or cublaslt, not {self.step_blas!r}")

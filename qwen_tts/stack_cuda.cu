@@ -11,12 +11,16 @@
 // all resident. Data written in the kernel is read past L1 (ld.global.cg).
 //
 // Constants come from stack_cuda.py as `constexpr int`s written before this text: H, I, D, NQ, NKV, L, T, MAXM,
-// NBLK, SLOT_BYTES, ACT_BYTES (constants, not macros, so no header's names are touched), and the options: BULK (1:
+// NBLK, SLOT_BYTES, ACT_BYTES, LONG, CHUNK, NCHUNK (constants, not macros, so no header's names are touched), and
+// the options: BULK (1:
 // the weights by the copy engine, cp.async.bulk, one instruction a range, completion on an mbarrier; 0: 16-byte
 // cp.async by every thread) and WEIGHTS (0: no weight copies at all, the matmuls read whatever the slots hold; for
 // profiling only, to see what the phases cost without their bytes), MMA (1: the matmuls on the tensor cores,
 // mma.sync m16n8k16 with the rows' activations as the 8 columns; 0: dot products on the CUDA cores, a warp a row),
 // RES_ROWS (the most weight rows a block has in one phase) and PART_ITEMS (the tensor-core path's partial tiles).
+// LONG: the cache is longer than a warp has lanes (the talker's), so attention is split over chunks of at least
+// CHUNK positions, at most NCHUNK a (row, kv head), whose partial softmax sums the last chunk to finish combines
+// (`attention_long`); else one unit per (row, kv head) holds the whole cache in shared memory (`attention`).
 // No headers: bf16 is handled as its bits (round to nearest even, as torch rounds), so NVRTC needs no include path.
 
 typedef unsigned short bf16;
@@ -90,6 +94,12 @@ __device__ __forceinline__ uint4 ldcg4(const void* p) {
 __device__ __forceinline__ bf16 ldcg1(const bf16* p) {
     unsigned short v;
     asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float ldcgf(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
 
@@ -314,7 +324,7 @@ __device__ void norm_rope(const float* y, const bf16* nw, int t, const float* in
 // from the cache. The unit writes its own row's key and value into the cache.
 __device__ void attention(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc, bf16* vc,
                           const bf16* qkn, const float* inv_freq, const bf16* qkvbuf, bf16* abuf, float eps,
-                          float scale, int scl, int scs, int sch, int sct, float* scratch) {
+                          float scale, long long scl, long long scs, long long sch, long long sct, float* scratch) {
     float* kf = scratch;  // (T, D)
     float* vf = kf + T * D;  // (T, D)
     float* qf = vf + T * D;  // (GQ, D)
@@ -326,7 +336,7 @@ __device__ void attention(int l, int M, const long long* pos_p, const long long*
     for (int u = blockIdx.x; u < M * NKV; u += NBLK) {
         const int m = u / NKV, h = u % NKV;
         const int p = (int)pos_p[m], s = (int)slot_p[m];
-        const long long at = (long long)l * scl + (long long)s * scs + (long long)h * sch;
+        const long long at = l * scl + s * scs + h * sch;
         // Vectors: t < p + 1 keys (with their values), then GQ queries; a warp each.
         for (int j = warp; j < p + 1 + GQ; j += NWARPS) {
             float* y = raw + warp * D;
@@ -344,14 +354,14 @@ __device__ void attention(int l, int M, const long long* pos_p, const long long*
                     norm_rope(y, kn, j, inv_freq, eps, kf + j * D);
                     if (src == m) {
                         for (int c = lane; c < D; c += 32) {
-                            kc[at + (long long)j * sct + c] = b16(kf[j * D + c]);
-                            vc[at + (long long)j * sct + c] = b16(vf[j * D + c]);
+                            kc[at + j * sct + c] = b16(kf[j * D + c]);
+                            vc[at + j * sct + c] = b16(vf[j * D + c]);
                         }
                     }
                 } else {
                     for (int c = lane; c < D; c += 32) {
-                        kf[j * D + c] = f32(ldcg1(kc + at + (long long)j * sct + c));
-                        vf[j * D + c] = f32(ldcg1(vc + at + (long long)j * sct + c));
+                        kf[j * D + c] = f32(ldcg1(kc + at + j * sct + c));
+                        vf[j * D + c] = f32(ldcg1(vc + at + j * sct + c));
                     }
                 }
             } else {
@@ -390,12 +400,201 @@ __device__ void attention(int l, int M, const long long* pos_p, const long long*
     }
 }
 
+// The chunks of a (row, kv head) whose cache holds len positions: one per CHUNK positions, at most NCHUNK; a function
+// of the row's position alone, so a row's sums do not depend on the other rows.
+__device__ __forceinline__ int chunks(int len) { return min(NCHUNK, (len + CHUNK - 1) / CHUNK); }
+
+// Attention for layer l over a long cache (LONG): one unit per (row, kv head, chunk of positions). A unit norms and
+// ropes its GQ queries, and the keys of its chunk written in this pass (this row's, and those of rows sharing its
+// slot, from the raw q|k|v; the row's own also into the cache); each warp runs a softmax online over every
+// NWARPS-th position of the chunk, a lane holding D / 32 elements of each vector; the warps' partials combine in
+// shared memory. A row's only chunk writes its output; else each chunk writes its partial (sums, max, total) to
+// `part`, and the unit that finds the (row, kv head) counter at its last arrival combines them in chunk order.
+__device__ void attention_long(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc, bf16* vc,
+                               const bf16* qkn, const float* inv_freq, const bf16* qkvbuf, bf16* abuf, float eps,
+                               float scale, long long scl, long long scs, long long sch, long long sct,
+                               float* scratch, float* part, u32* cnt) {
+    constexpr int DL = (D + 31) / 32;  // a lane's elements of a head vector: lane, lane + 32, ...
+    constexpr int PS = D + 2;  // a partial: D sums, the max, the total
+    float* qf = scratch;  // (GQ, D) the queries, normed and roped
+    float* kn = qf + GQ * D;  // (MAXM, D) keys written in this pass, normed and roped (by their row)
+    float* vn = kn + MAXM * D;  // (MAXM, D) their values
+    float* raw = vn + MAXM * D;  // (NWARPS, D) a warp's raw vector
+    float* ws = raw + NWARPS * D;  // (NWARPS, GQ, PS) the warps' partials
+    int* last = (int*)(ws + NWARPS * GQ * PS);  // this unit combines the chunks
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const bf16* qn = qkn + l * 2 * D;
+    const bf16* knw = qn + D;
+    int rp[MAXM], rs[MAXM], total = 0;
+#pragma unroll
+    for (int r = 0; r < MAXM; ++r) {
+        rp[r] = r < M ? (int)pos_p[r] : -1;
+        rs[r] = r < M ? (int)slot_p[r] : -1;
+        total += r < M ? NKV * chunks(rp[r] + 1) : 0;
+    }
+    // (Register arrays indexed by constants only, through these selects: a variable index would put them in memory.)
+    auto pick = [&](const int* a, int r) {
+        int v = 0;
+#pragma unroll
+        for (int k = 0; k < MAXM; ++k)
+            if (k == r) v = a[k];
+        return v;
+    };
+    for (int u = blockIdx.x; u < total; u += NBLK) {
+        int m = 0, rest = u;
+#pragma unroll
+        for (int r = 0, found = 0; r < MAXM; ++r) {  // the unit's row, and its index among the row's units
+            const int n = r < M ? NKV * chunks(rp[r] + 1) : 0;
+            if (!found && rest < n) {
+                m = r;
+                found = 1;
+            } else if (!found) {
+                rest -= n;
+            }
+        }
+        const int p = pick(rp, m), s = pick(rs, m), len = p + 1, nch = chunks(len);
+        const int h = rest / nch, c = rest % nch, span = (len + nch - 1) / nch;
+        const int t0 = c * span, t1 = min(len, t0 + span);
+        const long long at = l * scl + s * scs + h * sch;
+        for (int j = warp; j < GQ + M; j += NWARPS) {  // the queries, then the chunk's keys of this pass: a warp each
+            float* y = raw + warp * D;
+            if (j < GQ) {
+                const bf16* row = qkvbuf + m * NQKV * D + (h * GQ + j) * D;
+                for (int e = lane; e < D; e += 32) y[e] = f32(ldcg1(row + e));
+                __syncwarp();
+                norm_rope(y, qn, p, inv_freq, eps, qf + j * D);
+            } else {
+                const int r = j - GQ, pr = pick(rp, r);
+                if (pick(rs, r) == s && pr >= t0 && pr < t1) {
+                    const bf16* row = qkvbuf + r * NQKV * D;
+                    for (int e = lane; e < D; e += 32) {
+                        y[e] = f32(ldcg1(row + (NQ + h) * D + e));
+                        vn[r * D + e] = f32(ldcg1(row + (NQ + NKV + h) * D + e));
+                    }
+                    __syncwarp();
+                    norm_rope(y, knw, pr, inv_freq, eps, kn + r * D);
+                    if (r == m) {
+                        for (int e = lane; e < D; e += 32) {
+                            kc[at + pr * sct + e] = b16(kn[r * D + e]);
+                            vc[at + pr * sct + e] = b16(vn[r * D + e]);
+                        }
+                    }
+                }
+            }
+            __syncwarp();
+        }
+        __syncthreads();
+        float mx[GQ], tot[GQ], o[GQ][DL];
+#pragma unroll
+        for (int g = 0; g < GQ; ++g) {
+            mx[g] = -3.0e38f;
+            tot[g] = 0.f;
+#pragma unroll
+            for (int i = 0; i < DL; ++i) o[g][i] = 0.f;
+        }
+        for (int t = t0 + warp; t < t1; t += NWARPS) {
+            int src = -1;  // the row of this pass that writes position t of this slot, if any
+#pragma unroll
+            for (int r = 0; r < MAXM; ++r)
+                if (src < 0 && rs[r] == s && rp[r] == t) src = r;
+            float kr[DL], vr[DL];
+#pragma unroll
+            for (int i = 0; i < DL; ++i) {
+                const int e = lane + 32 * i;
+                if (e >= D) {
+                    kr[i] = vr[i] = 0.f;
+                } else if (src >= 0) {
+                    kr[i] = kn[src * D + e];
+                    vr[i] = vn[src * D + e];
+                } else {
+                    kr[i] = f32(kc[at + t * sct + e]);  // written by an earlier launch: through L1 is fine
+                    vr[i] = f32(vc[at + t * sct + e]);
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < GQ; ++g) {
+                float d = 0.f;
+#pragma unroll
+                for (int i = 0; i < DL; ++i)
+                    if (lane + 32 * i < D) d += qf[g * D + lane + 32 * i] * kr[i];
+                d = warp_sum(d) * scale;
+                const float nm = fmaxf(mx[g], d), a = expf(mx[g] - nm), w = expf(d - nm);
+                tot[g] = tot[g] * a + w;
+#pragma unroll
+                for (int i = 0; i < DL; ++i) o[g][i] = o[g][i] * a + w * vr[i];
+                mx[g] = nm;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GQ; ++g) {
+            float* wp = ws + (warp * GQ + g) * PS;
+#pragma unroll
+            for (int i = 0; i < DL; ++i)
+                if (lane + 32 * i < D) wp[lane + 32 * i] = o[g][i];
+            if (lane == 0) {
+                wp[D] = mx[g];
+                wp[D + 1] = tot[g];
+            }
+        }
+        __syncthreads();
+        float* pc = part + (long long)((m * NKV + h) * NCHUNK) * GQ * PS;  // this (row, kv head)'s partials
+        for (int i = threadIdx.x; i < GQ * D; i += NTHREADS) {  // the warps' partials combined, in warp order
+            const int g = i / D, e = i % D;
+            float big = -3.0e38f, num = 0.f, den = 0.f;
+            for (int w = 0; w < NWARPS; ++w) big = fmaxf(big, ws[(w * GQ + g) * PS + D]);
+            for (int w = 0; w < NWARPS; ++w) {
+                const float* wp = ws + (w * GQ + g) * PS;
+                const float a = expf(wp[D] - big);
+                num += a * wp[e];
+                den += a * wp[D + 1];
+            }
+            if (nch == 1) {
+                abuf[m * QD + (h * GQ + g) * D + e] = b16(num / den);
+            } else {
+                float* pt = pc + (c * GQ + g) * PS;
+                pt[e] = num;
+                if (e == 0) {
+                    pt[D] = big;
+                    pt[D + 1] = den;
+                }
+            }
+        }
+        if (nch > 1) {  // the last chunk to finish combines them all
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                __threadfence();
+                *last = atomicAdd(cnt + m * NKV + h, 1u) == (u32)(nch - 1);
+                if (*last) {
+                    __threadfence();
+                    atomicExch(cnt + m * NKV + h, 0u);  // for the next layer
+                }
+            }
+            __syncthreads();
+            if (*last) {
+                for (int i = threadIdx.x; i < GQ * D; i += NTHREADS) {
+                    const int g = i / D, e = i % D;
+                    float big = -3.0e38f, num = 0.f, den = 0.f;
+                    for (int k = 0; k < nch; ++k) big = fmaxf(big, ldcgf(pc + (k * GQ + g) * PS + D));
+                    for (int k = 0; k < nch; ++k) {
+                        const float* pt = pc + (k * GQ + g) * PS;
+                        const float a = expf(ldcgf(pt + D) - big);
+                        num += a * ldcgf(pt + e);
+                        den += a * ldcgf(pt + D + 1);
+                    }
+                    abuf[m * QD + (h * GQ + g) * D + e] = b16(num / den);
+                }
+            }
+        }
+        __syncthreads();  // the scratch is the next unit's
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     cp_stack_pass(const bf16* x_in, bf16* xs, bf16* out, const long long* pos_p, const long long* slot_p, bf16* kc,
                   bf16* vc, const bf16* ln1, const bf16* wqkv, const bf16* qkn, const bf16* wo, const bf16* ln2,
                   const bf16* wgu, const bf16* wd, const bf16* normw, const float* inv_freq, bf16* qkvbuf,
-                  bf16* abuf, bf16* gbuf, u32* bar, int M, float eps, float scale, int scl, int scs, int sch,
-                  int sct, int stop) {
+                  bf16* abuf, bf16* gbuf, float* apart, u32* bar, int M, float eps, float scale, long long scl,
+                  long long scs, long long sch, long long sct, int stop) {
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* act = (bf16*)(smem + 2 * SLOT_BYTES);
     float* inv = (float*)(smem + 2 * SLOT_BYTES + ACT_BYTES);  // MAXM floats
@@ -470,8 +669,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         }
         if (ph++ < stop) {
             grid_wait(bar, target);
-            attention(l, M, pos_p, slot_p, kc, vc, qkn, inv_freq, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
-                      (float*)act);
+            if (LONG) {
+                attention_long(l, M, pos_p, slot_p, kc, vc, qkn, inv_freq, qkvbuf, abuf, eps, scale, scl, scs, sch,
+                               sct, (float*)act, apart, bar + 2);
+            } else {
+                attention(l, M, pos_p, slot_p, kc, vc, qkn, inv_freq, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
+                          (float*)act);
+            }
             end_phase();
         }
         // x = x + attn @ w_o.T

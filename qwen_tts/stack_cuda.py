@@ -34,7 +34,10 @@ import torch
 from torch import Tensor
 
 MAX_ROWS = 4  # rows a pass: their activations share the block's shared memory with two weight slots
-MAX_POSITIONS = 32  # cache positions attention reads at most (a lane each in the softmax; the code predictor's: 16)
+MAX_POSITIONS = 32  # a longer cache (the talker's) takes attention_long: chunks, combined by the last to finish
+CHUNK = 32  # attention_long: positions a chunk at least,
+MAX_CHUNKS = 16  # and chunks a (row, kv head) at most (about the SMs over the kv heads)
+ATT_COUNTERS = 64  # attention_long's (row, kv head) counters, after the barrier's two: MAX_ROWS x kv heads at most
 NTHREADS = 256
 NWARPS = NTHREADS // 32
 _SOURCE = Path(__file__).with_name("stack_cuda.cu")
@@ -75,12 +78,25 @@ class Layout:
         return max(NWARPS, -(-self.res_rows // 16))
 
     @property
+    def long(self) -> bool:
+        """A cache longer than MAX_POSITIONS: attention in chunks (attention_long), not a unit's shared memory."""
+        return self.T > MAX_POSITIONS
+
+    @property
     def act_bytes(self) -> int:
         """Activations (MAX_ROWS rows of the widest K, bf16), or attention's float32 scratch, whichever is larger."""
         acts = 2 * MAX_ROWS * max(self.H, self.NQ * self.D, self.I)
-        g = self.NQ // self.NKV
-        attn = 4 * (2 * self.T * self.D + g * self.D + g * self.T + NWARPS * self.D)
+        g, D = self.NQ // self.NKV, self.D
+        if self.long:  # queries, this pass's keys and values, a vector a warp, the warps' partials; the last flag
+            attn = 4 * (g * D + 2 * MAX_ROWS * D + NWARPS * D + NWARPS * g * (D + 2) + 1)
+        else:
+            attn = 4 * (2 * self.T * D + g * D + g * self.T + NWARPS * D)
         return _align16(max(acts, attn))
+
+    @property
+    def partial_floats(self) -> int:
+        """attention_long's chunk partials (sums, max, total per query head), float32; 0 for a short cache."""
+        return MAX_ROWS * self.NKV * MAX_CHUNKS * self.NQ // self.NKV * (self.D + 2) if self.long else 0
 
     @property
     def shared_bytes(self) -> int:
@@ -92,7 +108,7 @@ class Layout:
         consts = dict(H=self.H, I=self.I, D=self.D, NQ=self.NQ, NKV=self.NKV, L=self.L, T=self.T, MAXM=MAX_ROWS,
                       NBLK=self.nblk, SLOT_BYTES=self.slot_bytes, ACT_BYTES=self.act_bytes, BULK=int(self.bulk),
                       WEIGHTS=int(self.weights), MMA=int(self.mma), RES_ROWS=self.res_rows,
-                      PART_ITEMS=self.part_items)  # fmt: skip
+                      PART_ITEMS=self.part_items, LONG=int(self.long), CHUNK=CHUNK, NCHUNK=MAX_CHUNKS)  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
         return prelude + _SOURCE.read_text()
 
@@ -128,8 +144,8 @@ def layout(sw, max_len: int, nblk: int) -> Layout:
 
 def why_not(lay: Layout, max_shared: int) -> str | None:
     """Why the kernel cannot take this layout (None: it can)."""
-    if lay.T > MAX_POSITIONS:
-        return f"the cache holds {lay.T} positions, more than {MAX_POSITIONS}"
+    if lay.long and MAX_ROWS * lay.NKV > ATT_COUNTERS:
+        return f"{lay.NKV} kv heads: a long cache's attention counts at most {ATT_COUNTERS // MAX_ROWS}"
     if any(k % 8 for k in (lay.H, lay.I, lay.NQ * lay.D)):
         return "the hidden, intermediate and q widths must be multiples of 8 (16-byte copies)"
     if lay.NQ % lay.NKV:
@@ -203,8 +219,8 @@ def stack_pass(
     sw, x: Tensor, positions: Tensor, cache, slots: Tensor, barrier: Tensor, stop: int | None = None
 ) -> Tensor:
     """One token per row through the whole stack and its final norm: x (M, H) -> (M, H); each row's K/V written into
-    its slot at its position (rows may share a slot at different positions). barrier: two int32 zeros on the device
-    (the kernel leaves them zero). stop: run only the first `stop` phases (five a layer, then the final norm;
+    its slot at its position (rows may share a slot at different positions). barrier: 2 + ATT_COUNTERS int32 zeros on
+    the device (the grid barrier's two, then attention_long's counters; the kernel leaves them zero). stop: run only the first `stop` phases (five a layer, then the final norm;
     profiling, benchmarks/bench_stack.py: the output is then partial)."""
     M, H = x.shape
     if H != sw.H:
@@ -229,11 +245,14 @@ def stack_pass(
     qkvbuf = torch.empty((M, qkv), device=dev, dtype=x.dtype)
     abuf = torch.empty((M, lay.NQ * lay.D), device=dev, dtype=x.dtype)
     gbuf = torch.empty((M, lay.I), device=dev, dtype=x.dtype)
+    apart = torch.empty(max(lay.partial_floats, 1), device=dev, dtype=torch.float32)
+    if barrier.numel() < 2 + ATT_COUNTERS:
+        raise ValueError(f"the barrier needs {2 + ATT_COUNTERS} int32 zeros, not {barrier.numel()}")
     ptrs = (x, xs, out, positions, slots, kc, vc, sw.ln1, sw.w_qkv, sw.qk_norm, sw.w_o, sw.ln2, sw.w_gate_up,
-            sw.w_down, sw.norm, sw.rotary.inv_freq, qkvbuf, abuf, gbuf, barrier)  # fmt: skip
+            sw.w_down, sw.norm, sw.rotary.inv_freq, qkvbuf, abuf, gbuf, apart, barrier)  # fmt: skip
     args = [ctypes.c_void_p(t.data_ptr()) for t in ptrs]
     args += [ctypes.c_int(M), ctypes.c_float(sw.eps), ctypes.c_float(1.0 / math.sqrt(lay.D))]
-    args += [ctypes.c_int(s) for s in kc.stride()[:4]]
+    args += [ctypes.c_longlong(s) for s in kc.stride()[:4]]
     args.append(ctypes.c_int(5 * lay.L + 1 if stop is None else stop))
     _kernel(dev, lay).launch(lay.nblk, NTHREADS, args, lay.shared_bytes)
     return out

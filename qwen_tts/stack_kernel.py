@@ -279,7 +279,7 @@ if HAVE_TRITON:
         ABUF,  # (M, NQ D) scratch: attention output
         GBUF,  # (M, I) scratch: SiLU(gate) * up
         PART,  # float32 scratch: split-K partial sums, (SPLIT, BLOCK_M, N) for the phase's N
-        CNT,  # int32 (COUNTERS + 2,): column-block counters, the barrier, its exit counter; zero between launches
+        CNT,  # int32 (COUNTERS + 2 + ...): column-block counters, the barrier, its exit counter; zero between launches
         M,
         ph_start,
         ph_end,
@@ -607,7 +607,7 @@ def prepare(device: torch.device | str) -> Tensor:
     if c is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("stack_kernel.prepare(device) must run before CUDA graph capture")
-        c = _counters[device] = torch.zeros(COUNTERS + 2, dtype=torch.int32, device=device)
+        c = _counters[device] = torch.zeros(COUNTERS + 2 + stack_cuda.ATT_COUNTERS, dtype=torch.int32, device=device)
     return c
 
 

@@ -39,6 +39,7 @@ def test_defaults_match_the_seed_and_serve_the_demo() -> None:
         ("admission_step_budget_ms", 0.0, "64", 64.0, "-5"),  # 0: off
         ("decoder_fp16", True, "false", False, "maybe"),  # on CUDA only
         ("cp_stack_kernel", "off", "cuda", "cuda", "fast"),  # on CUDA only
+        ("talker_stack_kernel", "off", "cuda", "cuda", "persistent"),  # on CUDA only
         ("fused_deterministic", True, "false", False, "sometimes"),  # on CUDA only
     ],
 )

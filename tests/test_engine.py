@@ -602,6 +602,47 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
     assert stack_cuda.prepare(sw, model.talker.code_predictor.num_residual + 1, "cuda") is None
 
 
+@needs_cuda
+@pytest.mark.parametrize("greedy", [True, False])
+async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_equal_in_a_pair(
+    tiny_model, greedy, monkeypatch
+):
+    """talker_stack_kernel="cuda" with cp_stack_kernel="cuda": the talker's one-token passes (a long cache, attention
+    in chunks) and the code predictor's by stack_cuda.cu. A request gives the same codes alone and beside another,
+    graphed and eager alike, and the talker's passes all went through the kernel."""
+    from qwen_tts import stack_cuda
+
+    model = load_model(tiny_model.path, device="cuda")
+    calls = []
+    real = stack_cuda.stack_pass
+    monkeypatch.setattr(
+        stack_cuda, "stack_pass", lambda *a, **k: (calls.append((a[0], a[1].shape[0])), real(*a, **k))[1]
+    )
+    results = {}
+    for frame_step in ("eager", "graphs"):
+        eng = NativeEngine(
+            EngineSettings(model_path=str(model.path), device="cuda", max_slots=2, warmup=False, frame_step=frame_step,
+                           cp_stack_kernel="cuda", talker_stack_kernel="cuda"),
+            model=model,
+        )  # fmt: skip
+        await eng.start()
+        try:
+            target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
+            (alone,), _ = await run(eng, [target])
+            (pair, _), _ = await run(
+                eng, [req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20), req(model, TEXTS[2], seed=9)]
+            )
+        finally:
+            await eng.stop()
+        assert eng.model_info["talker_stack_kernel"] == "cuda" and eng.model_info["cp_stack_kernel"] == "cuda"
+        assert torch.equal(codes_of(alone), codes_of(pair)), frame_step
+        results[frame_step] = codes_of(alone)
+    assert torch.equal(results["eager"], results["graphs"])
+    talker_rows = [n for sw, n in calls if sw is model.talker.model.stack_weights]
+    assert talker_rows and set(talker_rows) <= {1, 2}  # one or two streams' rows, every frame by the kernel
+    assert len(talker_rows) < len(calls)  # the code predictor's passes too
+
+
 async def test_batched_prefill_matches_prefill_alone(tiny_model, monkeypatch):
     texts = [TEXTS[0], TEXTS[1] * 2, TEXTS[4]]  # different prompt lengths: the batch is padded
     eng = make_engine(tiny_model, max_slots=4)

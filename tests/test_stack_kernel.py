@@ -255,8 +255,8 @@ FULL = (1024, 3072, 5, 16, 8, 128)  # the code predictor of both sizes
 
 def test_cuda_kernel_layout_fits_an_h200_with_the_code_predictor() -> None:
     """The 1.7B/0.6B code predictor on 132 SMs: a block's largest weight share is 48 gate|up rows of 1024 (96 KiB),
-    two slots of it and four rows of activations fit the H200's 227 KiB a block; a longer cache, a width that 16-byte
-    copies cannot take or a smaller shared memory are refused with the reason."""
+    two slots of it and four rows of activations fit the H200's 227 KiB a block; a longer cache takes the chunked
+    attention; a width that 16-byte copies cannot take or a smaller shared memory are refused with the reason."""
     from qwen_tts import stack_cuda
 
     H, inter, L, nq, nkv, D = FULL
@@ -266,7 +266,8 @@ def test_cuda_kernel_layout_fits_an_h200_with_the_code_predictor() -> None:
     assert lay.res_rows == 48 and lay.part_items == 8  # the gate|up share; a partial tile per warp
     assert lay.shared_bytes == 2 * 98304 + 24576 + 32 + 8 * 512 + 48 * 16 <= 232448
     assert stack_cuda.why_not(lay, 232448) is None
-    assert "positions" in stack_cuda.why_not(stack_cuda.Layout(**{**lay.__dict__, "T": 64}), 232448)
+    longer = stack_cuda.Layout(**{**lay.__dict__, "T": 64})  # attention in chunks (the talker's: below)
+    assert longer.long and not lay.long and stack_cuda.why_not(longer, 232448) is None
     assert "multiples of 8" in stack_cuda.why_not(stack_cuda.Layout(**{**lay.__dict__, "H": 1020}), 232448)
     assert "shared memory" in stack_cuda.why_not(lay, 101376)  # a consumer GPU's 99 KiB
 
@@ -404,3 +405,162 @@ def test_cuda_kernel_gives_a_row_the_same_bits_alone_in_a_batch_and_replayed() -
     torch.cuda.synchronize()
     assert torch.equal(out, batch)
     assert torch.equal(graphed.k, cache.k) and torch.equal(graphed.v, cache.v)
+
+
+# A long cache (the talker's): attention_long, in chunks of at least stack_cuda.CHUNK positions, at most MAX_CHUNKS a
+# (row, kv head), the chunks' partial softmax sums combined by the last chunk to finish.
+TALKER_06B = (1024, 3072, 28, 16, 8, 128)  # the 0.6B's talker layer is the code predictor's, 28 of them
+
+
+def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
+    """The 0.6B's talker with the engine's cache (3,088 positions at the defaults) fits an H200's SMs: the same weight
+    slots as the code predictor, attention's scratch within the activations' bytes, 16 chunks' partials a (row, kv
+    head); the 1.7B's talker layer (a gate|up share of 2 x 47 rows of 2048) does not, and the reason says why."""
+    from qwen_tts import stack_cuda
+
+    H, inter, L, nq, nkv, D = TALKER_06B
+    lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=132)
+    assert lay.long and not stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=5, T=32, nblk=132).long
+    assert lay.slot_bytes == 48 * 1024 * 2 and lay.act_bytes == 4 * 3072 * 2
+    g = nq // nkv
+    assert 4 * (g * D + 2 * 4 * D + 8 * D + 8 * g * (D + 2) + 1) <= lay.act_bytes  # attention's scratch fits
+    assert lay.partial_floats == 4 * nkv * stack_cuda.MAX_CHUNKS * g * (D + 2)
+    assert stack_cuda.why_not(lay, 232448) is None
+    big = stack_cuda.Layout(H=2048, I=6144, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=132)
+    assert big.slot_bytes == 2 * 47 * 2048 * 2
+    assert "shared memory" in stack_cuda.why_not(big, 232448)
+    many = stack_cuda.Layout(H=H, I=inter, D=D, NQ=32, NKV=32, L=L, T=3088, nblk=132)
+    assert "kv heads" in stack_cuda.why_not(many, 232448)  # more (row, kv head) counters than the barrier holds
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("shape", ["talker", "tiny-mtp", "split"])
+def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape, tmp_path) -> None:
+    """The long-cache source (attention_long) for the 0.6B talker's shape and two small head widths (16 and 64:
+    lanes without an element, two elements a lane) builds for sm_90 without spills."""
+    from qwen_tts import stack_cuda
+
+    H, inter, L, nq, nkv, D = TALKER_06B if shape == "talker" else SHAPES[shape]
+    lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=132)
+    src = tmp_path / "k.cu"
+    src.write_text(lay.source())
+    res = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "cp_stack_pass" in res.stderr and " 0 bytes spill stores" in res.stderr, res.stderr[-3000:]
+
+
+LONG_LEN = 700  # positions up to 699: past 16 chunks of 32, so chunks grow to 44
+LONG_SHAPE = (1024, 3072, 2, 16, 8, 128)  # the talker's layer, two of them
+LONG_CASES = [(shape, rows) for shape in ("talker", "split", "tiny-mtp") for rows in (1, 2, 4)]
+
+
+def long_positions(rows: int, step: int) -> list[int]:
+    """Positions whose rows have 1, 2, 10 and 16 chunks (0-31, 32-63, 289-319, 661-699), moving with the step."""
+    return [5 + step, 40 + step, 300 + step, 690 + step][:rows]
+
+
+def filled_caches(stacks, rows: int, positions: list[int], slots: list[int], seed: int):
+    """Caches of LONG_LEN positions for each stack, the same random bf16 keys and values before each row's position
+    (float32 for a float32 stack)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    caches = [s.new_cache(rows + 2, LONG_LEN, DEVICE, next(s.parameters()).dtype) for s in stacks]
+    for p, s in zip(positions, slots, strict=True):
+        for t in ("k", "v"):
+            vals = torch.randn(getattr(caches[0], t)[:, s, :, :p].shape, generator=g, device=DEVICE)
+            for c in caches:
+                getattr(c, t)[:, s, :, :p] = vals.to(torch.bfloat16).to(getattr(c, t).dtype)
+    return caches
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
+@pytest.mark.parametrize(("shape", "rows"), LONG_CASES)
+def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows) -> None:
+    """Rows at positions with 1, 2, 10 and 16 chunks over three passes, in scattered slots of a 700-position cache
+    holding random keys: the output and the K/V written as close to float32 as the eager bf16 stack's (the same
+    bounds as the short cache's test); the attention counters back at zero; unwritten slots and positions zero."""
+    from qwen_tts import stack_cuda
+
+    dims = LONG_SHAPE if shape == "talker" else SHAPES[shape]
+    ref, kern = make_cuda_stack(dims)
+    exact = copy.deepcopy(ref).float()
+    H = dims[0]
+    slot_list = [rows + 1, 0, 3, 2][:rows]
+    slots = torch.tensor(slot_list, device=DEVICE)
+    c_ref, c_kern, c_exact = filled_caches((ref, kern, exact), rows, long_positions(rows, 0), slot_list, seed=11)
+    assert stack_cuda.runs(kern.stack_weights, torch.zeros(rows, H, device=DEVICE, dtype=torch.bfloat16), c_kern)
+    g = torch.Generator().manual_seed(5)
+
+    def errors(a, b):
+        d = a.float() - b
+        return (d.square().mean() / b.square().mean()).sqrt().item(), d.abs().max().item()
+
+    with torch.no_grad():
+        for step in range(3):
+            x = torch.randn(rows, H, generator=g).to(DEVICE, torch.bfloat16)
+            pos = torch.tensor(long_positions(rows, step), device=DEVICE)
+            want = exact(x.float()[:, None], pos[:, None], c_exact, slots, LONG_LEN)[:, 0]
+            base = ref(x[:, None], pos[:, None], c_ref, slots, LONG_LEN)[:, 0]
+            got = stack_kernel.stack_pass(kern, x, pos, c_kern, slots)
+            for ours, theirs, exact_t in (
+                (got, base, want),
+                (c_kern.k, c_ref.k, c_exact.k),
+                (c_kern.v, c_ref.v, c_exact.v),
+            ):
+                (rms, big), (rms_e, big_e) = errors(ours, exact_t), errors(theirs, exact_t)
+                one = 2**-8 * exact_t.abs().max().item()
+                assert rms <= 1.5 * max(rms_e, 2**-9) and big <= 2 * max(big_e, one), (step, rms, rms_e, big, big_e)
+    assert not c_kern.k[:, 1].any() and not c_kern.v[:, 1].any()
+    assert not c_kern.k[:, slot_list[0], :, 8:].any()  # the first row wrote positions 5-7 only
+    assert not stack_kernel.prepare(DEVICE).any()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
+def test_cuda_kernel_with_a_long_cache_rows_sharing_a_slot_see_each_others_keys() -> None:
+    """Two rows of one slot at positions 299 and 300 (the boundary of the tenth chunk) after 299 cached positions, as
+    a two-token step of the eager stack: the second row attends to the first's key written in the same pass."""
+    ref, kern = make_cuda_stack(LONG_SHAPE)
+    H = LONG_SHAPE[0]
+    c_ref, c_kern = filled_caches((ref, kern), 2, [299], [1], seed=3)
+    x = torch.randn(1, 2, H, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
+    slots = torch.tensor([1], device=DEVICE)
+    pos = torch.tensor([[299, 300]], device=DEVICE)
+    with torch.no_grad():
+        want = ref(x, pos, c_ref, slots, LONG_LEN)
+    got = stack_kernel.stack_pass(kern, x[0], pos[0], c_kern, slots.repeat(2))
+    scale = want.float().abs().max().item()
+    assert (got.float() - want[0].float()).abs().max().item() <= 2 * 2**-7 * scale
+    k_scale = c_ref.k.float().abs().max().item()
+    assert (
+        c_kern.k[:, 1, :, 299:301].float() - c_ref.k[:, 1, :, 299:301].float()
+    ).abs().max().item() <= 2 * 2**-7 * k_scale
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
+def test_cuda_kernel_with_a_long_cache_gives_a_row_the_same_bits_alone_in_a_batch_and_replayed() -> None:
+    """Batch invariance with chunked attention (a row alone and among four: the same bits; each row's chunks depend
+    on its position only) and a graph replay giving the eager launch's bits, with the talker's layer shape."""
+    _, kern = make_cuda_stack(LONG_SHAPE)
+    H = LONG_SHAPE[0]
+    x = torch.randn(4, H, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+    pos = torch.tensor(long_positions(4, 0), device=DEVICE)
+    slots = torch.arange(4, device=DEVICE)
+    base = kern.new_cache(4, LONG_LEN, DEVICE, torch.bfloat16)
+    base.k.normal_(generator=torch.Generator(device=DEVICE).manual_seed(6))
+    base.v.normal_(generator=torch.Generator(device=DEVICE).manual_seed(7))
+    cache = copy.deepcopy(base)
+    batch = stack_kernel.stack_pass(kern, x, pos, cache, slots)
+    for i in range(4):
+        alone = stack_kernel.stack_pass(kern, x[i : i + 1], pos[i : i + 1], copy.deepcopy(base), slots[i : i + 1])
+        assert torch.equal(alone[0], batch[i]), i
+    graphed = copy.deepcopy(base)
+    stack_kernel.stack_pass(kern, x, pos, copy.deepcopy(base), slots)  # warmed outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = stack_kernel.stack_pass(kern, x, pos, graphed, slots)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, batch)
+    assert torch.equal(graphed.k, cache.k) and torch.equal(graphed.v, cache.v)
+    assert not stack_kernel.prepare(DEVICE).any()

@@ -44,6 +44,7 @@ ENGINE_FIELDS = {
     "batch_invariant_decode": "batch_invariant_decode",
     "decoder_fp16": "decoder_fp16",
     "cp_stack_kernel": "cp_stack_kernel",
+    "talker_stack_kernel": "talker_stack_kernel",
     "fused_deterministic": "fused_deterministic",
 }
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
@@ -102,6 +103,10 @@ class ServerSettings(BaseSettings):
     # codes then match alone and beside one other, not beside more), "phases"/"persistent" (the Triton kernel, no
     # faster), "off" (the fused path's kernels; the default). See docs/benchmarks.md. Ignored on CPU.
     cp_stack_kernel: Literal["off", "phases", "persistent", "cuda"] = _ENGINE.cp_stack_kernel  # type: ignore[assignment]
+    # On CUDA, the talker's passes of at most four bf16 rows by the same CUDA kernel, "cuda", where its layer fits
+    # the kernel (the 0.6B's; the 1.7B's falls back to the default kernels with a warning), or "off" (the default).
+    # The same batch invariance as cp_stack_kernel. See docs/benchmarks.md. Ignored on CPU.
+    talker_stack_kernel: Literal["off", "cuda"] = _ENGINE.talker_stack_kernel  # type: ignore[assignment]
     # On CUDA, the compiled blocks in inductor's deterministic mode: the same request and seed give the same codes
     # from a fresh process (a replica, a restart); off, inductor times its reduction configurations per process
     # (+1.2% per frame step on an H200, docs/benchmarks.md). Ignored on CPU.

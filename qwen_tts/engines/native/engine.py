@@ -182,7 +182,7 @@ class NativeEngine(Engine):
         self._model_info["decoder_dtype"] = str(self._code2wav.decoder_dtype).removeprefix("torch.")
         self._tokenizer = m.tokenizer
         self._role_ids = self._tokenizer.chat_ids("")[:3]
-        self._max_len = self.config.max_text_tokens + PROMPT_EXTRA_TOKENS + self.config.max_frames
+        self._max_len = talker_cache_len(self.config)
         S = self.config.max_slots
         # One slot more than requests: the scratch slot (index S) that padding rows of a graphed step write to.
         self._cache = self._talker.new_cache(S + 1, self._max_len, device=self.device, dtype=self.dtype)
@@ -203,6 +203,7 @@ class NativeEngine(Engine):
         self._model_info["cp_input_tables"] = self._talker.code_predictor.input_tables is not None
         self._model_info["cp_prompt_one_pass"] = self._talker.code_predictor.prompt_one_pass
         self._model_info["cp_stack_kernel"] = self._talker.code_predictor.model.stack_kernel or "off"
+        self._model_info["talker_stack_kernel"] = self._talker.model.stack_kernel or "off"
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)
         self._model_info["fused_decoder"] = any(getattr(m, "fast", None) for m in self._code2wav.modules())
@@ -763,6 +764,11 @@ class NativeEngine(Engine):
         lv.handle.finish_threadsafe(reason, error)
 
 
+def talker_cache_len(config: EngineSettings) -> int:
+    """The talker cache's positions: the longest prompt and the most frames."""
+    return config.max_text_tokens + PROMPT_EXTRA_TOKENS + config.max_frames
+
+
 def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bool:
     """Turn on the CUDA fast path (qwen_tts/fused.py and the kernels around it) for a talker and its code
     predictor as `config` asks; returns whether it is on. The engine's own set-up, a function of its own so that a
@@ -796,6 +802,13 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
         if reason:
             log.warning("cp_stack_kernel=cuda cannot run here (%s): the fused path's kernels run instead", reason)
             stack_kernel.enable(cp.model, "off")
+    stack_kernel.enable(talker.model, config.talker_stack_kernel)
+    if config.talker_stack_kernel == "cuda":  # the same kernel over the talker's cache (attention in chunks)
+        stack_kernel.prepare(device)
+        reason = stack_cuda.prepare(talker.model.stack_weights, talker_cache_len(config), device)
+        if reason:
+            log.warning("talker_stack_kernel=cuda cannot run here (%s): the fused path's kernels run instead", reason)
+            stack_kernel.enable(talker.model, "off")
     talker.kernel_sampler = config.kernel_sampler
     sample_kernel.set_warp_elements(config.kernel_sampler_warp_elements)  # read at capture
     return True
