@@ -52,6 +52,53 @@ def build(dims: tuple[int, ...], seed: int = 0) -> DecoderStack:
     return stack.to(torch.bfloat16)
 
 
+KINDS = ("q|k|v", "attn", "o", "gate|up", "down")  # a layer's phases, in order
+STEPS = ("wait", "weights", "rows", "products", "write", "to next")  # the stamps' intervals, then the gap to the next
+
+
+def stamp_pass(stack: DecoderStack, M: int, args) -> dict:
+    """One pass of M rows with the timeline on: each phase kind's mean microseconds per step over the layers (the
+    first block's and the last block's), at the clock the pass's timed length implies."""
+    sw = stack.stack_weights
+    cache = stack.new_cache(M, args.cache_len, "cuda", torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(M)
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    x = torch.randn(M, sw.H, device="cuda", generator=g).to(torch.bfloat16)
+    slots, pos = torch.arange(M, device="cuda"), torch.full((M,), args.position, device="cuda")
+    barrier = stack_kernel.prepare("cuda")[stack_kernel.COUNTERS :]
+    stack_cuda.set_options(timeline=False)
+    us = time_calls(lambda: stack_cuda.stack_pass(sw, x, pos, cache, slots, barrier), "cuda", args.iters) * 1e6
+    stack_cuda.set_options(timeline=True)
+    tl = torch.zeros(stack_cuda.timeline_stamps(sw), dtype=torch.int64, device="cuda")
+    for _ in range(3):
+        stack_cuda.stack_pass(sw, x, pos, cache, slots, barrier, timeline=tl)
+    torch.cuda.synchronize()
+    st = tl.view(2, 5 * sw.L + 1, 6).double().cpu()
+    ghz = (st[0, 5 * sw.L - 1, 5] - st[0, 0, 0]).item() / 1e3 / us  # cycles over the timed pass (the launch aside)
+    phases = {}
+    for k, kind in enumerate(KINDS):
+        idx = [5 * layer + k for layer in range(sw.L)]
+        steps = {}
+        for i, name in enumerate(STEPS):
+            vals = []
+            for blk in (0, 1):
+                s = st[blk, idx]
+                if name == "to next":
+                    nxt = st[blk, [j + 1 for j in idx[:-1]], 0] if k < 4 or sw.L > 1 else None
+                    d = nxt - s[: len(nxt), 5] if nxt is not None and len(nxt) else torch.zeros(1)
+                elif kind == "attn" and name in ("weights", "rows"):
+                    d = torch.zeros(1)  # attention has no weights and loads its own vectors: all in "products"
+                elif kind == "attn" and name == "products":
+                    d = s[:, 4] - s[:, 1]
+                else:
+                    d = s[:, i + 1] - s[:, i]
+                vals.append(round(d.mean().item() / ghz / 1e3, 2))
+            steps[name] = vals
+        phases[kind] = steps
+    return {"rows": M, "us": round(us, 1), "ghz": round(ghz, 3), "phases": phases}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8,16")
@@ -59,7 +106,8 @@ def main() -> None:
                     help="fused, phases, persistent or cuda, each with options: +prefetch, +preload, +unsplit (o and down "
                     "on 16-column units with every K tile), +stepN (K steps up to N), +wN (N warps); cuda's: +cpasync "
                     "(16-byte cp.async, not the copy engine), +mma (the matmuls on the tensor cores), +noweights (no weight "
-                    "copies: profiling only)")  # fmt: skip
+                    "copies: profiling only), +heavybar (the barrier's release by __threadfence), +chunked (a short "
+                    "cache's attention by the long cache's code)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
     ap.add_argument(
         "--cache-len",
@@ -80,6 +128,12 @@ def main() -> None:
         help="time the persistent kernel cut after each of these phase counts (one row); empty: skip",
     )
     ap.add_argument("--profile-mode", default="persistent", help="the options of the phase profile, as in --modes")
+    ap.add_argument(
+        "--timeline",
+        default="",
+        help="row counts: one pass of the CUDA kernel each (the --profile-mode options if cuda's) with every phase's "
+        "steps stamped by the SM clock of its first and last block: a table of where a phase's time goes; empty: skip",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -104,7 +158,8 @@ def main() -> None:
         stack_kernel.set_options(**default_options)
         parts = mode.split("+")[1:]
         stack_cuda.set_options(**default_cuda)
-        stack_cuda.set_options(bulk="cpasync" not in parts, weights="noweights" not in parts, mma="mma" in parts)
+        stack_cuda.set_options(bulk="cpasync" not in parts, weights="noweights" not in parts, mma="mma" in parts,
+                               light_barrier="heavybar" not in parts, chunked="chunked" in parts)  # fmt: skip
         stack_kernel.set_options(prefetch="prefetch" in parts, preload="preload" in parts)
         if "unsplit" in parts:
             stack_kernel.set_options(residual_split=1, residual_block_n=16)
@@ -173,14 +228,30 @@ def main() -> None:
                                 "cuda", args.iters) * 1e6  # fmt: skip
                 profile.append(dict(phases=k, options=variant, us=round(us, 2)))
                 print(json.dumps(profile[-1]), flush=True)
+    timeline = []
+    if args.timeline:
+        stack = build(dims)
+        fused.enable(stack, split_attention=True, small_m_gemm=True)
+        stack_kernel.enable(stack, "cuda")
+        use_options(args.profile_mode if profile_kind == "cuda" else "cuda")
+        for M in map(int, args.timeline.split(",")):
+            timeline.append(stamp_pass(stack, M, args))
+            print(json.dumps(timeline[-1]), flush=True)
+        stack_cuda.set_options(timeline=False)
     print(f"\nweights a pass: {weight_bytes / 1e6:.1f} MB; {torch.cuda.get_device_name()}")
     print(f"{'rows':>4} {'mode':>26} {'us/pass':>8} {'TB/s':>6} {'max diff':>9}")
     for r in rows_out:
         print(
             f"{r['rows']:>4} {r['mode']:>26} {r['us_per_pass']:>8.1f} {r['tb_per_s']:>6.2f} {r['max_abs_diff_vs_first']:>9.4f}"
         )
+    for t in timeline:
+        print(f"\ntimeline, {t['rows']} row(s), us at {t['ghz']} GHz (pass {t['us']} us; block: first / last)")
+        print(f"{'phase':>8} " + " ".join(f"{k:>13}" for k in STEPS))
+        for kind, steps in t["phases"].items():
+            print(f"{kind:>8} " + " ".join(f"{steps[k][0]:>6.2f}/{steps[k][1]:<6.2f}" for k in STEPS))
     if args.out:
-        out = {"device": torch.cuda.get_device_name(), "dims": dims, "rows": rows_out, "phase_profile": profile}
+        out = {"device": torch.cuda.get_device_name(), "dims": dims, "rows": rows_out, "phase_profile": profile,
+               "timeline": timeline}  # fmt: skip
         args.out.write_text(json.dumps(out, indent=1))
 
 

@@ -11,7 +11,7 @@
 // all resident. Data written in the kernel is read past L1 (ld.global.cg).
 //
 // Constants come from stack_cuda.py as `constexpr int`s written before this text: H, I, D, NQ, NKV, L, T, MAXM,
-// NBLK, SLOT_BYTES, ACT_BYTES, LONG, CHUNK, NCHUNK (constants, not macros, so no header's names are touched), and
+// NBLK, SLOT_BYTES, ACT_BYTES, LONG, CHUNK, NCHUNK, TIMELINE, LIGHTBAR (constants, not macros, so no header's names are touched), and
 // the options: BULK (1:
 // the weights by the copy engine, cp.async.bulk, one instruction a range, completion on an mbarrier; 0: 16-byte
 // cp.async by every thread) and WEIGHTS (0: no weight copies at all, the matmuls read whatever the slots hold; for
@@ -109,21 +109,37 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     return v;
 }
 
-// The block's phase is done: every thread's stores before the one release.
-__device__ __forceinline__ void grid_arrive(u32* bar) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
+// Order this thread's view of memory (what the block barrier gave it included) before what follows, device-wide.
+__device__ __forceinline__ void fence_gpu() {
+    if (LIGHTBAR) {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    } else {
         __threadfence();
-        atomicAdd(bar, 1u);
     }
 }
 
-// Wait until `target` arrivals (every block's, of every phase so far).
+// The block's phase is done: every thread's stores before the one release. LIGHTBAR: an acquire-release fence and a
+// relaxed add (the block's stores reach thread 0 through the block barrier, and the fence is cumulative); else the
+// sequentially consistent __threadfence and an atomic add.
+__device__ __forceinline__ void grid_arrive(u32* bar) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        if (LIGHTBAR) {
+            asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(bar) : "memory");
+        } else {
+            __threadfence();
+            atomicAdd(bar, 1u);
+        }
+    }
+}
+
+// Wait until `target` arrivals (every block's, of every phase so far): thread 0 polls with acquire loads, then the
+// block barrier hands what it acquired to every thread.
 __device__ __forceinline__ void grid_wait(const u32* bar, u32 target) {
     if (threadIdx.x == 0) {
         while (ld_acquire(bar) < target) {
         }
-        __threadfence();
+        if (!LIGHTBAR) __threadfence();
     }
     __syncthreads();
 }
@@ -153,7 +169,7 @@ __device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes
 }
 
 // The bytes of matmul phase f's weight share for block b.
-__device__ int share_bytes(int f) {
+__device__ __noinline__ int share_bytes(int f) {
     const int b = blockIdx.x, kind = f % 4;
     if (kind == 0) return (lo(NQKV * D, b + 1) - lo(NQKV * D, b)) * H * 2;
     if (kind == 1) return (lo(H, b + 1) - lo(H, b)) * QD * 2;
@@ -163,7 +179,7 @@ __device__ int share_bytes(int f) {
 
 // Matmul phase f's weight share for block b into `dst` (f = 4 * layer + kind: q|k|v, o, gate|up, down); BULK: thread
 // 0 first tells the slot's mbarrier how many bytes will land.
-__device__ void issue(int f, void* dst, u64* bar, const bf16* wqkv, const bf16* wo, const bf16* wgu, const bf16* wd) {
+__device__ __noinline__ void issue(int f, void* dst, u64* bar, const bf16* wqkv, const bf16* wo, const bf16* wgu, const bf16* wd) {
     const int b = blockIdx.x, layer = f / 4, kind = f % 4;
     if (BULK && threadIdx.x == 0) {
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's last reads before the copy's writes
@@ -186,31 +202,6 @@ __device__ void issue(int f, void* dst, u64* bar, const bf16* wqkv, const bf16* 
     }
 }
 
-// act (M, K) <- rows of x (M, K) from global (written in the kernel); NORM: each row RMS-normed and scaled by g,
-// rounded as `layers.RMSNorm` rounds (normalise in float32, round, scale, round).
-__device__ void load_rows(bf16* act, const bf16* x, const bf16* g, int M, int K, bool norm, float eps, float* inv) {
-    const int n8 = M * K / 8;
-    for (int i = threadIdx.x; i < n8; i += NTHREADS) *(uint4*)(act + 8 * i) = ldcg4(x + 8 * i);
-    __syncthreads();
-    if (!norm) return;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int m = warp; m < M; m += NWARPS) {
-        float ss = 0.f;
-        for (int k = lane; k < K; k += 32) {
-            const float v = f32(act[m * K + k]);
-            ss += v * v;
-        }
-        ss = warp_sum(ss);
-        if (lane == 0) inv[m] = rsqrtf(ss / K + eps);
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < M * K; i += NTHREADS) {
-        const int m = i / K, k = i - m * K;
-        act[i] = b16(f32(g[k]) * rnd(f32(act[i]) * inv[m]));
-    }
-    __syncthreads();
-}
-
 __device__ __forceinline__ float dot8(uint4 w, uint4 a) {
     const u32 wv[4] = {w.x, w.y, w.z, w.w}, av[4] = {a.x, a.y, a.z, a.w};
     float s = 0.f;
@@ -222,8 +213,66 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 a) {
     return s;
 }
 
+// act (M, K) <- rows of x (M, K) from global (written in the kernel); NORM: each row RMS-normed and scaled by g,
+// rounded as `layers.RMSNorm` rounds (normalise in float32, round, scale, round). A thread's 16-byte pieces are the
+// same for a row whatever the other rows, so the sum of squares (in the thread, over the warp, over the warps in
+// order) is batch invariant. red: NWARPS * MAXM floats.
+__device__ void load_rows(bf16* act, const bf16* x, const bf16* g, int M, int K, bool norm, float eps, float* inv,
+                          float* red) {
+    const int n8 = M * K / 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float ss[MAXM];
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) ss[m] = 0.f;
+    for (int i = threadIdx.x; i < n8; i += NTHREADS) {
+        const uint4 v = ldcg4(x + 8 * i);
+        *(uint4*)(act + 8 * i) = v;
+        if (norm) {
+            const float sq = dot8(v, v);
+            const int row = 8 * i / K;
+#pragma unroll
+            for (int m = 0; m < MAXM; ++m)
+                if (m == row) ss[m] += sq;
+        }
+    }
+    if (!norm) {
+        __syncthreads();
+        return;
+    }
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) {
+        if (m < M) {
+            const float t = warp_sum(ss[m]);
+            if (lane == 0) red[warp * MAXM + m] = t;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < M) {
+        float t = 0.f;
+        for (int w = 0; w < NWARPS; ++w) t += red[w * MAXM + threadIdx.x];
+        inv[threadIdx.x] = rsqrtf(t / K + eps);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n8; i += NTHREADS) {
+        const int m = 8 * i / K, k = 8 * i - m * K;
+        const uint4 a = *(const uint4*)(act + 8 * i), gw = *(const uint4*)(g + k);
+        const u32 av[4] = {a.x, a.y, a.z, a.w}, gv[4] = {gw.x, gw.y, gw.z, gw.w};
+        u32 o[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const bf16 lo16 = b16(__uint_as_float(gv[j] << 16) * rnd(__uint_as_float(av[j] << 16) * inv[m]));
+            const bf16 hi16 =
+                b16(__uint_as_float(gv[j] & 0xffff0000u) * rnd(__uint_as_float(av[j] & 0xffff0000u) * inv[m]));
+            o[j] = (u32)lo16 | ((u32)hi16 << 16);
+        }
+        *(uint4*)(act + 8 * i) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+    __syncthreads();
+}
+
+
 // acc[m] = act[m, :] . w[row, :] for one weight row in shared memory, summed over the warp (every lane gets it).
-// The order of the sum depends on K only, never on M or the other rows: a row's result is batch invariant.
+// The order of the sum depends on K only, never on M or the other rows: a row's result is batch invariant. Inlined
+// where K is a constant, so the loop unrolls.
 __device__ __forceinline__ void row_dot(const bf16* w, const bf16* act, int M, int K, float* acc) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
@@ -235,7 +284,8 @@ __device__ __forceinline__ void row_dot(const bf16* w, const bf16* act, int M, i
             if (m < M) acc[m] += dot8(wv, *(const uint4*)(act + m * K + k));
     }
 #pragma unroll
-    for (int m = 0; m < MAXM; ++m) acc[m] = warp_sum(acc[m]);
+    for (int m = 0; m < MAXM; ++m)
+        if (m < M) acc[m] = warp_sum(acc[m]);  // the rows a pass has only
 }
 
 // res[r * MAXM + m] = act[m, :] . w[r, :] for the block's R weight rows in shared memory (K wide). MMA: 16-row tiles
@@ -299,7 +349,7 @@ __device__ void block_matmul(const bf16* w, int R, int K, const bf16* act, int M
 
 // RMSNorm over D (weight nw) then RoPE at position t of one head vector y (lane-strided, in registers via `v`):
 // the result into dst (shared, D floats). One warp.
-__device__ void norm_rope(const float* y, const bf16* nw, int t, const float* inv_freq, float eps, float* dst) {
+__device__ __noinline__ void norm_rope(const float* y, const bf16* nw, int t, const float* inv_freq, float eps, float* dst) {
     const int lane = threadIdx.x % 32;
     float ss = 0.f;
     for (int c = lane; c < D; c += 32) ss += y[c] * y[c];
@@ -311,7 +361,9 @@ __device__ void norm_rope(const float* y, const bf16* nw, int t, const float* in
         const float part = dst[(c + D / 2) % D];
         const float rot = c < D / 2 ? -part : part;
         const float fr = (float)t * inv_freq[c % (D / 2)];
-        const float cs = rnd(cosf(fr)), sn = rnd(sinf(fr));
+        float sv, cv;
+        sincosf(fr, &sv, &cv);  // one range reduction for both (the same values as sinf and cosf)
+        const float cs = rnd(cv), sn = rnd(sv);
         o[j] = rnd(rnd(dst[c] * cs) + rnd(rot * sn));
     }
     __syncwarp();
@@ -322,7 +374,7 @@ __device__ void norm_rope(const float* y, const bf16* nw, int t, const float* in
 // Attention for layer l: one unit per (row, kv head). Keys and values of positions written in this pass (this row's
 // and those of rows sharing its slot at earlier positions) come from the raw q|k|v, normed and roped here; the rest
 // from the cache. The unit writes its own row's key and value into the cache.
-__device__ void attention(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc, bf16* vc,
+__device__ __noinline__ void attention(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc, bf16* vc,
                           const bf16* qkn, const float* inv_freq, const bf16* qkvbuf, bf16* abuf, float eps,
                           float scale, long long scl, long long scs, long long sch, long long sct, float* scratch) {
     float* kf = scratch;  // (T, D)
@@ -400,29 +452,53 @@ __device__ void attention(int l, int M, const long long* pos_p, const long long*
     }
 }
 
-// The chunks of a (row, kv head) whose cache holds len positions: one per CHUNK positions, at most NCHUNK; a function
-// of the row's position alone, so a row's sums do not depend on the other rows.
+// The chunks of a (row, kv head) whose cache holds len positions: one per CHUNK positions, at most NCHUNK (the SMs
+// over MAXM rows of NKV heads: one unit a block at any row count); a function of the row's position alone, so a
+// row's sums do not depend on the other rows.
 __device__ __forceinline__ int chunks(int len) { return min(NCHUNK, (len + CHUNK - 1) / CHUNK); }
+
+// Eight bf16 from a 16-byte load, times eight floats (summed in order).
+__device__ __forceinline__ float dot8f(uint4 k, const float* q) {
+    const u32 kv[4] = {k.x, k.y, k.z, k.w};
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        s += __uint_as_float(kv[j] << 16) * q[2 * j];
+        s += __uint_as_float(kv[j] & 0xffff0000u) * q[2 * j + 1];
+    }
+    return s;
+}
+
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+    const u32 vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        f[2 * j] = __uint_as_float(vv[j] << 16);
+        f[2 * j + 1] = __uint_as_float(vv[j] & 0xffff0000u);
+    }
+}
 
 // Attention for layer l over a long cache (LONG): one unit per (row, kv head, chunk of positions). A unit norms and
 // ropes its GQ queries, and the keys of its chunk written in this pass (this row's, and those of rows sharing its
-// slot, from the raw q|k|v; the row's own also into the cache); each warp runs a softmax online over every
-// NWARPS-th position of the chunk, a lane holding D / 32 elements of each vector; the warps' partials combine in
+// slot, from the raw q|k|v; the row's own also into the cache). Then LPP lanes take a position (16 elements a lane,
+// two 16-byte loads of the key and two of the value), a warp 32 / LPP positions at once and two such rounds in
+// flight, each lane group running a softmax online over its positions; the groups combine by shuffles, the warps in
 // shared memory. A row's only chunk writes its output; else each chunk writes its partial (sums, max, total) to
 // `part`, and the unit that finds the (row, kv head) counter at its last arrival combines them in chunk order.
-__device__ void attention_long(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc, bf16* vc,
+__device__ __noinline__ void attention_long(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc, bf16* vc,
                                const bf16* qkn, const float* inv_freq, const bf16* qkvbuf, bf16* abuf, float eps,
                                float scale, long long scl, long long scs, long long sch, long long sct,
                                float* scratch, float* part, u32* cnt) {
-    constexpr int DL = (D + 31) / 32;  // a lane's elements of a head vector: lane, lane + 32, ...
+    constexpr int LPP = D / 16;  // lanes a position: elements [8j, 8j + 8) and [D/2 + 8j, D/2 + 8j + 8) for lane j
+    constexpr int PPW = 32 / LPP;  // positions a warp at once
+    constexpr int PPB = PPW * NWARPS;  // and a block
     constexpr int PS = D + 2;  // a partial: D sums, the max, the total
-    float* qf = scratch;  // (GQ, D) the queries, normed and roped
-    float* kn = qf + GQ * D;  // (MAXM, D) keys written in this pass, normed and roped (by their row)
-    float* vn = kn + MAXM * D;  // (MAXM, D) their values
-    float* raw = vn + MAXM * D;  // (NWARPS, D) a warp's raw vector
+    bf16* kv = (bf16*)scratch;  // (MAXM, 2, D) keys (normed, roped) and values written in this pass (16-byte rows)
+    float* qf = (float*)(kv + MAXM * 2 * D);  // (GQ, D) the queries, normed and roped
+    float* raw = qf + GQ * D;  // (NWARPS, D) a warp's raw vector
     float* ws = raw + NWARPS * D;  // (NWARPS, GQ, PS) the warps' partials
     int* last = (int*)(ws + NWARPS * GQ * PS);  // this unit combines the chunks
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPP, j8 = 8 * (lane % LPP);
     const bf16* qn = qkn + l * 2 * D;
     const bf16* knw = qn + D;
     int rp[MAXM], rs[MAXM], total = 0;
@@ -469,14 +545,17 @@ __device__ void attention_long(int l, int M, const long long* pos_p, const long 
                     const bf16* row = qkvbuf + r * NQKV * D;
                     for (int e = lane; e < D; e += 32) {
                         y[e] = f32(ldcg1(row + (NQ + h) * D + e));
-                        vn[r * D + e] = f32(ldcg1(row + (NQ + NKV + h) * D + e));
+                        kv[(r * 2 + 1) * D + e] = ldcg1(row + (NQ + NKV + h) * D + e);
                     }
                     __syncwarp();
-                    norm_rope(y, knw, pr, inv_freq, eps, kn + r * D);
+                    float* kf = raw + warp * D;  // normed and roped in place
+                    norm_rope(y, knw, pr, inv_freq, eps, kf);
+                    for (int e = lane; e < D; e += 32) kv[r * 2 * D + e] = b16(kf[e]);
+                    __syncwarp();
                     if (r == m) {
                         for (int e = lane; e < D; e += 32) {
-                            kc[at + pr * sct + e] = b16(kn[r * D + e]);
-                            vc[at + pr * sct + e] = b16(vn[r * D + e]);
+                            kc[at + pr * sct + e] = kv[r * 2 * D + e];
+                            vc[at + pr * sct + e] = kv[(r * 2 + 1) * D + e];
                         }
                     }
                 }
@@ -484,56 +563,88 @@ __device__ void attention_long(int l, int M, const long long* pos_p, const long 
             __syncwarp();
         }
         __syncthreads();
-        float mx[GQ], tot[GQ], o[GQ][DL];
+        float q[GQ][16], mx[GQ], tot[GQ], o[GQ][16];
 #pragma unroll
         for (int g = 0; g < GQ; ++g) {
             mx[g] = -3.0e38f;
             tot[g] = 0.f;
 #pragma unroll
-            for (int i = 0; i < DL; ++i) o[g][i] = 0.f;
+            for (int i = 0; i < 8; ++i) {
+                q[g][i] = qf[g * D + j8 + i];
+                q[g][8 + i] = qf[g * D + D / 2 + j8 + i];
+                o[g][i] = o[g][8 + i] = 0.f;
+            }
         }
-        for (int t = t0 + warp; t < t1; t += NWARPS) {
-            int src = -1;  // the row of this pass that writes position t of this slot, if any
+        // A position's key and value halves: this pass's from shared memory, the rest from the cache (written by
+        // earlier launches: through L1 is fine).
+        auto fetch = [&](int t, uint4* kr) {
+            int src = -1;
 #pragma unroll
             for (int r = 0; r < MAXM; ++r)
                 if (src < 0 && rs[r] == s && rp[r] == t) src = r;
-            float kr[DL], vr[DL];
-#pragma unroll
-            for (int i = 0; i < DL; ++i) {
-                const int e = lane + 32 * i;
-                if (e >= D) {
-                    kr[i] = vr[i] = 0.f;
-                } else if (src >= 0) {
-                    kr[i] = kn[src * D + e];
-                    vr[i] = vn[src * D + e];
-                } else {
-                    kr[i] = f32(kc[at + t * sct + e]);  // written by an earlier launch: through L1 is fine
-                    vr[i] = f32(vc[at + t * sct + e]);
-                }
-            }
+            const bf16* kp = src >= 0 ? kv + src * 2 * D : kc + at + t * sct;
+            const bf16* vp = src >= 0 ? kv + (src * 2 + 1) * D : vc + at + t * sct;
+            kr[0] = *(const uint4*)(kp + j8);
+            kr[1] = *(const uint4*)(kp + D / 2 + j8);
+            kr[2] = *(const uint4*)(vp + j8);
+            kr[3] = *(const uint4*)(vp + D / 2 + j8);
+        };
+        auto update = [&](const uint4* kr, bool ok) {  // every lane shuffles; a group past the chunk keeps its state
+            float vf[16];
+            unpack8(kr[2], vf);
+            unpack8(kr[3], vf + 8);
 #pragma unroll
             for (int g = 0; g < GQ; ++g) {
-                float d = 0.f;
+                float d = dot8f(kr[0], q[g]) + dot8f(kr[1], q[g] + 8);
 #pragma unroll
-                for (int i = 0; i < DL; ++i)
-                    if (lane + 32 * i < D) d += qf[g * D + lane + 32 * i] * kr[i];
-                d = warp_sum(d) * scale;
-                const float nm = fmaxf(mx[g], d), a = expf(mx[g] - nm), w = expf(d - nm);
-                tot[g] = tot[g] * a + w;
+                for (int off = 1; off < LPP; off *= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
+                if (ok) {
+                    d *= scale;
+                    const float nm = fmaxf(mx[g], d), a = expf(mx[g] - nm), w = expf(d - nm);
+                    tot[g] = tot[g] * a + w;
 #pragma unroll
-                for (int i = 0; i < DL; ++i) o[g][i] = o[g][i] * a + w * vr[i];
+                    for (int i = 0; i < 16; ++i) o[g][i] = o[g][i] * a + w * vf[i];
+                    mx[g] = nm;
+                }
+            }
+        };
+        const int mine = t0 + warp * PPW + grp;  // this lane group's first position; then every PPB-th
+        for (int t = mine; t - grp < t1; t += 2 * PPB) {  // the warp's first position decides: whole warps shuffle
+            const uint4 zero = make_uint4(0, 0, 0, 0);
+            uint4 ka[4] = {zero, zero, zero, zero}, kb[4] = {zero, zero, zero, zero};
+            const bool va = t < t1, vb = t + PPB < t1;  // two rounds' loads in flight before either's arithmetic
+            if (va) fetch(t, ka);
+            if (vb) fetch(t + PPB, kb);
+            update(ka, va);
+            if (__any_sync(0xffffffffu, vb)) update(kb, vb);
+        }
+        // The warp's lane groups combined (shuffles), then lane group 0 writes the warp's partial.
+#pragma unroll
+        for (int off = LPP; off < 32; off *= 2) {
+#pragma unroll
+            for (int g = 0; g < GQ; ++g) {
+                const float om = __shfl_xor_sync(0xffffffffu, mx[g], off);
+                const float ot = __shfl_xor_sync(0xffffffffu, tot[g], off);
+                const float nm = fmaxf(mx[g], om), a = expf(mx[g] - nm), b = expf(om - nm);
+                tot[g] = tot[g] * a + ot * b;
+#pragma unroll
+                for (int i = 0; i < 16; ++i) o[g][i] = o[g][i] * a + __shfl_xor_sync(0xffffffffu, o[g][i], off) * b;
                 mx[g] = nm;
             }
         }
+        if (grp == 0) {
 #pragma unroll
-        for (int g = 0; g < GQ; ++g) {
-            float* wp = ws + (warp * GQ + g) * PS;
+            for (int g = 0; g < GQ; ++g) {
+                float* wp = ws + (warp * GQ + g) * PS;
 #pragma unroll
-            for (int i = 0; i < DL; ++i)
-                if (lane + 32 * i < D) wp[lane + 32 * i] = o[g][i];
-            if (lane == 0) {
-                wp[D] = mx[g];
-                wp[D + 1] = tot[g];
+                for (int i = 0; i < 8; ++i) {
+                    wp[j8 + i] = o[g][i];
+                    wp[D / 2 + j8 + i] = o[g][8 + i];
+                }
+                if (lane == 0) {
+                    wp[D] = mx[g];
+                    wp[D + 1] = tot[g];
+                }
             }
         }
         __syncthreads();
@@ -562,10 +673,10 @@ __device__ void attention_long(int l, int M, const long long* pos_p, const long 
         if (nch > 1) {  // the last chunk to finish combines them all
             __syncthreads();
             if (threadIdx.x == 0) {
-                __threadfence();
+                fence_gpu();
                 *last = atomicAdd(cnt + m * NKV + h, 1u) == (u32)(nch - 1);
                 if (*last) {
-                    __threadfence();
+                    fence_gpu();
                     atomicExch(cnt + m * NKV + h, 0u);  // for the next layer
                 }
             }
@@ -573,13 +684,22 @@ __device__ void attention_long(int l, int M, const long long* pos_p, const long 
             if (*last) {
                 for (int i = threadIdx.x; i < GQ * D; i += NTHREADS) {
                     const int g = i / D, e = i % D;
-                    float big = -3.0e38f, num = 0.f, den = 0.f;
-                    for (int k = 0; k < nch; ++k) big = fmaxf(big, ldcgf(pc + (k * GQ + g) * PS + D));
-                    for (int k = 0; k < nch; ++k) {
+                    float big = -3.0e38f, num = 0.f, den = 0.f, mk[NCHUNK], ok[NCHUNK], tk[NCHUNK];
+#pragma unroll
+                    for (int k = 0; k < NCHUNK; ++k) {  // every chunk's loads at once
                         const float* pt = pc + (k * GQ + g) * PS;
-                        const float a = expf(ldcgf(pt + D) - big);
-                        num += a * ldcgf(pt + e);
-                        den += a * ldcgf(pt + D + 1);
+                        mk[k] = k < nch ? ldcgf(pt + D) : -3.0e38f;
+                        ok[k] = k < nch ? ldcgf(pt + e) : 0.f;
+                        tk[k] = k < nch ? ldcgf(pt + D + 1) : 0.f;
+                        big = fmaxf(big, mk[k]);
+                    }
+#pragma unroll
+                    for (int k = 0; k < NCHUNK; ++k) {
+                        if (k < nch) {
+                            const float a = expf(mk[k] - big);
+                            num += a * ok[k];
+                            den += a * tk[k];
+                        }
                     }
                     abuf[m * QD + (h * GQ + g) * D + e] = b16(num / den);
                 }
@@ -594,17 +714,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
                   bf16* vc, const bf16* ln1, const bf16* wqkv, const bf16* qkn, const bf16* wo, const bf16* ln2,
                   const bf16* wgu, const bf16* wd, const bf16* normw, const float* inv_freq, bf16* qkvbuf,
                   bf16* abuf, bf16* gbuf, float* apart, u32* bar, int M, float eps, float scale, long long scl,
-                  long long scs, long long sch, long long sct, int stop) {
+                  long long scs, long long sch, long long sct, int stop, u64* tl) {
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* act = (bf16*)(smem + 2 * SLOT_BYTES);
     float* inv = (float*)(smem + 2 * SLOT_BYTES + ACT_BYTES);  // MAXM floats
     u64* full = (u64*)(inv + MAXM);  // the two slots' mbarriers (BULK)
     float* part = (float*)(full + 2);  // PART_ITEMS (16, 8) float tiles: the tensor-core path's partial sums
     float* res = part + PART_ITEMS * 128;  // (RES_ROWS, MAXM) a phase's sums
+    float* red = res + RES_ROWS * MAXM;  // (NWARPS, MAXM) the norms' sums of squares by warp
     const int b = blockIdx.x;
     u32 target = 0;  // arrivals every block has made so far: the barrier's next wait
     int ph = 0;  // phases run (stop: profiling, the kernel cut after that many phases; the output is then partial)
     int issued = -1, awaited = -1;  // the last matmul phase whose weights were asked for, and waited for
+    // TIMELINE (profiling): thread 0 of the first and the last block stamps its SM's clock at six points of each
+    // phase: its start, the grid wait over, the weights in, the rows loaded (and normed), the products done, the end.
+    auto mark = [&](int e) {
+        if (TIMELINE && threadIdx.x == 0 && (b == 0 || b == NBLK - 1))
+            tl[((b == 0 ? 0 : 1) * (5 * L + 1) + ph - 1) * 6 + e] = clock64();
+    };
     if (BULK && threadIdx.x == 0) {
         mbar_init(full);
         mbar_init(full + 1);
@@ -637,17 +764,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     // The o and down phases: xs = x + src @ w.T over this block's H rows (the product rounded first, as
     // `x + F.linear(...)` rounds), x the residual stream as it stood (the pass input before layer 0's o adds to it).
     auto residual = [&](int f, const bf16* src, int K, const bf16* x) {
+        mark(0);
         prefetch(f + 1);
         grid_wait(bar, target);
+        mark(1);
         const bf16* w = await_weights(f);
-        load_rows(act, src, 0, M, K, false, eps, inv);
+        mark(2);
+        load_rows(act, src, 0, M, K, false, eps, inv, red);
+        mark(3);
         const int r0 = lo(H, b), r1 = lo(H, b + 1);
         block_matmul(w, r1 - r0, K, act, M, part, res);
+        mark(4);
         for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
             const int r = i / M, m = i - r * M, at = m * H + r0 + r;
             xs[at] = b16(rnd(res[r * MAXM + m]) + f32(ldcg1(x + at)));
         }
         end_phase();
+        mark(5);
     };
     prefetch(0);
     for (int l = 0; l < L && ph < stop; ++l) {
@@ -655,20 +788,28 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         // q|k|v = rms_norm(x) @ w_qkv.T, each block its rows, the raw product rounded to bf16.
         if (ph++ < stop) {
             const int f = 4 * l;
+            mark(0);
             prefetch(f + 1);
             if (target) grid_wait(bar, target);
+            mark(1);
             const bf16* w = await_weights(f);
-            load_rows(act, xcur, ln1 + l * H, M, H, true, eps, inv);
+            mark(2);
+            load_rows(act, xcur, ln1 + l * H, M, H, true, eps, inv, red);
+            mark(3);
             const int r0 = lo(NQKV * D, b), r1 = lo(NQKV * D, b + 1);
             block_matmul(w, r1 - r0, H, act, M, part, res);
+            mark(4);
             for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
                 const int r = i / M, m = i - r * M;
                 qkvbuf[m * NQKV * D + r0 + r] = b16(res[r * MAXM + m]);
             }
             end_phase();
+            mark(5);
         }
         if (ph++ < stop) {
+            mark(0);
             grid_wait(bar, target);
+            mark(1);
             if (LONG) {
                 attention_long(l, M, pos_p, slot_p, kc, vc, qkn, inv_freq, qkvbuf, abuf, eps, scale, scl, scs, sch,
                                sct, (float*)act, apart, bar + 2);
@@ -676,19 +817,26 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
                 attention(l, M, pos_p, slot_p, kc, vc, qkn, inv_freq, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
                           (float*)act);
             }
+            mark(4);
             end_phase();
+            mark(5);
         }
         // x = x + attn @ w_o.T
         if (ph++ < stop) residual(4 * l + 1, abuf, QD, xcur);
         // SiLU(gate) * up of rms_norm(x) @ w_gate_up.T
         if (ph++ < stop) {
             const int f = 4 * l + 2;
+            mark(0);
             prefetch(f + 1);
             grid_wait(bar, target);
+            mark(1);
             const bf16* w = await_weights(f);
-            load_rows(act, xs, ln2 + l * H, M, H, true, eps, inv);
+            mark(2);
+            load_rows(act, xs, ln2 + l * H, M, H, true, eps, inv, red);
+            mark(3);
             const int j0 = lo(I, b), nj = lo(I, b + 1) - j0;
             block_matmul(w, 2 * nj, H, act, M, part, res);  // nj gate rows, then their up rows
+            mark(4);
             for (int i = threadIdx.x; i < nj * M; i += NTHREADS) {
                 const int j = i / M, m = i - j * M;
                 const float gate = rnd(res[j * MAXM + m]);
@@ -696,6 +844,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
                 gbuf[m * I + j0 + j] = b16(a * rnd(res[(nj + j) * MAXM + m]));
             }
             end_phase();
+            mark(5);
         }
         // x = x + act @ w_down.T
         if (ph++ < stop) residual(4 * l + 3, gbuf, I, xs);
@@ -703,7 +852,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     // The final norm: block m < M its row.
     if (ph < stop && b < M) {
         grid_wait(bar, target);
-        load_rows(act, xs + b * H, normw, 1, H, true, eps, inv);
+        load_rows(act, xs + b * H, normw, 1, H, true, eps, inv, red);
         for (int k = threadIdx.x; k < H; k += NTHREADS) out[b * H + k] = act[k];
     }
     // Copies still in flight (a cut run's next phase) land before the block leaves its shared memory.

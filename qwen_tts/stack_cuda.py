@@ -35,8 +35,7 @@ from torch import Tensor
 
 MAX_ROWS = 4  # rows a pass: their activations share the block's shared memory with two weight slots
 MAX_POSITIONS = 32  # a longer cache (the talker's) takes attention_long: chunks, combined by the last to finish
-CHUNK = 32  # attention_long: positions a chunk at least,
-MAX_CHUNKS = 16  # and chunks a (row, kv head) at most (about the SMs over the kv heads)
+CHUNK = 64  # attention_long: positions a chunk at least; chunks a (row, kv head) at most: Layout.max_chunks
 ATT_COUNTERS = 64  # attention_long's (row, kv head) counters, after the barrier's two: MAX_ROWS x kv heads at most
 NTHREADS = 256
 NWARPS = NTHREADS // 32
@@ -58,6 +57,9 @@ class Layout:
     bulk: bool = True  # the weights by the copy engine (cp.async.bulk); False: 16-byte cp.async by every thread
     weights: bool = True  # False: no weight copies (profiling only: the phases' cost without their bytes)
     mma: bool = False  # the matmuls on the tensor cores (mma.sync; measured slower); False: dot products on CUDA cores
+    timeline: bool = False  # profiling: clock stamps of each phase's steps by two blocks (stack_pass's `timeline`)
+    light_barrier: bool = True  # the grid barrier's release as fence.acq_rel + a relaxed add; False: __threadfence
+    chunked: bool = False  # a short cache's attention by attention_long too (lane groups), not a unit's shared memory
 
     @property
     def slot_bytes(self) -> int:
@@ -80,35 +82,43 @@ class Layout:
     @property
     def long(self) -> bool:
         """A cache longer than MAX_POSITIONS: attention in chunks (attention_long), not a unit's shared memory."""
-        return self.T > MAX_POSITIONS
+        return self.T > MAX_POSITIONS or self.chunked
 
     @property
     def act_bytes(self) -> int:
         """Activations (MAX_ROWS rows of the widest K, bf16), or attention's float32 scratch, whichever is larger."""
         acts = 2 * MAX_ROWS * max(self.H, self.NQ * self.D, self.I)
         g, D = self.NQ // self.NKV, self.D
-        if self.long:  # queries, this pass's keys and values, a vector a warp, the warps' partials; the last flag
-            attn = 4 * (g * D + 2 * MAX_ROWS * D + NWARPS * D + NWARPS * g * (D + 2) + 1)
+        if self.long:  # this pass's keys and values (bf16), queries, a vector a warp, the warps' partials, a flag
+            attn = 2 * 2 * MAX_ROWS * D + 4 * (g * D + NWARPS * D + NWARPS * g * (D + 2) + 1)
         else:
             attn = 4 * (2 * self.T * D + g * D + g * self.T + NWARPS * D)
         return _align16(max(acts, attn))
 
     @property
+    def max_chunks(self) -> int:
+        """attention_long's chunks a (row, kv head) at most: the SMs over MAX_ROWS rows of NKV heads, so every unit
+        of a pass runs at once (4 on 132 SMs with 8 kv heads)."""
+        return max(1, self.nblk // (MAX_ROWS * self.NKV))
+
+    @property
     def partial_floats(self) -> int:
         """attention_long's chunk partials (sums, max, total per query head), float32; 0 for a short cache."""
-        return MAX_ROWS * self.NKV * MAX_CHUNKS * self.NQ // self.NKV * (self.D + 2) if self.long else 0
+        return MAX_ROWS * self.NKV * self.max_chunks * self.NQ // self.NKV * (self.D + 2) if self.long else 0
 
     @property
     def shared_bytes(self) -> int:
         """Two weight slots, the activations, the rows' norms and the slots' mbarriers (32 bytes), the partial
-        tiles, a phase's sums."""
-        return 2 * self.slot_bytes + self.act_bytes + 32 + 4 * 128 * self.part_items + 4 * MAX_ROWS * self.res_rows
+        tiles, a phase's sums, the norms' sums of squares by warp."""
+        return (2 * self.slot_bytes + self.act_bytes + 32 + 4 * 128 * self.part_items + 4 * MAX_ROWS * self.res_rows
+                + 4 * NWARPS * MAX_ROWS)  # fmt: skip
 
     def source(self) -> str:
         consts = dict(H=self.H, I=self.I, D=self.D, NQ=self.NQ, NKV=self.NKV, L=self.L, T=self.T, MAXM=MAX_ROWS,
                       NBLK=self.nblk, SLOT_BYTES=self.slot_bytes, ACT_BYTES=self.act_bytes, BULK=int(self.bulk),
                       WEIGHTS=int(self.weights), MMA=int(self.mma), RES_ROWS=self.res_rows,
-                      PART_ITEMS=self.part_items, LONG=int(self.long), CHUNK=CHUNK, NCHUNK=MAX_CHUNKS)  # fmt: skip
+                      PART_ITEMS=self.part_items, LONG=int(self.long), CHUNK=CHUNK, NCHUNK=self.max_chunks,
+                      TIMELINE=int(self.timeline), LIGHTBAR=int(self.light_barrier))  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
         return prelude + _SOURCE.read_text()
 
@@ -124,14 +134,20 @@ def _align16(n: int) -> int:
 
 
 # The kernel's choices, process-wide (`set_options`; CUDA graphs keep the kernel they were captured with).
-_options = {"bulk": True, "weights": True, "mma": False}
+_options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "light_barrier": True, "chunked": False}
 
 
-def set_options(bulk: bool | None = None, weights: bool | None = None, mma: bool | None = None) -> dict:
+def set_options(
+    bulk: bool | None = None, weights: bool | None = None, mma: bool | None = None, timeline: bool | None = None,
+    light_barrier: bool | None = None, chunked: bool | None = None,
+) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
     only (no weight copies: the matmuls read stale shared memory); mma: the matmuls on the tensor cores (else dot
-    products on the CUDA cores). Returns the options now in force."""
-    for k, v in (("bulk", bulk), ("weights", weights), ("mma", mma)):
+    products on the CUDA cores); timeline: profiling, each phase's steps stamped (stack_pass's `timeline`);
+    light_barrier: the grid barrier's release by an acquire-release fence (else a sequentially consistent one);
+    chunked: a short cache's attention by the long cache's code. Returns the options now in force."""
+    given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked)
+    for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)
     return dict(_options)
@@ -144,6 +160,8 @@ def layout(sw, max_len: int, nblk: int) -> Layout:
 
 def why_not(lay: Layout, max_shared: int) -> str | None:
     """Why the kernel cannot take this layout (None: it can)."""
+    if lay.long and (lay.D % 16 or lay.D > 512):
+        return f"a long cache's attention takes head dims that are multiples of 16 up to 512, not {lay.D}"
     if lay.long and MAX_ROWS * lay.NKV > ATT_COUNTERS:
         return f"{lay.NKV} kv heads: a long cache's attention counts at most {ATT_COUNTERS // MAX_ROWS}"
     if any(k % 8 for k in (lay.H, lay.I, lay.NQ * lay.D)):
@@ -215,13 +233,23 @@ def _index(device: torch.device) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
 
 
+def timeline_stamps(sw) -> int:
+    """The int64 stamps of a timeline (the `timeline` option): two blocks (the first, the last), each phase (five a
+    layer and the final norm), six points: the phase's start, its grid wait over, its weights in, its rows loaded, its
+    products done, its end (attention: the start, the wait over, then its end as the last two)."""
+    return 2 * (5 * sw.L + 1) * 6
+
+
 def stack_pass(
-    sw, x: Tensor, positions: Tensor, cache, slots: Tensor, barrier: Tensor, stop: int | None = None
-) -> Tensor:
+    sw, x: Tensor, positions: Tensor, cache, slots: Tensor, barrier: Tensor, stop: int | None = None,
+    timeline: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     """One token per row through the whole stack and its final norm: x (M, H) -> (M, H); each row's K/V written into
     its slot at its position (rows may share a slot at different positions). barrier: 2 + ATT_COUNTERS int32 zeros on
-    the device (the grid barrier's two, then attention_long's counters; the kernel leaves them zero). stop: run only the first `stop` phases (five a layer, then the final norm;
-    profiling, benchmarks/bench_stack.py: the output is then partial)."""
+    the device (the grid barrier's two, then attention_long's counters; the kernel leaves them zero). stop: run only
+    the first `stop` phases (five a layer, then the final norm; profiling, benchmarks/bench_stack.py: the output is
+    then partial). timeline: with the `timeline` option, an int64 tensor of timeline_stamps(sw) that the pass fills
+    with SM clock stamps (profiling)."""
     M, H = x.shape
     if H != sw.H:
         raise ValueError(f"x has {H} columns, the stack {sw.H}")
@@ -254,5 +282,8 @@ def stack_pass(
     args += [ctypes.c_int(M), ctypes.c_float(sw.eps), ctypes.c_float(1.0 / math.sqrt(lay.D))]
     args += [ctypes.c_longlong(s) for s in kc.stride()[:4]]
     args.append(ctypes.c_int(5 * lay.L + 1 if stop is None else stop))
+    if lay.timeline and (timeline is None or timeline.numel() < timeline_stamps(sw) or timeline.dtype != torch.int64):
+        raise ValueError(f"the timeline option needs an int64 tensor of {timeline_stamps(sw)} stamps")
+    args.append(ctypes.c_void_p(timeline.data_ptr() if lay.timeline else 0))
     _kernel(dev, lay).launch(lay.nblk, NTHREADS, args, lay.shared_bytes)
     return out

@@ -264,7 +264,7 @@ def test_cuda_kernel_layout_fits_an_h200_with_the_code_predictor() -> None:
     assert lay.slot_bytes == 48 * 1024 * 2
     assert lay.act_bytes == 4 * 3072 * 2
     assert lay.res_rows == 48 and lay.part_items == 8  # the gate|up share; a partial tile per warp
-    assert lay.shared_bytes == 2 * 98304 + 24576 + 32 + 8 * 512 + 48 * 16 <= 232448
+    assert lay.shared_bytes == 2 * 98304 + 24576 + 32 + 8 * 512 + 48 * 16 + 8 * 16 <= 232448
     assert stack_cuda.why_not(lay, 232448) is None
     longer = stack_cuda.Layout(**{**lay.__dict__, "T": 64})  # attention in chunks (the talker's: below)
     assert longer.long and not lay.long and stack_cuda.why_not(longer, 232448) is None
@@ -309,7 +309,7 @@ def cuda_options():
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
 ]
-CUDA_CASES += [(shape, 3, opt) for shape in ("full", "tiny-mtp") for opt in ("cpasync", "mma")]
+CUDA_CASES += [(shape, 3, opt) for shape in ("full", "tiny-mtp") for opt in ("cpasync", "mma", "chunked", "heavybar")]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -320,13 +320,18 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     difference within 2x, the eager error floored at one bf16 rounding); the barrier is back at zero, unwritten slots
     stay zero. (Against the eager bf16 stack itself two implementations' roundings add up: at the code predictor's
     five layers and four rows the largest difference reached 0.094 at an output scale of 5.) Options: the weights by
-    16-byte cp.async instead of the copy engine; the matmuls on the tensor cores."""
+    16-byte cp.async instead of the copy engine; the matmuls on the tensor cores; attention by the long cache's
+    code; the barrier's release by __threadfence."""
     from qwen_tts import stack_cuda
 
     if opts == "cpasync":
         cuda_options(bulk=False)
     if opts == "mma":
         cuda_options(mma=True)
+    if opts == "chunked":
+        cuda_options(chunked=True)
+    if opts == "heavybar":
+        cuda_options(light_barrier=False)
     dims = FULL if shape == "full" else SHAPES[shape]
     ref, kern = make_cuda_stack(dims)
     exact = copy.deepcopy(ref).float()
@@ -361,9 +366,12 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
-def test_cuda_kernel_rows_sharing_a_slot_see_each_others_keys() -> None:
+@pytest.mark.parametrize("chunked", [False, True])
+def test_cuda_kernel_rows_sharing_a_slot_see_each_others_keys(chunked, cuda_options) -> None:
     """The code predictor's two prompt tokens as two rows of one pass, for two sequences (four rows): each second
-    row attends to its first row's key written in the same pass. Equals the eager stack on the two-token sequences."""
+    row attends to its first row's key written in the same pass. Equals the eager stack on the two-token sequences.
+    Both attention codes: the short cache's and the long cache's (option `chunked`)."""
+    cuda_options(chunked=chunked)
     ref, kern = make_cuda_stack(FULL)
     H = FULL[0]
     c_ref, c_kern = (s.new_cache(3, CACHE_LEN, DEVICE, torch.bfloat16) for s in (ref, kern))
@@ -407,14 +415,14 @@ def test_cuda_kernel_gives_a_row_the_same_bits_alone_in_a_batch_and_replayed() -
     assert torch.equal(graphed.k, cache.k) and torch.equal(graphed.v, cache.v)
 
 
-# A long cache (the talker's): attention_long, in chunks of at least stack_cuda.CHUNK positions, at most MAX_CHUNKS a
-# (row, kv head), the chunks' partial softmax sums combined by the last chunk to finish.
+# A long cache (the talker's): attention_long, in chunks of at least stack_cuda.CHUNK positions, at most
+# Layout.max_chunks a (row, kv head), the chunks' partial softmax sums combined by the last chunk to finish.
 TALKER_06B = (1024, 3072, 28, 16, 8, 128)  # the 0.6B's talker layer is the code predictor's, 28 of them
 
 
 def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
     """The 0.6B's talker with the engine's cache (3,088 positions at the defaults) fits an H200's SMs: the same weight
-    slots as the code predictor, attention's scratch within the activations' bytes, 16 chunks' partials a (row, kv
+    slots as the code predictor, attention's scratch within the activations' bytes, 4 chunks' partials a (row, kv
     head); the 1.7B's talker layer (a gate|up share of 2 x 47 rows of 2048) does not, and the reason says why."""
     from qwen_tts import stack_cuda
 
@@ -423,8 +431,9 @@ def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
     assert lay.long and not stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=5, T=32, nblk=132).long
     assert lay.slot_bytes == 48 * 1024 * 2 and lay.act_bytes == 4 * 3072 * 2
     g = nq // nkv
-    assert 4 * (g * D + 2 * 4 * D + 8 * D + 8 * g * (D + 2) + 1) <= lay.act_bytes  # attention's scratch fits
-    assert lay.partial_floats == 4 * nkv * stack_cuda.MAX_CHUNKS * g * (D + 2)
+    assert 2 * 2 * 4 * D + 4 * (g * D + 8 * D + 8 * g * (D + 2) + 1) <= lay.act_bytes  # attention's scratch fits
+    assert lay.max_chunks == 4  # 132 SMs over 4 rows of 8 kv heads: every unit of a pass at once
+    assert lay.partial_floats == 4 * nkv * 4 * g * (D + 2)
     assert stack_cuda.why_not(lay, 232448) is None
     big = stack_cuda.Layout(H=2048, I=6144, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=132)
     assert big.slot_bytes == 2 * 47 * 2048 * 2
@@ -450,14 +459,15 @@ def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape,
     assert "cp_stack_pass" in res.stderr and " 0 bytes spill stores" in res.stderr, res.stderr[-3000:]
 
 
-LONG_LEN = 700  # positions up to 699: past 16 chunks of 32, so chunks grow to 44
+LONG_LEN = 700  # positions up to 699: past the most chunks of 64 (4 for the talker's 8 kv heads), so chunks grow
 LONG_SHAPE = (1024, 3072, 2, 16, 8, 128)  # the talker's layer, two of them
 LONG_CASES = [(shape, rows) for shape in ("talker", "split", "tiny-mtp") for rows in (1, 2, 4)]
 
 
 def long_positions(rows: int, step: int) -> list[int]:
-    """Positions whose rows have 1, 2, 10 and 16 chunks (0-31, 32-63, 289-319, 661-699), moving with the step."""
-    return [5 + step, 40 + step, 300 + step, 690 + step][:rows]
+    """Positions whose rows have 1, 2, 3 and the most chunks of the talker's shape (4 of 173 positions), moving
+    with the step."""
+    return [5 + step, 100 + step, 150 + step, 690 + step][:rows]
 
 
 def filled_caches(stacks, rows: int, positions: list[int], slots: list[int], seed: int):
@@ -476,7 +486,7 @@ def filled_caches(stacks, rows: int, positions: list[int], slots: list[int], see
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
 @pytest.mark.parametrize(("shape", "rows"), LONG_CASES)
 def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows) -> None:
-    """Rows at positions with 1, 2, 10 and 16 chunks over three passes, in scattered slots of a 700-position cache
+    """Rows at positions with 1, 2, 3 and 4 chunks over three passes, in scattered slots of a 700-position cache
     holding random keys: the output and the K/V written as close to float32 as the eager bf16 stack's (the same
     bounds as the short cache's test); the attention counters back at zero; unwritten slots and positions zero."""
     from qwen_tts import stack_cuda
@@ -517,8 +527,9 @@ def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows) -> No
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
 def test_cuda_kernel_with_a_long_cache_rows_sharing_a_slot_see_each_others_keys() -> None:
-    """Two rows of one slot at positions 299 and 300 (the boundary of the tenth chunk) after 299 cached positions, as
-    a two-token step of the eager stack: the second row attends to the first's key written in the same pass."""
+    """Two rows of one slot at positions 299 and 300 (in the last of the second row's four chunks) after 299 cached
+    positions, as a two-token step of the eager stack: the second row attends to the first's key written in the same
+    pass."""
     ref, kern = make_cuda_stack(LONG_SHAPE)
     H = LONG_SHAPE[0]
     c_ref, c_kern = filled_caches((ref, kern), 2, [299], [1], seed=3)
