@@ -347,9 +347,9 @@ __device__ void block_matmul(const bf16* w, int R, int K, const bf16* act, int M
     __syncthreads();
 }
 
-// RMSNorm over D (weight nw) then RoPE at position t of one head vector y (lane-strided, in registers via `v`):
-// the result into dst (shared, D floats). One warp.
-__device__ __noinline__ void norm_rope(const float* y, const bf16* nw, int t, const float* inv_freq, float eps, float* dst) {
+// RMSNorm over D (weight nw, in shared memory) then RoPE of one head vector y (shared), with cs the position's
+// rounded cosines then sines (D / 2 each, shared: `rope_tables`): the result into dst (shared, D floats). One warp.
+__device__ __noinline__ void norm_rope(const float* y, const bf16* nw, const float* cs, float eps, float* dst) {
     const int lane = threadIdx.x % 32;
     float ss = 0.f;
     for (int c = lane; c < D; c += 32) ss += y[c] * y[c];
@@ -360,22 +360,32 @@ __device__ __noinline__ void norm_rope(const float* y, const bf16* nw, int t, co
     for (int c = lane, j = 0; c < D; c += 32, ++j) {
         const float part = dst[(c + D / 2) % D];
         const float rot = c < D / 2 ? -part : part;
-        const float fr = (float)t * inv_freq[c % (D / 2)];
-        float sv, cv;
-        sincosf(fr, &sv, &cv);  // one range reduction for both (the same values as sinf and cosf)
-        const float cs = rnd(cv), sn = rnd(sv);
-        o[j] = rnd(rnd(dst[c] * cs) + rnd(rot * sn));
+        const int i = c % (D / 2);
+        o[j] = rnd(rnd(dst[c] * cs[i]) + rnd(rot * cs[D / 2 + i]));
     }
     __syncwarp();
     for (int c = lane, j = 0; c < D; c += 32, ++j) dst[c] = o[j];
     __syncwarp();
 }
 
+// rope[r] <- row r's RoPE at its position: D / 2 cosines then D / 2 sines, each rounded to bf16 as the eager tables
+// are (float32 angle = position x inverse frequency), once a pass: every layer's queries and keys of the pass use
+// them (cached keys were roped when written).
+__device__ void rope_tables(const long long* pos_p, const float* inv_freq, int M, float* rope) {
+    for (int i = threadIdx.x; i < M * (D / 2); i += NTHREADS) {
+        const int r = i / (D / 2), c = i % (D / 2);
+        float sv, cv;
+        sincosf((float)pos_p[r] * inv_freq[c], &sv, &cv);  // one range reduction for both (sinf's and cosf's values)
+        rope[r * D + c] = rnd(cv);
+        rope[r * D + D / 2 + c] = rnd(sv);
+    }
+}
+
 // Attention for layer l: one unit per (row, kv head). Keys and values of positions written in this pass (this row's
 // and those of rows sharing its slot at earlier positions) come from the raw q|k|v, normed and roped here; the rest
 // from the cache. The unit writes its own row's key and value into the cache.
 __device__ __noinline__ void attention(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc, bf16* vc,
-                          const bf16* qkn, const float* inv_freq, const bf16* qkvbuf, bf16* abuf, float eps,
+                          const bf16* qknw, const float* rope, const bf16* qkvbuf, bf16* abuf, float eps,
                           float scale, long long scl, long long scs, long long sch, long long sct, float* scratch) {
     float* kf = scratch;  // (T, D)
     float* vf = kf + T * D;  // (T, D)
@@ -383,7 +393,7 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
     float* sc = qf + GQ * D;  // (GQ, T)
     float* raw = sc + GQ * T;  // (NWARPS, D): a warp's raw vector
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const bf16* qn = qkn + l * 2 * D;
+    const bf16* qn = qknw;  // this layer's q and k norm weights, in shared memory
     const bf16* kn = qn + D;
     for (int u = blockIdx.x; u < M * NKV; u += NBLK) {
         const int m = u / NKV, h = u % NKV;
@@ -403,7 +413,7 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
                         vf[j * D + c] = f32(ldcg1(row + (NQ + NKV + h) * D + c));
                     }
                     __syncwarp();
-                    norm_rope(y, kn, j, inv_freq, eps, kf + j * D);
+                    norm_rope(y, kn, rope + src * D, eps, kf + j * D);
                     if (src == m) {
                         for (int c = lane; c < D; c += 32) {
                             kc[at + j * sct + c] = b16(kf[j * D + c]);
@@ -421,7 +431,7 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
                 const bf16* row = qkvbuf + m * NQKV * D + (h * GQ + g) * D;
                 for (int c = lane; c < D; c += 32) y[c] = f32(ldcg1(row + c));
                 __syncwarp();
-                norm_rope(y, qn, p, inv_freq, eps, qf + g * D);
+                norm_rope(y, qn, rope + m * D, eps, qf + g * D);
             }
             __syncwarp();
         }
@@ -486,7 +496,7 @@ __device__ __forceinline__ void unpack8(uint4 v, float* f) {
 // shared memory. A row's only chunk writes its output; else each chunk writes its partial (sums, max, total) to
 // `part`, and the unit that finds the (row, kv head) counter at its last arrival combines them in chunk order.
 __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc, bf16* vc,
-                               const bf16* qkn, const float* inv_freq, const bf16* qkvbuf, bf16* abuf, float eps,
+                               const bf16* qknw, const float* rope, const bf16* qkvbuf, bf16* abuf, float eps,
                                float scale, long long scl, long long scs, long long sch, long long sct,
                                float* scratch, float* part, u32* cnt) {
     constexpr int LPP = D / 16;  // lanes a position: elements [8j, 8j + 8) and [D/2 + 8j, D/2 + 8j + 8) for lane j
@@ -499,7 +509,7 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
     float* ws = raw + NWARPS * D;  // (NWARPS, GQ, PS) the warps' partials
     int* last = (int*)(ws + NWARPS * GQ * PS);  // this unit combines the chunks
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPP, j8 = 8 * (lane % LPP);
-    const bf16* qn = qkn + l * 2 * D;
+    const bf16* qn = qknw;  // this layer's q and k norm weights, in shared memory
     const bf16* knw = qn + D;
     int rp[MAXM], rs[MAXM], total = 0;
 #pragma unroll
@@ -538,7 +548,7 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
                 const bf16* row = qkvbuf + m * NQKV * D + (h * GQ + j) * D;
                 for (int e = lane; e < D; e += 32) y[e] = f32(ldcg1(row + e));
                 __syncwarp();
-                norm_rope(y, qn, p, inv_freq, eps, qf + j * D);
+                norm_rope(y, qn, rope + m * D, eps, qf + j * D);
             } else {
                 const int r = j - GQ, pr = pick(rp, r);
                 if (pick(rs, r) == s && pr >= t0 && pr < t1) {
@@ -549,7 +559,7 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
                     }
                     __syncwarp();
                     float* kf = raw + warp * D;  // normed and roped in place
-                    norm_rope(y, knw, pr, inv_freq, eps, kf);
+                    norm_rope(y, knw, rope + r * D, eps, kf);
                     for (int e = lane; e < D; e += 32) kv[r * 2 * D + e] = b16(kf[e]);
                     __syncwarp();
                     if (r == m) {
@@ -722,6 +732,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     float* part = (float*)(full + 2);  // PART_ITEMS (16, 8) float tiles: the tensor-core path's partial sums
     float* res = part + PART_ITEMS * 128;  // (RES_ROWS, MAXM) a phase's sums
     float* red = res + RES_ROWS * MAXM;  // (NWARPS, MAXM) the norms' sums of squares by warp
+    float* rope = red + NWARPS * MAXM;  // (MAXM, D) each row's RoPE cosines and sines (rope_tables)
+    bf16* qknw = (bf16*)(rope + MAXM * D);  // (2, D) the attention phase's q and k norm weights
     const int b = blockIdx.x;
     u32 target = 0;  // arrivals every block has made so far: the barrier's next wait
     int ph = 0;  // phases run (stop: profiling, the kernel cut after that many phases; the output is then partial)
@@ -783,6 +795,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         mark(5);
     };
     prefetch(0);
+    rope_tables(pos_p, inv_freq, M, rope);  // the block barriers of the first phase order it before any use
     for (int l = 0; l < L && ph < stop; ++l) {
         const bf16* xcur = l == 0 ? x_in : xs;  // the residual stream (the pass input until layer 0's o adds to it)
         // q|k|v = rms_norm(x) @ w_qkv.T, each block its rows, the raw product rounded to bf16.
@@ -808,13 +821,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         }
         if (ph++ < stop) {
             mark(0);
-            grid_wait(bar, target);
+            for (int i = threadIdx.x; i < 2 * D; i += NTHREADS) qknw[i] = qkn[l * 2 * D + i];  // weights: before
+            grid_wait(bar, target);  // the wait, whose block barrier publishes them
             mark(1);
             if (LONG) {
-                attention_long(l, M, pos_p, slot_p, kc, vc, qkn, inv_freq, qkvbuf, abuf, eps, scale, scl, scs, sch,
-                               sct, (float*)act, apart, bar + 2);
+                attention_long(l, M, pos_p, slot_p, kc, vc, qknw, rope, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
+                               (float*)act, apart, bar + 2);
             } else {
-                attention(l, M, pos_p, slot_p, kc, vc, qkn, inv_freq, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
+                attention(l, M, pos_p, slot_p, kc, vc, qknw, rope, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
                           (float*)act);
             }
             mark(4);

@@ -109,9 +109,9 @@ class Layout:
     @property
     def shared_bytes(self) -> int:
         """Two weight slots, the activations, the rows' norms and the slots' mbarriers (32 bytes), the partial
-        tiles, a phase's sums, the norms' sums of squares by warp."""
+        tiles, a phase's sums, the norms' sums of squares by warp, the rows' RoPE tables, a layer's q/k norm weights."""
         return (2 * self.slot_bytes + self.act_bytes + 32 + 4 * 128 * self.part_items + 4 * MAX_ROWS * self.res_rows
-                + 4 * NWARPS * MAX_ROWS)  # fmt: skip
+                + 4 * NWARPS * MAX_ROWS + 4 * MAX_ROWS * self.D + 2 * 2 * self.D)  # fmt: skip
 
     def source(self) -> str:
         consts = dict(H=self.H, I=self.I, D=self.D, NQ=self.NQ, NKV=self.NKV, L=self.L, T=self.T, MAXM=MAX_ROWS,

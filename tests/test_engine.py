@@ -425,6 +425,20 @@ def test_buckets():
         cuda_graph.bucket(5, [1, 2, 4])
 
 
+def test_one_row_steps_needs_both_stacks_on_the_cuda_kernel_and_the_heads_on_the_few_row_kernel():
+    """A lone row's graphed step runs unpadded only where every part of it is batch invariant by itself."""
+    from types import SimpleNamespace
+
+    def talker(stack, cp_stack, heads):
+        cp = SimpleNamespace(model=SimpleNamespace(stack_kernel=cp_stack), head_linear=heads)
+        return SimpleNamespace(model=SimpleNamespace(stack_kernel=stack), code_predictor=cp, head_linear=heads)
+
+    fn = object()
+    assert cuda_graph.one_row_steps(talker("cuda", "cuda", fn))
+    for args in ((None, "cuda", fn), ("cuda", None, fn), ("cuda", "persistent", fn), ("cuda", "cuda", None)):
+        assert not cuda_graph.one_row_steps(talker(*args)), args
+
+
 async def test_static_step_equals_eager_step(eos_prone_path, monkeypatch):
     # Small kv buckets so requests cross several of them; 10 requests through 4 slots give padded batches of 3.
     monkeypatch.setattr(cuda_graph, "MIN_KV_BUCKET", 16)
@@ -603,13 +617,15 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
 
 
 @needs_cuda
-@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize(("greedy", "heads"), [(True, False), (False, True), (True, True)])
 async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_equal_in_a_pair(
-    tiny_model, greedy, monkeypatch
+    tiny_model, greedy, heads, monkeypatch
 ):
     """talker_stack_kernel="cuda" with cp_stack_kernel="cuda": the talker's one-token passes (a long cache, attention
     in chunks) and the code predictor's by stack_cuda.cu. A request gives the same codes alone and beside another,
-    graphed and eager alike, and the talker's passes all went through the kernel."""
+    graphed and eager alike, and the talker's passes all went through the kernel. With the heads on the few-row
+    kernel too (small_m_heads), a lone stream's graphed steps are one row, not two padded (one_row_steps), and still
+    give the codes it gets beside another stream."""
     from qwen_tts import stack_cuda
 
     model = load_model(tiny_model.path, device="cuda")
@@ -622,19 +638,24 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
     for frame_step in ("eager", "graphs"):
         eng = NativeEngine(
             EngineSettings(model_path=str(model.path), device="cuda", max_slots=2, warmup=False, frame_step=frame_step,
-                           cp_stack_kernel="cuda", talker_stack_kernel="cuda"),
+                           cp_stack_kernel="cuda", talker_stack_kernel="cuda", small_m_heads=heads),
             model=model,
         )  # fmt: skip
         await eng.start()
         try:
             target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
+            calls.clear()
             (alone,), _ = await run(eng, [target])
+            alone_rows = {n for sw, n in calls if sw is model.talker.model.stack_weights}
             (pair, _), _ = await run(
                 eng, [req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20), req(model, TEXTS[2], seed=9)]
             )
         finally:
             await eng.stop()
         assert eng.model_info["talker_stack_kernel"] == "cuda" and eng.model_info["cp_stack_kernel"] == "cuda"
+        assert eng.model_info["one_row_steps"] == heads
+        # A lone stream's talker passes: one row eagerly (exact shapes) and with one_row_steps, else padded to two.
+        assert alone_rows == ({1} if frame_step == "eager" or heads else {2}), (frame_step, alone_rows)
         assert torch.equal(codes_of(alone), codes_of(pair)), frame_step
         results[frame_step] = codes_of(alone)
     assert torch.equal(results["eager"], results["graphs"])

@@ -58,7 +58,7 @@ from qwen_tts.prompt import Prompt, build_prompt, normalize_language
 from qwen_tts.sampling import suppress_mask
 
 from .decoder import DecodeJob, DecodeWorker, SlotDecoder
-from .frame_step import EagerFrameStep, FrameStepRunner, SlotState, StepCodes
+from .frame_step import EagerFrameStep, FrameStepRunner, SlotState, StepCodes, one_row_steps
 from .prefill import PrefillRunner
 from .scheduler import RequestState, Scheduler, frame_budget
 
@@ -204,6 +204,7 @@ class NativeEngine(Engine):
         self._model_info["cp_prompt_one_pass"] = self._talker.code_predictor.prompt_one_pass
         self._model_info["cp_stack_kernel"] = self._talker.code_predictor.model.stack_kernel or "off"
         self._model_info["talker_stack_kernel"] = self._talker.model.stack_kernel or "off"
+        self._model_info["one_row_steps"] = one_row_steps(self._talker)
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)
         self._model_info["fused_decoder"] = any(getattr(m, "fast", None) for m in self._code2wav.modules())

@@ -200,6 +200,20 @@ def bucket(value: int, buckets: list[int]) -> int:
     raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
 
 
+def one_row_steps(talker: Talker) -> bool:
+    """Whether a lone row's frame step can run as one row and still get the bits it gets beside others: both decoder
+    stacks by the CUDA kernel (stack_cuda.cu: a row's sums do not depend on the rows beside it, up to four) and the
+    heads by the few-row kernel (fused.set_small_m_heads: likewise); the compiled regions left (the talker's logits,
+    the compiled sampler) run a lone row as two copies themselves. Then one stream's steps skip the padding row: its
+    passes are one row, not two (on an H200 a code-predictor pass takes 141 us at one row, 160 at two)."""
+    return (
+        talker.model.stack_kernel == "cuda"
+        and talker.code_predictor.model.stack_kernel == "cuda"
+        and talker.head_linear is not None
+        and talker.code_predictor.head_linear is not None
+    )
+
+
 class FrameStepRunner:
     """Runs `frame_step` for up to `max_rows` rows, padded to a batch bucket, from CUDA graphs or eagerly.
 
@@ -224,7 +238,7 @@ class FrameStepRunner:
         self.suppressed, self.eos_id, self.scratch = suppressed, eos_id, scratch
         self.use_graphs = use_graphs
         self.batch_buckets = batch_buckets(max_rows)
-        if fused.is_enabled(talker) and self.batch_buckets[0] == 1 and max_rows > 1:
+        if fused.is_enabled(talker) and self.batch_buckets[0] == 1 and max_rows > 1 and not one_row_steps(talker):
             # The fused path runs a lone row as two copies (fused.compiled); a graph padded to two rows with the
             # scratch slot gets the same bits without the copies.
             self.batch_buckets = self.batch_buckets[1:]
