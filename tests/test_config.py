@@ -40,6 +40,7 @@ def test_defaults_match_the_seed_and_serve_the_demo() -> None:
         ("decoder_fp16", True, "false", False, "maybe"),  # on CUDA only
         ("cp_stack_kernel", "off", "cuda", "cuda", "fast"),  # on CUDA only
         ("talker_stack_kernel", "off", "cuda", "cuda", "persistent"),  # on CUDA only
+        ("small_m_heads", False, "true", True, "often"),  # on CUDA only
         ("fused_deterministic", True, "false", False, "sometimes"),  # on CUDA only
     ],
 )

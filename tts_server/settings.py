@@ -45,6 +45,7 @@ ENGINE_FIELDS = {
     "decoder_fp16": "decoder_fp16",
     "cp_stack_kernel": "cp_stack_kernel",
     "talker_stack_kernel": "talker_stack_kernel",
+    "small_m_heads": "small_m_heads",
     "fused_deterministic": "fused_deterministic",
 }
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
@@ -107,6 +108,11 @@ class ServerSettings(BaseSettings):
     # the kernel (the 0.6B's; the 1.7B's falls back to the default kernels with a warning), or "off" (the default).
     # The same batch invariance as cp_stack_kernel. See docs/benchmarks.md. Ignored on CPU.
     talker_stack_kernel: Literal["off", "cuda"] = _ENGINE.talker_stack_kernel  # type: ignore[assignment]
+    # On CUDA, the output heads (the talker's and the code predictor's 15) on the few-row kernel instead of cuBLAS,
+    # so a row's logits do not depend on the rows beside it. With both stack kernels on "cuda", a lone stream's steps
+    # then run one row instead of two: on an H200 one 0.6B stream 17.2x -> 22.1x real time, one 1.7B stream 15.3x ->
+    # 16.4x (docs/benchmarks.md). Ignored on CPU.
+    small_m_heads: bool = _ENGINE.small_m_heads
     # On CUDA, the compiled blocks in inductor's deterministic mode: the same request and seed give the same codes
     # from a fresh process (a replica, a restart); off, inductor times its reduction configurations per process
     # (+1.2% per frame step on an H200, docs/benchmarks.md). Ignored on CPU.
