@@ -10,17 +10,18 @@
 // final norm. Blocks meet at a grid-wide barrier (an atomic counter) between phases; the grid is one block per SM,
 // all resident. Data written in the kernel is read past L1 (ld.global.cg).
 //
-// Constants come from stack_cuda.py as `constexpr int`s written before this text: H, I, D, NQ, NKV, L, T, MAXM,
-// NBLK, SLOT_BYTES, ACT_BYTES, LONG, CHUNK, NCHUNK, TIMELINE, LIGHTBAR (constants, not macros, so no header's names are touched), and
-// the options: BULK (1:
-// the weights by the copy engine, cp.async.bulk, one instruction a range, completion on an mbarrier; 0: 16-byte
-// cp.async by every thread) and WEIGHTS (0: no weight copies at all, the matmuls read whatever the slots hold; for
-// profiling only, to see what the phases cost without their bytes), MMA (1: the matmuls on the tensor cores,
-// mma.sync m16n8k16 with the rows' activations as the 8 columns; 0: dot products on the CUDA cores, a warp a row),
-// RES_ROWS (the most weight rows a block has in one phase) and PART_ITEMS (the tensor-core path's partial tiles).
-// LONG: the cache is longer than a warp has lanes (the talker's), so attention is split over chunks of at least
-// CHUNK positions, at most NCHUNK a (row, kv head), whose partial softmax sums the last chunk to finish combines
-// (`attention_long`); else one unit per (row, kv head) holds the whole cache in shared memory (`attention`).
+// Constants come from stack_cuda.py as `constexpr int`s written before this text (constants, not macros, so no
+// header's names are touched): the shapes H, I, D, NQ, NKV, L, T, MAXM, NBLK, SLOT_BYTES, ACT_BYTES, RES_ROWS (the
+// most weight rows a block has in one phase), PART_ITEMS (the tensor-core path's partial tiles), and the options:
+// BULK (1: the weights by the copy engine, cp.async.bulk, one instruction a range, completion on an mbarrier; 0:
+// 16-byte cp.async by every thread); WEIGHTS (0: no weight copies at all, the matmuls read whatever the slots hold;
+// for profiling only, to see what the phases cost without their bytes); MMA (1: the matmuls on the tensor cores,
+// mma.sync m16n8k16 with the rows' activations as the 8 columns; 0: dot products on the CUDA cores, a warp a row,
+// TWO_ROWS: two rows at once); TIMELINE (profiling: clock stamps); LIGHTBAR (the barrier's release by an
+// acquire-release fence); NARRIVE (arrival counters, of MAXNARRIVE lines). LONG: the cache is longer than a warp
+// has lanes (the talker's), so attention is split over chunks of at least CHUNK positions, at most NCHUNK a (row, kv
+// head), whose partial softmax sums the last chunk to finish combines (`attention_long`); else one unit per (row,
+// kv head) holds the whole cache in shared memory (`attention`).
 // No headers: bf16 is handled as its bits (round to nearest even, as torch rounds), so NVRTC needs no include path.
 
 typedef unsigned short bf16;
@@ -121,14 +122,18 @@ __device__ __forceinline__ void fence_gpu() {
 // The block's phase is done: every thread's stores before the one release. LIGHTBAR: an acquire-release fence and a
 // relaxed add (the block's stores reach thread 0 through the block barrier, and the fence is cumulative); else the
 // sequentially consistent __threadfence and an atomic add.
+// NARRIVE counters, a 128-byte line apart (bar[0], bar[32], ...), take the arrivals, block b's at b % NARRIVE, so the
+// adds of a phase queue at NARRIVE addresses instead of one; a wait sums them. One by default: four measured slower
+// (the waits' polls of four lines cost more than the adds' queue saved).
 __device__ __forceinline__ void grid_arrive(u32* bar) {
     __syncthreads();
     if (threadIdx.x == 0) {
+        u32* ctr = bar + 32 * (blockIdx.x % NARRIVE);
         if (LIGHTBAR) {
-            asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(bar) : "memory");
+            asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(ctr) : "memory");
         } else {
             __threadfence();
-            atomicAdd(bar, 1u);
+            atomicAdd(ctr, 1u);
         }
     }
 }
@@ -137,7 +142,11 @@ __device__ __forceinline__ void grid_arrive(u32* bar) {
 // block barrier hands what it acquired to every thread.
 __device__ __forceinline__ void grid_wait(const u32* bar, u32 target) {
     if (threadIdx.x == 0) {
-        while (ld_acquire(bar) < target) {
+        for (;;) {
+            u32 got = 0;
+#pragma unroll
+            for (int k = 0; k < NARRIVE; ++k) got += ld_acquire(bar + 32 * k);
+            if (got >= target) break;
         }
         if (!LIGHTBAR) __threadfence();
     }
@@ -223,15 +232,24 @@ __device__ void load_rows(bf16* act, const bf16* x, const bf16* g, int M, int K,
     float ss[MAXM];
 #pragma unroll
     for (int m = 0; m < MAXM; ++m) ss[m] = 0.f;
-    for (int i = threadIdx.x; i < n8; i += NTHREADS) {
-        const uint4 v = ldcg4(x + 8 * i);
-        *(uint4*)(act + 8 * i) = v;
-        if (norm) {
-            const float sq = dot8(v, v);
-            const int row = 8 * i / K;
+    for (int i0 = threadIdx.x; i0 < n8; i0 += 4 * NTHREADS) {  // four loads in flight, then their uses in order
+        uint4 v[4];
 #pragma unroll
-            for (int m = 0; m < MAXM; ++m)
-                if (m == row) ss[m] += sq;
+        for (int u = 0; u < 4; ++u)
+            if (i0 + u * NTHREADS < n8) v[u] = ldcg4(x + 8 * (i0 + u * NTHREADS));
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = i0 + u * NTHREADS;
+            if (i < n8) {
+                *(uint4*)(act + 8 * i) = v[u];
+                if (norm) {
+                    const float sq = dot8(v[u], v[u]);
+                    const int row = 8 * i / K;
+#pragma unroll
+                    for (int m = 0; m < MAXM; ++m)
+                        if (m == row) ss[m] += sq;
+                }
+            }
         }
     }
     if (!norm) {
@@ -288,6 +306,32 @@ __device__ __forceinline__ void row_dot(const bf16* w, const bf16* act, int M, i
         if (m < M) acc[m] = warp_sum(acc[m]);  // the rows a pass has only
 }
 
+// row_dot for two weight rows at once (TWO_ROWS): the same sums, each row's in the same order.
+__device__ __forceinline__ void row_dot2(const bf16* w0, const bf16* w1, const bf16* act, int M, int K, float* a0,
+                                         float* a1) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) a0[m] = a1[m] = 0.f;
+    for (int k = 8 * lane; k < K; k += 256) {
+        const uint4 v0 = *(const uint4*)(w0 + k), v1 = *(const uint4*)(w1 + k);
+#pragma unroll
+        for (int m = 0; m < MAXM; ++m) {
+            if (m < M) {
+                const uint4 av = *(const uint4*)(act + m * K + k);
+                a0[m] += dot8(v0, av);
+                a1[m] += dot8(v1, av);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) {
+        if (m < M) {
+            a0[m] = warp_sum(a0[m]);
+            a1[m] = warp_sum(a1[m]);
+        }
+    }
+}
+
 // res[r * MAXM + m] = act[m, :] . w[r, :] for the block's R weight rows in shared memory (K wide). MMA: 16-row tiles
 // times the rows' activations as the columns of an m16n8k16 product (columns past M are zero), K split over the
 // warps that the tiles leave free, the slices' partial tiles summed in order; else a warp a row on the CUDA cores.
@@ -334,6 +378,25 @@ __device__ void block_matmul(const bf16* w, int R, int K, const bf16* act, int M
             float v = 0.f;
             for (int sl = 0; sl < slices; ++sl) v += part[(sl * tiles + r / 16) * 128 + (r % 16) * 8 + m];
             res[r * MAXM + m] = v;
+        }
+    } else if (TWO_ROWS) {
+        float a0[MAXM], a1[MAXM];
+        int r = warp;
+        for (; r + NWARPS < R; r += 2 * NWARPS) {  // rows r and r + NWARPS together
+            row_dot2(w + r * K, w + (r + NWARPS) * K, act, M, K, a0, a1);
+#pragma unroll
+            for (int m = 0; m < MAXM; ++m) {
+                if (m == lane && m < M) {
+                    res[r * MAXM + m] = a0[m];
+                    res[(r + NWARPS) * MAXM + m] = a1[m];
+                }
+            }
+        }
+        if (r < R) {  // the warp's odd row
+            row_dot(w + r * K, act, M, K, a0);
+#pragma unroll
+            for (int m = 0; m < MAXM; ++m)
+                if (m == lane && m < M) res[r * MAXM + m] = a0[m];
         }
     } else {
         float acc[MAXM];
@@ -826,7 +889,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             mark(1);
             if (LONG) {
                 attention_long(l, M, pos_p, slot_p, kc, vc, qknw, rope, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
-                               (float*)act, apart, bar + 2);
+                               (float*)act, apart, bar + 32 * MAXNARRIVE);
             } else {
                 attention(l, M, pos_p, slot_p, kc, vc, qknw, rope, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
                           (float*)act);
@@ -880,7 +943,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(bar + 1, 1u) == NBLK - 1) {
-            atomicExch(bar, 0u);
+#pragma unroll
+            for (int k = 0; k < NARRIVE; ++k) atomicExch(bar + 32 * k, 0u);
             atomicExch(bar + 1, 0u);
         }
     }

@@ -36,7 +36,9 @@ from torch import Tensor
 MAX_ROWS = 4  # rows a pass: their activations share the block's shared memory with two weight slots
 MAX_POSITIONS = 32  # a longer cache (the talker's) takes attention_long: chunks, combined by the last to finish
 CHUNK = 64  # attention_long: positions a chunk at least; chunks a (row, kv head) at most: Layout.max_chunks
-ATT_COUNTERS = 64  # attention_long's (row, kv head) counters, after the barrier's two: MAX_ROWS x kv heads at most
+ATT_COUNTERS = 64  # attention_long's (row, kv head) counters: MAX_ROWS x kv heads at most
+MAX_ARRIVE = 4  # the grid barrier's arrival counters, a 128-byte line each (the first line also holds the exit count)
+BARRIER_INTS = 32 * MAX_ARRIVE + ATT_COUNTERS  # the barrier tensor stack_pass needs: the counters' lines, then those
 NTHREADS = 256
 NWARPS = NTHREADS // 32
 _SOURCE = Path(__file__).with_name("stack_cuda.cu")
@@ -60,6 +62,8 @@ class Layout:
     timeline: bool = False  # profiling: clock stamps of each phase's steps by two blocks (stack_pass's `timeline`)
     light_barrier: bool = True  # the grid barrier's release as fence.acq_rel + a relaxed add; False: __threadfence
     chunked: bool = False  # a short cache's attention by attention_long too (lane groups), not a unit's shared memory
+    split_barrier: bool = False  # arrivals over MAX_ARRIVE counters (block b at b % 4; measured slower); False: one
+    two_rows: bool = False  # the CUDA-core products two weight rows a warp at once (not measured with one counter)
 
     @property
     def slot_bytes(self) -> int:
@@ -118,7 +122,9 @@ class Layout:
                       NBLK=self.nblk, SLOT_BYTES=self.slot_bytes, ACT_BYTES=self.act_bytes, BULK=int(self.bulk),
                       WEIGHTS=int(self.weights), MMA=int(self.mma), RES_ROWS=self.res_rows,
                       PART_ITEMS=self.part_items, LONG=int(self.long), CHUNK=CHUNK, NCHUNK=self.max_chunks,
-                      TIMELINE=int(self.timeline), LIGHTBAR=int(self.light_barrier))  # fmt: skip
+                      TIMELINE=int(self.timeline), LIGHTBAR=int(self.light_barrier),
+                      NARRIVE=MAX_ARRIVE if self.split_barrier else 1, MAXNARRIVE=MAX_ARRIVE,
+                      TWO_ROWS=int(self.two_rows))  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
         return prelude + _SOURCE.read_text()
 
@@ -134,19 +140,24 @@ def _align16(n: int) -> int:
 
 
 # The kernel's choices, process-wide (`set_options`; CUDA graphs keep the kernel they were captured with).
-_options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "light_barrier": True, "chunked": False}
+_options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "light_barrier": True, "chunked": False,
+            "split_barrier": False, "two_rows": False}  # fmt: skip
 
 
 def set_options(
     bulk: bool | None = None, weights: bool | None = None, mma: bool | None = None, timeline: bool | None = None,
-    light_barrier: bool | None = None, chunked: bool | None = None,
+    light_barrier: bool | None = None, chunked: bool | None = None, split_barrier: bool | None = None,
+    two_rows: bool | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
     only (no weight copies: the matmuls read stale shared memory); mma: the matmuls on the tensor cores (else dot
     products on the CUDA cores); timeline: profiling, each phase's steps stamped (stack_pass's `timeline`);
     light_barrier: the grid barrier's release by an acquire-release fence (else a sequentially consistent one);
-    chunked: a short cache's attention by the long cache's code. Returns the options now in force."""
-    given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked)
+    chunked: a short cache's attention by the long cache's code; split_barrier: the barrier's arrivals over four
+    counters (else one; four measured slower); two_rows: the products two weight rows a warp at once. Returns the
+    options now in force."""
+    given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
+                 split_barrier=split_barrier, two_rows=two_rows)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)
@@ -245,8 +256,8 @@ def stack_pass(
     timeline: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """One token per row through the whole stack and its final norm: x (M, H) -> (M, H); each row's K/V written into
-    its slot at its position (rows may share a slot at different positions). barrier: 2 + ATT_COUNTERS int32 zeros on
-    the device (the grid barrier's two, then attention_long's counters; the kernel leaves them zero). stop: run only
+    its slot at its position (rows may share a slot at different positions). barrier: BARRIER_INTS int32 zeros on
+    the device (the grid barrier's counters, then attention_long's; the kernel leaves them zero). stop: run only
     the first `stop` phases (five a layer, then the final norm; profiling, benchmarks/bench_stack.py: the output is
     then partial). timeline: with the `timeline` option, an int64 tensor of timeline_stamps(sw) that the pass fills
     with SM clock stamps (profiling)."""
@@ -274,8 +285,8 @@ def stack_pass(
     abuf = torch.empty((M, lay.NQ * lay.D), device=dev, dtype=x.dtype)
     gbuf = torch.empty((M, lay.I), device=dev, dtype=x.dtype)
     apart = torch.empty(max(lay.partial_floats, 1), device=dev, dtype=torch.float32)
-    if barrier.numel() < 2 + ATT_COUNTERS:
-        raise ValueError(f"the barrier needs {2 + ATT_COUNTERS} int32 zeros, not {barrier.numel()}")
+    if barrier.numel() < BARRIER_INTS:
+        raise ValueError(f"the barrier needs {BARRIER_INTS} int32 zeros, not {barrier.numel()}")
     ptrs = (x, xs, out, positions, slots, kc, vc, sw.ln1, sw.w_qkv, sw.qk_norm, sw.w_o, sw.ln2, sw.w_gate_up,
             sw.w_down, sw.norm, sw.rotary.inv_freq, qkvbuf, abuf, gbuf, apart, barrier)  # fmt: skip
     args = [ctypes.c_void_p(t.data_ptr()) for t in ptrs]

@@ -607,7 +607,7 @@ def prepare(device: torch.device | str) -> Tensor:
     if c is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("stack_kernel.prepare(device) must run before CUDA graph capture")
-        c = _counters[device] = torch.zeros(COUNTERS + 2 + stack_cuda.ATT_COUNTERS, dtype=torch.int32, device=device)
+        c = _counters[device] = torch.zeros(COUNTERS + stack_cuda.BARRIER_INTS, dtype=torch.int32, device=device)
     return c
 
 

@@ -309,7 +309,11 @@ def cuda_options():
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
 ]
-CUDA_CASES += [(shape, 3, opt) for shape in ("full", "tiny-mtp") for opt in ("cpasync", "mma", "chunked", "heavybar")]
+CUDA_CASES += [
+    (shape, 3, opt)
+    for shape in ("full", "tiny-mtp")
+    for opt in ("cpasync", "mma", "chunked", "heavybar", "splitbar", "tworows")
+]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -321,7 +325,7 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     stay zero. (Against the eager bf16 stack itself two implementations' roundings add up: at the code predictor's
     five layers and four rows the largest difference reached 0.094 at an output scale of 5.) Options: the weights by
     16-byte cp.async instead of the copy engine; the matmuls on the tensor cores; attention by the long cache's
-    code; the barrier's release by __threadfence."""
+    code; the barrier's release by __threadfence; four arrival counters; two weight rows a warp."""
     from qwen_tts import stack_cuda
 
     if opts == "cpasync":
@@ -332,6 +336,10 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
         cuda_options(chunked=True)
     if opts == "heavybar":
         cuda_options(light_barrier=False)
+    if opts == "splitbar":
+        cuda_options(split_barrier=True)
+    if opts == "tworows":
+        cuda_options(two_rows=True)
     dims = FULL if shape == "full" else SHAPES[shape]
     ref, kern = make_cuda_stack(dims)
     exact = copy.deepcopy(ref).float()
