@@ -190,8 +190,9 @@ class EngineSettings:
     # (profile_step.py, graph replays): the 0.6B step 3.97 -> 3.99 ms at batch 1, 5.65 -> 5.65 at batch 64; cuBLAS
     # already takes ~4.4 us a head there. A row's logits then do not depend on the rows beside it, which with both
     # stack kernels on "cuda" lets a lone stream's steps run one row instead of two (frame_step.one_row_steps): one
-    # 0.6B stream 17.2x -> 22.1x real time, one 1.7B stream 15.3x -> 16.4x on an H200 (docs/benchmarks.md, fifteenth
-    # round). Off (bench_gpu.py --engine-variants small-m-heads). Ignored on CPU.
+    # 0.6B stream 17.2x -> 22.1x real time on an H200 with the three settings (docs/benchmarks.md, fifteenth round;
+    # the 1.7B's talker does not fit the kernel, so its steps stay two rows). Off (bench_gpu.py --engine-variants
+    # small-m-heads). Ignored on CPU.
     small_m_heads: bool = False
     # On the fast path, the code predictor's input for its passes 2-15 gathered from 14 tables made once, each
     # residual embedding table through small_to_mtp_projection (CodePredictor.build_input_tables: 59 MB for the
@@ -211,9 +212,10 @@ class EngineSettings:
     # phase ahead of each grid wait: 131.5 us a pass at one row against 213 (fused), 150 against 174 at two rows,
     # but 191 against 176 at four (fifteenth round); one 1.7B stream 15.37x -> 15.84x real time and two 15.99x ->
     # 16.41x (fourteenth round: the engine runs a lone row as two unless one_row_steps), first audio +2 ms (its
-    # blocks hold every SM, so Code2Wav waits). Its rows are batch invariant among themselves, not against the fused path's: a request's codes match
-    # alone and beside one other stream, not beside more. So off by default (docs/benchmarks.md; bench_gpu.py
-    # --engine-variants cp-stack-phases,cp-stack-persistent,cp-stack-cuda). Ignored on CPU.
+    # blocks hold every SM, so Code2Wav waits). Its rows are batch invariant among themselves, not against the fused
+    # path's: a request's codes match alone and beside one other stream, not beside more. So off by default
+    # (docs/benchmarks.md; bench_gpu.py --engine-variants cp-stack-phases,cp-stack-persistent,cp-stack-cuda). Ignored
+    # on CPU.
     cp_stack_kernel: str = "off"
     # On the fast path, the talker's passes of at most four bf16 rows by the same CUDA kernel ("cuda"; "off": the
     # fused path's kernels). Its attention over the talker's long cache runs in chunks of positions whose partial

@@ -188,7 +188,8 @@ __device__ __noinline__ int share_bytes(int f) {
 
 // Matmul phase f's weight share for block b into `dst` (f = 4 * layer + kind: q|k|v, o, gate|up, down); BULK: thread
 // 0 first tells the slot's mbarrier how many bytes will land.
-__device__ __noinline__ void issue(int f, void* dst, u64* bar, const bf16* wqkv, const bf16* wo, const bf16* wgu, const bf16* wd) {
+__device__ __noinline__ void issue(int f, void* dst, u64* bar, const bf16* wqkv, const bf16* wo, const bf16* wgu,
+                                   const bf16* wd) {
     const int b = blockIdx.x, layer = f / 4, kind = f % 4;
     if (BULK && threadIdx.x == 0) {
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's last reads before the copy's writes
@@ -447,9 +448,10 @@ __device__ void rope_tables(const long long* pos_p, const float* inv_freq, int M
 // Attention for layer l: one unit per (row, kv head). Keys and values of positions written in this pass (this row's
 // and those of rows sharing its slot at earlier positions) come from the raw q|k|v, normed and roped here; the rest
 // from the cache. The unit writes its own row's key and value into the cache.
-__device__ __noinline__ void attention(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc, bf16* vc,
-                          const bf16* qknw, const float* rope, const bf16* qkvbuf, bf16* abuf, float eps,
-                          float scale, long long scl, long long scs, long long sch, long long sct, float* scratch) {
+__device__ __noinline__ void attention(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc,
+                                       bf16* vc, const bf16* qknw, const float* rope, const bf16* qkvbuf, bf16* abuf,
+                                       float eps, float scale, long long scl, long long scs, long long sch,
+                                       long long sct, float* scratch) {
     float* kf = scratch;  // (T, D)
     float* vf = kf + T * D;  // (T, D)
     float* qf = vf + T * D;  // (GQ, D)
@@ -558,10 +560,11 @@ __device__ __forceinline__ void unpack8(uint4 v, float* f) {
 // flight, each lane group running a softmax online over its positions; the groups combine by shuffles, the warps in
 // shared memory. A row's only chunk writes its output; else each chunk writes its partial (sums, max, total) to
 // `part`, and the unit that finds the (row, kv head) counter at its last arrival combines them in chunk order.
-__device__ __noinline__ void attention_long(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc, bf16* vc,
-                               const bf16* qknw, const float* rope, const bf16* qkvbuf, bf16* abuf, float eps,
-                               float scale, long long scl, long long scs, long long sch, long long sct,
-                               float* scratch, float* part, u32* cnt) {
+__device__ __noinline__ void attention_long(int l, int M, const long long* pos_p, const long long* slot_p,
+                                            bf16* kc, bf16* vc, const bf16* qknw, const float* rope,
+                                            const bf16* qkvbuf, bf16* abuf, float eps, float scale, long long scl,
+                                            long long scs, long long sch, long long sct, float* scratch, float* part,
+                                            u32* cnt) {
     constexpr int LPP = D / 16;  // lanes a position: elements [8j, 8j + 8) and [D/2 + 8j, D/2 + 8j + 8) for lane j
     constexpr int PPW = 32 / LPP;  // positions a warp at once
     constexpr int PPB = PPW * NWARPS;  // and a block

@@ -279,7 +279,7 @@ if HAVE_TRITON:
         ABUF,  # (M, NQ D) scratch: attention output
         GBUF,  # (M, I) scratch: SiLU(gate) * up
         PART,  # float32 scratch: split-K partial sums, (SPLIT, BLOCK_M, N) for the phase's N
-        CNT,  # int32 (COUNTERS + 2 + ...): column-block counters, the barrier, its exit counter; zero between launches
+        CNT,  # int32 (COUNTERS + ...): column-block counters, the barrier, its exit counter; zero between launches
         M,
         ph_start,
         ph_end,

@@ -110,8 +110,8 @@ class ServerSettings(BaseSettings):
     talker_stack_kernel: Literal["off", "cuda"] = _ENGINE.talker_stack_kernel  # type: ignore[assignment]
     # On CUDA, the output heads (the talker's and the code predictor's 15) on the few-row kernel instead of cuBLAS,
     # so a row's logits do not depend on the rows beside it. With both stack kernels on "cuda", a lone stream's steps
-    # then run one row instead of two: on an H200 one 0.6B stream 17.2x -> 22.1x real time, one 1.7B stream 15.3x ->
-    # 16.4x (docs/benchmarks.md). Ignored on CPU.
+    # then run one row instead of two: on an H200 one 0.6B stream 17.2x -> 22.1x real time with the three settings
+    # (the 1.7B's talker does not fit the kernel: its steps stay two rows; docs/benchmarks.md). Ignored on CPU.
     small_m_heads: bool = _ENGINE.small_m_heads
     # On CUDA, the compiled blocks in inductor's deterministic mode: the same request and seed give the same codes
     # from a fresh process (a replica, a restart); off, inductor times its reduction configurations per process
