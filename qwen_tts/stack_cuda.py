@@ -14,7 +14,11 @@ flies while the grid catches up and while the phase in between (attention) runs.
 (at most 4 x 3072 bf16) and every block reads them whole from L2, normalising them itself where a norm comes
 first, so the norm needs no phase of its own. Attention is one unit per (row, kv head); keys written in the same
 pass (the code predictor's two prompt tokens as two rows of one slot) are computed from the raw q|k|v by the unit
-that reads them, so no phase orders the cache writes before the reads.
+that reads them, so no phase orders the cache writes before the reads. A cache longer than MAX_POSITIONS (the
+talker's) takes `attention_long`: units per (row, kv head, chunk of positions), lane groups of a warp each on one
+position with an online softmax, the chunks' partial sums combined by the last unit to finish (a counter per (row,
+kv head)), so every unit of a pass runs at once and a row's chunks depend on its position alone. Each row's RoPE
+cosines and sines are computed once a pass into shared memory.
 
 The arithmetic rounds where the eager layers round; matmul sums are float32 in an order fixed by K alone, so a
 row's result does not depend on the other rows (batch invariant). bf16 only. The kernel is compiled by NVRTC on
