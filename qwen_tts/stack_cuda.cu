@@ -1,14 +1,15 @@
-// One code-predictor pass (the decoder stack for one token per row, at most MAXM rows) as one persistent CUDA
-// kernel: our own (qwen_tts/stack_cuda.py compiles it with NVRTC and documents the design). What it computes is
+// One pass of a decoder stack (the code predictor's, or the 0.6B talker's: one token per row, at most MAXM rows) as
+// one persistent CUDA kernel: our own (qwen_tts/stack_cuda.py compiles it with NVRTC and documents the design). What it computes is
 // `layers.DecoderStack.forward` for T = 1 in bf16, rounded where the eager layers round.
 //
 // Each block owns a fixed slice of output rows of every matmul, with the whole K: its slice of a weight is one or
 // two contiguous byte ranges, copied into shared memory by cp.async one matmul phase ahead of its use (two slots),
 // so the copy is in flight while the block waits at the grid barrier and runs the phase in between. The phases of a
-// layer: q|k|v (input norm recomputed per block), attention (q/k norm, RoPE, cache write, one unit per row and kv
-// head), o + residual, gate|up with SiLU * up (post-attention norm recomputed per block), down + residual; then the
-// final norm. Blocks meet at a grid-wide barrier (an atomic counter) between phases; the grid is one block per SM,
-// all resident. Data written in the kernel is read past L1 (ld.global.cg).
+// layer: q|k|v (input norm recomputed per block), attention (q/k norm, RoPE from per-pass tables, cache write; one
+// unit per row and kv head, or per chunk of positions of them for a long cache), o + residual, gate|up with SiLU *
+// up (post-attention norm recomputed per block), down + residual; then the final norm. Blocks meet at a grid-wide
+// barrier (an atomic counter) between phases; the grid is one block per SM, all resident. Data written in the
+// kernel is read past L1 (ld.global.cg).
 //
 // Constants come from stack_cuda.py as `constexpr int`s written before this text (constants, not macros, so no
 // header's names are touched): the shapes H, I, D, NQ, NKV, L, T, MAXM, NBLK, SLOT_BYTES, ACT_BYTES, RES_ROWS (the
