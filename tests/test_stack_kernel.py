@@ -7,6 +7,7 @@ Without a GPU the kernel runs in Triton's interpreter, one launch per phase ("ph
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 import subprocess
 
@@ -272,6 +273,18 @@ def test_cuda_kernel_layout_fits_an_h200_with_the_code_predictor() -> None:
     assert "shared memory" in stack_cuda.why_not(lay, 101376)  # a consumer GPU's 99 KiB
 
 
+def assert_builds_for_hopper_without_spills(lay, tmp_path) -> None:
+    """The layout's source builds for sm_90 with nvcc (NVRTC's front end), and neither the kernel nor any function
+    it calls out of line spills registers."""
+    src = tmp_path / "k.cu"
+    src.write_text(lay.source())
+    res = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
+    assert "cp_stack_pass" in res.stderr and spills and set(spills) == {"0"}, res.stderr[-3000:]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("opts", [{}, {"bulk": False}, {"mma": True}], ids=["default", "cpasync", "mma"])
 @pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
@@ -282,12 +295,43 @@ def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_
 
     H, inter, L, nq, nkv, D = FULL if shape == "full" else SHAPES[shape]
     lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=CACHE_LEN, nblk=132, **opts)
-    src = tmp_path / "k.cu"
-    src.write_text(lay.source())
-    res = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "cp_stack_pass" in res.stderr and " 0 bytes spill stores" in res.stderr, res.stderr[-3000:]
+    assert_builds_for_hopper_without_spills(lay, tmp_path)
+
+
+def relative_errors(a, b):
+    """The relative RMS and the largest difference of a from the float32 b."""
+    d = a.float() - b
+    return (d.square().mean() / b.square().mean()).sqrt().item(), d.abs().max().item()
+
+
+def assert_as_close_as_eager(triples, step) -> None:
+    """Each (ours, the eager bf16 stack's, float32): ours as close to float32 as the eager bf16 one, relative RMS
+    within 1.5x and the largest difference within 2x, the eager error floored at one bf16 rounding."""
+    for ours, theirs, exact_t in triples:
+        (rms, big), (rms_e, big_e) = relative_errors(ours, exact_t), relative_errors(theirs, exact_t)
+        one = 2**-8 * exact_t.abs().max().item()
+        assert rms <= 1.5 * max(rms_e, 2**-9) and big <= 2 * max(big_e, one), (step, rms, rms_e, big, big_e)
+
+
+def assert_batch_invariant_and_replayable(kern, x, pos, slots, base) -> None:
+    """Each row alone (from the cache `base`) gets the bits it gets in the batch of all; a CUDA graph replay of the
+    batch gets the eager launch's output and cache; the counters end at zero."""
+    cache = copy.deepcopy(base)
+    batch = stack_kernel.stack_pass(kern, x, pos, cache, slots)
+    for i in range(x.shape[0]):
+        alone = stack_kernel.stack_pass(kern, x[i : i + 1], pos[i : i + 1], copy.deepcopy(base), slots[i : i + 1])
+        assert torch.equal(alone[0], batch[i]), i
+    graphed = copy.deepcopy(base)
+    stack_kernel.stack_pass(kern, x, pos, copy.deepcopy(base), slots)  # compiled and warmed outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = stack_kernel.stack_pass(kern, x, pos, graphed, slots)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, batch)
+    assert torch.equal(graphed.k, cache.k) and torch.equal(graphed.v, cache.v)
+    assert not stack_kernel.prepare(DEVICE).any()
 
 
 def make_cuda_stack(dims, seed=0):
@@ -306,14 +350,19 @@ def cuda_options():
     stack_cuda.set_options(**before)
 
 
+# A case's option (non-default) for the CUDA kernel: the name in the test's id, then the stack_cuda option.
+OPTION_CASES = {
+    "cpasync": {"bulk": False},
+    "mma": {"mma": True},
+    "chunked": {"chunked": True},
+    "heavybar": {"light_barrier": False},
+    "splitbar": {"split_barrier": True},
+    "tworows": {"two_rows": True},
+}
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
 ]
-CUDA_CASES += [
-    (shape, 3, opt)
-    for shape in ("full", "tiny-mtp")
-    for opt in ("cpasync", "mma", "chunked", "heavybar", "splitbar", "tworows")
-]
+CUDA_CASES += [(shape, 3, opt) for shape in ("full", "tiny-mtp") for opt in OPTION_CASES]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -328,18 +377,7 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     code; the barrier's release by __threadfence; four arrival counters; two weight rows a warp."""
     from qwen_tts import stack_cuda
 
-    if opts == "cpasync":
-        cuda_options(bulk=False)
-    if opts == "mma":
-        cuda_options(mma=True)
-    if opts == "chunked":
-        cuda_options(chunked=True)
-    if opts == "heavybar":
-        cuda_options(light_barrier=False)
-    if opts == "splitbar":
-        cuda_options(split_barrier=True)
-    if opts == "tworows":
-        cuda_options(two_rows=True)
+    cuda_options(**OPTION_CASES.get(opts, {}))
     dims = FULL if shape == "full" else SHAPES[shape]
     ref, kern = make_cuda_stack(dims)
     exact = copy.deepcopy(ref).float()
@@ -349,11 +387,6 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     slots = torch.tensor([rows + 1, 0, 3, 2][:rows], device=DEVICE)
     assert stack_cuda.runs(kern.stack_weights, torch.zeros(rows, H, device=DEVICE, dtype=torch.bfloat16), c_kern)
     g = torch.Generator().manual_seed(5)
-
-    def errors(a, b):  # relative RMS and largest difference of a from the float32 b
-        d = a.float() - b
-        return (d.square().mean() / b.square().mean()).sqrt().item(), d.abs().max().item()
-
     for t in range(5):
         x = torch.randn(rows, H, generator=g).to(DEVICE, torch.bfloat16)
         pos = torch.full((rows,), t, device=DEVICE)
@@ -361,14 +394,7 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
         base = eager(ref, x, pos, c_ref, slots)
         got = stack_kernel.stack_pass(kern, x, pos, c_kern, slots)
         assert got.shape == want.shape and got.dtype == torch.bfloat16
-        for ours, theirs, exact_t in (
-            (got, base, want),
-            (c_kern.k, c_ref.k, c_exact.k),
-            (c_kern.v, c_ref.v, c_exact.v),
-        ):
-            (rms, big), (rms_e, big_e) = errors(ours, exact_t), errors(theirs, exact_t)
-            one = 2**-8 * exact_t.abs().max().item()
-            assert rms <= 1.5 * max(rms_e, 2**-9) and big <= 2 * max(big_e, one), (t, rms, rms_e, big, big_e)
+        assert_as_close_as_eager(((got, base, want), (c_kern.k, c_ref.k, c_exact.k), (c_kern.v, c_ref.v, c_exact.v)), t)
     assert not c_kern.k[:, 1].any() and not c_kern.v[:, 1].any()
     assert not stack_kernel.prepare(DEVICE).any()
 
@@ -406,21 +432,7 @@ def test_cuda_kernel_gives_a_row_the_same_bits_alone_in_a_batch_and_replayed() -
     base = kern.new_cache(4, CACHE_LEN, DEVICE, torch.bfloat16)
     base.k.normal_(generator=torch.Generator(device=DEVICE).manual_seed(6))
     base.v.normal_(generator=torch.Generator(device=DEVICE).manual_seed(7))
-    cache = copy.deepcopy(base)
-    batch = stack_kernel.stack_pass(kern, x, pos, cache, slots)
-    for i in (0, 3):
-        alone = stack_kernel.stack_pass(kern, x[i : i + 1], pos[:1], copy.deepcopy(base), slots[i : i + 1])
-        assert torch.equal(alone[0], batch[i]), i
-    graphed = copy.deepcopy(base)
-    stack_kernel.stack_pass(kern, x, pos, copy.deepcopy(base), slots)  # compiled and warmed outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = stack_kernel.stack_pass(kern, x, pos, graphed, slots)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, batch)
-    assert torch.equal(graphed.k, cache.k) and torch.equal(graphed.v, cache.v)
+    assert_batch_invariant_and_replayable(kern, x, pos, slots, base)
 
 
 # A long cache (the talker's): attention_long, in chunks of at least stack_cuda.CHUNK positions, at most
@@ -459,12 +471,7 @@ def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape,
 
     H, inter, L, nq, nkv, D = TALKER_06B if shape == "talker" else SHAPES[shape]
     lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=132)
-    src = tmp_path / "k.cu"
-    src.write_text(lay.source())
-    res = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "cp_stack_pass" in res.stderr and " 0 bytes spill stores" in res.stderr, res.stderr[-3000:]
+    assert_builds_for_hopper_without_spills(lay, tmp_path)
 
 
 LONG_LEN = 700  # positions up to 699: past the most chunks of 64 (4 for the talker's 8 kv heads), so chunks grow
@@ -508,11 +515,6 @@ def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows) -> No
     c_ref, c_kern, c_exact = filled_caches((ref, kern, exact), rows, long_positions(rows, 0), slot_list, seed=11)
     assert stack_cuda.runs(kern.stack_weights, torch.zeros(rows, H, device=DEVICE, dtype=torch.bfloat16), c_kern)
     g = torch.Generator().manual_seed(5)
-
-    def errors(a, b):
-        d = a.float() - b
-        return (d.square().mean() / b.square().mean()).sqrt().item(), d.abs().max().item()
-
     with torch.no_grad():
         for step in range(3):
             x = torch.randn(rows, H, generator=g).to(DEVICE, torch.bfloat16)
@@ -520,14 +522,8 @@ def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows) -> No
             want = exact(x.float()[:, None], pos[:, None], c_exact, slots, LONG_LEN)[:, 0]
             base = ref(x[:, None], pos[:, None], c_ref, slots, LONG_LEN)[:, 0]
             got = stack_kernel.stack_pass(kern, x, pos, c_kern, slots)
-            for ours, theirs, exact_t in (
-                (got, base, want),
-                (c_kern.k, c_ref.k, c_exact.k),
-                (c_kern.v, c_ref.v, c_exact.v),
-            ):
-                (rms, big), (rms_e, big_e) = errors(ours, exact_t), errors(theirs, exact_t)
-                one = 2**-8 * exact_t.abs().max().item()
-                assert rms <= 1.5 * max(rms_e, 2**-9) and big <= 2 * max(big_e, one), (step, rms, rms_e, big, big_e)
+            triples = ((got, base, want), (c_kern.k, c_ref.k, c_exact.k), (c_kern.v, c_ref.v, c_exact.v))
+            assert_as_close_as_eager(triples, step)
     assert not c_kern.k[:, 1].any() and not c_kern.v[:, 1].any()
     assert not c_kern.k[:, slot_list[0], :, 8:].any()  # the first row wrote positions 5-7 only
     assert not stack_kernel.prepare(DEVICE).any()
@@ -567,19 +563,4 @@ def test_cuda_kernel_with_a_long_cache_gives_a_row_the_same_bits_alone_in_a_batc
     base = kern.new_cache(4, LONG_LEN, DEVICE, torch.bfloat16)
     base.k.normal_(generator=torch.Generator(device=DEVICE).manual_seed(6))
     base.v.normal_(generator=torch.Generator(device=DEVICE).manual_seed(7))
-    cache = copy.deepcopy(base)
-    batch = stack_kernel.stack_pass(kern, x, pos, cache, slots)
-    for i in range(4):
-        alone = stack_kernel.stack_pass(kern, x[i : i + 1], pos[i : i + 1], copy.deepcopy(base), slots[i : i + 1])
-        assert torch.equal(alone[0], batch[i]), i
-    graphed = copy.deepcopy(base)
-    stack_kernel.stack_pass(kern, x, pos, copy.deepcopy(base), slots)  # warmed outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = stack_kernel.stack_pass(kern, x, pos, graphed, slots)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, batch)
-    assert torch.equal(graphed.k, cache.k) and torch.equal(graphed.v, cache.v)
-    assert not stack_kernel.prepare(DEVICE).any()
+    assert_batch_invariant_and_replayable(kern, x, pos, slots, base)
