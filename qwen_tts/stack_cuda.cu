@@ -842,13 +842,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     };
     // The o and down phases: xs = x + src @ w.T over this block's H rows (the product rounded first, as
     // `x + F.linear(...)` rounds), x the residual stream as it stood (the pass input before layer 0's o adds to it).
-    auto residual = [&](int f, const bf16* src, int K, const bf16* x) {
+    // A matmul phase after the first: the next phase's weights asked for, the grid wait, this phase's weights in.
+    auto open_matmul = [&](int f) -> const bf16* {
         mark(0);
         prefetch(f + 1);
         grid_wait(bar, target);
         mark(1);
         const bf16* w = await_weights(f);
         mark(2);
+        return w;
+    };
+    auto residual = [&](int f, const bf16* src, int K, const bf16* x) {
+        const bf16* w = open_matmul(f);
         load_rows(act, src, 0, M, K, false, eps, inv, red);
         mark(3);
         const int r0 = lo(H, b), r1 = lo(H, b + 1);
@@ -906,13 +911,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         if (ph++ < stop) residual(4 * l + 1, abuf, QD, xcur);
         // SiLU(gate) * up of rms_norm(x) @ w_gate_up.T
         if (ph++ < stop) {
-            const int f = 4 * l + 2;
-            mark(0);
-            prefetch(f + 1);
-            grid_wait(bar, target);
-            mark(1);
-            const bf16* w = await_weights(f);
-            mark(2);
+            const bf16* w = open_matmul(4 * l + 2);
             load_rows(act, xs, ln2 + l * H, M, H, true, eps, inv, red);
             mark(3);
             const int j0 = lo(I, b), nj = lo(I, b + 1) - j0;
