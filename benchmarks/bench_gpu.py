@@ -118,6 +118,8 @@ VARIANTS: dict[str, dict] = {
     "cp-stack-persistent": {"cp_stack_kernel": "persistent"},  # and in one persistent launch a pass
     "cp-stack-cuda": {"cp_stack_kernel": "cuda"},  # passes of up to 4 rows by the CUDA kernel (stack_cuda.cu)
     "talker-stack-cuda": {"talker_stack_kernel": "cuda"},  # and the talker's (where its layer fits: the 0.6B's)
+    "lean-grid": {"stack_lean_grid": True},  # with those: the kernel on the SMs it needs, the rest left to Code2Wav
+    "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints
@@ -314,6 +316,8 @@ async def closed_level(engine, n: int, frames: int, greedy: bool) -> dict:
     wall = time.perf_counter() - t0
     out = {"concurrency": n, "frames": frames, **stream_stats(streams, wall)}
     out["wall_ms_per_frame"] = round(1000 * wall / frames, 2)
+    if n <= 2 and streams[0].arrivals:  # where a lone stream's time goes: each chunk's arrival (ms) and audio (s)
+        out["first_stream_chunks"] = [[round(1000 * (t - t0), 1), round(d, 3)] for t, d in streams[0].arrivals]
     out.update(timing_delta(before, engine.timings, n))
     out.update(peak_memory())
     return out
@@ -1016,8 +1020,9 @@ class Run:
 
     def engine_config(self, ckpt: Path, slots: int, graphs: bool = True, variant: str = "") -> EngineSettings:
         a = self.a
+        run = dict(first_chunk_frames=a.first_chunk, chunk_frames=a.chunk)  # a variant may set these
         return EngineSettings(
-            **variant_settings(variant),
+            **{**run, **variant_settings(variant)},
             model_path=str(ckpt),
             device=a.device,
             dtype=a.dtype,
@@ -1025,8 +1030,6 @@ class Run:
             max_queue=100_000,
             max_frames=a.frames,
             max_text_tokens=256,
-            first_chunk_frames=a.first_chunk,
-            chunk_frames=a.chunk,
             frame_step="auto" if graphs else "eager",
             decoder_tf32=not a.exact_decoder,
         )
@@ -1076,14 +1079,16 @@ class Run:
         ckpt = write_random_checkpoint(root / size, size=size, seed=0, tokenizer_dir=a.tokenizer_dir)
         res["write_s"] = round(time.perf_counter() - t0, 1)
         greedy = not a.sampling
-        if {"engine", "poisson", "profile"} & parts:
-            slots = max([*a.concurrency, *(a.profile_batches if "profile" in parts else [])])
+        if "engine" in parts:
+            res["engine"] = []
+        # The default engine; --concurrency "" with --engine-variants runs the variants only.
+        if ("engine" in parts and a.concurrency) or {"poisson", "profile"} & parts:
+            slots = max([*a.concurrency, *(a.profile_batches if "profile" in parts else [])], default=1)
             engine, res["load_s"] = await self.start_engine(self.engine_config(ckpt, slots))
             res["info"] = engine.model_info
             log(f"bench {size}: write {res['write_s']} s, load+warm-up {res['load_s']} s, {engine.model_info}")
             try:
                 if "engine" in parts:
-                    res["engine"] = []
                     await self.engine_levels(engine, size, a.concurrency, res["engine"])
                 if "poisson" in parts:
                     res["poisson"] = []
@@ -1110,31 +1115,32 @@ class Run:
                 await engine.stop()
                 del engine
                 free_memory()
-            for variant in a.engine_variants if "engine" in parts else []:
-                if not self.time_left(f"{size} engine {variant}"):
-                    break
-                levels = a.variant_concurrency or a.concurrency
-                engine, _ = await self.start_engine(self.engine_config(ckpt, max(levels), variant=variant))
-                try:
-                    await self.engine_levels(engine, size, levels, res["engine"], variant)
-                finally:
-                    await engine.stop()
-                    del engine
-                    free_memory()
-            if "profile" in parts and a.profile_eager and cuda() and self.time_left(f"{size} profile eager"):
-                engine, _ = await self.start_engine(self.engine_config(ckpt, max(a.profile_batches), graphs=False))
-                try:
-                    for n in a.profile_batches:
-                        r = await profile_batch(
-                            engine, n, a.profile_steps, a.chunk, greedy, a.module_ranges, a.profile_driver
-                        )
-                        emit({"size": size, "part": "profile", **compact(r)})
-                        res["profile"].append(r)
-                        self.save()
-                finally:
-                    await engine.stop()
-                    del engine
-                    free_memory()
+        for variant in a.engine_variants if "engine" in parts else []:
+            if not self.time_left(f"{size} engine {variant}"):
+                break
+            levels = a.variant_concurrency or a.concurrency
+            engine, load_s = await self.start_engine(self.engine_config(ckpt, max(levels), variant=variant))
+            res.setdefault("variant_info", {})[variant] = {"load_s": load_s, **engine.model_info}
+            try:
+                await self.engine_levels(engine, size, levels, res["engine"], variant)
+            finally:
+                await engine.stop()
+                del engine
+                free_memory()
+        if "profile" in parts and a.profile_eager and cuda() and self.time_left(f"{size} profile eager"):
+            engine, _ = await self.start_engine(self.engine_config(ckpt, max(a.profile_batches), graphs=False))
+            try:
+                for n in a.profile_batches:
+                    r = await profile_batch(
+                        engine, n, a.profile_steps, a.chunk, greedy, a.module_ranges, a.profile_driver
+                    )
+                    emit({"size": size, "part": "profile", **compact(r)})
+                    res["profile"].append(r)
+                    self.save()
+            finally:
+                await engine.stop()
+                del engine
+                free_memory()
         if "http" in parts and self.time_left(f"{size} http"):
             res["http"] = await self.http(ckpt, root / f"{size}-http")
             self.save()

@@ -68,6 +68,7 @@ class Layout:
     chunked: bool = False  # a short cache's attention by attention_long too (lane groups), not a unit's shared memory
     split_barrier: bool = False  # arrivals over MAX_ARRIVE counters (block b at b % 4; measured slower); False: one
     two_rows: bool = False  # the CUDA-core products two weight rows a warp at once (not measured with one counter)
+    lean_grid: bool = False  # the fewest blocks that keep every block's largest share (nblk); the other SMs stay free
 
     @property
     def slot_bytes(self) -> int:
@@ -145,23 +146,24 @@ def _align16(n: int) -> int:
 
 # The kernel's choices, process-wide (`set_options`; CUDA graphs keep the kernel they were captured with).
 _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "light_barrier": True, "chunked": False,
-            "split_barrier": False, "two_rows": False}  # fmt: skip
+            "split_barrier": False, "two_rows": False, "lean_grid": False}  # fmt: skip
 
 
 def set_options(
     bulk: bool | None = None, weights: bool | None = None, mma: bool | None = None, timeline: bool | None = None,
     light_barrier: bool | None = None, chunked: bool | None = None, split_barrier: bool | None = None,
-    two_rows: bool | None = None,
+    two_rows: bool | None = None, lean_grid: bool | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
     only (no weight copies: the matmuls read stale shared memory); mma: the matmuls on the tensor cores (else dot
     products on the CUDA cores); timeline: profiling, each phase's steps stamped (stack_pass's `timeline`);
     light_barrier: the grid barrier's release by an acquire-release fence (else a sequentially consistent one);
     chunked: a short cache's attention by the long cache's code; split_barrier: the barrier's arrivals over four
-    counters (else one; four measured slower); two_rows: the products two weight rows a warp at once. Returns the
-    options now in force."""
+    counters (else one; four measured slower); two_rows: the products two weight rows a warp at once; lean_grid: a
+    block on only as many SMs as keep each block's largest share of every phase (`lean_blocks`), the others left to
+    kernels on other streams (Code2Wav's). Returns the options now in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
-                 split_barrier=split_barrier, two_rows=two_rows)  # fmt: skip
+                 split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)
@@ -202,10 +204,29 @@ def device_layout(sw, max_len: int, device: torch.device) -> tuple[Layout, str |
     return _checked_layout(layout(sw, max_len, 1), device)
 
 
+def _shares(lay: Layout) -> tuple[int, ...]:
+    """What a grid of lay.nblk blocks gives its busiest block: its weight rows of q|k|v, of o and down, of gate and
+    of up, and attention's chunks a (row, kv head)."""
+    n = lay.nblk
+    return _most(lay.NQ * lay.D + 2 * lay.NKV * lay.D, n), _most(lay.H, n), _most(lay.I, n), lay.max_chunks
+
+
+def lean_blocks(shape: Layout, sms: int) -> int:
+    """The fewest blocks (at most sms) whose busiest block has no more weight rows in any phase, nor attention
+    fewer chunks, than on sms blocks: the same critical path, with SMs left for other streams' kernels. 128 of an
+    H200's 132 for the code predictor's and the 0.6B talker's layer (4,096 q|k|v, 1,024 o and down, 3,072 gate and
+    3,072 up rows: 32, 8, 24 and 24 a block either way; 4 chunks)."""
+    full = _shares(dataclasses.replace(shape, nblk=sms))
+    n = sms
+    while n > 1 and _shares(dataclasses.replace(shape, nblk=n - 1)) == full:
+        n -= 1
+    return n
+
+
 @functools.cache
 def _checked_layout(shape: Layout, device: torch.device) -> tuple[Layout, str | None]:
     sms, max_shared = _device_limits(device)
-    lay = dataclasses.replace(shape, nblk=sms)
+    lay = dataclasses.replace(shape, nblk=lean_blocks(shape, sms) if shape.lean_grid else sms)
     return lay, why_not(lay, max_shared)
 
 
@@ -216,6 +237,11 @@ def _kernel(device: torch.device, lay: Layout):
     k = cuda_rtc.compile_kernel(lay.source(), "cp_stack_pass", device)
     k.set_max_shared(lay.shared_bytes)
     return k
+
+
+def blocks(sw, max_len: int, device: torch.device | str) -> int:
+    """The blocks a pass of this stack launches on the device with the options now in force."""
+    return device_layout(sw, max_len, _index(torch.device(device)))[0].nblk
 
 
 def prepare(sw, max_len: int, device: torch.device | str) -> str | None:

@@ -358,6 +358,7 @@ OPTION_CASES = {
     "heavybar": {"light_barrier": False},
     "splitbar": {"split_barrier": True},
     "tworows": {"two_rows": True},
+    "lean": {"lean_grid": True},
 }
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
@@ -374,7 +375,7 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     stay zero. (Against the eager bf16 stack itself two implementations' roundings add up: at the code predictor's
     five layers and four rows the largest difference reached 0.094 at an output scale of 5.) Options: the weights by
     16-byte cp.async instead of the copy engine; the matmuls on the tensor cores; attention by the long cache's
-    code; the barrier's release by __threadfence; four arrival counters; two weight rows a warp."""
+    code; the barrier's release by __threadfence; four arrival counters; two weight rows a warp; the lean grid."""
     from qwen_tts import stack_cuda
 
     cuda_options(**OPTION_CASES.get(opts, {}))
@@ -564,3 +565,62 @@ def test_cuda_kernel_with_a_long_cache_gives_a_row_the_same_bits_alone_in_a_batc
     base.k.normal_(generator=torch.Generator(device=DEVICE).manual_seed(6))
     base.v.normal_(generator=torch.Generator(device=DEVICE).manual_seed(7))
     assert_batch_invariant_and_replayable(kern, x, pos, slots, base)
+
+
+def test_the_lean_grid_keeps_every_blocks_largest_share() -> None:
+    """stack_lean_grid's block count: on an H200's 132 SMs the code predictor's layer and the 0.6B talker's (4,096
+    q|k|v, 1,024 o and down, 3,072 gate and 3,072 up rows) keep 32, 8, 24 and 24 rows a block and 4 attention chunks
+    on 128 blocks, and one block fewer would give some block more; the 1.7B talker's layer (6,144 gate rows: 47 a
+    block) needs 131; a device with fewer SMs than that keeps them all."""
+    from qwen_tts import stack_cuda
+
+    def lay(dims, T, n):
+        H, inter, L, nq, nkv, D = dims
+        return stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=T, nblk=n)
+
+    for dims, T in ((FULL, CACHE_LEN), (TALKER_06B, 3088)):
+        assert stack_cuda.lean_blocks(lay(dims, T, 1), 132) == 128
+        full, lean, fewer = lay(dims, T, 132), lay(dims, T, 128), lay(dims, T, 127)
+        assert (lean.slot_bytes, lean.res_rows, lean.max_chunks) == (full.slot_bytes, full.res_rows, full.max_chunks)
+        assert fewer.res_rows > full.res_rows  # 2 x 25 gate|up rows
+        assert lean.shared_bytes == full.shared_bytes
+    assert stack_cuda.lean_blocks(lay((2048, 6144, 28, 16, 8, 128), 3088, 1), 132) == 131
+    assert stack_cuda.lean_blocks(lay(FULL, CACHE_LEN, 1), 100) == 100  # 41 q|k|v rows a block; 99 would give 42
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
+@pytest.mark.parametrize("long", [False, True], ids=["short-cache", "long-cache"])
+def test_cuda_kernel_on_the_lean_grid_gives_the_full_grids_bits(long, cuda_options) -> None:
+    """Four rows over three passes on every SM and on the lean grid (fewer blocks where that keeps each block's
+    largest share): the same output and K/V bits, each row's sums being one warp's whatever the grid; the short
+    cache (the code predictor's) and the long one (the talker's: chunked attention)."""
+    from qwen_tts import stack_cuda
+
+    dims = LONG_SHAPE if long else FULL
+    _, kern = make_cuda_stack(dims)
+    H, rows = dims[0], 4
+    slot_list = [5, 0, 3, 2]
+    slots = torch.tensor(slot_list, device=DEVICE)
+    results, grids = [], []
+    for lean in (False, True):
+        cuda_options(lean_grid=lean)
+        if long:
+            (cache,) = filled_caches((kern,), rows, long_positions(rows, 0), slot_list, seed=11)
+        else:
+            cache = kern.new_cache(rows + 2, CACHE_LEN, DEVICE, torch.bfloat16)
+        grids.append(stack_cuda.blocks(kern.stack_weights, cache.max_len, DEVICE))
+        g = torch.Generator().manual_seed(5)
+        outs = []
+        with torch.no_grad():
+            for step in range(3):
+                x = torch.randn(rows, H, generator=g).to(DEVICE, torch.bfloat16)
+                pos = torch.tensor(long_positions(rows, step) if long else [step] * rows, device=DEVICE)
+                outs.append(stack_kernel.stack_pass(kern, x, pos, cache, slots))
+        results.append((torch.stack(outs), cache.k.clone(), cache.v.clone()))
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    T = LONG_LEN if long else CACHE_LEN
+    lay = stack_cuda.Layout(H=H, I=dims[1], D=dims[5], NQ=dims[3], NKV=dims[4], L=dims[2], T=T, nblk=1)
+    assert grids == [sms, stack_cuda.lean_blocks(lay, sms)]
+    for full, lean in zip(*results, strict=True):
+        assert torch.equal(full, lean)
+    assert not stack_kernel.prepare(DEVICE).any()

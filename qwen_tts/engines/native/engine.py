@@ -116,6 +116,7 @@ class NativeEngine(Engine):
             "decode_chunks": 0,
             "decode_rows": 0,
             "admissions_held": 0,  # loop turns that left a waiting request queued (admission_step_budget_ms)
+            "decoder_wait_s": 0.0,  # the loop waiting for the decoder with no row to step (decode_lookahead)
         }
         # Seconds between frame steps while requests run: a moving average (admission_step_budget_ms).
         self._step_interval: float | None = None
@@ -205,6 +206,7 @@ class NativeEngine(Engine):
         self._model_info["cp_stack_kernel"] = self._talker.code_predictor.model.stack_kernel or "off"
         self._model_info["talker_stack_kernel"] = self._talker.model.stack_kernel or "off"
         self._model_info["one_row_steps"] = one_row_steps(self._talker)
+        self._model_info["stack_blocks"] = stack_blocks(self._talker, self.config, self.device)
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)
         self._model_info["fused_decoder"] = any(getattr(m, "fast", None) for m in self._code2wav.modules())
@@ -534,7 +536,9 @@ class NativeEngine(Engine):
             if lv.done is None and dec.inflight(lv) < lookahead and lv.frames + (id(lv) in stepping) < lv.budget
         ]
         if not rows and ahead is None and dec.busy:  # nothing to step until the decoder catches up
+            w0 = time.perf_counter()
             self._wait_for_decoder()
+            self.timings["decoder_wait_s"] += time.perf_counter() - w0
         t0 = time.perf_counter()
         launched: StepCodes | None = None
         failed = False
@@ -770,6 +774,20 @@ def talker_cache_len(config: EngineSettings) -> int:
     return config.max_text_tokens + PROMPT_EXTRA_TOKENS + config.max_frames
 
 
+def stack_blocks(talker, config: EngineSettings, device: torch.device) -> dict[str, int]:
+    """The blocks (SMs) each stack on the CUDA kernel launches: every SM, or fewer with stack_lean_grid."""
+    if device.type != "cuda":
+        return {}
+    out = {}
+    for name, stack, max_len in (
+        ("code_predictor", talker.code_predictor.model, talker.code_predictor.num_residual + 1),
+        ("talker", talker.model, talker_cache_len(config)),
+    ):
+        if stack.stack_kernel == "cuda":
+            out[name] = stack_cuda.blocks(stack.stack_weights, max_len, device)
+    return out
+
+
 def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bool:
     """Turn on the CUDA fast path (qwen_tts/fused.py and the kernels around it) for a talker and its code
     predictor as `config` asks; returns whether it is on. The engine's own set-up, a function of its own so that a
@@ -794,6 +812,7 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
     if config.cp_input_tables:
         n = talker.code_predictor.build_input_tables()
         log.info("code predictor input tables: %.1f MB", n / 1e6)
+    stack_cuda.set_options(lean_grid=config.stack_lean_grid)  # process-wide, read when a pass is compiled or captured
     stack_kernel.enable(talker.code_predictor.model, config.cp_stack_kernel)
     if config.cp_stack_kernel != "off":
         stack_kernel.prepare(device)  # its counters, before any graph capture
