@@ -118,7 +118,7 @@ VARIANTS: dict[str, dict] = {
     "cp-stack-persistent": {"cp_stack_kernel": "persistent"},  # and in one persistent launch a pass
     "cp-stack-cuda": {"cp_stack_kernel": "cuda"},  # passes of up to 4 rows by the CUDA kernel (stack_cuda.cu)
     "talker-stack-cuda": {"talker_stack_kernel": "cuda"},  # and the talker's (where its layer fits: the 0.6B's)
-    "lean-grid": {"stack_lean_grid": True},  # with those: the kernel on the SMs it needs, the rest left to Code2Wav
+    "full-grid": {"stack_lean_grid": False},  # with those: the kernel on every SM, not only those it needs
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }

@@ -107,8 +107,9 @@ def main() -> None:
                     "on 16-column units with every K tile), +stepN (K steps up to N), +wN (N warps); cuda's: +cpasync "
                     "(16-byte cp.async, not the copy engine), +mma (the matmuls on the tensor cores), +noweights (no weight "
                     "copies: profiling only), +heavybar (the barrier's release by __threadfence), +chunked (a short "
-                    "cache's attention by the long cache's code), +splitbar (four arrival counters), +tworows (two "
-                    "weight rows a warp), +lean (only the SMs that keep each block's largest share)")  # fmt: skip
+                    "cache's attention by the long cache's code), +splitbar (four arrival counters), +onerow (one "
+                    "weight row a warp, not two), +fullgrid (every SM, not only those that keep each block's largest "
+                    "share)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
     ap.add_argument(
         "--cache-len",
@@ -161,8 +162,8 @@ def main() -> None:
         stack_cuda.set_options(**default_cuda)
         stack_cuda.set_options(bulk="cpasync" not in parts, weights="noweights" not in parts, mma="mma" in parts,
                                light_barrier="heavybar" not in parts, chunked="chunked" in parts,
-                               split_barrier="splitbar" in parts, two_rows="tworows" in parts,
-                               lean_grid="lean" in parts)  # fmt: skip
+                               split_barrier="splitbar" in parts, two_rows="onerow" not in parts,
+                               lean_grid="fullgrid" not in parts)  # fmt: skip
         stack_kernel.set_options(prefetch="prefetch" in parts, preload="preload" in parts)
         if "unsplit" in parts:
             stack_kernel.set_options(residual_split=1, residual_block_n=16)

@@ -98,6 +98,9 @@ STEP_VARIANTS = {
     # where the talker's layer does not fit the kernel, the 1.7B's, the fused path's kernels).
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+talker-cuda": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-cuda+talker-cuda": _BOTH,
+    # and with the heads by the few-row kernel: where both stacks run on the kernel, a lone row's step is one row
+    # (frame_step.one_row_steps), as the engine runs one stream with its three opt-in settings.
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda": _BOTH,
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}

@@ -228,8 +228,9 @@ class EngineSettings:
     # With either stack kernel on "cuda": launch it on only as many SMs as keep each block's largest share of every
     # phase (stack_cuda.lean_blocks: 128 of an H200's 132 for the code predictor and the 0.6B's talker), so Code2Wav's
     # kernels on the decoder's stream have SMs of their own while a pass holds the rest. The same bits (a row's sums
-    # do not depend on the grid). Off by default until measured (bench_gpu.py --engine-variants lean-grid).
-    stack_lean_grid: bool = False
+    # do not depend on the grid). On an H200 one 0.6B stream 22.1x -> 23.1x real time, one 1.7B stream 17.4x ->
+    # 17.7x (sixteenth round, docs/benchmarks.md; bench_gpu.py --engine-variants full-grid for every SM).
+    stack_lean_grid: bool = True
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
     # On an H200 the graphed step at batch 1 went 5.66 -> 5.54 ms; with the sampler kernel and polyphase convs on,

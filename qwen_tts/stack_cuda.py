@@ -67,8 +67,8 @@ class Layout:
     light_barrier: bool = True  # the grid barrier's release as fence.acq_rel + a relaxed add; False: __threadfence
     chunked: bool = False  # a short cache's attention by attention_long too (lane groups), not a unit's shared memory
     split_barrier: bool = False  # arrivals over MAX_ARRIVE counters (block b at b % 4; measured slower); False: one
-    two_rows: bool = False  # the CUDA-core products two weight rows a warp at once (not measured with one counter)
-    lean_grid: bool = False  # the fewest blocks that keep every block's largest share (nblk); the other SMs stay free
+    two_rows: bool = True  # the CUDA-core products two weight rows a warp at once (False: one; the same sums)
+    lean_grid: bool = True  # the fewest blocks that keep every block's largest share (nblk); the other SMs stay free
 
     @property
     def slot_bytes(self) -> int:
@@ -146,7 +146,7 @@ def _align16(n: int) -> int:
 
 # The kernel's choices, process-wide (`set_options`; CUDA graphs keep the kernel they were captured with).
 _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "light_barrier": True, "chunked": False,
-            "split_barrier": False, "two_rows": False, "lean_grid": False}  # fmt: skip
+            "split_barrier": False, "two_rows": True, "lean_grid": True}  # fmt: skip
 
 
 def set_options(

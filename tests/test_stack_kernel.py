@@ -357,8 +357,8 @@ OPTION_CASES = {
     "chunked": {"chunked": True},
     "heavybar": {"light_barrier": False},
     "splitbar": {"split_barrier": True},
-    "tworows": {"two_rows": True},
-    "lean": {"lean_grid": True},
+    "onerow": {"two_rows": False},
+    "fullgrid": {"lean_grid": False},
 }
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
@@ -375,7 +375,8 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     stay zero. (Against the eager bf16 stack itself two implementations' roundings add up: at the code predictor's
     five layers and four rows the largest difference reached 0.094 at an output scale of 5.) Options: the weights by
     16-byte cp.async instead of the copy engine; the matmuls on the tensor cores; attention by the long cache's
-    code; the barrier's release by __threadfence; four arrival counters; two weight rows a warp; the lean grid."""
+    code; the barrier's release by __threadfence; four arrival counters; one weight row a warp (the default: two);
+    every SM (the default: the lean grid)."""
     from qwen_tts import stack_cuda
 
     cuda_options(**OPTION_CASES.get(opts, {}))
