@@ -269,6 +269,9 @@ def test_cuda_kernel_layout_fits_an_h200_with_the_code_predictor() -> None:
     assert stack_cuda.why_not(lay, 232448) is None
     longer = stack_cuda.Layout(**{**lay.__dict__, "T": 64})  # attention in chunks (the talker's: below)
     assert longer.long and not lay.long and stack_cuda.why_not(longer, 232448) is None
+    # Attention inside the o phase for the short cache with head dims a multiple of 64; else a phase of its own.
+    assert lay.att_in_o and not longer.att_in_o
+    assert not stack_cuda.Layout(**{**lay.__dict__, "D": 32, "NQ": 32, "NKV": 16}).att_in_o
     assert "multiples of 8" in stack_cuda.why_not(stack_cuda.Layout(**{**lay.__dict__, "H": 1020}), 232448)
     assert "shared memory" in stack_cuda.why_not(lay, 101376)  # a consumer GPU's 99 KiB
 
@@ -286,7 +289,11 @@ def assert_builds_for_hopper_without_spills(lay, tmp_path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("opts", [{}, {"bulk": False}, {"mma": True}], ids=["default", "cpasync", "mma"])
+@pytest.mark.parametrize(
+    "opts",
+    [{}, {"bulk": False}, {"mma": True}, {"attention_in_o": False}],
+    ids=["default", "cpasync", "mma", "sepattn"],
+)
 @pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
 def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
     """The source the engine hands NVRTC, for the code predictor's shape and a tiny one and each option, builds for
@@ -359,6 +366,7 @@ OPTION_CASES = {
     "splitbar": {"split_barrier": True},
     "onerow": {"two_rows": False},
     "fullgrid": {"lean_grid": False},
+    "sepattn": {"attention_in_o": False},
 }
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
@@ -376,7 +384,7 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     five layers and four rows the largest difference reached 0.094 at an output scale of 5.) Options: the weights by
     16-byte cp.async instead of the copy engine; the matmuls on the tensor cores; attention by the long cache's
     code; the barrier's release by __threadfence; four arrival counters; one weight row a warp (the default: two);
-    every SM (the default: the lean grid)."""
+    every SM (the default: the lean grid); attention as a phase of its own (the default: inside o's)."""
     from qwen_tts import stack_cuda
 
     cuda_options(**OPTION_CASES.get(opts, {}))
@@ -624,4 +632,32 @@ def test_cuda_kernel_on_the_lean_grid_gives_the_full_grids_bits(long, cuda_optio
     assert grids == [sms, stack_cuda.lean_blocks(lay, sms)]
     for full, lean in zip(*results, strict=True):
         assert torch.equal(full, lean)
+    assert not stack_kernel.prepare(DEVICE).any()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
+@pytest.mark.parametrize("shape", ["full", "split"])
+def test_cuda_kernel_attention_inside_o_gives_the_attention_phases_bits(shape, cuda_options) -> None:
+    """A short cache's attention inside the o phase (every block all of it, a warp a unit) against a phase of its
+    own (a block a unit): the same output and K/V bits over eight passes of four rows, two of them sharing a slot at
+    consecutive positions (the second attends to the first's key of the same pass), the others in scattered slots."""
+    dims = FULL if shape == "full" else SHAPES[shape]
+    _, kern = make_cuda_stack(dims)
+    H = dims[0]
+    slots = torch.tensor([5, 0, 3, 3], device=DEVICE)
+    results = []
+    for inside in (False, True):
+        cuda_options(attention_in_o=inside)
+        cache = kern.new_cache(6, CACHE_LEN, DEVICE, torch.bfloat16)
+        g = torch.Generator().manual_seed(9)
+        outs = []
+        with torch.no_grad():
+            for t in range(8):
+                x = torch.randn(4, H, generator=g).to(DEVICE, torch.bfloat16)
+                pos = torch.tensor([t, t, 2 * t, 2 * t + 1], device=DEVICE)
+                outs.append(stack_kernel.stack_pass(kern, x, pos, cache, slots))
+        results.append((torch.stack(outs), cache.k.clone(), cache.v.clone()))
+    for sep, inside in zip(*results, strict=True):
+        assert torch.equal(sep, inside)
+    assert results[1][1][:, 3, :, :16].abs().sum() > 0 and not results[1][1][:, 1].any()
     assert not stack_kernel.prepare(DEVICE).any()
