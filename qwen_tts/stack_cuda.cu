@@ -433,6 +433,16 @@ __device__ __noinline__ void norm_rope(const float* y, const bf16* nw, const flo
     __syncwarp();
 }
 
+// Eight bf16 from a 16-byte load as floats.
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+    const u32 vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        f[2 * j] = __uint_as_float(vv[j] << 16);
+        f[2 * j + 1] = __uint_as_float(vv[j] & 0xffff0000u);
+    }
+}
+
 // rope[r] <- row r's RoPE at its position: D / 2 cosines then D / 2 sines, each rounded to bf16 as the eager tables
 // are (float32 angle = position x inverse frequency), once a pass: every layer's queries and keys of the pass use
 // them (cached keys were roped when written).
@@ -465,13 +475,28 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
         const int m = u / NKV, h = u % NKV;
         const int p = (int)pos_p[m], s = (int)slot_p[m];
         const long long at = l * scl + s * scs + h * sch;
-        // Vectors: t < p + 1 keys (with their values), then GQ queries; a warp each.
+        // The row of this pass that writes position j of this slot, if any (-1).
+        auto source = [&](int j) {
+            int src = -1;
+            for (int r = 0; r < M; ++r)
+                if (src < 0 && (int)slot_p[r] == s && (int)pos_p[r] == j) src = r;
+            return src;
+        };
+        if (VECATT) {  // the cached keys and values, 16 bytes a thread, all in one round
+            for (int i = threadIdx.x; i < (p + 1) * (D / 8); i += NTHREADS) {
+                const int j = i / (D / 8), c = 8 * (i % (D / 8));
+                if (source(j) >= 0) continue;
+                const uint4 kw = ldcg4(kc + at + j * sct + c), vw = ldcg4(vc + at + j * sct + c);
+                unpack8(kw, kf + j * D + c);
+                unpack8(vw, vf + j * D + c);
+            }
+        }
+        // Vectors: t < p + 1 keys (with their values; VECATT: those written in this pass only), then GQ queries; a
+        // warp each.
         for (int j = warp; j < p + 1 + GQ; j += NWARPS) {
             float* y = raw + warp * D;
             if (j <= p) {
-                int src = -1;  // the row of this pass that writes position j of this slot, if any
-                for (int r = 0; r < M; ++r)
-                    if (src < 0 && (int)slot_p[r] == s && (int)pos_p[r] == j) src = r;
+                const int src = source(j);
                 if (src >= 0) {
                     const bf16* row = qkvbuf + src * NQKV * D;
                     for (int c = lane; c < D; c += 32) {
@@ -486,7 +511,7 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
                             vc[at + j * sct + c] = b16(vf[j * D + c]);
                         }
                     }
-                } else {
+                } else if (!VECATT) {
                     for (int c = lane; c < D; c += 32) {
                         kf[j * D + c] = f32(ldcg1(kc + at + j * sct + c));
                         vf[j * D + c] = f32(ldcg1(vc + at + j * sct + c));
@@ -684,15 +709,6 @@ __device__ __forceinline__ float dot8f(uint4 k, const float* q) {
         s += __uint_as_float(kv[j] & 0xffff0000u) * q[2 * j + 1];
     }
     return s;
-}
-
-__device__ __forceinline__ void unpack8(uint4 v, float* f) {
-    const u32 vv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        f[2 * j] = __uint_as_float(vv[j] << 16);
-        f[2 * j + 1] = __uint_as_float(vv[j] & 0xffff0000u);
-    }
 }
 
 // Attention for layer l over a long cache (LONG): one unit per (row, kv head, chunk of positions). A unit norms and
@@ -942,6 +958,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     float* red = res + RES_ROWS * MAXM;  // (NWARPS, MAXM) the norms' sums of squares by warp
     float* rope = red + NWARPS * MAXM;  // (MAXM, D) each row's RoPE cosines and sines (rope_tables)
     bf16* qknw = (bf16*)(rope + MAXM * D);  // (2, D) the attention phase's q and k norm weights
+    bf16* nrm = qknw + 2 * D;  // (H) NORMPF: the next norm's weights, copied in while the grid waits
     const int b = blockIdx.x;
     u32 target = 0;  // arrivals every block has made so far: the barrier's next wait
     int ph = 0;  // phases run (stop: profiling, the kernel cut after that many phases; the output is then partial)
@@ -976,6 +993,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         awaited = f;
         __syncthreads();
         return (const bf16*)(smem + (f & 1) * SLOT_BYTES);
+    };
+    // NORMPF: a norm's weights into shared memory before the grid wait (by the warps that do not poll), so the rows'
+    // norm after it reads them there instead of waiting on L2; else the norm reads them from global memory.
+    auto stage_norm = [&](const bf16* g) -> const bf16* {
+        if (!NORMPF) return g;
+        if (threadIdx.x >= 32)
+            for (int i = threadIdx.x - 32; i < H / 8; i += NTHREADS - 32) ((uint4*)nrm)[i] = ((const uint4*)g)[i];
+        return nrm;
     };
     auto end_phase = [&]() {
         grid_arrive(bar);
@@ -1022,11 +1047,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             const int f = 4 * l;
             mark(0);
             prefetch(f + 1);
+            const bf16* g = stage_norm(ln1 + l * H);
             if (target) grid_wait(bar, target);
             mark(1);
             const bf16* w = await_weights(f);
             mark(2);
-            load_rows(act, xcur, ln1 + l * H, M, H, true, eps, inv, red);
+            load_rows(act, xcur, g, M, H, true, eps, inv, red);
             mark(3);
             const int r0 = lo(NQKV * D, b), r1 = lo(NQKV * D, b + 1);
             block_matmul(w, r1 - r0, H, act, M, part, res);
@@ -1062,8 +1088,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         }
         // SiLU(gate) * up of rms_norm(x) @ w_gate_up.T
         if (ph++ < stop) {
+            const bf16* g = stage_norm(ln2 + l * H);
             const bf16* w = open_matmul(4 * l + 2);
-            load_rows(act, xs, ln2 + l * H, M, H, true, eps, inv, red);
+            load_rows(act, xs, g, M, H, true, eps, inv, red);
             mark(3);
             const int j0 = lo(I, b), nj = lo(I, b + 1) - j0;
             block_matmul(w, 2 * nj, H, act, M, part, res);  // nj gate rows, then their up rows

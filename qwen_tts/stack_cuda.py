@@ -69,7 +69,10 @@ class Layout:
     split_barrier: bool = False  # arrivals over MAX_ARRIVE counters (block b at b % 4; measured slower); False: one
     two_rows: bool = True  # the CUDA-core products two weight rows a warp at once (False: one; the same sums)
     lean_grid: bool = True  # the fewest blocks that keep every block's largest share (nblk); the other SMs stay free
-    attention_in_o: bool = True  # a short cache's attention inside the o phase, every block all of it (64 | D)
+    attention_in_o: bool = False  # a short cache's attention inside the o phase, every block all of it (64 | D;
+    # measured slower: every block reading the same keys and values from L2)
+    norm_prefetch: bool = True  # a norm's weights into shared memory while the grid waits (else read from L2 after)
+    vector_attention: bool = True  # a short cache's cached keys and values by 16-byte loads in one round
 
     @property
     def slot_bytes(self) -> int:
@@ -124,9 +127,11 @@ class Layout:
     @property
     def shared_bytes(self) -> int:
         """Two weight slots, the activations, the rows' norms and the slots' mbarriers (32 bytes), the partial
-        tiles, a phase's sums, the norms' sums of squares by warp, the rows' RoPE tables, a layer's q/k norm weights."""
+        tiles, a phase's sums, the norms' sums of squares by warp, the rows' RoPE tables, a layer's q/k norm weights,
+        a norm's weights (norm_prefetch)."""
         return (2 * self.slot_bytes + self.act_bytes + 32 + 4 * 128 * self.part_items + 4 * MAX_ROWS * self.res_rows
-                + 4 * NWARPS * MAX_ROWS + 4 * MAX_ROWS * self.D + 2 * 2 * self.D)  # fmt: skip
+                + 4 * NWARPS * MAX_ROWS + 4 * MAX_ROWS * self.D + 2 * 2 * self.D
+                + (2 * self.H if self.norm_prefetch else 0))  # fmt: skip
 
     def source(self) -> str:
         consts = dict(H=self.H, I=self.I, D=self.D, NQ=self.NQ, NKV=self.NKV, L=self.L, T=self.T, MAXM=MAX_ROWS,
@@ -135,7 +140,8 @@ class Layout:
                       PART_ITEMS=self.part_items, LONG=int(self.long), CHUNK=CHUNK, NCHUNK=self.max_chunks,
                       TIMELINE=int(self.timeline), LIGHTBAR=int(self.light_barrier),
                       NARRIVE=MAX_ARRIVE if self.split_barrier else 1, MAXNARRIVE=MAX_ARRIVE,
-                      TWO_ROWS=int(self.two_rows), ATT_IN_O=int(self.att_in_o))  # fmt: skip
+                      TWO_ROWS=int(self.two_rows), ATT_IN_O=int(self.att_in_o), NORMPF=int(self.norm_prefetch),
+                      VECATT=int(self.vector_attention))  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
         return prelude + _SOURCE.read_text()
 
@@ -152,13 +158,15 @@ def _align16(n: int) -> int:
 
 # The kernel's choices, process-wide (`set_options`; CUDA graphs keep the kernel they were captured with).
 _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "light_barrier": True, "chunked": False,
-            "split_barrier": False, "two_rows": True, "lean_grid": True, "attention_in_o": True}  # fmt: skip
+            "split_barrier": False, "two_rows": True, "lean_grid": True, "attention_in_o": False,
+            "norm_prefetch": True, "vector_attention": True}  # fmt: skip
 
 
 def set_options(
     bulk: bool | None = None, weights: bool | None = None, mma: bool | None = None, timeline: bool | None = None,
     light_barrier: bool | None = None, chunked: bool | None = None, split_barrier: bool | None = None,
     two_rows: bool | None = None, lean_grid: bool | None = None, attention_in_o: bool | None = None,
+    norm_prefetch: bool | None = None, vector_attention: bool | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
     only (no weight copies: the matmuls read stale shared memory); mma: the matmuls on the tensor cores (else dot
@@ -168,11 +176,13 @@ def set_options(
     counters (else one; four measured slower); two_rows: the products two weight rows a warp at once; lean_grid: a
     block on only as many SMs as keep each block's largest share of every phase (`lean_blocks`), the others left to
     kernels on other streams (Code2Wav's); attention_in_o: a short cache's attention computed by every block at the
-    start of the o phase (else a phase of its own, a block a unit, and a grid barrier more a layer). Returns the
-    options now in force."""
+    start of the o phase (else a phase of its own, a block a unit, and a grid barrier more a layer; measured
+    slower); norm_prefetch: each norm's weights copied into shared memory during the grid wait before it;
+    vector_attention: a short cache's cached keys and values by 16-byte loads, all in one round. Returns the options
+    now in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
-                 split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid,
-                 attention_in_o=attention_in_o)  # fmt: skip
+                 split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, attention_in_o=attention_in_o,
+                 norm_prefetch=norm_prefetch, vector_attention=vector_attention)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)
@@ -271,10 +281,13 @@ def prepare(sw, max_len: int, device: torch.device | str) -> str | None:
 
 
 def runs(sw, x: Tensor, cache) -> bool:
-    """Whether `stack_pass` can take this pass: CUDA, bf16, at most MAX_ROWS rows, a layout the device fits."""
+    """Whether `stack_pass` can take this pass: CUDA, bf16, at most MAX_ROWS rows, a layout the device fits, a cache
+    whose head vectors start on 16 bytes (its keys and values are read 16 bytes at a time)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and cache.k.dtype == torch.bfloat16):
         return False
     if x.shape[0] > MAX_ROWS or cache.k.stride(-1) != 1 or cache.k.stride() != cache.v.stride():
+        return False
+    if any(s % 8 for s in cache.k.stride()[:4]) or cache.k.data_ptr() % 16 or cache.v.data_ptr() % 16:
         return False
     return device_layout(sw, cache.max_len, _index(x.device))[1] is None
 

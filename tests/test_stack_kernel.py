@@ -265,13 +265,16 @@ def test_cuda_kernel_layout_fits_an_h200_with_the_code_predictor() -> None:
     assert lay.slot_bytes == 48 * 1024 * 2
     assert lay.act_bytes == 4 * 3072 * 2
     assert lay.res_rows == 48 and lay.part_items == 8  # the gate|up share; a partial tile per warp
-    assert lay.shared_bytes == 2 * 98304 + 24576 + 32 + 8 * 512 + 48 * 16 + 8 * 16 + 16 * 128 + 4 * 128 <= 232448
+    # ... and the norm weights staged during the grid wait (norm_prefetch): 2 KiB, 1.6 KiB to spare.
+    assert lay.shared_bytes == 2 * 98304 + 24576 + 32 + 8 * 512 + 48 * 16 + 8 * 16 + 16 * 128 + 4 * 128 + 2048 <= 232448
     assert stack_cuda.why_not(lay, 232448) is None
     longer = stack_cuda.Layout(**{**lay.__dict__, "T": 64})  # attention in chunks (the talker's: below)
     assert longer.long and not lay.long and stack_cuda.why_not(longer, 232448) is None
-    # Attention inside the o phase for the short cache with head dims a multiple of 64; else a phase of its own.
-    assert lay.att_in_o and not longer.att_in_o
-    assert not stack_cuda.Layout(**{**lay.__dict__, "D": 32, "NQ": 32, "NKV": 16}).att_in_o
+    # Attention inside the o phase (option attention_in_o) for the short cache with head dims a multiple of 64.
+    inside = stack_cuda.Layout(**{**lay.__dict__, "attention_in_o": True})
+    assert inside.att_in_o and not lay.att_in_o
+    assert not stack_cuda.Layout(**{**inside.__dict__, "T": 64}).att_in_o
+    assert not stack_cuda.Layout(**{**inside.__dict__, "D": 32, "NQ": 32, "NKV": 16}).att_in_o
     assert "multiples of 8" in stack_cuda.why_not(stack_cuda.Layout(**{**lay.__dict__, "H": 1020}), 232448)
     assert "shared memory" in stack_cuda.why_not(lay, 101376)  # a consumer GPU's 99 KiB
 
@@ -291,8 +294,8 @@ def assert_builds_for_hopper_without_spills(lay, tmp_path) -> None:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize(
     "opts",
-    [{}, {"bulk": False}, {"mma": True}, {"attention_in_o": False}],
-    ids=["default", "cpasync", "mma", "sepattn"],
+    [{}, {"bulk": False}, {"mma": True}, {"attention_in_o": True}],
+    ids=["default", "cpasync", "mma", "attino"],
 )
 @pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
 def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
@@ -366,7 +369,9 @@ OPTION_CASES = {
     "splitbar": {"split_barrier": True},
     "onerow": {"two_rows": False},
     "fullgrid": {"lean_grid": False},
-    "sepattn": {"attention_in_o": False},
+    "attino": {"attention_in_o": True},
+    "nonormpf": {"norm_prefetch": False},
+    "scalaratt": {"vector_attention": False},
 }
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
@@ -384,7 +389,8 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     five layers and four rows the largest difference reached 0.094 at an output scale of 5.) Options: the weights by
     16-byte cp.async instead of the copy engine; the matmuls on the tensor cores; attention by the long cache's
     code; the barrier's release by __threadfence; four arrival counters; one weight row a warp (the default: two);
-    every SM (the default: the lean grid); attention as a phase of its own (the default: inside o's)."""
+    every SM (the default: the lean grid); attention inside the o phase (the default: a phase of its own); the norm weights from L2
+    (the default: staged in shared memory); the short cache's keys by 2-byte loads (the default: 16-byte)."""
     from qwen_tts import stack_cuda
 
     cuda_options(**OPTION_CASES.get(opts, {}))
@@ -635,19 +641,27 @@ def test_cuda_kernel_on_the_lean_grid_gives_the_full_grids_bits(long, cuda_optio
     assert not stack_kernel.prepare(DEVICE).any()
 
 
+# Options that change how, not what: the same sums in the same order.
+SAME_BITS = ["attino", "nonormpf", "scalaratt", "onerow", "fullgrid"]
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
+@pytest.mark.parametrize("opt", SAME_BITS)
 @pytest.mark.parametrize("shape", ["full", "split"])
-def test_cuda_kernel_attention_inside_o_gives_the_attention_phases_bits(shape, cuda_options) -> None:
-    """A short cache's attention inside the o phase (every block all of it, a warp a unit) against a phase of its
-    own (a block a unit): the same output and K/V bits over eight passes of four rows, two of them sharing a slot at
-    consecutive positions (the second attends to the first's key of the same pass), the others in scattered slots."""
+def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) -> None:
+    """Each option that changes how the kernel works, not its sums, against the defaults: the same output and K/V
+    bits over eight passes of four rows, two of them sharing a slot at consecutive positions (the second attends to
+    the first's key of the same pass), the others in scattered slots. attino: attention inside the o phase, every
+    block all of it, a warp a unit; nonormpf: the norm weights read from L2; scalaratt: the cached keys and values
+    by 2-byte loads; onerow: a weight row a warp; fullgrid: every SM."""
     dims = FULL if shape == "full" else SHAPES[shape]
     _, kern = make_cuda_stack(dims)
     H = dims[0]
     slots = torch.tensor([5, 0, 3, 3], device=DEVICE)
+    defaults = cuda_options()
     results = []
-    for inside in (False, True):
-        cuda_options(attention_in_o=inside)
+    for opts in ({}, OPTION_CASES[opt]):
+        cuda_options(**{**defaults, **opts})
         cache = kern.new_cache(6, CACHE_LEN, DEVICE, torch.bfloat16)
         g = torch.Generator().manual_seed(9)
         outs = []
@@ -657,7 +671,7 @@ def test_cuda_kernel_attention_inside_o_gives_the_attention_phases_bits(shape, c
                 pos = torch.tensor([t, t, 2 * t, 2 * t + 1], device=DEVICE)
                 outs.append(stack_kernel.stack_pass(kern, x, pos, cache, slots))
         results.append((torch.stack(outs), cache.k.clone(), cache.v.clone()))
-    for sep, inside in zip(*results, strict=True):
-        assert torch.equal(sep, inside)
+    for base, changed in zip(*results, strict=True):
+        assert torch.equal(base, changed)
     assert results[1][1][:, 3, :, :16].abs().sum() > 0 and not results[1][1][:, 1].any()
     assert not stack_kernel.prepare(DEVICE).any()
