@@ -73,6 +73,7 @@ class Layout:
     # measured slower: every block reading the same keys and values from L2)
     norm_prefetch: bool = True  # a norm's weights into shared memory while the grid waits (else read from L2 after)
     vector_attention: bool = True  # a short cache's cached keys and values by 16-byte loads in one round
+    chunk: int = CHUNK  # attention_long: positions a chunk at least
 
     @property
     def slot_bytes(self) -> int:
@@ -137,7 +138,7 @@ class Layout:
         consts = dict(H=self.H, I=self.I, D=self.D, NQ=self.NQ, NKV=self.NKV, L=self.L, T=self.T, MAXM=MAX_ROWS,
                       NBLK=self.nblk, SLOT_BYTES=self.slot_bytes, ACT_BYTES=self.act_bytes, BULK=int(self.bulk),
                       WEIGHTS=int(self.weights), MMA=int(self.mma), RES_ROWS=self.res_rows,
-                      PART_ITEMS=self.part_items, LONG=int(self.long), CHUNK=CHUNK, NCHUNK=self.max_chunks,
+                      PART_ITEMS=self.part_items, LONG=int(self.long), CHUNK=self.chunk, NCHUNK=self.max_chunks,
                       TIMELINE=int(self.timeline), LIGHTBAR=int(self.light_barrier),
                       NARRIVE=MAX_ARRIVE if self.split_barrier else 1, MAXNARRIVE=MAX_ARRIVE,
                       TWO_ROWS=int(self.two_rows), ATT_IN_O=int(self.att_in_o), NORMPF=int(self.norm_prefetch),
@@ -159,14 +160,14 @@ def _align16(n: int) -> int:
 # The kernel's choices, process-wide (`set_options`; CUDA graphs keep the kernel they were captured with).
 _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "light_barrier": True, "chunked": False,
             "split_barrier": False, "two_rows": True, "lean_grid": True, "attention_in_o": False,
-            "norm_prefetch": True, "vector_attention": True}  # fmt: skip
+            "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK}  # fmt: skip
 
 
 def set_options(
     bulk: bool | None = None, weights: bool | None = None, mma: bool | None = None, timeline: bool | None = None,
     light_barrier: bool | None = None, chunked: bool | None = None, split_barrier: bool | None = None,
     two_rows: bool | None = None, lean_grid: bool | None = None, attention_in_o: bool | None = None,
-    norm_prefetch: bool | None = None, vector_attention: bool | None = None,
+    norm_prefetch: bool | None = None, vector_attention: bool | None = None, chunk: int | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
     only (no weight copies: the matmuls read stale shared memory); mma: the matmuls on the tensor cores (else dot
@@ -178,14 +179,18 @@ def set_options(
     kernels on other streams (Code2Wav's); attention_in_o: a short cache's attention computed by every block at the
     start of the o phase (else a phase of its own, a block a unit, and a grid barrier more a layer; measured
     slower); norm_prefetch: each norm's weights copied into shared memory during the grid wait before it;
-    vector_attention: a short cache's cached keys and values by 16-byte loads, all in one round. Returns the options
-    now in force."""
+    vector_attention: a short cache's cached keys and values by 16-byte loads, all in one round; chunk: a long
+    cache's chunks take at least this many positions (a multiple of 32). Returns the options now in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, attention_in_o=attention_in_o,
                  norm_prefetch=norm_prefetch, vector_attention=vector_attention)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)
+    if chunk is not None:
+        if chunk < 32 or chunk % 32:
+            raise ValueError(f"chunk must be a multiple of 32 positions, not {chunk}")
+        _options["chunk"] = int(chunk)
     return dict(_options)
 
 

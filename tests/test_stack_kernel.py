@@ -492,7 +492,8 @@ def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape,
 
 LONG_LEN = 700  # positions up to 699: past the most chunks of 64 (4 for the talker's 8 kv heads), so chunks grow
 LONG_SHAPE = (1024, 3072, 2, 16, 8, 128)  # the talker's layer, two of them
-LONG_CASES = [(shape, rows) for shape in ("talker", "split", "tiny-mtp") for rows in (1, 2, 4)]
+LONG_CASES = [(shape, rows, "default") for shape in ("talker", "split", "tiny-mtp") for rows in (1, 2, 4)]
+LONG_CASES += [("talker", 4, "chunk128"), ("split", 2, "chunk128")]  # chunks of 128 positions at least: 1-4 a row
 
 
 def long_positions(rows: int, step: int) -> list[int]:
@@ -515,13 +516,16 @@ def filled_caches(stacks, rows: int, positions: list[int], slots: list[int], see
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
-@pytest.mark.parametrize(("shape", "rows"), LONG_CASES)
-def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows) -> None:
+@pytest.mark.parametrize(("shape", "rows", "opts"), LONG_CASES)
+def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows, opts, cuda_options) -> None:
     """Rows at positions with 1, 2, 3 and 4 chunks over three passes, in scattered slots of a 700-position cache
     holding random keys: the output and the K/V written as close to float32 as the eager bf16 stack's (the same
-    bounds as the short cache's test); the attention counters back at zero; unwritten slots and positions zero."""
+    bounds as the short cache's test); the attention counters back at zero; unwritten slots and positions zero.
+    chunk128: chunks of at least 128 positions (so 1, 1, 2 and 4 chunks at those positions)."""
     from qwen_tts import stack_cuda
 
+    if opts == "chunk128":
+        cuda_options(chunk=128)
     dims = LONG_SHAPE if shape == "talker" else SHAPES[shape]
     ref, kern = make_cuda_stack(dims)
     exact = copy.deepcopy(ref).float()
@@ -675,3 +679,22 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
         assert torch.equal(base, changed)
     assert results[1][1][:, 3, :, :16].abs().sum() > 0 and not results[1][1][:, 1].any()
     assert not stack_kernel.prepare(DEVICE).any()
+
+
+def test_the_cuda_kernels_chunk_option_takes_multiples_of_32_positions(cuda_options) -> None:
+    """A long cache's chunk size (positions at least) is a multiple of a warp's 32: 128 is taken, 100 and 16 are
+    refused with the reason, and the layout's source carries the chosen size."""
+    from qwen_tts import stack_cuda
+
+    assert cuda_options(chunk=128)["chunk"] == 128
+    H, inter, L, nq, nkv, D = TALKER_06B
+    assert (
+        "constexpr int CHUNK = 128;"
+        in stack_cuda.layout(
+            stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=1), 3088, 132
+        ).source()
+    )
+    for bad in (100, 16):
+        with pytest.raises(ValueError, match="multiple of 32"):
+            cuda_options(chunk=bad)
+    assert cuda_options()["chunk"] == 128
