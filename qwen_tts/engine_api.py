@@ -190,7 +190,7 @@ class EngineSettings:
     # (profile_step.py, graph replays): the 0.6B step 3.97 -> 3.99 ms at batch 1, 5.65 -> 5.65 at batch 64; cuBLAS
     # already takes ~4.4 us a head there. A row's logits then do not depend on the rows beside it, which with both
     # stack kernels on "cuda" lets a lone stream's steps run one row instead of two (frame_step.one_row_steps): one
-    # 0.6B stream 17.2x -> 22.1x real time on an H200 with the three settings (docs/benchmarks.md, fifteenth round;
+    # 0.6B stream 17.2x -> 24.7x real time on an H200 with the three settings (docs/benchmarks.md, sixteenth round;
     # the 1.7B's talker does not fit the kernel, so its steps stay two rows). Off (bench_gpu.py --engine-variants
     # small-m-heads). Ignored on CPU.
     small_m_heads: bool = False
@@ -229,7 +229,8 @@ class EngineSettings:
     # phase (stack_cuda.lean_blocks: 128 of an H200's 132 for the code predictor and the 0.6B's talker), so Code2Wav's
     # kernels on the decoder's stream have SMs of their own while a pass holds the rest. The same bits (a row's sums
     # do not depend on the grid). On an H200 one 0.6B stream 22.1x -> 23.1x real time, one 1.7B stream 17.4x ->
-    # 17.7x (sixteenth round, docs/benchmarks.md; bench_gpu.py --engine-variants full-grid for every SM).
+    # 17.7x, in one device call (sixteenth round, docs/benchmarks.md; bench_gpu.py --engine-variants full-grid for
+    # every SM). Ignored unless a stack runs on the kernel.
     stack_lean_grid: bool = True
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).

@@ -110,7 +110,7 @@ class ServerSettings(BaseSettings):
     talker_stack_kernel: Literal["off", "cuda"] = _ENGINE.talker_stack_kernel  # type: ignore[assignment]
     # On CUDA, the output heads (the talker's and the code predictor's 15) on the few-row kernel instead of cuBLAS,
     # so a row's logits do not depend on the rows beside it. With both stack kernels on "cuda", a lone stream's steps
-    # then run one row instead of two: on an H200 one 0.6B stream 17.2x -> 22.1x real time with the three settings
+    # then run one row instead of two: on an H200 one 0.6B stream 17.2x -> 24.7x real time with the three settings
     # (the 1.7B's talker does not fit the kernel: its steps stay two rows; docs/benchmarks.md). Ignored on CPU.
     small_m_heads: bool = _ENGINE.small_m_heads
     # On CUDA, the compiled blocks in inductor's deterministic mode: the same request and seed give the same codes
