@@ -137,6 +137,24 @@ async def test_admission_budget_keeps_new_requests_queued_while_frames_come_slow
         assert eng.timings["admissions_held"] == 0
 
 
+async def test_the_loop_times_its_waits_for_a_slow_decoder(tiny_model):
+    """With one chunk allowed in the decoder (decode_lookahead=1) and a decoder that takes 40 ms a chunk, the lone
+    request's generation waits on every chunk: the loop counts that time as decoder_wait_s (at least 4 chunks' worth
+    of the 6), and it is not counted as frame steps; the request still gets all its frames."""
+    eng = make_engine(tiny_model, first_chunk_frames=1, chunk_frames=1, decode_lookahead=1)
+    await eng.start()
+    try:
+        dec = eng._decoder.decoder
+        real = dec.decode
+        dec.decode = lambda *a, **k: (time.sleep(0.04), real(*a, **k))[1]
+        (h,), _ = await run(eng, [req(tiny_model, TEXTS[0], greedy=True, max_frames=6, min_frames=6)])
+    finally:
+        await eng.stop()
+    assert h.stats.frames == 6
+    assert eng.timings["decoder_wait_s"] >= 4 * 0.04
+    assert eng.timings["step_s"] < eng.timings["decoder_wait_s"]
+
+
 def test_chunk_schedule_grows_to_the_chunk_size():
     assert chunk_schedule(3, 12, 2) == [3, 6, 12]
     assert chunk_schedule(3, 12, 4) == [3, 12]
@@ -654,6 +672,9 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
             await eng.stop()
         assert eng.model_info["talker_stack_kernel"] == "cuda" and eng.model_info["cp_stack_kernel"] == "cuda"
         assert eng.model_info["one_row_steps"] == heads
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        blocks = eng.model_info["stack_blocks"]  # the lean grid: at most every SM
+        assert set(blocks) == {"code_predictor", "talker"} and all(0 < n <= sms for n in blocks.values()), blocks
         # A lone stream's talker passes: one row eagerly (exact shapes) and with one_row_steps, else padded to two.
         assert alone_rows == ({1} if frame_step == "eager" or heads else {2}), (frame_step, alone_rows)
         assert torch.equal(codes_of(alone), codes_of(pair)), frame_step
