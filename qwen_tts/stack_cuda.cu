@@ -19,10 +19,13 @@
 // for profiling only, to see what the phases cost without their bytes); MMA (1: the matmuls on the tensor cores,
 // mma.sync m16n8k16 with the rows' activations as the 8 columns; 0: dot products on the CUDA cores, a warp a row,
 // TWO_ROWS: two rows at once); TIMELINE (profiling: clock stamps); LIGHTBAR (the barrier's release by an
-// acquire-release fence); NARRIVE (arrival counters, of MAXNARRIVE lines). LONG: the cache is longer than a warp
-// has lanes (the talker's), so attention is split over chunks of at least CHUNK positions, at most NCHUNK a (row, kv
-// head), whose partial softmax sums the last chunk to finish combines (`attention_long`); else one unit per (row,
-// kv head) holds the whole cache in shared memory (`attention`).
+// acquire-release fence); NARRIVE (arrival counters, of MAXNARRIVE lines); NORMPF (each norm's weights copied into
+// shared memory during the grid wait before it); VECATT (a short cache's cached keys and values by 16-byte loads in
+// one round); ATT_IN_O (a short cache's attention by every block at the start of the o phase; measured slower: off).
+// NBLK may be fewer than the SMs (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the
+// talker's), so attention is split over chunks of at least CHUNK positions, at most NCHUNK a (row, kv head), whose
+// partial softmax sums the last chunk to finish combines (`attention_long`); else one unit per (row, kv head) holds
+// the whole cache in shared memory (`attention`).
 // No headers: bf16 is handled as its bits (round to nearest even, as torch rounds), so NVRTC needs no include path.
 
 typedef unsigned short bf16;
