@@ -1072,6 +1072,20 @@ class Run:
             out.append(r)
             self.save()
 
+    async def profile_levels(self, engine, size: str, out: list, timed: bool) -> None:
+        """The profile windows at each --profile-batches size on one engine, rows appended to `out` as they end;
+        timed: each batch first asks the time budget."""
+        a = self.a
+        for n in a.profile_batches:
+            if timed and not self.time_left(f"{size} profile b={n}"):
+                break
+            r = await profile_batch(
+                engine, n, a.profile_steps, a.chunk, not a.sampling, a.module_ranges, a.profile_driver
+            )
+            emit({"size": size, "part": "profile", **compact(r)})
+            out.append(r)
+            self.save()
+
     async def size(self, size: str, root: Path) -> None:
         a, parts = self.a, self.a.parts
         res: dict = self.results["sizes"].setdefault(size, {})
@@ -1102,15 +1116,7 @@ class Run:
                         self.save()
                 if "profile" in parts:
                     res["profile"] = []
-                    for n in a.profile_batches:
-                        if not self.time_left(f"{size} profile b={n}"):
-                            break
-                        r = await profile_batch(
-                            engine, n, a.profile_steps, a.chunk, greedy, a.module_ranges, a.profile_driver
-                        )
-                        emit({"size": size, "part": "profile", **compact(r)})
-                        res["profile"].append(r)
-                        self.save()
+                    await self.profile_levels(engine, size, res["profile"], timed=True)
             finally:
                 await engine.stop()
                 del engine
@@ -1130,13 +1136,7 @@ class Run:
         if "profile" in parts and a.profile_eager and cuda() and self.time_left(f"{size} profile eager"):
             engine, _ = await self.start_engine(self.engine_config(ckpt, max(a.profile_batches), graphs=False))
             try:
-                for n in a.profile_batches:
-                    r = await profile_batch(
-                        engine, n, a.profile_steps, a.chunk, greedy, a.module_ranges, a.profile_driver
-                    )
-                    emit({"size": size, "part": "profile", **compact(r)})
-                    res["profile"].append(r)
-                    self.save()
+                await self.profile_levels(engine, size, res["profile"], timed=False)
             finally:
                 await engine.stop()
                 del engine
