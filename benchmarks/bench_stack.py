@@ -109,7 +109,7 @@ def main() -> None:
                     "copies: profiling only), +heavybar (the barrier's release by __threadfence), +chunked (a short "
                     "cache's attention by the long cache's code), +splitbar (four arrival counters), +onerow (one "
                     "weight row a warp, not two), +fullgrid (every SM, not only those that keep each block's largest "
-                    "share), +attino (a short cache's attention inside the o phase, every block all of it), +nonormpf (the norms' weights "
+                    "share), +nonormpf (the norms' weights "
                     "from L2, not staged in shared memory during the wait), +scalaratt (the short cache's keys by "
                     "2-byte loads), +chunkN (a long cache's chunks of at least N positions)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
@@ -165,7 +165,7 @@ def main() -> None:
         stack_cuda.set_options(bulk="cpasync" not in parts, weights="noweights" not in parts, mma="mma" in parts,
                                light_barrier="heavybar" not in parts, chunked="chunked" in parts,
                                split_barrier="splitbar" in parts, two_rows="onerow" not in parts,
-                               lean_grid="fullgrid" not in parts, attention_in_o="attino" in parts, norm_prefetch="nonormpf" not in parts,
+                               lean_grid="fullgrid" not in parts, norm_prefetch="nonormpf" not in parts,
                                vector_attention="scalaratt" not in parts)  # fmt: skip
         for p in parts:
             if p.startswith("chunk") and p[5:].isdigit():  # chunk128: a long cache's chunks of 128 positions at least

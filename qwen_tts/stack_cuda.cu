@@ -21,8 +21,7 @@
 // TWO_ROWS: two rows at once); TIMELINE (profiling: clock stamps); LIGHTBAR (the barrier's release by an
 // acquire-release fence); NARRIVE (arrival counters, of MAXNARRIVE lines); NORMPF (each norm's weights copied into
 // shared memory during the grid wait before it); VECATT (a short cache's cached keys and values by 16-byte loads in
-// one round); ATT_IN_O (a short cache's attention by every block at the start of the o phase; measured slower: off).
-// NBLK may be fewer than the SMs (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the
+// one round). NBLK may be fewer than the SMs (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the
 // talker's), so attention is split over chunks of at least CHUNK positions, at most NCHUNK a (row, kv head), whose
 // partial softmax sums the last chunk to finish combines (`attention_long`); else one unit per (row, kv head) holds
 // the whole cache in shared memory (`attention`).
@@ -556,147 +555,6 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
     }
 }
 
-// A head vector of `attention_in_o`, a lane holding elements c = lane + 32 i: RMSNorm over D (weight nw) then RoPE
-// with the row's table cs, in registers, in `norm_rope`'s order and roundings (c's RoPE partner, c + D / 2 mod D, is
-// the same lane's element i + E / 2 mod E, since 64 divides D).
-template <int E>
-__device__ __forceinline__ void norm_rope_lane(float* y, const bf16* nw, const float* cs, float eps) {
-    const int lane = threadIdx.x % 32;
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < E; ++i) ss += y[i] * y[i];
-    const float inv = rsqrtf(warp_sum(ss) / D + eps);
-    float n[E];
-#pragma unroll
-    for (int i = 0; i < E; ++i) n[i] = rnd(f32(nw[lane + 32 * i]) * rnd(y[i] * inv));
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-        const int c = lane + 32 * i, ci = c % (D / 2);
-        const float part = n[(i + E / 2) % E];
-        const float rot = c < D / 2 ? -part : part;
-        y[i] = rnd(rnd(n[i] * cs[ci]) + rnd(rot * cs[D / 2 + ci]));
-    }
-}
-
-// ATT_IN_O (a short cache, 64 | D): attention at the start of the o phase instead of a phase of its own. Every block
-// computes every (row, kv head) unit itself, a warp a unit, into act (the rows' attention outputs, bf16: the o
-// product's input), so no grid barrier separates attention from o; the unit's key and value reach the cache from one
-// block (u % NBLK). `attention`'s arithmetic in its order (a lane holds elements c = lane + 32 i, as its loops do),
-// so the same bits. The cache's positions are loaded at once (two register rounds: keys, then values); positions
-// written in this pass (this row's, and those of rows sharing its slot) come from the raw q|k|v instead.
-__device__ __noinline__ void attention_in_o(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc,
-                                            bf16* vc, const bf16* qknw, const float* rope, const bf16* qkvbuf,
-                                            bf16* act, float eps, float scale, long long scl, long long scs,
-                                            long long sch, long long sct) {
-    constexpr int E = D >= 32 ? D / 32 : 1;  // (compiled whatever D; called where 64 divides D)
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const bf16* qn = qknw;  // this layer's q and k norm weights, in shared memory
-    const bf16* kn = qn + D;
-    for (int u = warp; u < M * NKV; u += NWARPS) {
-        const int m = u / NKV, h = u % NKV;
-        const int p = (int)pos_p[m], s = (int)slot_p[m];
-        const long long at = l * scl + s * scs + h * sch;
-        const bool writer = u % NBLK == (int)blockIdx.x;
-        float q[GQ][E], kr[T][E];
-#pragma unroll
-        for (int t = 0; t < T; ++t)
-#pragma unroll
-            for (int i = 0; i < E; ++i) kr[t][i] = t <= p ? f32(ldcg1(kc + at + t * sct + lane + 32 * i)) : 0.f;
-#pragma unroll
-        for (int g = 0; g < GQ; ++g) {
-            const bf16* row = qkvbuf + m * NQKV * D + (h * GQ + g) * D;
-#pragma unroll
-            for (int i = 0; i < E; ++i) q[g][i] = f32(ldcg1(row + lane + 32 * i));
-            norm_rope_lane<E>(q[g], qn, rope + m * D, eps);
-        }
-        // Keys written in this pass, the first row of each (slot, position) as `attention` takes them; last here, so
-        // they replace what the cache held there.
-        for (int r = M - 1; r >= 0; --r) {
-            const int pr = (int)pos_p[r];
-            if ((int)slot_p[r] != s || pr > p) continue;
-            const bf16* row = qkvbuf + r * NQKV * D + (NQ + h) * D;
-            float y[E];
-#pragma unroll
-            for (int i = 0; i < E; ++i) y[i] = f32(ldcg1(row + lane + 32 * i));
-            norm_rope_lane<E>(y, kn, rope + r * D, eps);
-#pragma unroll
-            for (int t = 0; t < T; ++t)
-                if (t == pr)
-#pragma unroll
-                    for (int i = 0; i < E; ++i) kr[t][i] = y[i];
-            bool first = r == m;
-            for (int r2 = 0; r2 < r; ++r2)
-                if ((int)slot_p[r2] == s && (int)pos_p[r2] == pr) first = false;
-            if (first && writer) {
-#pragma unroll
-                for (int i = 0; i < E; ++i) {
-                    kc[at + pr * sct + lane + 32 * i] = b16(y[i]);
-                    vc[at + pr * sct + lane + 32 * i] = ldcg1(row + NKV * D + lane + 32 * i);
-                }
-            }
-        }
-        float w[GQ];  // lane t: position t's softmax weight, per query head
-#pragma unroll
-        for (int g = 0; g < GQ; ++g) w[g] = -3.0e38f;
-#pragma unroll
-        for (int t = 0; t < T; ++t) {
-            if (t <= p) {
-#pragma unroll
-                for (int g = 0; g < GQ; ++g) {
-                    float d = 0.f;
-#pragma unroll
-                    for (int i = 0; i < E; ++i) d += q[g][i] * kr[t][i];
-                    d = warp_sum(d);
-                    if (lane == t) w[g] = d * scale;
-                }
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < GQ; ++g) {
-            const float v = lane <= p ? w[g] : -3.0e38f;
-            const float mx = warp_max(v);
-            const float e = lane <= p ? expf(v - mx) : 0.f;
-            const float tot = warp_sum(e);
-            w[g] = e / tot;
-        }
-        float vr[T][E];
-#pragma unroll
-        for (int t = 0; t < T; ++t)
-#pragma unroll
-            for (int i = 0; i < E; ++i) vr[t][i] = t <= p ? f32(ldcg1(vc + at + t * sct + lane + 32 * i)) : 0.f;
-        for (int r = M - 1; r >= 0; --r) {
-            const int pr = (int)pos_p[r];
-            if ((int)slot_p[r] != s || pr > p) continue;
-            const bf16* row = qkvbuf + r * NQKV * D + (NQ + NKV + h) * D;
-#pragma unroll
-            for (int t = 0; t < T; ++t)
-                if (t == pr)
-#pragma unroll
-                    for (int i = 0; i < E; ++i) vr[t][i] = f32(ldcg1(row + lane + 32 * i));
-        }
-        float o[GQ][E];
-#pragma unroll
-        for (int g = 0; g < GQ; ++g)
-#pragma unroll
-            for (int i = 0; i < E; ++i) o[g][i] = 0.f;
-#pragma unroll
-        for (int t = 0; t < T; ++t) {
-            if (t <= p) {
-#pragma unroll
-                for (int g = 0; g < GQ; ++g) {
-                    const float pt = __shfl_sync(0xffffffffu, w[g], t);
-#pragma unroll
-                    for (int i = 0; i < E; ++i) o[g][i] += pt * vr[t][i];
-                }
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < GQ; ++g)
-#pragma unroll
-            for (int i = 0; i < E; ++i) act[m * QD + (h * GQ + g) * D + lane + 32 * i] = b16(o[g][i]);
-    }
-}
-
 // The chunks of a (row, kv head) whose cache holds len positions: one per CHUNK positions, at most NCHUNK (the SMs
 // over MAXM rows of NKV heads: one unit a block at any row count); a function of the row's position alone, so a
 // row's sums do not depend on the other rows.
@@ -1021,15 +879,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         mark(2);
         return w;
     };
-    // src null (ATT_IN_O's o phase): the rows are this layer's attention outputs, computed here.
     auto residual = [&](int f, const bf16* src, int K, const bf16* x) {
         const bf16* w = open_matmul(f);
-        if (!ATT_IN_O || src) {
-            load_rows(act, src, 0, M, K, false, eps, inv, red);
-        } else {
-            attention_in_o(f / 4, M, pos_p, slot_p, kc, vc, qknw, rope, qkvbuf, act, eps, scale, scl, scs, sch, sct);
-            __syncthreads();
-        }
+        load_rows(act, src, 0, M, K, false, eps, inv, red);
         mark(3);
         const int r0 = lo(H, b), r1 = lo(H, b + 1);
         block_matmul(w, r1 - r0, K, act, M, part, res);
@@ -1067,7 +919,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             end_phase();
             mark(5);
         }
-        if (ph++ < stop && !ATT_IN_O) {
+        if (ph++ < stop) {
             mark(0);
             for (int i = threadIdx.x; i < 2 * D; i += NTHREADS) qknw[i] = qkn[l * 2 * D + i];  // weights: before
             grid_wait(bar, target);  // the wait, whose block barrier publishes them
@@ -1083,12 +935,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             end_phase();
             mark(5);
         }
-        // x = x + attn @ w_o.T (ATT_IN_O: attention first, every block all of it, after the q|k|v phase's barrier)
-        if (ph++ < stop) {
-            if (ATT_IN_O)
-                for (int i = threadIdx.x; i < 2 * D; i += NTHREADS) qknw[i] = qkn[l * 2 * D + i];  // before the wait
-            residual(4 * l + 1, ATT_IN_O ? nullptr : abuf, QD, xcur);
-        }
+        // x = x + attn @ w_o.T
+        if (ph++ < stop) residual(4 * l + 1, abuf, QD, xcur);
         // SiLU(gate) * up of rms_norm(x) @ w_gate_up.T
         if (ph++ < stop) {
             const bf16* g = stage_norm(ln2 + l * H);

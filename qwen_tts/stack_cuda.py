@@ -69,8 +69,6 @@ class Layout:
     split_barrier: bool = False  # arrivals over MAX_ARRIVE counters (block b at b % 4; measured slower); False: one
     two_rows: bool = True  # the CUDA-core products two weight rows a warp at once (False: one; the same sums)
     lean_grid: bool = True  # the fewest blocks that keep every block's largest share (nblk); the other SMs stay free
-    attention_in_o: bool = False  # a short cache's attention inside the o phase, every block all of it (64 | D;
-    # measured slower: every block reading the same keys and values from L2)
     norm_prefetch: bool = True  # a norm's weights into shared memory while the grid waits (else read from L2 after)
     vector_attention: bool = True  # a short cache's cached keys and values by 16-byte loads in one round
     chunk: int = CHUNK  # attention_long: positions a chunk at least
@@ -97,11 +95,6 @@ class Layout:
     def long(self) -> bool:
         """A cache longer than MAX_POSITIONS: attention in chunks (attention_long), not a unit's shared memory."""
         return self.T > MAX_POSITIONS or self.chunked
-
-    @property
-    def att_in_o(self) -> bool:
-        """Attention at the start of the o phase (`attention_in_o`): a short cache, head dims a multiple of 64."""
-        return self.attention_in_o and not self.long and self.D % 64 == 0
 
     @property
     def act_bytes(self) -> int:
@@ -141,7 +134,7 @@ class Layout:
                       PART_ITEMS=self.part_items, LONG=int(self.long), CHUNK=self.chunk, NCHUNK=self.max_chunks,
                       TIMELINE=int(self.timeline), LIGHTBAR=int(self.light_barrier),
                       NARRIVE=MAX_ARRIVE if self.split_barrier else 1, MAXNARRIVE=MAX_ARRIVE,
-                      TWO_ROWS=int(self.two_rows), ATT_IN_O=int(self.att_in_o), NORMPF=int(self.norm_prefetch),
+                      TWO_ROWS=int(self.two_rows), NORMPF=int(self.norm_prefetch),
                       VECATT=int(self.vector_attention))  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
         return prelude + _SOURCE.read_text()
@@ -159,14 +152,14 @@ def _align16(n: int) -> int:
 
 # The kernel's choices, process-wide (`set_options`; CUDA graphs keep the kernel they were captured with).
 _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "light_barrier": True, "chunked": False,
-            "split_barrier": False, "two_rows": True, "lean_grid": True, "attention_in_o": False,
+            "split_barrier": False, "two_rows": True, "lean_grid": True,
             "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK}  # fmt: skip
 
 
 def set_options(
     bulk: bool | None = None, weights: bool | None = None, mma: bool | None = None, timeline: bool | None = None,
     light_barrier: bool | None = None, chunked: bool | None = None, split_barrier: bool | None = None,
-    two_rows: bool | None = None, lean_grid: bool | None = None, attention_in_o: bool | None = None,
+    two_rows: bool | None = None, lean_grid: bool | None = None,
     norm_prefetch: bool | None = None, vector_attention: bool | None = None, chunk: int | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
@@ -176,14 +169,13 @@ def set_options(
     chunked: a short cache's attention by the long cache's code; split_barrier: the barrier's arrivals over four
     counters (else one; four measured slower); two_rows: the products two weight rows a warp at once; lean_grid: a
     block on only as many SMs as keep each block's largest share of every phase (`lean_blocks`), the others left to
-    kernels on other streams (Code2Wav's); attention_in_o: a short cache's attention computed by every block at the
-    start of the o phase (else a phase of its own, a block a unit, and a grid barrier more a layer; measured
-    slower); norm_prefetch: each norm's weights copied into shared memory during the grid wait before it;
-    vector_attention: a short cache's cached keys and values by 16-byte loads, all in one round; chunk: a long
-    cache's chunks take at least this many positions (a multiple of 32). Returns the options now in force."""
+    kernels on other streams (Code2Wav's); norm_prefetch: each norm's weights copied into shared memory during the
+    grid wait before it; vector_attention: a short cache's cached keys and values by 16-byte loads, all in one
+    round; chunk: a long cache's chunks take at least this many positions (a multiple of 32). Returns the options
+    now in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
-                 split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, attention_in_o=attention_in_o,
-                 norm_prefetch=norm_prefetch, vector_attention=vector_attention)  # fmt: skip
+                 split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
+                 vector_attention=vector_attention)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)

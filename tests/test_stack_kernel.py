@@ -270,11 +270,6 @@ def test_cuda_kernel_layout_fits_an_h200_with_the_code_predictor() -> None:
     assert stack_cuda.why_not(lay, 232448) is None
     longer = stack_cuda.Layout(**{**lay.__dict__, "T": 64})  # attention in chunks (the talker's: below)
     assert longer.long and not lay.long and stack_cuda.why_not(longer, 232448) is None
-    # Attention inside the o phase (option attention_in_o) for the short cache with head dims a multiple of 64.
-    inside = stack_cuda.Layout(**{**lay.__dict__, "attention_in_o": True})
-    assert inside.att_in_o and not lay.att_in_o
-    assert not stack_cuda.Layout(**{**inside.__dict__, "T": 64}).att_in_o
-    assert not stack_cuda.Layout(**{**inside.__dict__, "D": 32, "NQ": 32, "NKV": 16}).att_in_o
     assert "multiples of 8" in stack_cuda.why_not(stack_cuda.Layout(**{**lay.__dict__, "H": 1020}), 232448)
     assert "shared memory" in stack_cuda.why_not(lay, 101376)  # a consumer GPU's 99 KiB
 
@@ -292,11 +287,7 @@ def assert_builds_for_hopper_without_spills(lay, tmp_path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize(
-    "opts",
-    [{}, {"bulk": False}, {"mma": True}, {"attention_in_o": True}],
-    ids=["default", "cpasync", "mma", "attino"],
-)
+@pytest.mark.parametrize("opts", [{}, {"bulk": False}, {"mma": True}], ids=["default", "cpasync", "mma"])
 @pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
 def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
     """The source the engine hands NVRTC, for the code predictor's shape and a tiny one and each option, builds for
@@ -369,7 +360,6 @@ OPTION_CASES = {
     "splitbar": {"split_barrier": True},
     "onerow": {"two_rows": False},
     "fullgrid": {"lean_grid": False},
-    "attino": {"attention_in_o": True},
     "nonormpf": {"norm_prefetch": False},
     "scalaratt": {"vector_attention": False},
 }
@@ -389,8 +379,8 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     five layers and four rows the largest difference reached 0.094 at an output scale of 5.) Options: the weights by
     16-byte cp.async instead of the copy engine; the matmuls on the tensor cores; attention by the long cache's
     code; the barrier's release by __threadfence; four arrival counters; one weight row a warp (the default: two);
-    every SM (the default: the lean grid); attention inside the o phase (the default: a phase of its own); the norm weights from L2
-    (the default: staged in shared memory); the short cache's keys by 2-byte loads (the default: 16-byte)."""
+    every SM (the default: the lean grid); the norm weights from L2 (the default: staged in shared memory); the
+    short cache's keys by 2-byte loads (the default: 16-byte)."""
     from qwen_tts import stack_cuda
 
     cuda_options(**OPTION_CASES.get(opts, {}))
@@ -646,7 +636,7 @@ def test_cuda_kernel_on_the_lean_grid_gives_the_full_grids_bits(long, cuda_optio
 
 
 # Options that change how, not what: the same sums in the same order.
-SAME_BITS = ["attino", "nonormpf", "scalaratt", "onerow", "fullgrid"]
+SAME_BITS = ["nonormpf", "scalaratt", "onerow", "fullgrid"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -655,9 +645,8 @@ SAME_BITS = ["attino", "nonormpf", "scalaratt", "onerow", "fullgrid"]
 def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) -> None:
     """Each option that changes how the kernel works, not its sums, against the defaults: the same output and K/V
     bits over eight passes of four rows, two of them sharing a slot at consecutive positions (the second attends to
-    the first's key of the same pass), the others in scattered slots. attino: attention inside the o phase, every
-    block all of it, a warp a unit; nonormpf: the norm weights read from L2; scalaratt: the cached keys and values
-    by 2-byte loads; onerow: a weight row a warp; fullgrid: every SM."""
+    the first's key of the same pass), the others in scattered slots. nonormpf: the norm weights read from L2;
+    scalaratt: the cached keys and values by 2-byte loads; onerow: a weight row a warp; fullgrid: every SM."""
     dims = FULL if shape == "full" else SHAPES[shape]
     _, kern = make_cuda_stack(dims)
     H = dims[0]
