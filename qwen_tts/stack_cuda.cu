@@ -21,15 +21,19 @@
 // TWO_ROWS: two rows at once); TIMELINE (profiling: clock stamps); LIGHTBAR (the barrier's release by an
 // acquire-release fence); NARRIVE (arrival counters, of MAXNARRIVE lines); NORMPF (each norm's weights copied into
 // shared memory during the grid wait before it); VECATT (a short cache's cached keys and values by 16-byte loads in
-// one round). NBLK may be fewer than the SMs (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the
-// talker's), so attention is split over chunks of at least CHUNK positions, at most NCHUNK a (row, kv head), whose
-// partial softmax sums the last chunk to finish combines (`attention_long`); else one unit per (row, kv head) holds
-// the whole cache in shared memory (`attention`).
+// one round); TAGS (a short cache only: no grid barrier at all, each activation word tagged with the phase that wrote
+// it and polled by its readers, in a workspace of the stack's own that only the kernel writes). NBLK may be fewer than
+// the SMs (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the talker's), so attention is
+// split over chunks of at least CHUNK positions, at most NCHUNK a (row, kv head), whose partial softmax sums the last
+// chunk to finish combines (`attention_long`); else one unit per (row, kv head) holds the whole cache in shared
+// memory (`attention`).
 // No headers: bf16 is handled as its bits (round to nearest even, as torch rounds), so NVRTC needs no include path.
 
 typedef unsigned short bf16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
+
+static_assert(!(TAGS && LONG), "tagged activations take a short cache only");
 
 constexpr int NQKV = NQ + 2 * NKV;
 constexpr int QD = NQ * D;
@@ -111,6 +115,53 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     u32 v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
+}
+
+// TAGS: the activations written in the kernel are 32-bit words, a bf16's bits low and the tag of the phase that
+// wrote them high, written and read relaxed at GPU scope: a word is read whole (single-copy atomic), so a reader that
+// sees its phase's tag sees that phase's value, and polls the words it needs instead of meeting the grid at a barrier.
+__device__ __forceinline__ void st_tag(u32* p, bf16 v, u32 tag) {
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"((tag << 16) | (u32)v) : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_word4(const u32* p) {
+    uint4 v;
+    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
+__device__ __forceinline__ u32 ld_word(const u32* p) {
+    u32 v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void backoff() { asm volatile("nanosleep.u32 32;" ::: "memory"); }
+
+__device__ __forceinline__ bool tagged4(uint4 v, u32 tag) {
+    return (v.x >> 16) == tag && (v.y >> 16) == tag && (v.z >> 16) == tag && (v.w >> 16) == tag;
+}
+
+// Four tagged words (already loaded once) as four packed bf16, polled until all four carry `tag`.
+__device__ __forceinline__ uint2 wait_tag4(const u32* p, uint4 v, u32 tag) {
+    while (!tagged4(v, tag)) {
+        backoff();
+        v = ld_word4(p);
+    }
+    return make_uint2((v.x & 0xffffu) | (v.y << 16), (v.z & 0xffffu) | (v.w << 16));
+}
+
+// One tagged bf16, polled until it carries `tag`.
+__device__ __forceinline__ bf16 ld_tag1(const u32* p, u32 tag) {
+    u32 v = ld_word(p);
+    while ((v >> 16) != tag) {
+        backoff();
+        v = ld_word(p);
+    }
+    return (bf16)(v & 0xffffu);
 }
 
 // Order this thread's view of memory (what the block barrier gave it included) before what follows, device-wide.
@@ -229,18 +280,40 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 a) {
 // act (M, K) <- rows of x (M, K) from global (written in the kernel); NORM: each row RMS-normed and scaled by g,
 // rounded as `layers.RMSNorm` rounds (normalise in float32, round, scale, round). A thread's 16-byte pieces are the
 // same for a row whatever the other rows, so the sum of squares (in the thread, over the warp, over the warps in
-// order) is batch invariant. red: NWARPS * MAXM floats.
-__device__ void load_rows(bf16* act, const bf16* x, const bf16* g, int M, int K, bool norm, float eps, float* inv,
-                          float* red) {
+// order) is batch invariant. red: NWARPS * MAXM floats. tag: 0, x is bf16; else (TAGS) x is tagged words, each
+// polled until it carries this tag.
+__device__ void load_rows(bf16* act, const void* xv, u32 tag, const bf16* g, int M, int K, bool norm, float eps,
+                          float* inv, float* red) {
     const int n8 = M * K / 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const bf16* x = (const bf16*)xv;
+    const u32* xt = (const u32*)xv;
     float ss[MAXM];
 #pragma unroll
     for (int m = 0; m < MAXM; ++m) ss[m] = 0.f;
     for (int i0 = threadIdx.x; i0 < n8; i0 += 4 * NTHREADS) {  // four loads in flight, then their uses in order
         uint4 v[4];
+        if (TAGS && tag) {  // eight words a piece: two loads each, all in flight, then each polled until tagged
+            uint4 w[8];
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
-            if (i0 + u * NTHREADS < n8) v[u] = ldcg4(x + 8 * (i0 + u * NTHREADS));
+            for (int u = 0; u < 4; ++u) {
+                if (i0 + u * NTHREADS < n8) {
+                    w[2 * u] = ld_word4(xt + 8 * (i0 + u * NTHREADS));
+                    w[2 * u + 1] = ld_word4(xt + 8 * (i0 + u * NTHREADS) + 4);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                if (i0 + u * NTHREADS < n8) {
+                    const u32* p = xt + 8 * (i0 + u * NTHREADS);
+                    const uint2 a = wait_tag4(p, w[2 * u], tag), c = wait_tag4(p + 4, w[2 * u + 1], tag);
+                    v[u] = make_uint4(a.x, a.y, c.x, c.y);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                if (i0 + u * NTHREADS < n8) v[u] = ldcg4(x + 8 * (i0 + u * NTHREADS));
+        }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const int i = i0 + u * NTHREADS;
@@ -458,13 +531,47 @@ __device__ void rope_tables(const long long* pos_p, const float* inv_freq, int M
     }
 }
 
+// TAGS: a warp reads one or two tagged vectors of D (p0 into y0, p1 into y1 unless null) as floats, lane c at c,
+// c + 32, ...: every load in flight before the first poll.
+__device__ __forceinline__ void warp_tagged2(const u32* p0, const u32* p1, u32 tag, float* y0, float* y1) {
+    constexpr int N = (D + 31) / 32;
+    const int lane = threadIdx.x % 32;
+    u32 w0[N], w1[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        const int c = lane + 32 * j;
+        if (c < D) {
+            w0[j] = ld_word(p0 + c);
+            if (p1) w1[j] = ld_word(p1 + c);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        const int c = lane + 32 * j;
+        if (c < D) {
+            while ((w0[j] >> 16) != tag) {
+                backoff();
+                w0[j] = ld_word(p0 + c);
+            }
+            y0[c] = f32((bf16)(w0[j] & 0xffffu));
+            if (p1) {
+                while ((w1[j] >> 16) != tag) {
+                    backoff();
+                    w1[j] = ld_word(p1 + c);
+                }
+                y1[c] = f32((bf16)(w1[j] & 0xffffu));
+            }
+        }
+    }
+}
+
 // Attention for layer l: one unit per (row, kv head). Keys and values of positions written in this pass (this row's
 // and those of rows sharing its slot at earlier positions) come from the raw q|k|v, normed and roped here; the rest
 // from the cache. The unit writes its own row's key and value into the cache.
 __device__ __noinline__ void attention(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc,
                                        bf16* vc, const bf16* qknw, const float* rope, const bf16* qkvbuf, bf16* abuf,
                                        float eps, float scale, long long scl, long long scs, long long sch,
-                                       long long sct, float* scratch) {
+                                       long long sct, float* scratch, u32 tq, u32 ta) {
     float* kf = scratch;  // (T, D)
     float* vf = kf + T * D;  // (T, D)
     float* qf = vf + T * D;  // (GQ, D)
@@ -473,8 +580,14 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const bf16* qn = qknw;  // this layer's q and k norm weights, in shared memory
     const bf16* kn = qn + D;
-    for (int u = blockIdx.x; u < M * NKV; u += NBLK) {
+    const u32* qkt = (const u32*)qkvbuf;  // TAGS: the same buffers as tagged words
+    u32* abt = (u32*)abuf;
+    for (int u = blockIdx.x; u < (TAGS ? MAXM : M) * NKV; u += NBLK) {
         const int m = u / NKV, h = u % NKV;
+        if (TAGS && m >= M) {  // a row the pass has not: its words carry this phase's tag all the same (zeros)
+            for (int i = threadIdx.x; i < GQ * D; i += NTHREADS) st_tag(abt + m * QD + h * GQ * D + i, 0, ta);
+            continue;
+        }
         const int p = (int)pos_p[m], s = (int)slot_p[m];
         const long long at = l * scl + s * scs + h * sch;
         // The row of this pass that writes position j of this slot, if any (-1).
@@ -501,9 +614,14 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
                 const int src = source(j);
                 if (src >= 0) {
                     const bf16* row = qkvbuf + src * NQKV * D;
-                    for (int c = lane; c < D; c += 32) {
-                        y[c] = f32(ldcg1(row + (NQ + h) * D + c));
-                        vf[j * D + c] = f32(ldcg1(row + (NQ + NKV + h) * D + c));
+                    if (TAGS) {
+                        warp_tagged2(qkt + src * NQKV * D + (NQ + h) * D, qkt + src * NQKV * D + (NQ + NKV + h) * D,
+                                     tq, y, vf + j * D);
+                    } else {
+                        for (int c = lane; c < D; c += 32) {
+                            y[c] = f32(ldcg1(row + (NQ + h) * D + c));
+                            vf[j * D + c] = f32(ldcg1(row + (NQ + NKV + h) * D + c));
+                        }
                     }
                     __syncwarp();
                     norm_rope(y, kn, rope + src * D, eps, kf + j * D);
@@ -522,7 +640,11 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
             } else {
                 const int g = j - p - 1;
                 const bf16* row = qkvbuf + m * NQKV * D + (h * GQ + g) * D;
-                for (int c = lane; c < D; c += 32) y[c] = f32(ldcg1(row + c));
+                if (TAGS) {
+                    warp_tagged2(qkt + m * NQKV * D + (h * GQ + g) * D, nullptr, tq, y, nullptr);
+                } else {
+                    for (int c = lane; c < D; c += 32) y[c] = f32(ldcg1(row + c));
+                }
                 __syncwarp();
                 norm_rope(y, qn, rope + m * D, eps, qf + g * D);
             }
@@ -549,7 +671,11 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
             const int g = i / D, c = i % D;
             float o = 0.f;
             for (int t = 0; t <= p; ++t) o += sc[g * T + t] * vf[t * D + c];
-            abuf[m * QD + (h * GQ + g) * D + c] = b16(o);
+            if (TAGS) {
+                st_tag(abt + m * QD + (h * GQ + g) * D + c, b16(o), ta);
+            } else {
+                abuf[m * QD + (h * GQ + g) * D + c] = b16(o);
+            }
         }
         __syncthreads();
     }
@@ -809,7 +935,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
                   bf16* vc, const bf16* ln1, const bf16* wqkv, const bf16* qkn, const bf16* wo, const bf16* ln2,
                   const bf16* wgu, const bf16* wd, const bf16* normw, const float* inv_freq, bf16* qkvbuf,
                   bf16* abuf, bf16* gbuf, float* apart, u32* bar, int M, float eps, float scale, long long scl,
-                  long long scs, long long sch, long long sct, int stop, u64* tl) {
+                  long long scs, long long sch, long long sct, int stop, u64* tl, u32* epoch_p) {
     extern __shared__ __align__(16) unsigned char smem[];
     bf16* act = (bf16*)(smem + 2 * SLOT_BYTES);
     float* inv = (float*)(smem + 2 * SLOT_BYTES + ACT_BYTES);  // MAXM floats
@@ -822,6 +948,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     bf16* nrm = qknw + 2 * D;  // (H) NORMPF: the next norm's weights, copied in while the grid waits
     const int b = blockIdx.x;
     u32 target = 0;  // arrivals every block has made so far: the barrier's next wait
+    // TAGS: the launch's epoch (the last block out of the previous launch counted it on, modulo 65535) and phase
+    // give the tag its words carry: 1 to 65535, never the zeroed workspace's 0, and never the same for two phases of
+    // this launch or the one before (5 L + 1 phases a launch). The workspace's buffers: every word of MAXM rows is
+    // written every launch (rows past M as zeros), so no word is older than the launch before.
+    const u32 epoch = TAGS ? ld_word(epoch_p) : 0u;
+    auto tagof = [&](int phase) -> u32 { return 1u + (epoch * (u32)(5 * L + 1) + (u32)phase) % 65535u; };
+    u32* xst = (u32*)xs;
+    u32* qkt = (u32*)qkvbuf;
+    u32* gbt = (u32*)gbuf;
     int ph = 0;  // phases run (stop: profiling, the kernel cut after that many phases; the output is then partial)
     int issued = -1, awaited = -1;  // the last matmul phase whose weights were asked for, and waited for
     // TIMELINE (profiling): thread 0 of the first and the last block stamps its SM's clock at six points of each
@@ -864,8 +999,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         return nrm;
     };
     auto end_phase = [&]() {
-        grid_arrive(bar);
-        target += NBLK;
+        if (TAGS) {
+            __syncthreads();  // the next phase's use of shared memory after this one's
+        } else {
+            grid_arrive(bar);
+            target += NBLK;
+        }
     };
     // The o and down phases: xs = x + src @ w.T over this block's H rows (the product rounded first, as
     // `x + F.linear(...)` rounds), x the residual stream as it stood (the pass input before layer 0's o adds to it).
@@ -873,22 +1012,32 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     auto open_matmul = [&](int f) -> const bf16* {
         mark(0);
         prefetch(f + 1);
-        grid_wait(bar, target);
+        if (!TAGS) grid_wait(bar, target);
         mark(1);
         const bf16* w = await_weights(f);
         mark(2);
         return w;
     };
-    auto residual = [&](int f, const bf16* src, int K, const bf16* x) {
+    // TAGS: src's words carry tsrc, x's tx (0: x is the bf16 pass input), and xs's words get tout.
+    auto residual = [&](int f, const bf16* src, u32 tsrc, int K, const bf16* x, u32 tx, u32 tout) {
         const bf16* w = open_matmul(f);
-        load_rows(act, src, 0, M, K, false, eps, inv, red);
+        load_rows(act, src, tsrc, 0, M, K, false, eps, inv, red);
         mark(3);
         const int r0 = lo(H, b), r1 = lo(H, b + 1);
         block_matmul(w, r1 - r0, K, act, M, part, res);
         mark(4);
-        for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
-            const int r = i / M, m = i - r * M, at = m * H + r0 + r;
-            xs[at] = b16(rnd(res[r * MAXM + m]) + f32(ldcg1(x + at)));
+        if (TAGS) {
+            for (int i = threadIdx.x; i < (r1 - r0) * MAXM; i += NTHREADS) {
+                const int r = i / MAXM, m = i - r * MAXM, at = m * H + r0 + r;
+                bf16 v = 0;
+                if (m < M) v = b16(rnd(res[r * MAXM + m]) + f32(tx ? ld_tag1((const u32*)x + at, tx) : ldcg1(x + at)));
+                st_tag(xst + at, v, tout);
+            }
+        } else {
+            for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
+                const int r = i / M, m = i - r * M, at = m * H + r0 + r;
+                xs[at] = b16(rnd(res[r * MAXM + m]) + f32(ldcg1(x + at)));
+            }
         }
         end_phase();
         mark(5);
@@ -903,18 +1052,25 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             mark(0);
             prefetch(f + 1);
             const bf16* g = stage_norm(ln1 + l * H);
-            if (target) grid_wait(bar, target);
+            if (!TAGS && target) grid_wait(bar, target);
             mark(1);
             const bf16* w = await_weights(f);
             mark(2);
-            load_rows(act, xcur, g, M, H, true, eps, inv, red);
+            load_rows(act, xcur, TAGS && l ? tagof(5 * l - 1) : 0u, g, M, H, true, eps, inv, red);
             mark(3);
             const int r0 = lo(NQKV * D, b), r1 = lo(NQKV * D, b + 1);
             block_matmul(w, r1 - r0, H, act, M, part, res);
             mark(4);
-            for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
-                const int r = i / M, m = i - r * M;
-                qkvbuf[m * NQKV * D + r0 + r] = b16(res[r * MAXM + m]);
+            if (TAGS) {
+                for (int i = threadIdx.x; i < (r1 - r0) * MAXM; i += NTHREADS) {
+                    const int r = i / MAXM, m = i - r * MAXM;
+                    st_tag(qkt + m * NQKV * D + r0 + r, m < M ? b16(res[r * MAXM + m]) : (bf16)0, tagof(5 * l));
+                }
+            } else {
+                for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
+                    const int r = i / M, m = i - r * M;
+                    qkvbuf[m * NQKV * D + r0 + r] = b16(res[r * MAXM + m]);
+                }
             }
             end_phase();
             mark(5);
@@ -922,46 +1078,64 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         if (ph++ < stop) {
             mark(0);
             for (int i = threadIdx.x; i < 2 * D; i += NTHREADS) qknw[i] = qkn[l * 2 * D + i];  // weights: before
-            grid_wait(bar, target);  // the wait, whose block barrier publishes them
+            if (TAGS) {
+                __syncthreads();  // no grid wait (the unit polls its words): a block barrier publishes them
+            } else {
+                grid_wait(bar, target);  // the wait, whose block barrier publishes them
+            }
             mark(1);
             if (LONG) {
                 attention_long(l, M, pos_p, slot_p, kc, vc, qknw, rope, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
                                (float*)act, apart, bar + 32 * MAXNARRIVE);
             } else {
                 attention(l, M, pos_p, slot_p, kc, vc, qknw, rope, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
-                          (float*)act);
+                          (float*)act, tagof(5 * l), tagof(5 * l + 1));
             }
             mark(4);
             end_phase();
             mark(5);
         }
         // x = x + attn @ w_o.T
-        if (ph++ < stop) residual(4 * l + 1, abuf, QD, xcur);
+        if (ph++ < stop) residual(4 * l + 1, abuf, tagof(5 * l + 1), QD, xcur, TAGS && l ? tagof(5 * l - 1) : 0u,
+                                  tagof(5 * l + 2));
         // SiLU(gate) * up of rms_norm(x) @ w_gate_up.T
         if (ph++ < stop) {
             const bf16* g = stage_norm(ln2 + l * H);
             const bf16* w = open_matmul(4 * l + 2);
-            load_rows(act, xs, g, M, H, true, eps, inv, red);
+            load_rows(act, xs, TAGS ? tagof(5 * l + 2) : 0u, g, M, H, true, eps, inv, red);
             mark(3);
             const int j0 = lo(I, b), nj = lo(I, b + 1) - j0;
             block_matmul(w, 2 * nj, H, act, M, part, res);  // nj gate rows, then their up rows
             mark(4);
-            for (int i = threadIdx.x; i < nj * M; i += NTHREADS) {
-                const int j = i / M, m = i - j * M;
-                const float gate = rnd(res[j * MAXM + m]);
-                const float a = rnd(gate / (1.f + expf(-gate)));
-                gbuf[m * I + j0 + j] = b16(a * rnd(res[(nj + j) * MAXM + m]));
+            if (TAGS) {  // rows past M as tagged zeros
+                for (int i = threadIdx.x; i < nj * MAXM; i += NTHREADS) {
+                    const int j = i / MAXM, m = i - j * MAXM;
+                    bf16 v = 0;
+                    if (m < M) {
+                        const float gate = rnd(res[j * MAXM + m]);
+                        v = b16(rnd(gate / (1.f + expf(-gate))) * rnd(res[(nj + j) * MAXM + m]));
+                    }
+                    st_tag(gbt + m * I + j0 + j, v, tagof(5 * l + 3));
+                }
+            } else {
+                for (int i = threadIdx.x; i < nj * M; i += NTHREADS) {
+                    const int j = i / M, m = i - j * M;
+                    const float gate = rnd(res[j * MAXM + m]);
+                    const float a = rnd(gate / (1.f + expf(-gate)));
+                    gbuf[m * I + j0 + j] = b16(a * rnd(res[(nj + j) * MAXM + m]));
+                }
             }
             end_phase();
             mark(5);
         }
         // x = x + act @ w_down.T
-        if (ph++ < stop) residual(4 * l + 3, gbuf, I, xs);
+        if (ph++ < stop) residual(4 * l + 3, gbuf, tagof(5 * l + 3), I, xs, tagof(5 * l + 2), tagof(5 * l + 4));
     }
     // The final norm: block m < M its row.
     if (ph < stop && b < M) {
-        grid_wait(bar, target);
-        load_rows(act, xs + b * H, normw, 1, H, true, eps, inv, red);
+        if (!TAGS) grid_wait(bar, target);
+        load_rows(act, TAGS ? (const void*)(xst + b * H) : (const void*)(xs + b * H), TAGS ? tagof(5 * L - 1) : 0u,
+                  normw, 1, H, true, eps, inv, red);
         for (int k = threadIdx.x; k < H; k += NTHREADS) out[b * H + k] = act[k];
     }
     // Copies still in flight (a cut run's next phase) land before the block leaves its shared memory.
@@ -978,6 +1152,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #pragma unroll
             for (int k = 0; k < NARRIVE; ++k) atomicExch(bar + 32 * k, 0u);
             atomicExch(bar + 1, 0u);
+            if (TAGS) atomicExch(epoch_p, (epoch + 1u) % 65535u);  // the next launch's tags
         }
     }
 }

@@ -32,6 +32,7 @@ import ctypes
 import dataclasses
 import functools
 import math
+import weakref
 from pathlib import Path
 
 import torch
@@ -72,6 +73,7 @@ class Layout:
     norm_prefetch: bool = True  # a norm's weights into shared memory while the grid waits (else read from L2 after)
     vector_attention: bool = True  # a short cache's cached keys and values by 16-byte loads in one round
     chunk: int = CHUNK  # attention_long: positions a chunk at least
+    tags: bool = False  # a short cache's pass without grid barriers: tagged activations, polled (`tagged`)
 
     @property
     def slot_bytes(self) -> int:
@@ -95,6 +97,18 @@ class Layout:
     def long(self) -> bool:
         """A cache longer than MAX_POSITIONS: attention in chunks (attention_long), not a unit's shared memory."""
         return self.T > MAX_POSITIONS or self.chunked
+
+    @property
+    def tagged(self) -> bool:
+        """The `tags` option in force: the activations as tagged words in the stack's workspace, read by polling
+        instead of after grid barriers. A long cache's attention (its chunks' combine) keeps the barriers."""
+        return self.tags and not self.long
+
+    @property
+    def workspace_words(self) -> int:
+        """The tagged workspace (int32 words): a 128-byte line for the epoch, then MAX_ROWS rows of the residual
+        stream, q|k|v, attention's output and the gated activation."""
+        return 32 + MAX_ROWS * (self.H + (self.NQ + 2 * self.NKV) * self.D + self.NQ * self.D + self.I)
 
     @property
     def act_bytes(self) -> int:
@@ -135,7 +149,7 @@ class Layout:
                       TIMELINE=int(self.timeline), LIGHTBAR=int(self.light_barrier),
                       NARRIVE=MAX_ARRIVE if self.split_barrier else 1, MAXNARRIVE=MAX_ARRIVE,
                       TWO_ROWS=int(self.two_rows), NORMPF=int(self.norm_prefetch),
-                      VECATT=int(self.vector_attention))  # fmt: skip
+                      VECATT=int(self.vector_attention), TAGS=int(self.tagged))  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
         return prelude + _SOURCE.read_text()
 
@@ -153,7 +167,7 @@ def _align16(n: int) -> int:
 # The kernel's choices, process-wide (`set_options`; CUDA graphs keep the kernel they were captured with).
 _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "light_barrier": True, "chunked": False,
             "split_barrier": False, "two_rows": True, "lean_grid": True,
-            "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK}  # fmt: skip
+            "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK, "tags": False}  # fmt: skip
 
 
 def set_options(
@@ -161,6 +175,7 @@ def set_options(
     light_barrier: bool | None = None, chunked: bool | None = None, split_barrier: bool | None = None,
     two_rows: bool | None = None, lean_grid: bool | None = None,
     norm_prefetch: bool | None = None, vector_attention: bool | None = None, chunk: int | None = None,
+    tags: bool | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
     only (no weight copies: the matmuls read stale shared memory); mma: the matmuls on the tensor cores (else dot
@@ -171,11 +186,12 @@ def set_options(
     block on only as many SMs as keep each block's largest share of every phase (`lean_blocks`), the others left to
     kernels on other streams (Code2Wav's); norm_prefetch: each norm's weights copied into shared memory during the
     grid wait before it; vector_attention: a short cache's cached keys and values by 16-byte loads, all in one
-    round; chunk: a long cache's chunks take at least this many positions (a multiple of 32). Returns the options
-    now in force."""
+    round; chunk: a long cache's chunks take at least this many positions (a multiple of 32); tags: a short cache's
+    pass with no grid barrier, each activation word carrying its phase's tag and polled by the blocks that read it
+    (not yet measured on a GPU; off). Returns the options now in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
-                 vector_attention=vector_attention)  # fmt: skip
+                 vector_attention=vector_attention, tags=tags)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)
@@ -246,6 +262,25 @@ def _checked_layout(shape: Layout, device: torch.device) -> tuple[Layout, str | 
     return lay, why_not(lay, max_shared)
 
 
+# The tagged workspaces (the `tags` option): per stack, per device; only the kernel writes them once they are made.
+_workspaces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def workspace(sw, lay: Layout, device: torch.device) -> Tensor:
+    """The stack's tagged workspace on the device (`Layout.workspace_words` int32, zeros when made). Its words must
+    hold nothing but what the kernel wrote (a stray word with a current tag would be read as written), so it is the
+    stack's own, made once before any graph capture (`prepare`), and never freed while the stack lives."""
+    per = _workspaces.setdefault(sw, {})
+    ws = per.get(device)
+    if ws is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("stack_cuda.prepare must run before CUDA graph capture with the tags option")
+        ws = per[device] = torch.zeros(lay.workspace_words, dtype=torch.int32, device=device)
+    if ws.numel() < lay.workspace_words:
+        raise ValueError(f"the stack's workspace holds {ws.numel()} words, the layout needs {lay.workspace_words}")
+    return ws
+
+
 @functools.cache
 def _kernel(device: torch.device, lay: Layout):
     from qwen_tts import cuda_rtc
@@ -274,6 +309,8 @@ def prepare(sw, max_len: int, device: torch.device | str) -> str | None:
         _kernel(dev, lay)
     except (OSError, RuntimeError) as e:
         return f"{type(e).__name__}: {str(e)[:500]}"
+    if lay.tagged:
+        workspace(sw, lay, dev)
     return None
 
 
@@ -328,11 +365,19 @@ def stack_pass(
     slots = slots.to(torch.long).contiguous()
     kc, vc = cache.k, cache.v
     qkv = lay.NQ * lay.D + 2 * lay.NKV * lay.D
-    xs = torch.empty_like(x)
     out = torch.empty_like(x)
-    qkvbuf = torch.empty((M, qkv), device=dev, dtype=x.dtype)
-    abuf = torch.empty((M, lay.NQ * lay.D), device=dev, dtype=x.dtype)
-    gbuf = torch.empty((M, lay.I), device=dev, dtype=x.dtype)
+    if lay.tagged:  # the stack's own workspace: the epoch's line, then MAX_ROWS rows of each buffer as tagged words
+        ws = workspace(sw, lay, dev)
+        xs, qkvbuf, abuf, gbuf = ws[32 : lay.workspace_words].split(
+            [MAX_ROWS * n for n in (lay.H, qkv, lay.NQ * lay.D, lay.I)]
+        )
+        epoch = ws
+    else:
+        xs = torch.empty_like(x)
+        qkvbuf = torch.empty((M, qkv), device=dev, dtype=x.dtype)
+        abuf = torch.empty((M, lay.NQ * lay.D), device=dev, dtype=x.dtype)
+        gbuf = torch.empty((M, lay.I), device=dev, dtype=x.dtype)
+        epoch = None
     apart = torch.empty(max(lay.partial_floats, 1), device=dev, dtype=torch.float32)
     if barrier.numel() < BARRIER_INTS:
         raise ValueError(f"the barrier needs {BARRIER_INTS} int32 zeros, not {barrier.numel()}")
@@ -345,5 +390,6 @@ def stack_pass(
     if lay.timeline and (timeline is None or timeline.numel() < timeline_stamps(sw) or timeline.dtype != torch.int64):
         raise ValueError(f"the timeline option needs an int64 tensor of {timeline_stamps(sw)} stamps")
     args.append(ctypes.c_void_p(timeline.data_ptr() if lay.timeline else 0))
+    args.append(ctypes.c_void_p(0 if epoch is None else epoch.data_ptr()))
     _kernel(dev, lay).launch(lay.nblk, NTHREADS, args, lay.shared_bytes)
     return out

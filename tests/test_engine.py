@@ -594,13 +594,14 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
 
 
 @needs_cuda
-@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize(("greedy", "tags"), [(True, False), (False, False), (True, True)])
 async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_equal_in_a_pair(
-    tiny_model, greedy, monkeypatch
+    tiny_model, greedy, tags, monkeypatch
 ):
     """cp_stack_kernel="cuda" (bf16 code-predictor passes of at most four rows by stack_cuda.cu): a request gives the
     same codes alone and beside another (passes of 2 and 4 rows, all by the kernel), graphed and eager alike. Past four
-    rows the fused path's kernels take the passes, so this invariance holds up to two streams (docs/benchmarks.md)."""
+    rows the fused path's kernels take the passes, so this invariance holds up to two streams (docs/benchmarks.md).
+    tags: the passes without grid barriers (stack_tags), graphed and eager, the row counts changing between them."""
     from qwen_tts import stack_cuda
 
     model = load_model(tiny_model.path, device="cuda")
@@ -611,11 +612,12 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
     for frame_step in ("eager", "graphs"):
         eng = NativeEngine(
             EngineSettings(model_path=str(model.path), device="cuda", max_slots=2, warmup=False, frame_step=frame_step,
-                           cp_stack_kernel="cuda"),
+                           cp_stack_kernel="cuda", stack_tags=tags),
             model=model,
         )  # fmt: skip
         await eng.start()
         try:
+            assert stack_cuda.set_options()["tags"] is tags
             target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
             (alone,), _ = await run(eng, [target])
             (pair, _), _ = await run(
@@ -623,6 +625,7 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
             )
         finally:
             await eng.stop()
+            stack_cuda.set_options(tags=False)  # process-wide: the next test's engine or stack starts from the default
         assert eng.model_info["cp_stack_kernel"] == "cuda"
         assert model.talker.code_predictor.model.stack_kernel == "cuda"
         assert torch.equal(codes_of(alone), codes_of(pair)), frame_step

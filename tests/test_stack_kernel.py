@@ -7,9 +7,11 @@ Without a GPU the kernel runs in Triton's interpreter, one launch per phase ("ph
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,7 +289,9 @@ def assert_builds_for_hopper_without_spills(lay, tmp_path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("opts", [{}, {"bulk": False}, {"mma": True}], ids=["default", "cpasync", "mma"])
+@pytest.mark.parametrize(
+    "opts", [{}, {"bulk": False}, {"mma": True}, {"tags": True}], ids=["default", "cpasync", "mma", "tags"]
+)
 @pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
 def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
     """The source the engine hands NVRTC, for the code predictor's shape and a tiny one and each option, builds for
@@ -362,6 +366,7 @@ OPTION_CASES = {
     "fullgrid": {"lean_grid": False},
     "nonormpf": {"norm_prefetch": False},
     "scalaratt": {"vector_attention": False},
+    "tags": {"tags": True},
 }
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
@@ -380,7 +385,7 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     16-byte cp.async instead of the copy engine; the matmuls on the tensor cores; attention by the long cache's
     code; the barrier's release by __threadfence; four arrival counters; one weight row a warp (the default: two);
     every SM (the default: the lean grid); the norm weights from L2 (the default: staged in shared memory); the
-    short cache's keys by 2-byte loads (the default: 16-byte)."""
+    short cache's keys by 2-byte loads (the default: 16-byte); no grid barriers, the activations tagged and polled."""
     from qwen_tts import stack_cuda
 
     cuda_options(**OPTION_CASES.get(opts, {}))
@@ -636,7 +641,7 @@ def test_cuda_kernel_on_the_lean_grid_gives_the_full_grids_bits(long, cuda_optio
 
 
 # Options that change how, not what: the same sums in the same order.
-SAME_BITS = ["nonormpf", "scalaratt", "onerow", "fullgrid"]
+SAME_BITS = ["nonormpf", "scalaratt", "onerow", "fullgrid", "tags"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -646,7 +651,8 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
     """Each option that changes how the kernel works, not its sums, against the defaults: the same output and K/V
     bits over eight passes of four rows, two of them sharing a slot at consecutive positions (the second attends to
     the first's key of the same pass), the others in scattered slots. nonormpf: the norm weights read from L2;
-    scalaratt: the cached keys and values by 2-byte loads; onerow: a weight row a warp; fullgrid: every SM."""
+    scalaratt: the cached keys and values by 2-byte loads; onerow: a weight row a warp; fullgrid: every SM; tags: no
+    grid barriers, each block polling the tagged words it reads."""
     dims = FULL if shape == "full" else SHAPES[shape]
     _, kern = make_cuda_stack(dims)
     H = dims[0]
@@ -687,3 +693,94 @@ def test_the_cuda_kernels_chunk_option_takes_multiples_of_32_positions(cuda_opti
         with pytest.raises(ValueError, match="multiple of 32"):
             cuda_options(chunk=bad)
     assert cuda_options()["chunk"] == 128
+
+
+def test_the_tags_option_takes_a_short_cache_and_a_workspace_of_the_stacks_own() -> None:
+    """`tags`: the code predictor's short cache runs without grid barriers (TAGS in the source), the talker's long
+    cache keeps them. The workspace: the epoch's 128-byte line, then four rows of the residual stream, q|k|v,
+    attention's output and the gated activation as int32 words (each buffer on 16 bytes, as the kernel's 16-byte
+    loads need), zeros when made, made once per stack and device."""
+    from qwen_tts import stack_cuda
+
+    H, inter, L, nq, nkv, D = FULL
+    lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=CACHE_LEN, nblk=128, tags=True)
+    assert lay.tagged and "constexpr int TAGS = 1;" in lay.source()
+    assert "constexpr int TAGS = 0;" in dataclasses.replace(lay, tags=False).source()
+    H6, i6, L6, nq6, nkv6, D6 = TALKER_06B
+    talker = stack_cuda.Layout(H=H6, I=i6, D=D6, NQ=nq6, NKV=nkv6, L=L6, T=3088, nblk=128, tags=True)
+    assert talker.long and not talker.tagged and "constexpr int TAGS = 0;" in talker.source()
+    sizes = [1024, 4096, 2048, 3072]  # the residual stream, q|k|v, attention's output, the gated activation
+    assert lay.workspace_words == 32 + 4 * sum(sizes)
+    offsets = 32 + 4 * torch.tensor([0, *sizes[:-1]]).cumsum(0)
+    assert all(int(o) * 4 % 16 == 0 for o in offsets)
+
+    _, kern = make_stack(SHAPES["tiny"], torch.float32)
+    tiny = stack_cuda.layout(kern.stack_weights, CACHE_LEN, 1)
+    ws = stack_cuda.workspace(kern.stack_weights, tiny, torch.device("cpu"))
+    assert ws.dtype == torch.int32 and ws.numel() == tiny.workspace_words == 32 + 4 * (32 + 64 + 32 + 64)
+    assert not ws.any()
+    assert stack_cuda.workspace(kern.stack_weights, tiny, torch.device("cpu")) is ws
+    _, other = make_stack(SHAPES["tiny"], torch.float32)
+    assert stack_cuda.workspace(other.stack_weights, tiny, torch.device("cpu")) is not ws
+
+
+def _tags(epoch: int, phases: int) -> set[int]:
+    """The tags of a launch's phases (stack_cuda.cu's `tagof`)."""
+    return {1 + (epoch * phases + p) % 65535 for p in range(phases)}
+
+
+def test_tags_never_repeat_within_a_launch_nor_against_the_launch_before() -> None:
+    """A word's tag says which phase of which launch wrote it, so a reader never takes an older word for the one it
+    waits for: over every epoch (the wrap from 65534 to 0 included) a launch's phases (five a layer and the final
+    norm: 26 for the code predictor, 11 and 6 for the tiny stacks) have distinct tags from 1 to 65535 (a zeroed
+    word never passes), none of them one of the launch before's. Every word is written every launch, so no word is
+    older than that. The formulas are the kernel's."""
+    src = (Path(__file__).resolve().parents[1] / "qwen_tts" / "stack_cuda.cu").read_text()
+    assert "return 1u + (epoch * (u32)(5 * L + 1) + (u32)phase) % 65535u;" in src
+    assert "atomicExch(epoch_p, (epoch + 1u) % 65535u)" in src
+    for phases in (26, 11, 6):
+        epochs = torch.arange(65535, dtype=torch.int64)
+        tags = 1 + (epochs[:, None] * phases + torch.arange(phases)) % 65535  # (epoch, phase)
+        assert int(tags.min()) >= 1 and int(tags.max()) <= 65535
+        assert all(len(_tags(e, phases)) == phases for e in (0, 1, 2520, 65534))
+        assert bool((tags.sort(1).values.diff(1) > 0).all())  # distinct within each launch
+        before = tags.roll(1, 0)  # launch e - 1's (epoch 65534's before 0's)
+        assert not bool((tags[:, :, None] == before[:, None, :]).any())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
+def test_cuda_kernel_with_tags_keeps_the_defaults_bits_as_rows_change_and_the_epoch_wraps(cuda_options) -> None:
+    """Tagged passes of 4, 1, 2, 3, 4, 1 and 4 rows (the rows a pass has not still get its tags, so a row that comes
+    back after one-row passes never reads an old word), from an epoch three launches before the wrap, give the
+    default kernel's output and cache bits; the epoch advances by one a launch and wraps to 0."""
+    from qwen_tts import stack_cuda
+
+    _, kern = make_cuda_stack(FULL)
+    H = FULL[0]
+    defaults = cuda_options()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    results = []
+    for tags in (False, True):
+        cuda_options(**{**defaults, "tags": tags})
+        cache = kern.new_cache(6, CACHE_LEN, DEVICE, torch.bfloat16)
+        lay = stack_cuda.device_layout(kern.stack_weights, CACHE_LEN, dev)[0]
+        assert lay.tagged is tags
+        if tags:
+            assert stack_cuda.prepare(kern.stack_weights, CACHE_LEN, dev) is None
+            ws = stack_cuda.workspace(kern.stack_weights, lay, dev)
+            ws[0] = 65532
+        g = torch.Generator().manual_seed(11)
+        outs = []
+        with torch.no_grad():
+            for t, rows in enumerate([4, 1, 2, 3, 4, 1, 4]):
+                x = torch.randn(rows, H, generator=g).to(DEVICE, torch.bfloat16)
+                pos = torch.tensor([t, t, 2 * t, 2 * t + 1][:rows], device=DEVICE)
+                outs.append(
+                    stack_kernel.stack_pass(kern, x, pos, cache, torch.tensor([5, 0, 3, 3][:rows], device=DEVICE))
+                )
+        results.append((torch.cat(outs), cache.k.clone(), cache.v.clone()))
+        if tags:
+            assert int(ws[0]) == 4  # 65532 + 7 launches, modulo 65535
+    for base, tagged in zip(*results, strict=True):
+        assert torch.equal(base, tagged)
+    assert not stack_kernel.prepare(DEVICE).any()

@@ -812,7 +812,8 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
     if config.cp_input_tables:
         n = talker.code_predictor.build_input_tables()
         log.info("code predictor input tables: %.1f MB", n / 1e6)
-    stack_cuda.set_options(lean_grid=config.stack_lean_grid)  # process-wide, read when a pass is compiled or captured
+    # process-wide, read when a pass is compiled or captured
+    stack_cuda.set_options(lean_grid=config.stack_lean_grid, tags=config.stack_tags)
     stack_kernel.enable(talker.code_predictor.model, config.cp_stack_kernel)
     if config.cp_stack_kernel != "off":
         stack_kernel.prepare(device)  # its counters, before any graph capture
