@@ -119,7 +119,7 @@ VARIANTS: dict[str, dict] = {
     "cp-stack-cuda": {"cp_stack_kernel": "cuda"},  # passes of up to 4 rows by the CUDA kernel (stack_cuda.cu)
     "talker-stack-cuda": {"talker_stack_kernel": "cuda"},  # and the talker's (where its layer fits: the 0.6B's)
     "full-grid": {"stack_lean_grid": False},  # with those: the kernel on every SM, not only those it needs
-    "stack-tags": {"stack_tags": True},  # and the code predictor's passes without grid barriers (tagged activations)
+    "stack-tags": {"stack_tags": True},  # and their passes without grid barriers (tagged activations, polled)
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }

@@ -111,8 +111,8 @@ def main() -> None:
                     "weight row a warp, not two), +fullgrid (every SM, not only those that keep each block's largest "
                     "share), +nonormpf (the norms' weights "
                     "from L2, not staged in shared memory during the wait), +scalaratt (the short cache's keys by "
-                    "2-byte loads), +chunkN (a long cache's chunks of at least N positions), +tags (a short cache's pass "
-                    "without grid barriers: tagged activations, polled)")  # fmt: skip
+                    "2-byte loads), +chunkN (a long cache's chunks of at least N positions), +tags (no grid barriers: "
+                    "tagged activations, polled)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
     ap.add_argument(
         "--cache-len",

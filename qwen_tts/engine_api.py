@@ -232,12 +232,11 @@ class EngineSettings:
     # 17.7x, in one device call (sixteenth round, docs/benchmarks.md; bench_gpu.py --engine-variants full-grid for
     # every SM). Ignored unless a stack runs on the kernel.
     stack_lean_grid: bool = True
-    # With either stack kernel on "cuda": a pass over a short cache (the code predictor's) without grid barriers: each
-    # activation word carries the tag of the phase that wrote it and the blocks that read it poll their words
-    # (stack_cuda's `tags` option, in a workspace of each stack's own). The same sums, the same bits. It drops the
-    # fence and the counter's round trip from each of a layer's five barriers, ~9 us of its ~22 on an H200, and the
-    # 0.6B's per-stream floor waits on that time; not yet measured on a GPU, so off (bench_gpu.py --engine-variants
-    # stack-tags). The talker's long cache keeps its barriers.
+    # With either stack kernel on "cuda": its passes without grid barriers: each activation word carries the tag of
+    # the phase that wrote it and the blocks that read it poll their words (stack_cuda's `tags` option, in a
+    # workspace of each stack's own). The same sums, the same bits. It drops the fence and the counter's round trip
+    # from each of a layer's five barriers, ~9 us of the code predictor's ~22 on an H200, and the 0.6B's per-stream
+    # floor waits on that time; not yet measured on a GPU, so off (bench_gpu.py --engine-variants stack-tags).
     stack_tags: bool = False
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).

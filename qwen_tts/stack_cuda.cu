@@ -21,9 +21,8 @@
 // TWO_ROWS: two rows at once); TIMELINE (profiling: clock stamps); LIGHTBAR (the barrier's release by an
 // acquire-release fence); NARRIVE (arrival counters, of MAXNARRIVE lines); NORMPF (each norm's weights copied into
 // shared memory during the grid wait before it); VECATT (a short cache's cached keys and values by 16-byte loads in
-// one round); TAGS (a short cache only: no grid barrier at all, each activation word tagged with the phase that wrote
-// it and polled by its readers, in a workspace of the stack's own that only the kernel writes). NBLK may be fewer than
-// the SMs (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the talker's), so attention is
+// one round); TAGS (no grid barrier at all: each activation word tagged with the phase that wrote it and polled by its
+// readers, in a workspace of the stack's own that only the kernel writes). NBLK may be fewer than the SMs (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the talker's), so attention is
 // split over chunks of at least CHUNK positions, at most NCHUNK a (row, kv head), whose partial softmax sums the last
 // chunk to finish combines (`attention_long`); else one unit per (row, kv head) holds the whole cache in shared
 // memory (`attention`).
@@ -32,8 +31,6 @@
 typedef unsigned short bf16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
-
-static_assert(!(TAGS && LONG), "tagged activations take a short cache only");
 
 constexpr int NQKV = NQ + 2 * NKV;
 constexpr int QD = NQ * D;
@@ -531,9 +528,13 @@ __device__ void rope_tables(const long long* pos_p, const float* inv_freq, int M
     }
 }
 
-// TAGS: a warp reads one or two tagged vectors of D (p0 into y0, p1 into y1 unless null) as floats, lane c at c,
-// c + 32, ...: every load in flight before the first poll.
-__device__ __forceinline__ void warp_tagged2(const u32* p0, const u32* p1, u32 tag, float* y0, float* y1) {
+__device__ __forceinline__ void put(float* p, bf16 v) { *p = f32(v); }
+__device__ __forceinline__ void put(bf16* p, bf16 v) { *p = v; }
+
+// TAGS: a warp reads one or two tagged vectors of D (p0 into y0 as floats, p1 into y1 unless null, as floats or as
+// bf16), lane c at c, c + 32, ...: every load in flight before the first poll.
+template <typename Y1>
+__device__ __forceinline__ void warp_tagged2(const u32* p0, const u32* p1, u32 tag, float* y0, Y1* y1) {
     constexpr int N = (D + 31) / 32;
     const int lane = threadIdx.x % 32;
     u32 w0[N], w1[N];
@@ -559,7 +560,7 @@ __device__ __forceinline__ void warp_tagged2(const u32* p0, const u32* p1, u32 t
                     backoff();
                     w1[j] = ld_word(p1 + c);
                 }
-                y1[c] = f32((bf16)(w1[j] & 0xffffu));
+                put(y1 + c, (bf16)(w1[j] & 0xffffu));
             }
         }
     }
@@ -641,7 +642,7 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
                 const int g = j - p - 1;
                 const bf16* row = qkvbuf + m * NQKV * D + (h * GQ + g) * D;
                 if (TAGS) {
-                    warp_tagged2(qkt + m * NQKV * D + (h * GQ + g) * D, nullptr, tq, y, nullptr);
+                    warp_tagged2(qkt + m * NQKV * D + (h * GQ + g) * D, nullptr, tq, y, (float*)nullptr);
                 } else {
                     for (int c = lane; c < D; c += 32) y[c] = f32(ldcg1(row + c));
                 }
@@ -709,7 +710,7 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
                                             bf16* kc, bf16* vc, const bf16* qknw, const float* rope,
                                             const bf16* qkvbuf, bf16* abuf, float eps, float scale, long long scl,
                                             long long scs, long long sch, long long sct, float* scratch, float* part,
-                                            u32* cnt) {
+                                            u32* cnt, u32 tq, u32 ta) {
     constexpr int LPP = D / 16;  // lanes a position: elements [8j, 8j + 8) and [D/2 + 8j, D/2 + 8j + 8) for lane j
     constexpr int PPW = 32 / LPP;  // positions a warp at once
     constexpr int PPB = PPW * NWARPS;  // and a block
@@ -722,6 +723,13 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPP, j8 = 8 * (lane % LPP);
     const bf16* qn = qknw;  // this layer's q and k norm weights, in shared memory
     const bf16* knw = qn + D;
+    const u32* qkt = (const u32*)qkvbuf;  // TAGS: the same buffers as tagged words
+    u32* abt = (u32*)abuf;
+    if (TAGS) {  // the rows the pass has not: their words carry this phase's tag all the same (zeros), by the last blocks
+        for (int u = NBLK - 1 - blockIdx.x; u < (MAXM - M) * NKV; u += NBLK)
+            for (int i = threadIdx.x; i < GQ * D; i += NTHREADS)
+                st_tag(abt + (M + u / NKV) * QD + (u % NKV) * GQ * D + i, 0, ta);
+    }
     int rp[MAXM], rs[MAXM], total = 0;
 #pragma unroll
     for (int r = 0; r < MAXM; ++r) {
@@ -757,16 +765,25 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
             float* y = raw + warp * D;
             if (j < GQ) {
                 const bf16* row = qkvbuf + m * NQKV * D + (h * GQ + j) * D;
-                for (int e = lane; e < D; e += 32) y[e] = f32(ldcg1(row + e));
+                if (TAGS) {
+                    warp_tagged2(qkt + m * NQKV * D + (h * GQ + j) * D, nullptr, tq, y, (float*)nullptr);
+                } else {
+                    for (int e = lane; e < D; e += 32) y[e] = f32(ldcg1(row + e));
+                }
                 __syncwarp();
                 norm_rope(y, qn, rope + m * D, eps, qf + j * D);
             } else {
                 const int r = j - GQ, pr = pick(rp, r);
                 if (pick(rs, r) == s && pr >= t0 && pr < t1) {
                     const bf16* row = qkvbuf + r * NQKV * D;
-                    for (int e = lane; e < D; e += 32) {
-                        y[e] = f32(ldcg1(row + (NQ + h) * D + e));
-                        kv[(r * 2 + 1) * D + e] = ldcg1(row + (NQ + NKV + h) * D + e);
+                    if (TAGS) {
+                        warp_tagged2(qkt + r * NQKV * D + (NQ + h) * D, qkt + r * NQKV * D + (NQ + NKV + h) * D, tq, y,
+                                     kv + (r * 2 + 1) * D);
+                    } else {
+                        for (int e = lane; e < D; e += 32) {
+                            y[e] = f32(ldcg1(row + (NQ + h) * D + e));
+                            kv[(r * 2 + 1) * D + e] = ldcg1(row + (NQ + NKV + h) * D + e);
+                        }
                     }
                     __syncwarp();
                     float* kf = raw + warp * D;  // normed and roped in place
@@ -881,7 +898,11 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
                 den += a * wp[D + 1];
             }
             if (nch == 1) {
-                abuf[m * QD + (h * GQ + g) * D + e] = b16(num / den);
+                if (TAGS) {
+                    st_tag(abt + m * QD + (h * GQ + g) * D + e, b16(num / den), ta);
+                } else {
+                    abuf[m * QD + (h * GQ + g) * D + e] = b16(num / den);
+                }
             } else {
                 float* pt = pc + (c * GQ + g) * PS;
                 pt[e] = num;
@@ -895,10 +916,16 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
             __syncthreads();
             if (threadIdx.x == 0) {
                 fence_gpu();
-                *last = atomicAdd(cnt + m * NKV + h, 1u) == (u32)(nch - 1);
-                if (*last) {
-                    fence_gpu();
-                    atomicExch(cnt + m * NKV + h, 0u);  // for the next layer
+                if (TAGS) {  // no grid barrier orders a reset before the next layer's adds: the count runs on, and
+                             // the launch's last block out zeroes it
+                    *last = atomicAdd(cnt + m * NKV + h, 1u) == (u32)((l + 1) * nch - 1);
+                    if (*last) fence_gpu();
+                } else {
+                    *last = atomicAdd(cnt + m * NKV + h, 1u) == (u32)(nch - 1);
+                    if (*last) {
+                        fence_gpu();
+                        atomicExch(cnt + m * NKV + h, 0u);  // for the next layer
+                    }
                 }
             }
             __syncthreads();
@@ -922,7 +949,11 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
                             den += a * tk[k];
                         }
                     }
-                    abuf[m * QD + (h * GQ + g) * D + e] = b16(num / den);
+                    if (TAGS) {
+                        st_tag(abt + m * QD + (h * GQ + g) * D + e, b16(num / den), ta);
+                    } else {
+                        abuf[m * QD + (h * GQ + g) * D + e] = b16(num / den);
+                    }
                 }
             }
         }
@@ -1086,7 +1117,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             mark(1);
             if (LONG) {
                 attention_long(l, M, pos_p, slot_p, kc, vc, qknw, rope, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
-                               (float*)act, apart, bar + 32 * MAXNARRIVE);
+                               (float*)act, apart, bar + 32 * MAXNARRIVE, tagof(5 * l), tagof(5 * l + 1));
             } else {
                 attention(l, M, pos_p, slot_p, kc, vc, qknw, rope, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
                           (float*)act, tagof(5 * l), tagof(5 * l + 1));
@@ -1152,7 +1183,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #pragma unroll
             for (int k = 0; k < NARRIVE; ++k) atomicExch(bar + 32 * k, 0u);
             atomicExch(bar + 1, 0u);
-            if (TAGS) atomicExch(epoch_p, (epoch + 1u) % 65535u);  // the next launch's tags
+            if (TAGS) {
+                atomicExch(epoch_p, (epoch + 1u) % 65535u);  // the next launch's tags
+                if (LONG)  // attention_long's counts, run on over the layers
+                    for (int k = 0; k < MAXM * NKV; ++k) atomicExch(bar + 32 * MAXNARRIVE + k, 0u);
+            }
         }
     }
 }

@@ -73,7 +73,7 @@ class Layout:
     norm_prefetch: bool = True  # a norm's weights into shared memory while the grid waits (else read from L2 after)
     vector_attention: bool = True  # a short cache's cached keys and values by 16-byte loads in one round
     chunk: int = CHUNK  # attention_long: positions a chunk at least
-    tags: bool = False  # a short cache's pass without grid barriers: tagged activations, polled (`tagged`)
+    tags: bool = False  # a pass without grid barriers: the activations as tagged words, polled (`workspace`)
 
     @property
     def slot_bytes(self) -> int:
@@ -97,12 +97,6 @@ class Layout:
     def long(self) -> bool:
         """A cache longer than MAX_POSITIONS: attention in chunks (attention_long), not a unit's shared memory."""
         return self.T > MAX_POSITIONS or self.chunked
-
-    @property
-    def tagged(self) -> bool:
-        """The `tags` option in force: the activations as tagged words in the stack's workspace, read by polling
-        instead of after grid barriers. A long cache's attention (its chunks' combine) keeps the barriers."""
-        return self.tags and not self.long
 
     @property
     def workspace_words(self) -> int:
@@ -149,7 +143,7 @@ class Layout:
                       TIMELINE=int(self.timeline), LIGHTBAR=int(self.light_barrier),
                       NARRIVE=MAX_ARRIVE if self.split_barrier else 1, MAXNARRIVE=MAX_ARRIVE,
                       TWO_ROWS=int(self.two_rows), NORMPF=int(self.norm_prefetch),
-                      VECATT=int(self.vector_attention), TAGS=int(self.tagged))  # fmt: skip
+                      VECATT=int(self.vector_attention), TAGS=int(self.tags))  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
         return prelude + _SOURCE.read_text()
 
@@ -186,9 +180,9 @@ def set_options(
     block on only as many SMs as keep each block's largest share of every phase (`lean_blocks`), the others left to
     kernels on other streams (Code2Wav's); norm_prefetch: each norm's weights copied into shared memory during the
     grid wait before it; vector_attention: a short cache's cached keys and values by 16-byte loads, all in one
-    round; chunk: a long cache's chunks take at least this many positions (a multiple of 32); tags: a short cache's
-    pass with no grid barrier, each activation word carrying its phase's tag and polled by the blocks that read it
-    (not yet measured on a GPU; off). Returns the options now in force."""
+    round; chunk: a long cache's chunks take at least this many positions (a multiple of 32); tags: a pass with
+    no grid barrier, each activation word carrying its phase's tag and polled by the blocks that read it (not yet
+    measured on a GPU; off). Returns the options now in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
                  vector_attention=vector_attention, tags=tags)  # fmt: skip
@@ -309,7 +303,7 @@ def prepare(sw, max_len: int, device: torch.device | str) -> str | None:
         _kernel(dev, lay)
     except (OSError, RuntimeError) as e:
         return f"{type(e).__name__}: {str(e)[:500]}"
-    if lay.tagged:
+    if lay.tags:
         workspace(sw, lay, dev)
     return None
 
@@ -366,7 +360,7 @@ def stack_pass(
     kc, vc = cache.k, cache.v
     qkv = lay.NQ * lay.D + 2 * lay.NKV * lay.D
     out = torch.empty_like(x)
-    if lay.tagged:  # the stack's own workspace: the epoch's line, then MAX_ROWS rows of each buffer as tagged words
+    if lay.tags:  # the stack's own workspace: the epoch's line, then MAX_ROWS rows of each buffer as tagged words
         ws = workspace(sw, lay, dev)
         xs, qkvbuf, abuf, gbuf = ws[32 : lay.workspace_words].split(
             [MAX_ROWS * n for n in (lay.H, qkv, lay.NQ * lay.D, lay.I)]

@@ -638,15 +638,17 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
 
 
 @needs_cuda
-@pytest.mark.parametrize(("greedy", "heads"), [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize(
+    ("greedy", "heads", "tags"), [(True, False, False), (False, True, False), (True, True, False), (True, True, True)]
+)
 async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_equal_in_a_pair(
-    tiny_model, greedy, heads, monkeypatch
+    tiny_model, greedy, heads, tags, monkeypatch
 ):
     """talker_stack_kernel="cuda" with cp_stack_kernel="cuda": the talker's one-token passes (a long cache, attention
     in chunks) and the code predictor's by stack_cuda.cu. A request gives the same codes alone and beside another,
     graphed and eager alike, and the talker's passes all went through the kernel. With the heads on the few-row
     kernel too (small_m_heads), a lone stream's graphed steps are one row, not two padded (one_row_steps), and still
-    give the codes it gets beside another stream."""
+    give the codes it gets beside another stream. tags: both stacks' passes without grid barriers (stack_tags)."""
     from qwen_tts import stack_cuda
 
     model = load_model(tiny_model.path, device="cuda")
@@ -659,11 +661,13 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
     for frame_step in ("eager", "graphs"):
         eng = NativeEngine(
             EngineSettings(model_path=str(model.path), device="cuda", max_slots=2, warmup=False, frame_step=frame_step,
-                           cp_stack_kernel="cuda", talker_stack_kernel="cuda", small_m_heads=heads),
+                           cp_stack_kernel="cuda", talker_stack_kernel="cuda", small_m_heads=heads,
+                           stack_tags=tags),
             model=model,
         )  # fmt: skip
         await eng.start()
         try:
+            assert stack_cuda.set_options()["tags"] is tags
             target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
             calls.clear()
             (alone,), _ = await run(eng, [target])
@@ -673,8 +677,10 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
             )
         finally:
             await eng.stop()
+            stack_cuda.set_options(tags=False)  # process-wide: the next test's engine or stack starts from the default
         assert eng.model_info["talker_stack_kernel"] == "cuda" and eng.model_info["cp_stack_kernel"] == "cuda"
         assert eng.model_info["one_row_steps"] == heads
+        assert eng.model_info["stack_tags"] is tags
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         blocks = eng.model_info["stack_blocks"]  # the lean grid: at most every SM
         assert set(blocks) == {"code_predictor", "talker"} and all(0 < n <= sms for n in blocks.values()), blocks

@@ -474,14 +474,16 @@ def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("shape", ["talker", "tiny-mtp", "split"])
-def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("shape", "tags"), [("talker", False), ("tiny-mtp", False), ("split", False), ("talker", True), ("split", True)]
+)
+def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape, tags, tmp_path) -> None:
     """The long-cache source (attention_long) for the 0.6B talker's shape and two small head widths (16 and 64:
-    lanes without an element, two elements a lane) builds for sm_90 without spills."""
+    lanes without an element, two elements a lane) builds for sm_90 without spills; with the tags option too."""
     from qwen_tts import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B if shape == "talker" else SHAPES[shape]
-    lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=132)
+    lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=132, tags=tags)
     assert_builds_for_hopper_without_spills(lay, tmp_path)
 
 
@@ -489,6 +491,7 @@ LONG_LEN = 700  # positions up to 699: past the most chunks of 64 (4 for the tal
 LONG_SHAPE = (1024, 3072, 2, 16, 8, 128)  # the talker's layer, two of them
 LONG_CASES = [(shape, rows, "default") for shape in ("talker", "split", "tiny-mtp") for rows in (1, 2, 4)]
 LONG_CASES += [("talker", 4, "chunk128"), ("split", 2, "chunk128")]  # chunks of 128 positions at least: 1-4 a row
+LONG_CASES += [("talker", 4, "tags"), ("split", 2, "tags")]  # no grid barriers: tagged activations, polled
 
 
 def long_positions(rows: int, step: int) -> list[int]:
@@ -516,11 +519,14 @@ def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows, opts,
     """Rows at positions with 1, 2, 3 and 4 chunks over three passes, in scattered slots of a 700-position cache
     holding random keys: the output and the K/V written as close to float32 as the eager bf16 stack's (the same
     bounds as the short cache's test); the attention counters back at zero; unwritten slots and positions zero.
-    chunk128: chunks of at least 128 positions (so 1, 1, 2 and 4 chunks at those positions)."""
+    chunk128: chunks of at least 128 positions (so 1, 1, 2 and 4 chunks at those positions); tags: no grid barriers
+    (the chunks' counts run on over the layers)."""
     from qwen_tts import stack_cuda
 
     if opts == "chunk128":
         cuda_options(chunk=128)
+    else:
+        cuda_options(**OPTION_CASES.get(opts, {}))
     dims = LONG_SHAPE if shape == "talker" else SHAPES[shape]
     ref, kern = make_cuda_stack(dims)
     exact = copy.deepcopy(ref).float()
@@ -696,19 +702,19 @@ def test_the_cuda_kernels_chunk_option_takes_multiples_of_32_positions(cuda_opti
 
 
 def test_the_tags_option_takes_a_short_cache_and_a_workspace_of_the_stacks_own() -> None:
-    """`tags`: the code predictor's short cache runs without grid barriers (TAGS in the source), the talker's long
-    cache keeps them. The workspace: the epoch's 128-byte line, then four rows of the residual stream, q|k|v,
+    """`tags`: the passes run without grid barriers (TAGS in the source), over the code predictor's short cache and
+    the talker's long one. The workspace: the epoch's 128-byte line, then four rows of the residual stream, q|k|v,
     attention's output and the gated activation as int32 words (each buffer on 16 bytes, as the kernel's 16-byte
     loads need), zeros when made, made once per stack and device."""
     from qwen_tts import stack_cuda
 
     H, inter, L, nq, nkv, D = FULL
     lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=CACHE_LEN, nblk=128, tags=True)
-    assert lay.tagged and "constexpr int TAGS = 1;" in lay.source()
+    assert "constexpr int TAGS = 1;" in lay.source()
     assert "constexpr int TAGS = 0;" in dataclasses.replace(lay, tags=False).source()
     H6, i6, L6, nq6, nkv6, D6 = TALKER_06B
     talker = stack_cuda.Layout(H=H6, I=i6, D=D6, NQ=nq6, NKV=nkv6, L=L6, T=3088, nblk=128, tags=True)
-    assert talker.long and not talker.tagged and "constexpr int TAGS = 0;" in talker.source()
+    assert talker.long and "constexpr int TAGS = 1;" in talker.source() and "constexpr int LONG = 1;" in talker.source()
     sizes = [1024, 4096, 2048, 3072]  # the residual stream, q|k|v, attention's output, the gated activation
     assert lay.workspace_words == 32 + 4 * sum(sizes)
     offsets = 32 + 4 * torch.tensor([0, *sizes[:-1]]).cumsum(0)
@@ -724,49 +730,54 @@ def test_the_tags_option_takes_a_short_cache_and_a_workspace_of_the_stacks_own()
     assert stack_cuda.workspace(other.stack_weights, tiny, torch.device("cpu")) is not ws
 
 
-def _tags(epoch: int, phases: int) -> set[int]:
-    """The tags of a launch's phases (stack_cuda.cu's `tagof`)."""
-    return {1 + (epoch * phases + p) % 65535 for p in range(phases)}
-
-
 def test_tags_never_repeat_within_a_launch_nor_against_the_launch_before() -> None:
     """A word's tag says which phase of which launch wrote it, so a reader never takes an older word for the one it
     waits for: over every epoch (the wrap from 65534 to 0 included) a launch's phases (five a layer and the final
-    norm: 26 for the code predictor, 11 and 6 for the tiny stacks) have distinct tags from 1 to 65535 (a zeroed
-    word never passes), none of them one of the launch before's. Every word is written every launch, so no word is
-    older than that. The formulas are the kernel's."""
+    norm: 26 for the code predictor, 11 and 6 for the tiny stacks; 141 for the 0.6B talker, at the epochs around the
+    wrap and every 97th) have distinct tags from 1 to 65535 (a zeroed word never passes), none of them one of the
+    launch before's. Every word is written every launch, so no word is older than that. The formulas are the
+    kernel's."""
     src = (Path(__file__).resolve().parents[1] / "qwen_tts" / "stack_cuda.cu").read_text()
     assert "return 1u + (epoch * (u32)(5 * L + 1) + (u32)phase) % 65535u;" in src
     assert "atomicExch(epoch_p, (epoch + 1u) % 65535u)" in src
-    for phases in (26, 11, 6):
-        epochs = torch.arange(65535, dtype=torch.int64)
+    every = torch.arange(65535, dtype=torch.int64)
+    some = torch.cat([every[:300], every[-300:], every[::97]]).unique()
+    for phases, epochs in ((26, every), (11, every), (6, every), (141, some)):
+        before_epochs = (epochs - 1) % 65535  # epoch 65534's launch comes before epoch 0's
         tags = 1 + (epochs[:, None] * phases + torch.arange(phases)) % 65535  # (epoch, phase)
+        before = 1 + (before_epochs[:, None] * phases + torch.arange(phases)) % 65535
         assert int(tags.min()) >= 1 and int(tags.max()) <= 65535
-        assert all(len(_tags(e, phases)) == phases for e in (0, 1, 2520, 65534))
         assert bool((tags.sort(1).values.diff(1) > 0).all())  # distinct within each launch
-        before = tags.roll(1, 0)  # launch e - 1's (epoch 65534's before 0's)
-        assert not bool((tags[:, :, None] == before[:, None, :]).any())
+        assert not bool((tags[:, :, None] == before[:, None, :]).any()), phases
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
-def test_cuda_kernel_with_tags_keeps_the_defaults_bits_as_rows_change_and_the_epoch_wraps(cuda_options) -> None:
+@pytest.mark.parametrize("long", [False, True], ids=["short-cache", "long-cache"])
+def test_cuda_kernel_with_tags_keeps_the_defaults_bits_as_rows_change_and_the_epoch_wraps(long, cuda_options) -> None:
     """Tagged passes of 4, 1, 2, 3, 4, 1 and 4 rows (the rows a pass has not still get its tags, so a row that comes
     back after one-row passes never reads an old word), from an epoch three launches before the wrap, give the
-    default kernel's output and cache bits; the epoch advances by one a launch and wraps to 0."""
+    default kernel's output and cache bits; the epoch advances by one a launch and wraps to 0. The short cache (the
+    code predictor's) and the long one (the talker's: chunked attention, whose counts run on over the layers and end
+    at zero)."""
     from qwen_tts import stack_cuda
 
-    _, kern = make_cuda_stack(FULL)
-    H = FULL[0]
+    dims = LONG_SHAPE if long else FULL
+    _, kern = make_cuda_stack(dims)
+    H = dims[0]
+    slot_list = [5, 0, 3, 3]
     defaults = cuda_options()
     dev = torch.device("cuda", torch.cuda.current_device())
     results = []
     for tags in (False, True):
         cuda_options(**{**defaults, "tags": tags})
-        cache = kern.new_cache(6, CACHE_LEN, DEVICE, torch.bfloat16)
-        lay = stack_cuda.device_layout(kern.stack_weights, CACHE_LEN, dev)[0]
-        assert lay.tagged is tags
+        if long:
+            (cache,) = filled_caches((kern,), 4, long_positions(3, 0), slot_list[:3], seed=13)
+        else:
+            cache = kern.new_cache(6, CACHE_LEN, DEVICE, torch.bfloat16)
+        lay = stack_cuda.device_layout(kern.stack_weights, cache.max_len, dev)[0]
+        assert lay.tags is tags and lay.long is long
         if tags:
-            assert stack_cuda.prepare(kern.stack_weights, CACHE_LEN, dev) is None
+            assert stack_cuda.prepare(kern.stack_weights, cache.max_len, dev) is None
             ws = stack_cuda.workspace(kern.stack_weights, lay, dev)
             ws[0] = 65532
         g = torch.Generator().manual_seed(11)
@@ -774,10 +785,10 @@ def test_cuda_kernel_with_tags_keeps_the_defaults_bits_as_rows_change_and_the_ep
         with torch.no_grad():
             for t, rows in enumerate([4, 1, 2, 3, 4, 1, 4]):
                 x = torch.randn(rows, H, generator=g).to(DEVICE, torch.bfloat16)
-                pos = torch.tensor([t, t, 2 * t, 2 * t + 1][:rows], device=DEVICE)
-                outs.append(
-                    stack_kernel.stack_pass(kern, x, pos, cache, torch.tensor([5, 0, 3, 3][:rows], device=DEVICE))
-                )
+                at = [*long_positions(3, t), long_positions(3, t)[2] + 1] if long else [t, t, 2 * t, 2 * t + 1]
+                pos = torch.tensor(at[:rows], device=DEVICE)
+                slots = torch.tensor(slot_list[:rows], device=DEVICE)
+                outs.append(stack_kernel.stack_pass(kern, x, pos, cache, slots))
         results.append((torch.cat(outs), cache.k.clone(), cache.v.clone()))
         if tags:
             assert int(ws[0]) == 4  # 65532 + 7 launches, modulo 65535

@@ -207,6 +207,7 @@ class NativeEngine(Engine):
         self._model_info["talker_stack_kernel"] = self._talker.model.stack_kernel or "off"
         self._model_info["one_row_steps"] = one_row_steps(self._talker)
         self._model_info["stack_blocks"] = stack_blocks(self._talker, self.config, self.device)
+        self._model_info["stack_tags"] = bool(self._model_info["stack_blocks"]) and self.config.stack_tags
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)
         self._model_info["fused_decoder"] = any(getattr(m, "fast", None) for m in self._code2wav.modules())
