@@ -24,6 +24,11 @@ The arithmetic rounds where the eager layers round; matmul sums are float32 in a
 row's result does not depend on the other rows (batch invariant). bf16 only. The kernel is compiled by NVRTC on
 first use for each shape (cuda_rtc.py) and launched on the current stream, so CUDA graphs capture it. The grid is
 one block per SM and every block must be resident: the barrier would otherwise wait for a block that cannot start.
+
+The `tags` option (opt-in, not yet measured) drops the grid barriers: every activation the kernel writes is a 32-bit
+word holding the bf16 and the tag of the phase and launch that wrote it, in a workspace of the stack's own
+(`workspace`), and each block polls the words it reads until they carry the tag it waits for. Each phase reads the
+whole of the one before, so one copy of each buffer suffices (docs/benchmarks.md, seventeenth round).
 """
 
 from __future__ import annotations
