@@ -142,12 +142,8 @@ __device__ __forceinline__ bool tagged4(uint4 v, u32 tag) {
     return (v.x >> 16) == tag && (v.y >> 16) == tag && (v.z >> 16) == tag && (v.w >> 16) == tag;
 }
 
-// Four tagged words (already loaded once) as four packed bf16, polled until all four carry `tag`.
-__device__ __forceinline__ uint2 wait_tag4(const u32* p, uint4 v, u32 tag) {
-    while (!tagged4(v, tag)) {
-        backoff();
-        v = ld_word4(p);
-    }
+// Four tagged words as four packed bf16.
+__device__ __forceinline__ uint2 untag4(uint4 v) {
     return make_uint2((v.x & 0xffffu) | (v.y << 16), (v.z & 0xffffu) | (v.w << 16));
 }
 
@@ -289,22 +285,27 @@ __device__ void load_rows(bf16* act, const void* xv, u32 tag, const bf16* g, int
     for (int m = 0; m < MAXM; ++m) ss[m] = 0.f;
     for (int i0 = threadIdx.x; i0 < n8; i0 += 4 * NTHREADS) {  // four loads in flight, then their uses in order
         uint4 v[4];
-        if (TAGS && tag) {  // eight words a piece: two loads each, all in flight, then each polled until tagged
+        if (TAGS && tag) {  // eight words a piece, two loads; every load in flight, and every stale one again at once
             uint4 w[8];
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                if (i0 + u * NTHREADS < n8) {
-                    w[2 * u] = ld_word4(xt + 8 * (i0 + u * NTHREADS));
-                    w[2 * u + 1] = ld_word4(xt + 8 * (i0 + u * NTHREADS) + 4);
-                }
+            for (int k = 0; k < 8; ++k)
+                if (i0 + (k / 2) * NTHREADS < n8) w[k] = ld_word4(xt + 8 * (i0 + (k / 2) * NTHREADS) + 4 * (k % 2));
+            for (;;) {
+                bool done = true;
+#pragma unroll
+                for (int k = 0; k < 8; ++k)
+                    if (i0 + (k / 2) * NTHREADS < n8 && !tagged4(w[k], tag)) done = false;
+                if (done) break;
+                backoff();
+#pragma unroll
+                for (int k = 0; k < 8; ++k)
+                    if (i0 + (k / 2) * NTHREADS < n8 && !tagged4(w[k], tag))
+                        w[k] = ld_word4(xt + 8 * (i0 + (k / 2) * NTHREADS) + 4 * (k % 2));
             }
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
-                if (i0 + u * NTHREADS < n8) {
-                    const u32* p = xt + 8 * (i0 + u * NTHREADS);
-                    const uint2 a = wait_tag4(p, w[2 * u], tag), c = wait_tag4(p + 4, w[2 * u + 1], tag);
-                    v[u] = make_uint4(a.x, a.y, c.x, c.y);
-                }
+                const uint2 a = untag4(w[2 * u]), c = untag4(w[2 * u + 1]);
+                v[u] = make_uint4(a.x, a.y, c.x, c.y);
             }
         } else {
 #pragma unroll
@@ -532,35 +533,36 @@ __device__ __forceinline__ void put(float* p, bf16 v) { *p = f32(v); }
 __device__ __forceinline__ void put(bf16* p, bf16 v) { *p = v; }
 
 // TAGS: a warp reads one or two tagged vectors of D (p0 into y0 as floats, p1 into y1 unless null, as floats or as
-// bf16), lane c at c, c + 32, ...: every load in flight before the first poll.
+// bf16), lane c at c, c + 32, ...: every load in flight, and every stale one loaded again at once.
 template <typename Y1>
 __device__ __forceinline__ void warp_tagged2(const u32* p0, const u32* p1, u32 tag, float* y0, Y1* y1) {
     constexpr int N = (D + 31) / 32;
     const int lane = threadIdx.x % 32;
-    u32 w0[N], w1[N];
+    u32 w[2 * N];
+    auto at = [&](int k) { return (k < N ? p0 : p1) + lane + 32 * (k % N); };
+    auto used = [&](int k) { return lane + 32 * (k % N) < D && (k < N || p1); };
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-        const int c = lane + 32 * j;
-        if (c < D) {
-            w0[j] = ld_word(p0 + c);
-            if (p1) w1[j] = ld_word(p1 + c);
-        }
+    for (int k = 0; k < 2 * N; ++k)
+        if (used(k)) w[k] = ld_word(at(k));
+    for (;;) {
+        bool done = true;
+#pragma unroll
+        for (int k = 0; k < 2 * N; ++k)
+            if (used(k) && (w[k] >> 16) != tag) done = false;
+        if (done) break;
+        backoff();
+#pragma unroll
+        for (int k = 0; k < 2 * N; ++k)
+            if (used(k) && (w[k] >> 16) != tag) w[k] = ld_word(at(k));
     }
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-        const int c = lane + 32 * j;
-        if (c < D) {
-            while ((w0[j] >> 16) != tag) {
-                backoff();
-                w0[j] = ld_word(p0 + c);
-            }
-            y0[c] = f32((bf16)(w0[j] & 0xffffu));
-            if (p1) {
-                while ((w1[j] >> 16) != tag) {
-                    backoff();
-                    w1[j] = ld_word(p1 + c);
-                }
-                put(y1 + c, (bf16)(w1[j] & 0xffffu));
+    for (int k = 0; k < 2 * N; ++k) {
+        if (used(k)) {
+            const int c = lane + 32 * (k % N);
+            if (k < N) {
+                y0[c] = f32((bf16)(w[k] & 0xffffu));
+            } else {
+                put(y1 + c, (bf16)(w[k] & 0xffffu));
             }
         }
     }
