@@ -22,8 +22,9 @@
 // acquire-release fence); NARRIVE (arrival counters, of MAXNARRIVE lines); NORMPF (each norm's weights copied into
 // shared memory during the grid wait before it); VECATT (a short cache's cached keys and values by 16-byte loads in
 // one round); TAGS (no grid barrier at all: each activation word tagged with the phase that wrote it and polled by its
-// readers, in a workspace of the stack's own that only the kernel writes). NBLK may be fewer than the SMs (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the talker's), so attention is
-// split over chunks of at least CHUNK positions, at most NCHUNK a (row, kv head), whose partial softmax sums the last
+// readers, in a workspace of the stack's own that only the kernel writes). NBLK may be fewer than the SMs
+// (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the talker's), so attention is split over
+// chunks of at least CHUNK positions, at most NCHUNK a (row, kv head), whose partial softmax sums the last
 // chunk to finish combines (`attention_long`); else one unit per (row, kv head) holds the whole cache in shared
 // memory (`attention`).
 // No headers: bf16 is handled as its bits (round to nearest even, as torch rounds), so NVRTC needs no include path.
@@ -532,6 +533,14 @@ __device__ void rope_tables(const long long* pos_p, const float* inv_freq, int M
 __device__ __forceinline__ void put(float* p, bf16 v) { *p = f32(v); }
 __device__ __forceinline__ void put(bf16* p, bf16 v) { *p = v; }
 
+// TAGS: attention's output rows the pass has not (M to MAXM) as tagged zeros, so every word of the buffer carries this
+// launch's tag; by the last blocks, which the units leave idle first.
+__device__ __forceinline__ void tag_absent_rows(bf16* abuf, int M, u32 ta) {
+    for (int u = NBLK - 1 - blockIdx.x; u < (MAXM - M) * NKV; u += NBLK)
+        for (int i = threadIdx.x; i < GQ * D; i += NTHREADS)
+            st_tag((u32*)abuf + (M + u / NKV) * QD + (u % NKV) * GQ * D + i, 0, ta);
+}
+
 // TAGS: a warp reads one or two tagged vectors of D (p0 into y0 as floats, p1 into y1 unless null, as floats or as
 // bf16), lane c at c, c + 32, ...: every load in flight, and every stale one loaded again at once.
 template <typename Y1>
@@ -583,14 +592,10 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const bf16* qn = qknw;  // this layer's q and k norm weights, in shared memory
     const bf16* kn = qn + D;
-    const u32* qkt = (const u32*)qkvbuf;  // TAGS: the same buffers as tagged words
-    u32* abt = (u32*)abuf;
-    for (int u = blockIdx.x; u < (TAGS ? MAXM : M) * NKV; u += NBLK) {
+    const u32* qkt = (const u32*)qkvbuf;  // TAGS: the same buffer as tagged words
+    if (TAGS) tag_absent_rows(abuf, M, ta);
+    for (int u = blockIdx.x; u < M * NKV; u += NBLK) {
         const int m = u / NKV, h = u % NKV;
-        if (TAGS && m >= M) {  // a row the pass has not: its words carry this phase's tag all the same (zeros)
-            for (int i = threadIdx.x; i < GQ * D; i += NTHREADS) st_tag(abt + m * QD + h * GQ * D + i, 0, ta);
-            continue;
-        }
         const int p = (int)pos_p[m], s = (int)slot_p[m];
         const long long at = l * scl + s * scs + h * sch;
         // The row of this pass that writes position j of this slot, if any (-1).
@@ -675,7 +680,7 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
             float o = 0.f;
             for (int t = 0; t <= p; ++t) o += sc[g * T + t] * vf[t * D + c];
             if (TAGS) {
-                st_tag(abt + m * QD + (h * GQ + g) * D + c, b16(o), ta);
+                st_tag((u32*)abuf + m * QD + (h * GQ + g) * D + c, b16(o), ta);
             } else {
                 abuf[m * QD + (h * GQ + g) * D + c] = b16(o);
             }
@@ -725,13 +730,8 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPP, j8 = 8 * (lane % LPP);
     const bf16* qn = qknw;  // this layer's q and k norm weights, in shared memory
     const bf16* knw = qn + D;
-    const u32* qkt = (const u32*)qkvbuf;  // TAGS: the same buffers as tagged words
-    u32* abt = (u32*)abuf;
-    if (TAGS) {  // the rows the pass has not: their words carry this phase's tag all the same (zeros), by the last blocks
-        for (int u = NBLK - 1 - blockIdx.x; u < (MAXM - M) * NKV; u += NBLK)
-            for (int i = threadIdx.x; i < GQ * D; i += NTHREADS)
-                st_tag(abt + (M + u / NKV) * QD + (u % NKV) * GQ * D + i, 0, ta);
-    }
+    const u32* qkt = (const u32*)qkvbuf;  // TAGS: the same buffer as tagged words
+    if (TAGS) tag_absent_rows(abuf, M, ta);
     int rp[MAXM], rs[MAXM], total = 0;
 #pragma unroll
     for (int r = 0; r < MAXM; ++r) {
@@ -901,7 +901,7 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
             }
             if (nch == 1) {
                 if (TAGS) {
-                    st_tag(abt + m * QD + (h * GQ + g) * D + e, b16(num / den), ta);
+                    st_tag((u32*)abuf + m * QD + (h * GQ + g) * D + e, b16(num / den), ta);
                 } else {
                     abuf[m * QD + (h * GQ + g) * D + e] = b16(num / den);
                 }
@@ -952,7 +952,7 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
                         }
                     }
                     if (TAGS) {
-                        st_tag(abt + m * QD + (h * GQ + g) * D + e, b16(num / den), ta);
+                        st_tag((u32*)abuf + m * QD + (h * GQ + g) * D + e, b16(num / den), ta);
                     } else {
                         abuf[m * QD + (h * GQ + g) * D + e] = b16(num / den);
                     }

@@ -370,13 +370,11 @@ def stack_pass(
         xs, qkvbuf, abuf, gbuf = ws[32 : lay.workspace_words].split(
             [MAX_ROWS * n for n in (lay.H, qkv, lay.NQ * lay.D, lay.I)]
         )
-        epoch = ws
     else:
         xs = torch.empty_like(x)
         qkvbuf = torch.empty((M, qkv), device=dev, dtype=x.dtype)
         abuf = torch.empty((M, lay.NQ * lay.D), device=dev, dtype=x.dtype)
         gbuf = torch.empty((M, lay.I), device=dev, dtype=x.dtype)
-        epoch = None
     apart = torch.empty(max(lay.partial_floats, 1), device=dev, dtype=torch.float32)
     if barrier.numel() < BARRIER_INTS:
         raise ValueError(f"the barrier needs {BARRIER_INTS} int32 zeros, not {barrier.numel()}")
@@ -389,6 +387,6 @@ def stack_pass(
     if lay.timeline and (timeline is None or timeline.numel() < timeline_stamps(sw) or timeline.dtype != torch.int64):
         raise ValueError(f"the timeline option needs an int64 tensor of {timeline_stamps(sw)} stamps")
     args.append(ctypes.c_void_p(timeline.data_ptr() if lay.timeline else 0))
-    args.append(ctypes.c_void_p(0 if epoch is None else epoch.data_ptr()))
+    args.append(ctypes.c_void_p(ws.data_ptr() if lay.tags else 0))  # the epoch: the workspace's first word
     _kernel(dev, lay).launch(lay.nblk, NTHREADS, args, lay.shared_bytes)
     return out
