@@ -247,10 +247,11 @@ def test_overload_is_refused_with_retry_after_never_a_hang(ray_server: RayServer
     capacity = 2 * 2 + QUEUED  # 2 replicas x (1 slot + 1 queued) + the proxy's queue
     burst = 20
     Timed = tuple[httpx.Response, float, float]  # response, sent, answered
+    # Connections: the fill, the burst and the probes (one each 0.2 s for at most 60 s: 300).
 
     async def run() -> tuple[list[Timed], list[Timed], list[Timed]]:
         async with httpx.AsyncClient(
-            base_url=ray_server.url, timeout=120, limits=httpx.Limits(max_connections=capacity + burst + 400)
+            base_url=ray_server.url, timeout=120, limits=httpx.Limits(max_connections=capacity + burst + 300)
         ) as c:
 
             async def timed(i: int, frames: int) -> Timed:
