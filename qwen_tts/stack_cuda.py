@@ -48,6 +48,7 @@ MAX_POSITIONS = 32  # a longer cache (the talker's) takes attention_long: chunks
 CHUNK = 64  # attention_long: positions a chunk at least; chunks a (row, kv head) at most: Layout.max_chunks
 ATT_COUNTERS = 64  # attention_long's (row, kv head) counters: MAX_ROWS x kv heads at most
 MAX_ARRIVE = 4  # the grid barrier's arrival counters, a 128-byte line each (the first line also holds the exit count)
+EPOCH_WORDS = 32  # the tagged workspace's first 128-byte line: the epoch (the `tags` option)
 BARRIER_INTS = 32 * MAX_ARRIVE + ATT_COUNTERS  # the barrier tensor stack_pass needs: the counters' lines, then those
 NTHREADS = 256
 NWARPS = NTHREADS // 32
@@ -104,10 +105,15 @@ class Layout:
         return self.T > MAX_POSITIONS or self.chunked
 
     @property
+    def buffer_widths(self) -> tuple[int, int, int, int]:
+        """A row's width in each buffer a pass writes: the residual stream, q|k|v, attention's output and the gated
+        activation."""
+        return self.H, (self.NQ + 2 * self.NKV) * self.D, self.NQ * self.D, self.I
+
+    @property
     def workspace_words(self) -> int:
-        """The tagged workspace (int32 words): a 128-byte line for the epoch, then MAX_ROWS rows of the residual
-        stream, q|k|v, attention's output and the gated activation."""
-        return 32 + MAX_ROWS * (self.H + (self.NQ + 2 * self.NKV) * self.D + self.NQ * self.D + self.I)
+        """The tagged workspace (int32 words): the epoch's line, then MAX_ROWS rows of each buffer."""
+        return EPOCH_WORDS + MAX_ROWS * sum(self.buffer_widths)
 
     @property
     def act_bytes(self) -> int:
@@ -363,18 +369,12 @@ def stack_pass(
     positions = positions.to(torch.long).contiguous()
     slots = slots.to(torch.long).contiguous()
     kc, vc = cache.k, cache.v
-    qkv = lay.NQ * lay.D + 2 * lay.NKV * lay.D
     out = torch.empty_like(x)
     if lay.tags:  # the stack's own workspace: the epoch's line, then MAX_ROWS rows of each buffer as tagged words
         ws = workspace(sw, lay, dev)
-        xs, qkvbuf, abuf, gbuf = ws[32 : lay.workspace_words].split(
-            [MAX_ROWS * n for n in (lay.H, qkv, lay.NQ * lay.D, lay.I)]
-        )
+        xs, qkvbuf, abuf, gbuf = ws[EPOCH_WORDS : lay.workspace_words].split([MAX_ROWS * w for w in lay.buffer_widths])
     else:
-        xs = torch.empty_like(x)
-        qkvbuf = torch.empty((M, qkv), device=dev, dtype=x.dtype)
-        abuf = torch.empty((M, lay.NQ * lay.D), device=dev, dtype=x.dtype)
-        gbuf = torch.empty((M, lay.I), device=dev, dtype=x.dtype)
+        xs, qkvbuf, abuf, gbuf = (torch.empty((M, w), device=dev, dtype=x.dtype) for w in lay.buffer_widths)
     apart = torch.empty(max(lay.partial_floats, 1), device=dev, dtype=torch.float32)
     if barrier.numel() < BARRIER_INTS:
         raise ValueError(f"the barrier needs {BARRIER_INTS} int32 zeros, not {barrier.numel()}")
