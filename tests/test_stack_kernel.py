@@ -367,6 +367,7 @@ OPTION_CASES = {
     "nonormpf": {"norm_prefetch": False},
     "scalaratt": {"vector_attention": False},
     "tags": {"tags": True},
+    "cachefirst": {"cache_first": True},
 }
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
@@ -475,15 +476,19 @@ def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize(
-    ("shape", "tags"), [("talker", False), ("tiny-mtp", False), ("split", False), ("talker", True), ("split", True)]
-)
-def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape, tags, tmp_path) -> None:
+    ("shape", "opts"),
+    [("talker", ""), ("tiny-mtp", ""), ("split", ""), ("talker", "tags"), ("split", "tags"),
+     ("talker", "cachefirst"), ("split", "cachefirst"), ("talker", "tags+cachefirst")],
+)  # fmt: skip
+def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
     """The long-cache source (attention_long) for the 0.6B talker's shape and two small head widths (16 and 64:
-    lanes without an element, two elements a lane) builds for sm_90 without spills; with the tags option too."""
+    lanes without an element, two elements a lane) builds for sm_90 without spills; with the tags and cache_first
+    options too."""
     from qwen_tts import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B if shape == "talker" else SHAPES[shape]
-    lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=132, tags=tags)
+    extra = {k: v for o in opts.split("+") if o for k, v in OPTION_CASES[o].items()}
+    lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=132, **extra)
     assert_builds_for_hopper_without_spills(lay, tmp_path)
 
 
@@ -679,6 +684,41 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
     for base, changed in zip(*results, strict=True):
         assert torch.equal(base, changed)
     assert results[1][1][:, 3, :, :16].abs().sum() > 0 and not results[1][1][:, 1].any()
+    assert not stack_kernel.prepare(DEVICE).any()
+
+
+# The same for a long cache (the talker's attention in chunks).
+LONG_SAME_BITS = ["cachefirst", "tags"]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
+@pytest.mark.parametrize("opt", LONG_SAME_BITS)
+def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options) -> None:
+    """Options that change how a long cache's attention works, not its sums, against the defaults, over five passes
+    of four rows in a 700-position cache of random keys: rows with one and three chunks, and two rows of one slot at
+    consecutive positions in the first round of one chunk (the second attends to the first's key of the same pass,
+    which the cache does not hold yet: cache_first must not load it early). cachefirst: the first round of cached
+    keys and values loaded before the queries; tags: no grid barriers."""
+    _, kern = make_cuda_stack(LONG_SHAPE)
+    H = LONG_SHAPE[0]
+    slot_list = [5, 0, 3, 3]
+    slots = torch.tensor(slot_list, device=DEVICE)
+    defaults = cuda_options()
+    results = []
+    for opts in ({}, OPTION_CASES[opt]):
+        cuda_options(**{**defaults, **opts})
+        (cache,) = filled_caches((kern,), 4, [5, 150, 60, 60], slot_list, seed=17)
+        g = torch.Generator().manual_seed(9)
+        outs = []
+        with torch.no_grad():
+            for t in range(5):
+                x = torch.randn(4, H, generator=g).to(DEVICE, torch.bfloat16)
+                pos = torch.tensor([5 + t, 150 + t, 60 + 2 * t, 61 + 2 * t], device=DEVICE)
+                outs.append(stack_kernel.stack_pass(kern, x, pos, cache, slots))
+        results.append((torch.stack(outs), cache.k.clone(), cache.v.clone()))
+    for base, changed in zip(*results, strict=True):
+        assert torch.equal(base, changed)
+    assert results[1][1][:, 3, :, 69].abs().sum() > 0 and not results[1][1][:, 3, :, 70:].any()
     assert not stack_kernel.prepare(DEVICE).any()
 
 
