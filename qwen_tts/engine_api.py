@@ -238,6 +238,11 @@ class EngineSettings:
     # from each of a layer's five barriers, ~9 us of the code predictor's ~22 on an H200, and the 0.6B's per-stream
     # floor waits on that time; not yet measured on a GPU, so off (bench_gpu.py --engine-variants stack-tags).
     stack_tags: bool = False
+    # With the talker's stack on the kernel (the 0.6B's): each attention unit loads its first round of cached keys and
+    # values before it waits for its queries (stack_cuda's `cache_first`), so that trip to memory overlaps the wait.
+    # The same loads, the same bits; not yet measured on a GPU, so off (bench_gpu.py --engine-variants
+    # stack-cache-first).
+    stack_cache_first: bool = False
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
     # On an H200 the graphed step at batch 1 went 5.66 -> 5.54 ms; with the sampler kernel and polyphase convs on,
