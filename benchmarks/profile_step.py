@@ -101,6 +101,11 @@ STEP_VARIANTS = {
     # and with the heads by the few-row kernel: where both stacks run on the kernel, a lone row's step is one row
     # (frame_step.one_row_steps), as the engine runs one stream with its three opt-in settings.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda": _BOTH,
+    # and with the kernel's passes without grid barriers (stack_cuda's tags), and with the talker's attention loading
+    # its first cached keys before the queries' wait (cache_first).
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+tags": _BOTH,
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+cache-first": _BOTH,
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+tags+cache-first": _BOTH,
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}
@@ -131,6 +136,7 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
         if "+tables" in variant:
             talker.code_predictor.build_input_tables()
         stack_kernel.set_options(preload="+preload" in variant)  # process-wide, read at capture
+        stack_cuda.set_options(tags="+tags" in variant, cache_first="+cache-first" in variant)
         for mode in ("phases", "persistent", "cuda"):
             if f"+stack-{mode}" in variant:
                 stack_kernel.prepare("cuda")
