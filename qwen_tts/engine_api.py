@@ -235,8 +235,9 @@ class EngineSettings:
     # With either stack kernel on "cuda": its passes without grid barriers: each activation word carries the tag of
     # the phase that wrote it and the blocks that read it poll their words (stack_cuda's `tags` option, in a
     # workspace of each stack's own). The same sums, the same bits. It drops the fence and the counter's round trip
-    # from each of a layer's five barriers, ~9 us of the code predictor's ~22 on an H200, and the 0.6B's per-stream
-    # floor waits on that time; not yet measured on a GPU, so off (bench_gpu.py --engine-variants stack-tags).
+    # from each of a layer's five barriers. Measured on an H200 (nineteenth round, docs/benchmarks.md): the same bits;
+    # alone, 0.5 us off a code-predictor layer and 1.0 off a talker layer at one row, 2 us more a layer at four rows;
+    # one stream 0.6B 24.72x -> 24.98x, 1.7B 17.36x -> 17.17x. So off (bench_gpu.py --engine-variants stack-tags).
     stack_tags: bool = False
     # With the talker's stack on the kernel (the 0.6B's): each attention unit loads its first round of cached keys and
     # values before it waits for its queries (stack_cuda's `cache_first`), so that trip to memory overlaps the wait.

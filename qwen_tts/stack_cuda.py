@@ -25,10 +25,11 @@ row's result does not depend on the other rows (batch invariant). bf16 only. The
 first use for each shape (cuda_rtc.py) and launched on the current stream, so CUDA graphs capture it. The grid is
 one block per SM and every block must be resident: the barrier would otherwise wait for a block that cannot start.
 
-The `tags` option (opt-in, not yet measured) drops the grid barriers: every activation the kernel writes is a 32-bit
-word holding the bf16 and the tag of the phase and launch that wrote it, in a workspace of the stack's own
-(`workspace`), and each block polls the words it reads until they carry the tag it waits for. Each phase reads the
-whole of the one before, so one copy of each buffer suffices (docs/benchmarks.md, seventeenth round).
+The `tags` option (opt-in; on an H200 a little faster at one row, slower at four) drops the grid barriers: every
+activation the kernel writes is a 32-bit word holding the bf16 and the tag of the phase and launch that wrote it, in
+a workspace of the stack's own (`workspace`), and each block polls the words it reads until they carry the tag it
+waits for. Each phase reads the whole of the one before, so one copy of each buffer suffices (docs/benchmarks.md,
+seventeenth and nineteenth rounds).
 """
 
 from __future__ import annotations
@@ -197,9 +198,8 @@ def set_options(
     round; chunk: a long cache's chunks take at least this many positions (a multiple of 32); cache_first: a long
     cache's unit loads its first round of cached keys and values (positions no row of the pass writes) before it
     waits for its queries, so that trip to memory overlaps the wait and the norms (else after them; not yet
-    measured on a GPU; off); tags: a pass with
-    no grid barrier, each activation word carrying its phase's tag and polled by the blocks that read it (not yet
-    measured on a GPU; off). Returns the options now in force."""
+    measured on a GPU; off); tags: a pass with no grid barrier, each activation word carrying its phase's tag and polled by the blocks that read it (the same
+    bits; on an H200 faster at one row, slower at four: off). Returns the options now in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
                  vector_attention=vector_attention, cache_first=cache_first, tags=tags)  # fmt: skip
