@@ -121,6 +121,8 @@ VARIANTS: dict[str, dict] = {
     "full-grid": {"stack_lean_grid": False},  # with those: the kernel on every SM, not only those it needs
     "stack-tags": {"stack_tags": True},  # and their passes without grid barriers (tagged activations, polled)
     "stack-cache-first": {"stack_cache_first": True},  # a long cache's first keys loaded before the queries' wait
+    "talker-stack-tags": {"talker_stack_tags": True},  # the tags for the talker's stack only
+    "stack-evict-first": {"stack_evict_first": True},  # the weight copies marked first to leave L2
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }

@@ -106,6 +106,12 @@ STEP_VARIANTS = {
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+tags": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+cache-first": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+tags+cache-first": _BOTH,
+    # and the tags for the talker's stack only; and the weight copies marked first to leave L2.
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+talker-tags": _BOTH,
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+talker-tags+cache-first": _BOTH,
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+evict-first": _BOTH,
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+talker-tags+cache-first"
+    "+evict-first": _BOTH,
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}
@@ -136,7 +142,12 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
         if "+tables" in variant:
             talker.code_predictor.build_input_tables()
         stack_kernel.set_options(preload="+preload" in variant)  # process-wide, read at capture
-        stack_cuda.set_options(tags="+tags" in variant, cache_first="+cache-first" in variant)
+        stack_cuda.set_options(
+            tags="+tags" in variant,
+            cache_first="+cache-first" in variant,
+            long_tags="+talker-tags" in variant,
+            evict_first="+evict-first" in variant,
+        )
         for mode in ("phases", "persistent", "cuda"):
             if f"+stack-{mode}" in variant:
                 stack_kernel.prepare("cuda")

@@ -244,6 +244,14 @@ class EngineSettings:
     # The same loads, the same bits; not yet measured on a GPU, so off (bench_gpu.py --engine-variants
     # stack-cache-first).
     stack_cache_first: bool = False
+    # stack_tags for the talker's stack only (stack_cuda's `long_tags`): its passes, whose layers' attention over the
+    # long cache waits longest, without grid barriers, while the code predictor's keep them. Not yet measured through
+    # the engine, so off (bench_gpu.py --engine-variants talker-stack-tags).
+    talker_stack_tags: bool = False
+    # With either stack kernel on "cuda": the weight copies marked first to leave L2 (stack_cuda's `evict_first`), so
+    # the weight stream does not push the caches' keys and values and the activations out of it. The same bits; not
+    # yet measured on a GPU, so off (bench_gpu.py --engine-variants stack-evict-first).
+    stack_evict_first: bool = False
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
     # On an H200 the graphed step at batch 1 went 5.66 -> 5.54 ms; with the sampler kernel and polyphase convs on,

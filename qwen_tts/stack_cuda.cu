@@ -22,8 +22,9 @@
 // acquire-release fence); NARRIVE (arrival counters, of MAXNARRIVE lines); NORMPF (each norm's weights copied into
 // shared memory during the grid wait before it); VECATT (a short cache's cached keys and values by 16-byte loads in
 // one round); CACHE_FIRST (a long cache's first round of cached keys and values loaded before the unit waits for
-// its queries); TAGS (no grid barrier at all: each activation word tagged with the phase that wrote it and polled by its
-// readers, in a workspace of the stack's own that only the kernel writes). NBLK may be fewer than the SMs
+// its queries); EVICT_FIRST (the weight copies with an L2 evict-first policy); TAGS (no grid barrier at all: each
+// activation word tagged with the phase that wrote it and polled by its readers, in a workspace of the stack's own
+// that only the kernel writes). NBLK may be fewer than the SMs
 // (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the talker's), so attention is split over
 // chunks of at least CHUNK positions, at most NCHUNK a (row, kv head), whose partial softmax sums the last
 // chunk to finish combines (`attention_long`); else one unit per (row, kv head) holds the whole cache in shared
@@ -75,10 +76,20 @@ __device__ __forceinline__ void mbar_expect(u64* bar, u32 bytes) {
 }
 
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_addr(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
+    if (EVICT_FIRST) {  // the weights stream through L2 once a pass: let them leave it first
+        u64 policy;
+        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
+            "%4;" ::"r"(smem_addr(dst)),
+            "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+            : "memory");
+    } else {
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                         smem_addr(dst)),
+                     "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                     : "memory");
+    }
 }
 
 __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {

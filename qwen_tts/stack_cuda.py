@@ -82,6 +82,7 @@ class Layout:
     chunk: int = CHUNK  # attention_long: positions a chunk at least
     cache_first: bool = False  # attention_long: the first round's cached keys and values loaded before the queries
     tags: bool = False  # a pass without grid barriers: the activations as tagged words, polled (`workspace`)
+    evict_first: bool = False  # the weight copies marked first to leave L2, so caches and activations stay there
 
     @property
     def slot_bytes(self) -> int:
@@ -157,7 +158,7 @@ class Layout:
                       NARRIVE=MAX_ARRIVE if self.split_barrier else 1, MAXNARRIVE=MAX_ARRIVE,
                       TWO_ROWS=int(self.two_rows), NORMPF=int(self.norm_prefetch),
                       VECATT=int(self.vector_attention), CACHE_FIRST=int(self.cache_first),
-                      TAGS=int(self.tags))  # fmt: skip
+                      TAGS=int(self.tags), EVICT_FIRST=int(self.evict_first))  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
         return prelude + _SOURCE.read_text()
 
@@ -176,7 +177,7 @@ def _align16(n: int) -> int:
 _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "light_barrier": True, "chunked": False,
             "split_barrier": False, "two_rows": True, "lean_grid": True,
             "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK, "cache_first": False,
-            "tags": False}  # fmt: skip
+            "tags": False, "long_tags": False, "evict_first": False}  # fmt: skip
 
 
 def set_options(
@@ -184,7 +185,8 @@ def set_options(
     light_barrier: bool | None = None, chunked: bool | None = None, split_barrier: bool | None = None,
     two_rows: bool | None = None, lean_grid: bool | None = None,
     norm_prefetch: bool | None = None, vector_attention: bool | None = None, chunk: int | None = None,
-    cache_first: bool | None = None, tags: bool | None = None,
+    cache_first: bool | None = None, tags: bool | None = None, long_tags: bool | None = None,
+    evict_first: bool | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
     only (no weight copies: the matmuls read stale shared memory); mma: the matmuls on the tensor cores (else dot
@@ -198,11 +200,15 @@ def set_options(
     round; chunk: a long cache's chunks take at least this many positions (a multiple of 32); cache_first: a long
     cache's unit loads its first round of cached keys and values (positions no row of the pass writes) before it
     waits for its queries, so that trip to memory overlaps the wait and the norms (else after them; not yet
-    measured on a GPU; off); tags: a pass with no grid barrier, each activation word carrying its phase's tag and polled by the blocks that read it (the same
-    bits; on an H200 faster at one row, slower at four: off). Returns the options now in force."""
+    measured on a GPU; off); tags: a pass with no grid barrier, each activation word carrying its phase's tag and
+    polled by the blocks that read it (the same bits; on an H200 faster at one row, slower at four: off); long_tags:
+    tags for a long cache's stack only (the talker's), whatever `tags` says of the others; evict_first: the weight
+    copies with an L2 evict-first policy, so the caches' keys and values and the activations are not pushed out of
+    L2 by the weight stream (not yet measured on a GPU; off). Returns the options now in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
-                 vector_attention=vector_attention, cache_first=cache_first, tags=tags)  # fmt: skip
+                 vector_attention=vector_attention, cache_first=cache_first, tags=tags, long_tags=long_tags,
+                 evict_first=evict_first)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)
@@ -215,7 +221,10 @@ def set_options(
 
 def layout(sw, max_len: int, nblk: int) -> Layout:
     """The layout of a `stack_kernel.StackWeights` stack with a cache of max_len positions on nblk SMs."""
-    return Layout(H=sw.H, I=sw.I, D=sw.D, NQ=sw.NQ, NKV=sw.NKV, L=sw.L, T=max_len, nblk=nblk, **_options)
+    opts = dict(_options)
+    long_tags = opts.pop("long_tags")
+    lay = Layout(H=sw.H, I=sw.I, D=sw.D, NQ=sw.NQ, NKV=sw.NKV, L=sw.L, T=max_len, nblk=nblk, **opts)
+    return dataclasses.replace(lay, tags=True) if long_tags and lay.long and not lay.tags else lay
 
 
 def why_not(lay: Layout, max_shared: int) -> str | None:

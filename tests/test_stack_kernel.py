@@ -290,7 +290,9 @@ def assert_builds_for_hopper_without_spills(lay, tmp_path) -> None:
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize(
-    "opts", [{}, {"bulk": False}, {"mma": True}, {"tags": True}], ids=["default", "cpasync", "mma", "tags"]
+    "opts",
+    [{}, {"bulk": False}, {"mma": True}, {"tags": True}, {"evict_first": True}],
+    ids=["default", "cpasync", "mma", "tags", "evict"],
 )
 @pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
 def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
@@ -368,6 +370,8 @@ OPTION_CASES = {
     "scalaratt": {"vector_attention": False},
     "tags": {"tags": True},
     "cachefirst": {"cache_first": True},
+    "evict": {"evict_first": True},
+    "longtags": {"long_tags": True},
 }
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
@@ -478,7 +482,8 @@ def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
 @pytest.mark.parametrize(
     ("shape", "opts"),
     [("talker", ""), ("tiny-mtp", ""), ("split", ""), ("talker", "tags"), ("split", "tags"),
-     ("talker", "cachefirst"), ("split", "cachefirst"), ("talker", "tags+cachefirst")],
+     ("talker", "cachefirst"), ("split", "cachefirst"), ("talker", "tags+cachefirst"),
+     ("talker", "tags+cachefirst+evict")],
 )  # fmt: skip
 def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
     """The long-cache source (attention_long) for the 0.6B talker's shape and two small head widths (16 and 64:
@@ -652,7 +657,7 @@ def test_cuda_kernel_on_the_lean_grid_gives_the_full_grids_bits(long, cuda_optio
 
 
 # Options that change how, not what: the same sums in the same order.
-SAME_BITS = ["nonormpf", "scalaratt", "onerow", "fullgrid", "tags"]
+SAME_BITS = ["nonormpf", "scalaratt", "onerow", "fullgrid", "tags", "evict"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -688,7 +693,7 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
 
 
 # The same for a long cache (the talker's attention in chunks).
-LONG_SAME_BITS = ["cachefirst", "tags"]
+LONG_SAME_BITS = ["cachefirst", "tags", "longtags", "evict"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -698,7 +703,8 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
     of four rows in a 700-position cache of random keys: rows with one and three chunks, and two rows of one slot at
     consecutive positions in the first round of one chunk (the second attends to the first's key of the same pass,
     which the cache does not hold yet: cache_first must not load it early). cachefirst: the first round of cached
-    keys and values loaded before the queries; tags: no grid barriers."""
+    keys and values loaded before the queries; tags: no grid barriers; longtags: the same for a long cache only;
+    evict: the weight copies marked first to leave L2."""
     _, kern = make_cuda_stack(LONG_SHAPE)
     H = LONG_SHAPE[0]
     slot_list = [5, 0, 3, 3]
@@ -720,6 +726,25 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
         assert torch.equal(base, changed)
     assert results[1][1][:, 3, :, 69].abs().sum() > 0 and not results[1][1][:, 3, :, 70:].any()
     assert not stack_kernel.prepare(DEVICE).any()
+
+
+def test_the_long_tags_option_tags_only_a_long_caches_layout(cuda_options) -> None:
+    """long_tags: the talker's stack (a long cache) gets the tags and their workspace, the code predictor's (a short
+    cache) keeps its grid barriers; `tags` still tags both."""
+    from qwen_tts import stack_cuda
+
+    H, inter, L, nq, nkv, D = TALKER_06B
+    talker = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=1, nblk=1)
+    cp = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=5, T=1, nblk=1)
+    cuda_options(long_tags=True, tags=False)
+    assert stack_cuda.layout(talker, 3088, 128).tags and stack_cuda.layout(talker, 3088, 128).long
+    assert not stack_cuda.layout(cp, 16, 128).tags
+    assert "constexpr int TAGS = 1;" in stack_cuda.layout(talker, 3088, 128).source()
+    assert "constexpr int TAGS = 0;" in stack_cuda.layout(cp, 16, 128).source()
+    cuda_options(long_tags=False, tags=True)
+    assert stack_cuda.layout(cp, 16, 128).tags and stack_cuda.layout(talker, 3088, 128).tags
+    cuda_options(tags=False)
+    assert not stack_cuda.layout(talker, 3088, 128).tags
 
 
 def test_the_cuda_kernels_chunk_option_takes_multiples_of_32_positions(cuda_options) -> None:

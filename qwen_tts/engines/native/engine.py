@@ -815,7 +815,11 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
         log.info("code predictor input tables: %.1f MB", n / 1e6)
     # process-wide, read when a pass is compiled or captured
     stack_cuda.set_options(
-        lean_grid=config.stack_lean_grid, tags=config.stack_tags, cache_first=config.stack_cache_first
+        lean_grid=config.stack_lean_grid,
+        tags=config.stack_tags,
+        cache_first=config.stack_cache_first,
+        long_tags=config.talker_stack_tags,
+        evict_first=config.stack_evict_first,
     )
     stack_kernel.enable(talker.code_predictor.model, config.cp_stack_kernel)
     if config.cp_stack_kernel != "off":
