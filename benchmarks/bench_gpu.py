@@ -122,7 +122,7 @@ VARIANTS: dict[str, dict] = {
     "stack-tags": {"stack_tags": True},  # and their passes without grid barriers (tagged activations, polled)
     "stack-cache-first": {"stack_cache_first": True},  # a long cache's first keys loaded before the queries' wait
     "talker-stack-tags": {"talker_stack_tags": True},  # the tags for the talker's stack only
-    "stack-evict-first": {"stack_evict_first": True},  # the weight copies marked first to leave L2
+    "no-stack-evict-first": {"stack_evict_first": False},  # the weight copies without the L2 evict-first policy
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }

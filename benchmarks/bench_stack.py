@@ -112,7 +112,7 @@ def main() -> None:
                     "share), +nonormpf (the norms' weights "
                     "from L2, not staged in shared memory during the wait), +scalaratt (the short cache's keys by "
                     "2-byte loads), +chunkN (a long cache's chunks of at least N positions), +cachefirst (a long cache's "
-                    "first round of cached keys loaded before the queries), +evict (the weight copies marked first to leave L2), "
+                    "first round of cached keys loaded before the queries), +noevict (the weight copies without the L2 evict-first policy), "
                     "+tags (no grid barriers: "
                     "tagged activations, polled)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
@@ -170,7 +170,7 @@ def main() -> None:
                                split_barrier="splitbar" in parts, two_rows="onerow" not in parts,
                                lean_grid="fullgrid" not in parts, norm_prefetch="nonormpf" not in parts,
                                vector_attention="scalaratt" not in parts, cache_first="cachefirst" in parts,
-                               tags="tags" in parts, evict_first="evict" in parts)  # fmt: skip
+                               tags="tags" in parts, evict_first="noevict" not in parts)  # fmt: skip
         for p in parts:
             if p.startswith("chunk") and p[5:].isdigit():  # chunk128: a long cache's chunks of 128 positions at least
                 stack_cuda.set_options(chunk=int(p[5:]))

@@ -106,12 +106,10 @@ STEP_VARIANTS = {
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+tags": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+cache-first": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+tags+cache-first": _BOTH,
-    # and the tags for the talker's stack only; and the weight copies marked first to leave L2.
+    # and the tags for the talker's stack only; and the weight copies without the L2 evict-first policy.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+talker-tags": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+talker-tags+cache-first": _BOTH,
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+evict-first": _BOTH,
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+talker-tags+cache-first"
-    "+evict-first": _BOTH,
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+no-evict-first": _BOTH,
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}
@@ -146,7 +144,7 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
             tags="+tags" in variant,
             cache_first="+cache-first" in variant,
             long_tags="+talker-tags" in variant,
-            evict_first="+evict-first" in variant,
+            evict_first="+no-evict-first" not in variant,
         )
         for mode in ("phases", "persistent", "cuda"):
             if f"+stack-{mode}" in variant:

@@ -241,17 +241,19 @@ class EngineSettings:
     stack_tags: bool = False
     # With the talker's stack on the kernel (the 0.6B's): each attention unit loads its first round of cached keys and
     # values before it waits for its queries (stack_cuda's `cache_first`), so that trip to memory overlaps the wait.
-    # The same loads, the same bits; not yet measured on a GPU, so off (bench_gpu.py --engine-variants
-    # stack-cache-first).
+    # The same loads, the same bits. Measured slower on an H200 (the 0.6B's talker pass alone 696 -> 703 us, with the
+    # tags 663 -> 702 us; nineteenth round), so off (bench_gpu.py --engine-variants stack-cache-first).
     stack_cache_first: bool = False
     # stack_tags for the talker's stack only (stack_cuda's `long_tags`): its passes, whose layers' attention over the
-    # long cache waits longest, without grid barriers, while the code predictor's keep them. Not yet measured through
-    # the engine, so off (bench_gpu.py --engine-variants talker-stack-tags).
+    # long cache waits longest, without grid barriers, while the code predictor's keep them. On an H200 one 0.6B
+    # stream 24.13x -> 24.26x, within the spread (nineteenth round), so off (bench_gpu.py --engine-variants
+    # talker-stack-tags).
     talker_stack_tags: bool = False
     # With either stack kernel on "cuda": the weight copies marked first to leave L2 (stack_cuda's `evict_first`), so
-    # the weight stream does not push the caches' keys and values and the activations out of it. The same bits; not
-    # yet measured on a GPU, so off (bench_gpu.py --engine-variants stack-evict-first).
-    stack_evict_first: bool = False
+    # the weight stream does not push the caches' keys and values and the activations out of it. The same bits. On an
+    # H200 one 0.6B stream 24.13x -> 25.11x, one 1.7B stream 18.30x -> 18.62x (nineteenth round, docs/benchmarks.md),
+    # so on (bench_gpu.py --engine-variants no-stack-evict-first for the plain copies).
+    stack_evict_first: bool = True
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
     # On an H200 the graphed step at batch 1 went 5.66 -> 5.54 ms; with the sampler kernel and polyphase convs on,

@@ -291,8 +291,8 @@ def assert_builds_for_hopper_without_spills(lay, tmp_path) -> None:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize(
     "opts",
-    [{}, {"bulk": False}, {"mma": True}, {"tags": True}, {"evict_first": True}],
-    ids=["default", "cpasync", "mma", "tags", "evict"],
+    [{}, {"bulk": False}, {"mma": True}, {"tags": True}, {"evict_first": False}],
+    ids=["default", "cpasync", "mma", "tags", "noevict"],
 )
 @pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
 def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
@@ -370,7 +370,7 @@ OPTION_CASES = {
     "scalaratt": {"vector_attention": False},
     "tags": {"tags": True},
     "cachefirst": {"cache_first": True},
-    "evict": {"evict_first": True},
+    "noevict": {"evict_first": False},
     "longtags": {"long_tags": True},
 }
 CUDA_CASES = [
@@ -483,7 +483,7 @@ def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
     ("shape", "opts"),
     [("talker", ""), ("tiny-mtp", ""), ("split", ""), ("talker", "tags"), ("split", "tags"),
      ("talker", "cachefirst"), ("split", "cachefirst"), ("talker", "tags+cachefirst"),
-     ("talker", "tags+cachefirst+evict")],
+     ("talker", "tags+cachefirst+noevict")],
 )  # fmt: skip
 def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
     """The long-cache source (attention_long) for the 0.6B talker's shape and two small head widths (16 and 64:
@@ -657,7 +657,7 @@ def test_cuda_kernel_on_the_lean_grid_gives_the_full_grids_bits(long, cuda_optio
 
 
 # Options that change how, not what: the same sums in the same order.
-SAME_BITS = ["nonormpf", "scalaratt", "onerow", "fullgrid", "tags", "evict"]
+SAME_BITS = ["nonormpf", "scalaratt", "onerow", "fullgrid", "tags", "noevict"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -668,7 +668,8 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
     bits over eight passes of four rows, two of them sharing a slot at consecutive positions (the second attends to
     the first's key of the same pass), the others in scattered slots. nonormpf: the norm weights read from L2;
     scalaratt: the cached keys and values by 2-byte loads; onerow: a weight row a warp; fullgrid: every SM; tags: no
-    grid barriers, each block polling the tagged words it reads."""
+    grid barriers, each block polling the tagged words it reads; noevict: the weight copies without the L2
+    evict-first policy."""
     dims = FULL if shape == "full" else SHAPES[shape]
     _, kern = make_cuda_stack(dims)
     H = dims[0]
@@ -693,7 +694,7 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
 
 
 # The same for a long cache (the talker's attention in chunks).
-LONG_SAME_BITS = ["cachefirst", "tags", "longtags", "evict"]
+LONG_SAME_BITS = ["cachefirst", "tags", "longtags", "noevict"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -704,7 +705,7 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
     consecutive positions in the first round of one chunk (the second attends to the first's key of the same pass,
     which the cache does not hold yet: cache_first must not load it early). cachefirst: the first round of cached
     keys and values loaded before the queries; tags: no grid barriers; longtags: the same for a long cache only;
-    evict: the weight copies marked first to leave L2."""
+    noevict: the weight copies without the L2 evict-first policy."""
     _, kern = make_cuda_stack(LONG_SHAPE)
     H = LONG_SHAPE[0]
     slot_list = [5, 0, 3, 3]
