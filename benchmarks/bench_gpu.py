@@ -120,7 +120,6 @@ VARIANTS: dict[str, dict] = {
     "talker-stack-cuda": {"talker_stack_kernel": "cuda"},  # and the talker's (where its layer fits: the 0.6B's)
     "full-grid": {"stack_lean_grid": False},  # with those: the kernel on every SM, not only those it needs
     "stack-tags": {"stack_tags": True},  # and their passes without grid barriers (tagged activations, polled)
-    "stack-cache-first": {"stack_cache_first": True},  # a long cache's first keys loaded before the queries' wait
     "talker-stack-tags": {"talker_stack_tags": True},  # the tags for the talker's stack only
     "no-stack-evict-first": {"stack_evict_first": False},  # the weight copies without the L2 evict-first policy
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)

@@ -111,10 +111,8 @@ def main() -> None:
                     "weight row a warp, not two), +fullgrid (every SM, not only those that keep each block's largest "
                     "share), +nonormpf (the norms' weights "
                     "from L2, not staged in shared memory during the wait), +scalaratt (the short cache's keys by "
-                    "2-byte loads), +chunkN (a long cache's chunks of at least N positions), +cachefirst (a long cache's "
-                    "first round of cached keys loaded before the queries), +noevict (the weight copies without the L2 evict-first policy), "
-                    "+tags (no grid barriers: "
-                    "tagged activations, polled)")  # fmt: skip
+                    "2-byte loads), +chunkN (a long cache's chunks of at least N positions), +noevict (the weight copies "
+                    "without the L2 evict-first policy), +tags (no grid barriers: tagged activations, polled)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
     ap.add_argument(
         "--cache-len",
@@ -169,8 +167,8 @@ def main() -> None:
                                light_barrier="heavybar" not in parts, chunked="chunked" in parts,
                                split_barrier="splitbar" in parts, two_rows="onerow" not in parts,
                                lean_grid="fullgrid" not in parts, norm_prefetch="nonormpf" not in parts,
-                               vector_attention="scalaratt" not in parts, cache_first="cachefirst" in parts,
-                               tags="tags" in parts, evict_first="noevict" not in parts)  # fmt: skip
+                               vector_attention="scalaratt" not in parts, tags="tags" in parts,
+                               evict_first="noevict" not in parts)  # fmt: skip
         for p in parts:
             if p.startswith("chunk") and p[5:].isdigit():  # chunk128: a long cache's chunks of 128 positions at least
                 stack_cuda.set_options(chunk=int(p[5:]))

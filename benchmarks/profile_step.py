@@ -101,14 +101,10 @@ STEP_VARIANTS = {
     # and with the heads by the few-row kernel: where both stacks run on the kernel, a lone row's step is one row
     # (frame_step.one_row_steps), as the engine runs one stream with its three opt-in settings.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda": _BOTH,
-    # and with the kernel's passes without grid barriers (stack_cuda's tags), and with the talker's attention loading
-    # its first cached keys before the queries' wait (cache_first).
+    # and with the kernel's passes without grid barriers (stack_cuda's tags).
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+tags": _BOTH,
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+cache-first": _BOTH,
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+tags+cache-first": _BOTH,
     # and the tags for the talker's stack only; and the weight copies without the L2 evict-first policy.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+talker-tags": _BOTH,
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+talker-tags+cache-first": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+no-evict-first": _BOTH,
     "fused-cublaslt": {},
 }
@@ -142,7 +138,6 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
         stack_kernel.set_options(preload="+preload" in variant)  # process-wide, read at capture
         stack_cuda.set_options(
             tags="+tags" in variant,
-            cache_first="+cache-first" in variant,
             long_tags="+talker-tags" in variant,
             evict_first="+no-evict-first" not in variant,
         )

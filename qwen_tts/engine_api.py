@@ -239,11 +239,6 @@ class EngineSettings:
     # alone, 0.5 us off a code-predictor layer and 1.0 off a talker layer at one row, 2 us more a layer at four rows;
     # one stream 0.6B 24.72x -> 24.98x, 1.7B 17.36x -> 17.17x. So off (bench_gpu.py --engine-variants stack-tags).
     stack_tags: bool = False
-    # With the talker's stack on the kernel (the 0.6B's): each attention unit loads its first round of cached keys and
-    # values before it waits for its queries (stack_cuda's `cache_first`), so that trip to memory overlaps the wait.
-    # The same loads, the same bits. Measured slower on an H200 (the 0.6B's talker pass alone 696 -> 703 us, with the
-    # tags 663 -> 702 us; nineteenth round), so off (bench_gpu.py --engine-variants stack-cache-first).
-    stack_cache_first: bool = False
     # stack_tags for the talker's stack only (stack_cuda's `long_tags`): its passes, whose layers' attention over the
     # long cache waits longest, without grid barriers, while the code predictor's keep them. On an H200 one 0.6B
     # stream 24.13x -> 24.26x, within the spread (nineteenth round), so off (bench_gpu.py --engine-variants

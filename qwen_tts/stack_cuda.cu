@@ -21,8 +21,7 @@
 // TWO_ROWS: two rows at once); TIMELINE (profiling: clock stamps); LIGHTBAR (the barrier's release by an
 // acquire-release fence); NARRIVE (arrival counters, of MAXNARRIVE lines); NORMPF (each norm's weights copied into
 // shared memory during the grid wait before it); VECATT (a short cache's cached keys and values by 16-byte loads in
-// one round); CACHE_FIRST (a long cache's first round of cached keys and values loaded before the unit waits for
-// its queries); EVICT_FIRST (the weight copies with an L2 evict-first policy); TAGS (no grid barrier at all: each
+// one round); EVICT_FIRST (the weight copies with an L2 evict-first policy); TAGS (no grid barrier at all: each
 // activation word tagged with the phase that wrote it and polled by its readers, in a workspace of the stack's own
 // that only the kernel writes). NBLK may be fewer than the SMs
 // (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the talker's), so attention is split over
@@ -775,38 +774,6 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
         const int h = rest / nch, c = rest % nch, span = (len + nch - 1) / nch;
         const int t0 = c * span, t1 = min(len, t0 + span);
         const long long at = l * scl + s * scs + h * sch;
-        const int mine = t0 + warp * PPW + grp;  // this lane group's first position; then every PPB-th
-        // CACHE_FIRST: the first round's cached keys and values (positions no row of this pass writes, so written by
-        // earlier launches) are loaded now, before the unit waits for its queries: their trip to memory overlaps
-        // the wait and the norms instead of following them.
-        uint4 ea[4], eb[4];
-        bool early_a = false, early_b = false;
-        if (CACHE_FIRST) {
-            auto cached = [&](int t) {
-                bool own = false;
-#pragma unroll
-                for (int r = 0; r < MAXM; ++r) own |= rs[r] == s && rp[r] == t;
-                return !own;
-            };
-            early_a = mine < t1 && cached(mine);
-            early_b = mine + PPB < t1 && cached(mine + PPB);
-            if (early_a) {
-                const bf16* kp = kc + at + mine * sct;
-                const bf16* vp = vc + at + mine * sct;
-                ea[0] = *(const uint4*)(kp + j8);
-                ea[1] = *(const uint4*)(kp + D / 2 + j8);
-                ea[2] = *(const uint4*)(vp + j8);
-                ea[3] = *(const uint4*)(vp + D / 2 + j8);
-            }
-            if (early_b) {
-                const bf16* kp = kc + at + (mine + PPB) * sct;
-                const bf16* vp = vc + at + (mine + PPB) * sct;
-                eb[0] = *(const uint4*)(kp + j8);
-                eb[1] = *(const uint4*)(kp + D / 2 + j8);
-                eb[2] = *(const uint4*)(vp + j8);
-                eb[3] = *(const uint4*)(vp + D / 2 + j8);
-            }
-        }
         for (int j = warp; j < GQ + M; j += NWARPS) {  // the queries, then the chunk's keys of this pass: a warp each
             float* y = raw + warp * D;
             if (j < GQ) {
@@ -892,27 +859,13 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
                 }
             }
         };
+        const int mine = t0 + warp * PPW + grp;  // this lane group's first position; then every PPB-th
         for (int t = mine; t - grp < t1; t += 2 * PPB) {  // the warp's first position decides: whole warps shuffle
             const uint4 zero = make_uint4(0, 0, 0, 0);
             uint4 ka[4] = {zero, zero, zero, zero}, kb[4] = {zero, zero, zero, zero};
             const bool va = t < t1, vb = t + PPB < t1;  // two rounds' loads in flight before either's arithmetic
-            const bool first = t == mine;
-            if (va) {
-                if (first && early_a) {
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) ka[i] = ea[i];
-                } else {
-                    fetch(t, ka);
-                }
-            }
-            if (vb) {
-                if (first && early_b) {
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) kb[i] = eb[i];
-                } else {
-                    fetch(t + PPB, kb);
-                }
-            }
+            if (va) fetch(t, ka);
+            if (vb) fetch(t + PPB, kb);
             update(ka, va);
             if (__any_sync(0xffffffffu, vb)) update(kb, vb);
         }

@@ -80,7 +80,6 @@ class Layout:
     norm_prefetch: bool = True  # a norm's weights into shared memory while the grid waits (else read from L2 after)
     vector_attention: bool = True  # a short cache's cached keys and values by 16-byte loads in one round
     chunk: int = CHUNK  # attention_long: positions a chunk at least
-    cache_first: bool = False  # attention_long: the first round's cached keys and values loaded before the queries
     tags: bool = False  # a pass without grid barriers: the activations as tagged words, polled (`workspace`)
     evict_first: bool = True  # the weight copies marked first to leave L2, so caches and activations stay there
 
@@ -157,8 +156,8 @@ class Layout:
                       TIMELINE=int(self.timeline), LIGHTBAR=int(self.light_barrier),
                       NARRIVE=MAX_ARRIVE if self.split_barrier else 1, MAXNARRIVE=MAX_ARRIVE,
                       TWO_ROWS=int(self.two_rows), NORMPF=int(self.norm_prefetch),
-                      VECATT=int(self.vector_attention), CACHE_FIRST=int(self.cache_first),
-                      TAGS=int(self.tags), EVICT_FIRST=int(self.evict_first))  # fmt: skip
+                      VECATT=int(self.vector_attention), TAGS=int(self.tags),
+                      EVICT_FIRST=int(self.evict_first))  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
         return prelude + _SOURCE.read_text()
 
@@ -176,7 +175,7 @@ def _align16(n: int) -> int:
 # The kernel's choices, process-wide (`set_options`; CUDA graphs keep the kernel they were captured with).
 _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "light_barrier": True, "chunked": False,
             "split_barrier": False, "two_rows": True, "lean_grid": True,
-            "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK, "cache_first": False,
+            "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK,
             "tags": False, "long_tags": False, "evict_first": True}  # fmt: skip
 
 
@@ -185,7 +184,7 @@ def set_options(
     light_barrier: bool | None = None, chunked: bool | None = None, split_barrier: bool | None = None,
     two_rows: bool | None = None, lean_grid: bool | None = None,
     norm_prefetch: bool | None = None, vector_attention: bool | None = None, chunk: int | None = None,
-    cache_first: bool | None = None, tags: bool | None = None, long_tags: bool | None = None,
+    tags: bool | None = None, long_tags: bool | None = None,
     evict_first: bool | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
@@ -197,10 +196,7 @@ def set_options(
     block on only as many SMs as keep each block's largest share of every phase (`lean_blocks`), the others left to
     kernels on other streams (Code2Wav's); norm_prefetch: each norm's weights copied into shared memory during the
     grid wait before it; vector_attention: a short cache's cached keys and values by 16-byte loads, all in one
-    round; chunk: a long cache's chunks take at least this many positions (a multiple of 32); cache_first: a long
-    cache's unit loads its first round of cached keys and values (positions no row of the pass writes) before it
-    waits for its queries, so that trip to memory overlaps the wait and the norms (else after them; measured
-    slower on an H200: off); tags: a pass with no grid barrier, each activation word carrying its phase's tag and
+    round; chunk: a long cache's chunks take at least this many positions (a multiple of 32); tags: a pass with no grid barrier, each activation word carrying its phase's tag and
     polled by the blocks that read it (the same bits; on an H200 faster at one row, slower at four: off); long_tags:
     tags for a long cache's stack only (the talker's), whatever `tags` says of the others; evict_first: the weight
     copies with an L2 evict-first policy, so the caches' keys and values and the activations are not pushed out of
@@ -208,7 +204,7 @@ def set_options(
     Returns the options now in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
-                 vector_attention=vector_attention, cache_first=cache_first, tags=tags, long_tags=long_tags,
+                 vector_attention=vector_attention, tags=tags, long_tags=long_tags,
                  evict_first=evict_first)  # fmt: skip
     for k, v in given.items():
         if v is not None:

@@ -369,7 +369,6 @@ OPTION_CASES = {
     "nonormpf": {"norm_prefetch": False},
     "scalaratt": {"vector_attention": False},
     "tags": {"tags": True},
-    "cachefirst": {"cache_first": True},
     "noevict": {"evict_first": False},
     "longtags": {"long_tags": True},
 }
@@ -482,13 +481,12 @@ def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
 @pytest.mark.parametrize(
     ("shape", "opts"),
     [("talker", ""), ("tiny-mtp", ""), ("split", ""), ("talker", "tags"), ("split", "tags"),
-     ("talker", "cachefirst"), ("split", "cachefirst"), ("talker", "tags+cachefirst"),
-     ("talker", "tags+cachefirst+noevict")],
+     ("talker", "noevict"), ("talker", "tags+noevict")],
 )  # fmt: skip
 def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
     """The long-cache source (attention_long) for the 0.6B talker's shape and two small head widths (16 and 64:
-    lanes without an element, two elements a lane) builds for sm_90 without spills; with the tags and cache_first
-    options too."""
+    lanes without an element, two elements a lane) builds for sm_90 without spills; with the tags option, and
+    without evict_first."""
     from qwen_tts import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B if shape == "talker" else SHAPES[shape]
@@ -694,7 +692,7 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
 
 
 # The same for a long cache (the talker's attention in chunks).
-LONG_SAME_BITS = ["cachefirst", "tags", "longtags", "noevict"]
+LONG_SAME_BITS = ["tags", "longtags", "noevict"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -703,8 +701,7 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
     """Options that change how a long cache's attention works, not its sums, against the defaults, over five passes
     of four rows in a 700-position cache of random keys: rows with one and three chunks, and two rows of one slot at
     consecutive positions in the first round of one chunk (the second attends to the first's key of the same pass,
-    which the cache does not hold yet: cache_first must not load it early). cachefirst: the first round of cached
-    keys and values loaded before the queries; tags: no grid barriers; longtags: the same for a long cache only;
+    which the cache does not hold yet). tags: no grid barriers; longtags: the same for a long cache only;
     noevict: the weight copies without the L2 evict-first policy."""
     _, kern = make_cuda_stack(LONG_SHAPE)
     H = LONG_SHAPE[0]

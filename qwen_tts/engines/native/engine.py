@@ -817,7 +817,6 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
     stack_cuda.set_options(
         lean_grid=config.stack_lean_grid,
         tags=config.stack_tags,
-        cache_first=config.stack_cache_first,
         long_tags=config.talker_stack_tags,
         evict_first=config.stack_evict_first,
     )
