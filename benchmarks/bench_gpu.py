@@ -122,6 +122,8 @@ VARIANTS: dict[str, dict] = {
     "stack-tags": {"stack_tags": True},  # and their passes without grid barriers (tagged activations, polled)
     "talker-stack-tags": {"talker_stack_tags": True},  # the tags for the talker's stack only
     "no-stack-evict-first": {"stack_evict_first": False},  # the weight copies without the L2 evict-first policy
+    "stack-threads-512": {"stack_threads": 512},  # the stack kernels' blocks of 512 threads (the same bits)
+    "stack-late-combine": {"stack_late_combine": True},  # the talker's chunks combined by the o phase's blocks
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }

@@ -249,6 +249,14 @@ class EngineSettings:
     # H200 one 0.6B stream 24.13x -> 25.11x, one 1.7B stream 18.30x -> 18.62x (nineteenth round, docs/benchmarks.md),
     # so on (bench_gpu.py --engine-variants no-stack-evict-first for the plain copies).
     stack_evict_first: bool = True
+    # With either stack kernel on "cuda": a block's threads (stack_cuda's `threads`; 256 or 512). With 512 each warp
+    # of a block has half the weight rows of q|k|v and gate|up, and attention's vectors and scores are spread over
+    # sixteen warps; a long cache's positions stay on eight, so the same sums, the same bits.
+    stack_threads: int = 256
+    # With the talker's stack kernel on "cuda": a long cache's chunk partials combined by every block of the o phase
+    # as it reads attention's output (stack_cuda's `late_combine`), instead of by the last chunk to finish after a
+    # fence, a counter and a second round trip. The same arithmetic, the same bits.
+    stack_late_combine: bool = False
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
     # On an H200 the graphed step at batch 1 went 5.66 -> 5.54 ms; with the sampler kernel and polyphase convs on,
@@ -371,6 +379,8 @@ class EngineSettings:
             raise EngineSettingsError(
                 "small_m_split_k", f"small_m_split_k must be 1 to 8, not {self.small_m_split_k!r}"
             )
+        if self.stack_threads not in (256, 512):
+            raise EngineSettingsError("stack_threads", f"stack_threads must be 256 or 512, not {self.stack_threads!r}")
         from .sample_kernel import warp_elements_error  # the kernel's own rule; imported here, not at load
 
         if err := warp_elements_error(self.kernel_sampler_warp_elements):

@@ -37,8 +37,8 @@ typedef unsigned long long u64;
 constexpr int NQKV = NQ + 2 * NKV;
 constexpr int QD = NQ * D;
 constexpr int GQ = NQ / NKV;
-constexpr int NTHREADS = 256;
 constexpr int NWARPS = NTHREADS / 32;
+constexpr bool LATE_ON = LATE && LONG && !TAGS;  // the long cache's chunks combined by the o phase's blocks
 
 __device__ __forceinline__ float f32(bf16 h) { return __uint_as_float(((u32)h) << 16); }
 
@@ -117,6 +117,12 @@ __device__ __forceinline__ bf16 ldcg1(const bf16* p) {
 __device__ __forceinline__ float ldcgf(const float* p) {
     float v;
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float2 ldcg2f(const float* p) {  // 8 bytes: p on 8
+    float2 v;
+    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
     return v;
 }
 
@@ -731,13 +737,13 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
                                             u32* cnt, u32 tq, u32 ta) {
     constexpr int LPP = D / 16;  // lanes a position: elements [8j, 8j + 8) and [D/2 + 8j, D/2 + 8j + 8) for lane j
     constexpr int PPW = 32 / LPP;  // positions a warp at once
-    constexpr int PPB = PPW * NWARPS;  // and a block
+    constexpr int PPB = PPW * ATTW;  // and a block
     constexpr int PS = D + 2;  // a partial: D sums, the max, the total
     bf16* kv = (bf16*)scratch;  // (MAXM, 2, D) keys (normed, roped) and values written in this pass (16-byte rows)
     float* qf = (float*)(kv + MAXM * 2 * D);  // (GQ, D) the queries, normed and roped
     float* raw = qf + GQ * D;  // (NWARPS, D) a warp's raw vector
-    float* ws = raw + NWARPS * D;  // (NWARPS, GQ, PS) the warps' partials
-    int* last = (int*)(ws + NWARPS * GQ * PS);  // this unit combines the chunks
+    float* ws = raw + NWARPS * D;  // (ATTW, GQ, PS) the position warps' partials
+    int* last = (int*)(ws + ATTW * GQ * PS);  // this unit combines the chunks
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPP, j8 = 8 * (lane % LPP);
     const bf16* qn = qknw;  // this layer's q and k norm weights, in shared memory
     const bf16* knw = qn + D;
@@ -814,87 +820,90 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
             __syncwarp();
         }
         __syncthreads();
-        float q[GQ][16], mx[GQ], tot[GQ], o[GQ][16];
-#pragma unroll
-        for (int g = 0; g < GQ; ++g) {
-            mx[g] = -3.0e38f;
-            tot[g] = 0.f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                q[g][i] = qf[g * D + j8 + i];
-                q[g][8 + i] = qf[g * D + D / 2 + j8 + i];
-                o[g][i] = o[g][8 + i] = 0.f;
-            }
-        }
-        // A position's key and value halves: this pass's from shared memory, the rest from the cache (written by
-        // earlier launches: through L1 is fine).
-        auto fetch = [&](int t, uint4* kr) {
-            int src = -1;
-#pragma unroll
-            for (int r = 0; r < MAXM; ++r)
-                if (src < 0 && rs[r] == s && rp[r] == t) src = r;
-            const bf16* kp = src >= 0 ? kv + src * 2 * D : kc + at + t * sct;
-            const bf16* vp = src >= 0 ? kv + (src * 2 + 1) * D : vc + at + t * sct;
-            kr[0] = *(const uint4*)(kp + j8);
-            kr[1] = *(const uint4*)(kp + D / 2 + j8);
-            kr[2] = *(const uint4*)(vp + j8);
-            kr[3] = *(const uint4*)(vp + D / 2 + j8);
-        };
-        auto update = [&](const uint4* kr, bool ok) {  // every lane shuffles; a group past the chunk keeps its state
-            float vf[16];
-            unpack8(kr[2], vf);
-            unpack8(kr[3], vf + 8);
+        if (ATTW == NWARPS || warp < ATTW) {  // the positions: ATTW warps (the others idle: the same sums)
+            float q[GQ][16], mx[GQ], tot[GQ], o[GQ][16];
 #pragma unroll
             for (int g = 0; g < GQ; ++g) {
-                float d = dot8f(kr[0], q[g]) + dot8f(kr[1], q[g] + 8);
+                mx[g] = -3.0e38f;
+                tot[g] = 0.f;
 #pragma unroll
-                for (int off = 1; off < LPP; off *= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
-                if (ok) {
-                    d *= scale;
-                    const float nm = fmaxf(mx[g], d), a = expf(mx[g] - nm), w = expf(d - nm);
-                    tot[g] = tot[g] * a + w;
+                for (int i = 0; i < 8; ++i) {
+                    q[g][i] = qf[g * D + j8 + i];
+                    q[g][8 + i] = qf[g * D + D / 2 + j8 + i];
+                    o[g][i] = o[g][8 + i] = 0.f;
+                }
+            }
+            // A position's key and value halves: this pass's from shared memory, the rest from the cache (written by
+            // earlier launches: through L1 is fine).
+            auto fetch = [&](int t, uint4* kr) {
+                int src = -1;
 #pragma unroll
-                    for (int i = 0; i < 16; ++i) o[g][i] = o[g][i] * a + w * vf[i];
+                for (int r = 0; r < MAXM; ++r)
+                    if (src < 0 && rs[r] == s && rp[r] == t) src = r;
+                const bf16* kp = src >= 0 ? kv + src * 2 * D : kc + at + t * sct;
+                const bf16* vp = src >= 0 ? kv + (src * 2 + 1) * D : vc + at + t * sct;
+                kr[0] = *(const uint4*)(kp + j8);
+                kr[1] = *(const uint4*)(kp + D / 2 + j8);
+                kr[2] = *(const uint4*)(vp + j8);
+                kr[3] = *(const uint4*)(vp + D / 2 + j8);
+            };
+            // Every lane shuffles; a group past the chunk keeps its state.
+            auto update = [&](const uint4* kr, bool ok) {
+                float vf[16];
+                unpack8(kr[2], vf);
+                unpack8(kr[3], vf + 8);
+#pragma unroll
+                for (int g = 0; g < GQ; ++g) {
+                    float d = dot8f(kr[0], q[g]) + dot8f(kr[1], q[g] + 8);
+#pragma unroll
+                    for (int off = 1; off < LPP; off *= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
+                    if (ok) {
+                        d *= scale;
+                        const float nm = fmaxf(mx[g], d), a = expf(mx[g] - nm), w = expf(d - nm);
+                        tot[g] = tot[g] * a + w;
+#pragma unroll
+                        for (int i = 0; i < 16; ++i) o[g][i] = o[g][i] * a + w * vf[i];
+                        mx[g] = nm;
+                    }
+                }
+            };
+            const int mine = t0 + warp * PPW + grp;  // this lane group's first position; then every PPB-th
+            for (int t = mine; t - grp < t1; t += 2 * PPB) {  // the warp's first position decides: whole warps shuffle
+                const uint4 zero = make_uint4(0, 0, 0, 0);
+                uint4 ka[4] = {zero, zero, zero, zero}, kb[4] = {zero, zero, zero, zero};
+                const bool va = t < t1, vb = t + PPB < t1;  // two rounds' loads in flight before either's arithmetic
+                if (va) fetch(t, ka);
+                if (vb) fetch(t + PPB, kb);
+                update(ka, va);
+                if (__any_sync(0xffffffffu, vb)) update(kb, vb);
+            }
+            // The warp's lane groups combined (shuffles), then lane group 0 writes the warp's partial.
+#pragma unroll
+            for (int off = LPP; off < 32; off *= 2) {
+#pragma unroll
+                for (int g = 0; g < GQ; ++g) {
+                    const float om = __shfl_xor_sync(0xffffffffu, mx[g], off);
+                    const float ot = __shfl_xor_sync(0xffffffffu, tot[g], off);
+                    const float nm = fmaxf(mx[g], om), a = expf(mx[g] - nm), b = expf(om - nm);
+                    tot[g] = tot[g] * a + ot * b;
+#pragma unroll
+                    for (int i = 0; i < 16; ++i) o[g][i] = o[g][i] * a + __shfl_xor_sync(0xffffffffu, o[g][i], off) * b;
                     mx[g] = nm;
                 }
             }
-        };
-        const int mine = t0 + warp * PPW + grp;  // this lane group's first position; then every PPB-th
-        for (int t = mine; t - grp < t1; t += 2 * PPB) {  // the warp's first position decides: whole warps shuffle
-            const uint4 zero = make_uint4(0, 0, 0, 0);
-            uint4 ka[4] = {zero, zero, zero, zero}, kb[4] = {zero, zero, zero, zero};
-            const bool va = t < t1, vb = t + PPB < t1;  // two rounds' loads in flight before either's arithmetic
-            if (va) fetch(t, ka);
-            if (vb) fetch(t + PPB, kb);
-            update(ka, va);
-            if (__any_sync(0xffffffffu, vb)) update(kb, vb);
-        }
-        // The warp's lane groups combined (shuffles), then lane group 0 writes the warp's partial.
+            if (grp == 0) {
 #pragma unroll
-        for (int off = LPP; off < 32; off *= 2) {
+                for (int g = 0; g < GQ; ++g) {
+                    float* wp = ws + (warp * GQ + g) * PS;
 #pragma unroll
-            for (int g = 0; g < GQ; ++g) {
-                const float om = __shfl_xor_sync(0xffffffffu, mx[g], off);
-                const float ot = __shfl_xor_sync(0xffffffffu, tot[g], off);
-                const float nm = fmaxf(mx[g], om), a = expf(mx[g] - nm), b = expf(om - nm);
-                tot[g] = tot[g] * a + ot * b;
-#pragma unroll
-                for (int i = 0; i < 16; ++i) o[g][i] = o[g][i] * a + __shfl_xor_sync(0xffffffffu, o[g][i], off) * b;
-                mx[g] = nm;
-            }
-        }
-        if (grp == 0) {
-#pragma unroll
-            for (int g = 0; g < GQ; ++g) {
-                float* wp = ws + (warp * GQ + g) * PS;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    wp[j8 + i] = o[g][i];
-                    wp[D / 2 + j8 + i] = o[g][8 + i];
-                }
-                if (lane == 0) {
-                    wp[D] = mx[g];
-                    wp[D + 1] = tot[g];
+                    for (int i = 0; i < 8; ++i) {
+                        wp[j8 + i] = o[g][i];
+                        wp[D / 2 + j8 + i] = o[g][8 + i];
+                    }
+                    if (lane == 0) {
+                        wp[D] = mx[g];
+                        wp[D + 1] = tot[g];
+                    }
                 }
             }
         }
@@ -903,8 +912,8 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
         for (int i = threadIdx.x; i < GQ * D; i += NTHREADS) {  // the warps' partials combined, in warp order
             const int g = i / D, e = i % D;
             float big = -3.0e38f, num = 0.f, den = 0.f;
-            for (int w = 0; w < NWARPS; ++w) big = fmaxf(big, ws[(w * GQ + g) * PS + D]);
-            for (int w = 0; w < NWARPS; ++w) {
+            for (int w = 0; w < ATTW; ++w) big = fmaxf(big, ws[(w * GQ + g) * PS + D]);
+            for (int w = 0; w < ATTW; ++w) {
                 const float* wp = ws + (w * GQ + g) * PS;
                 const float a = expf(wp[D] - big);
                 num += a * wp[e];
@@ -925,7 +934,7 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
                 }
             }
         }
-        if (nch > 1) {  // the last chunk to finish combines them all
+        if (nch > 1 && !LATE_ON) {  // the last chunk to finish combines them all (LATE_ON: the o phase does)
             __syncthreads();
             if (threadIdx.x == 0) {
                 fence_gpu();
@@ -972,6 +981,54 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
         }
         __syncthreads();  // the scratch is the next unit's
     }
+}
+
+// LATE_ON: act (M, QD) <- attention's output for the o phase, which every block reads whole: a row whose cache
+// took one chunk a kv head from abuf (its unit wrote it there), else each kv head's chunk partials in `part`
+// combined here, in chunk order and with the arithmetic of attention_long's last chunk, so the same bits; the
+// attention phase then needs no counter, fence or second round trip for its last chunk. Eight columns a thread.
+__device__ void load_attention(bf16* act, const bf16* abuf, const float* part, const long long* pos_p, int M) {
+    constexpr int PS = D + 2;
+    for (int i = threadIdx.x; i < M * QD / 8; i += NTHREADS) {
+        const int m = 8 * i / QD, col = 8 * i - m * QD, nch = chunks((int)pos_p[m] + 1);
+        if (nch == 1) {
+            *(uint4*)(act + 8 * i) = ldcg4(abuf + 8 * i);
+            continue;
+        }
+        const int hq = col / D, e0 = col - hq * D, h = hq / GQ, g = hq - h * GQ;
+        const float* pc = part + (long long)((m * NKV + h) * NCHUNK) * GQ * PS;
+        float big = -3.0e38f, mk[NCHUNK], tk[NCHUNK], ok[NCHUNK][8];
+#pragma unroll
+        for (int k = 0; k < NCHUNK; ++k) {  // every chunk's loads at once
+            const float* pt = pc + (k * GQ + g) * PS;
+            mk[k] = k < nch ? ldcgf(pt + D) : -3.0e38f;
+            tk[k] = k < nch ? ldcgf(pt + D + 1) : 0.f;
+#pragma unroll
+            for (int j = 0; j < 8; j += 2) {
+                const float2 v = k < nch ? ldcg2f(pt + e0 + j) : make_float2(0.f, 0.f);
+                ok[k][j] = v.x;
+                ok[k][j + 1] = v.y;
+            }
+            big = fmaxf(big, mk[k]);
+        }
+        u32 w[4];
+#pragma unroll
+        for (int j = 0; j < 8; j += 2) {
+            float num0 = 0.f, num1 = 0.f, den = 0.f;
+#pragma unroll
+            for (int k = 0; k < NCHUNK; ++k) {
+                if (k < nch) {
+                    const float a = expf(mk[k] - big);
+                    num0 += a * ok[k][j];
+                    num1 += a * ok[k][j + 1];
+                    den += a * tk[k];
+                }
+            }
+            w[j / 2] = (u32)b16(num0 / den) | ((u32)b16(num1 / den) << 16);
+        }
+        *(uint4*)(act + 8 * i) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    __syncthreads();
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
@@ -1065,7 +1122,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     // TAGS: src's words carry tsrc, x's tx (0: x is the bf16 pass input), and xs's words get tout.
     auto residual = [&](int f, const bf16* src, u32 tsrc, int K, const bf16* x, u32 tx, u32 tout) {
         const bf16* w = open_matmul(f);
-        load_rows(act, src, tsrc, 0, M, K, false, eps, inv, red);
+        if (LATE_ON && f % 4 == 1) {
+            load_attention(act, abuf, apart, pos_p, M);
+        } else {
+            load_rows(act, src, tsrc, 0, M, K, false, eps, inv, red);
+        }
         mark(3);
         const int r0 = lo(H, b), r1 = lo(H, b + 1);
         block_matmul(w, r1 - r0, K, act, M, part, res);

@@ -82,6 +82,8 @@ class Layout:
     chunk: int = CHUNK  # attention_long: positions a chunk at least
     tags: bool = False  # a pass without grid barriers: the activations as tagged words, polled (`workspace`)
     evict_first: bool = True  # the weight copies marked first to leave L2, so caches and activations stay there
+    threads: int = NTHREADS  # a block's threads (a multiple of 32, at most 1024): more warps share a phase's rows
+    late_combine: bool = False  # a long cache's chunk partials combined by the o phase's blocks, not the last chunk
 
     @property
     def slot_bytes(self) -> int:
@@ -98,8 +100,19 @@ class Layout:
 
     @property
     def part_items(self) -> int:
-        """The tensor-core path's partial (16, 8) tiles: a warp each, or a 16-row tile each past NWARPS tiles."""
-        return max(NWARPS, -(-self.res_rows // 16))
+        """The tensor-core path's partial (16, 8) tiles: a warp each, or a 16-row tile each past the warps; none
+        without it (the CUDA-core products need no partial tiles)."""
+        return max(self.warps, -(-self.res_rows // 16)) if self.mma else 0
+
+    @property
+    def warps(self) -> int:
+        return self.threads // 32
+
+    @property
+    def att_warps(self) -> int:
+        """The warps a long cache's attention unit spreads its positions over (at most 8 whatever the block's warps,
+        so its sums are the same at any block size; the others only norm and rope the unit's vectors)."""
+        return min(8, self.warps)
 
     @property
     def long(self) -> bool:
@@ -123,9 +136,9 @@ class Layout:
         acts = 2 * MAX_ROWS * max(self.H, self.NQ * self.D, self.I)
         g, D = self.NQ // self.NKV, self.D
         if self.long:  # this pass's keys and values (bf16), queries, a vector a warp, the warps' partials, a flag
-            attn = 2 * 2 * MAX_ROWS * D + 4 * (g * D + NWARPS * D + NWARPS * g * (D + 2) + 1)
+            attn = 2 * 2 * MAX_ROWS * D + 4 * (g * D + self.warps * D + self.att_warps * g * (D + 2) + 1)
         else:
-            attn = 4 * (2 * self.T * D + g * D + g * self.T + NWARPS * D)
+            attn = 4 * (2 * self.T * D + g * D + g * self.T + self.warps * D)
         return _align16(max(acts, attn))
 
     @property
@@ -145,7 +158,7 @@ class Layout:
         tiles, a phase's sums, the norms' sums of squares by warp, the rows' RoPE tables, a layer's q/k norm weights,
         a norm's weights (norm_prefetch)."""
         return (2 * self.slot_bytes + self.act_bytes + 32 + 4 * 128 * self.part_items + 4 * MAX_ROWS * self.res_rows
-                + 4 * NWARPS * MAX_ROWS + 4 * MAX_ROWS * self.D + 2 * 2 * self.D
+                + 4 * self.warps * MAX_ROWS + 4 * MAX_ROWS * self.D + 2 * 2 * self.D
                 + (2 * self.H if self.norm_prefetch else 0))  # fmt: skip
 
     def source(self) -> str:
@@ -157,7 +170,8 @@ class Layout:
                       NARRIVE=MAX_ARRIVE if self.split_barrier else 1, MAXNARRIVE=MAX_ARRIVE,
                       TWO_ROWS=int(self.two_rows), NORMPF=int(self.norm_prefetch),
                       VECATT=int(self.vector_attention), TAGS=int(self.tags),
-                      EVICT_FIRST=int(self.evict_first))  # fmt: skip
+                      EVICT_FIRST=int(self.evict_first), NTHREADS=self.threads, ATTW=self.att_warps,
+                      LATE=int(self.late_combine))  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
         return prelude + _SOURCE.read_text()
 
@@ -176,7 +190,8 @@ def _align16(n: int) -> int:
 _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "light_barrier": True, "chunked": False,
             "split_barrier": False, "two_rows": True, "lean_grid": True,
             "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK,
-            "tags": False, "long_tags": False, "evict_first": True}  # fmt: skip
+            "tags": False, "long_tags": False, "evict_first": True, "threads": NTHREADS,
+            "late_combine": False}  # fmt: skip
 
 
 def set_options(
@@ -185,7 +200,7 @@ def set_options(
     two_rows: bool | None = None, lean_grid: bool | None = None,
     norm_prefetch: bool | None = None, vector_attention: bool | None = None, chunk: int | None = None,
     tags: bool | None = None, long_tags: bool | None = None,
-    evict_first: bool | None = None,
+    evict_first: bool | None = None, threads: int | None = None, late_combine: bool | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
     only (no weight copies: the matmuls read stale shared memory); mma: the matmuls on the tensor cores (else dot
@@ -205,10 +220,14 @@ def set_options(
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
                  vector_attention=vector_attention, tags=tags, long_tags=long_tags,
-                 evict_first=evict_first)  # fmt: skip
+                 evict_first=evict_first, late_combine=late_combine)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)
+    if threads is not None:
+        if threads % 32 or not 32 <= threads <= 1024:
+            raise ValueError(f"threads must be a multiple of 32 up to 1024, not {threads}")
+        _options["threads"] = int(threads)
     if chunk is not None:
         if chunk < 32 or chunk % 32:
             raise ValueError(f"chunk must be a multiple of 32 positions, not {chunk}")
@@ -234,8 +253,10 @@ def why_not(lay: Layout, max_shared: int) -> str | None:
         return "the hidden, intermediate and q widths must be multiples of 8 (16-byte copies)"
     if lay.NQ % lay.NKV:
         return f"{lay.NQ} query heads do not group over {lay.NKV} kv heads"
-    if lay.NQ // lay.NKV > NWARPS:
-        return f"more than {NWARPS} query heads a kv head"
+    if lay.threads % 32 or not 32 <= lay.threads <= 1024:
+        return f"a block of {lay.threads} threads: a multiple of 32 up to 1024"
+    if lay.warps < lay.NQ // lay.NKV:
+        return f"more than {lay.warps} query heads a kv head"
     if lay.shared_bytes > max_shared:
         return f"{lay.shared_bytes} bytes of shared memory a block, more than the device's {max_shared}"
     return None
@@ -400,5 +421,5 @@ def stack_pass(
         raise ValueError(f"the timeline option needs an int64 tensor of {timeline_stamps(sw)} stamps")
     args.append(ctypes.c_void_p(timeline.data_ptr() if lay.timeline else 0))
     args.append(ctypes.c_void_p(ws.data_ptr() if lay.tags else 0))  # the epoch: the workspace's first word
-    _kernel(dev, lay).launch(lay.nblk, NTHREADS, args, lay.shared_bytes)
+    _kernel(dev, lay).launch(lay.nblk, lay.threads, args, lay.shared_bytes)
     return out

@@ -211,6 +211,11 @@ def test_engine_settings_name_the_field_and_its_choices():
             EngineSettings(kernel_sampler_warp_elements=bad)
         assert e.value.setting == "kernel_sampler_warp_elements"
     assert EngineSettings(kernel_sampler_warp_elements=2048).kernel_sampler_warp_elements == 2048
+    for bad in (128, 384, 1024):
+        with pytest.raises(EngineSettingsError, match=f"stack_threads must be 256 or 512, not {bad}") as e:
+            EngineSettings(stack_threads=bad)
+        assert e.value.setting == "stack_threads"
+    assert EngineSettings(stack_threads=512).stack_threads == 512
     with pytest.raises(EngineSettingsError, match="decoder_polyphase_dilation must be >= 0, not -1") as e:
         EngineSettings(decoder_polyphase_dilation=-1)
     assert e.value.setting == "decoder_polyphase_dilation" and EngineSettings().decoder_polyphase_dilation == 9

@@ -266,10 +266,20 @@ def test_cuda_kernel_layout_fits_an_h200_with_the_code_predictor() -> None:
     lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=CACHE_LEN, nblk=132)
     assert lay.slot_bytes == 48 * 1024 * 2
     assert lay.act_bytes == 4 * 3072 * 2
-    assert lay.res_rows == 48 and lay.part_items == 8  # the gate|up share; a partial tile per warp
-    # ... and the norm weights staged during the grid wait (norm_prefetch): 2 KiB, 1.6 KiB to spare.
-    assert lay.shared_bytes == 2 * 98304 + 24576 + 32 + 8 * 512 + 48 * 16 + 8 * 16 + 16 * 128 + 4 * 128 + 2048 <= 232448
+    assert lay.res_rows == 48 and lay.part_items == 0  # the gate|up share; no partial tiles without the tensor cores
+    # ... and the norm weights staged during the grid wait (norm_prefetch): 2 KiB, 5.6 KiB to spare.
+    assert lay.shared_bytes == 2 * 98304 + 24576 + 32 + 48 * 16 + 8 * 16 + 16 * 128 + 4 * 128 + 2048 <= 232448
     assert stack_cuda.why_not(lay, 232448) is None
+    mma = stack_cuda.Layout(**{**lay.__dict__, "mma": True})  # a partial tile per warp
+    assert mma.part_items == 8 and mma.shared_bytes == lay.shared_bytes + 8 * 512 <= 232448
+    # 512 threads: sixteen warps' sums of squares and raw vectors (the short cache's scratch outgrows the rows'
+    # activations: keys and values of 17 positions, two queries, their scores, a vector a warp).
+    wide = stack_cuda.Layout(**{**lay.__dict__, "threads": 512})
+    assert wide.warps == 16 and wide.att_warps == 8
+    assert wide.act_bytes == 4 * (2 * CACHE_LEN * 128 + 2 * 128 + 2 * CACHE_LEN + 16 * 128) > lay.act_bytes
+    assert wide.shared_bytes == lay.shared_bytes - lay.act_bytes + wide.act_bytes + 8 * 16 <= 232448
+    assert stack_cuda.why_not(wide, 232448) is None
+    assert "multiple of 32" in stack_cuda.why_not(stack_cuda.Layout(**{**lay.__dict__, "threads": 500}), 232448)
     longer = stack_cuda.Layout(**{**lay.__dict__, "T": 64})  # attention in chunks (the talker's: below)
     assert longer.long and not lay.long and stack_cuda.why_not(longer, 232448) is None
     assert "multiples of 8" in stack_cuda.why_not(stack_cuda.Layout(**{**lay.__dict__, "H": 1020}), 232448)
@@ -291,8 +301,8 @@ def assert_builds_for_hopper_without_spills(lay, tmp_path) -> None:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize(
     "opts",
-    [{}, {"bulk": False}, {"mma": True}, {"tags": True}, {"evict_first": False}],
-    ids=["default", "cpasync", "mma", "tags", "noevict"],
+    [{}, {"bulk": False}, {"mma": True}, {"tags": True}, {"evict_first": False}, {"threads": 512}],
+    ids=["default", "cpasync", "mma", "tags", "noevict", "t512"],
 )
 @pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
 def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
@@ -371,6 +381,9 @@ OPTION_CASES = {
     "tags": {"tags": True},
     "noevict": {"evict_first": False},
     "longtags": {"long_tags": True},
+    "t512": {"threads": 512},
+    "late": {"late_combine": True},
+    "latet512": {"late_combine": True, "threads": 512},
 }
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
@@ -481,7 +494,7 @@ def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
 @pytest.mark.parametrize(
     ("shape", "opts"),
     [("talker", ""), ("tiny-mtp", ""), ("split", ""), ("talker", "tags"), ("split", "tags"),
-     ("talker", "noevict"), ("talker", "tags+noevict")],
+     ("talker", "noevict"), ("talker", "tags+noevict"), ("talker", "late"), ("split", "late")],
 )  # fmt: skip
 def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
     """The long-cache source (attention_long) for the 0.6B talker's shape and two small head widths (16 and 64:
@@ -500,6 +513,7 @@ LONG_SHAPE = (1024, 3072, 2, 16, 8, 128)  # the talker's layer, two of them
 LONG_CASES = [(shape, rows, "default") for shape in ("talker", "split", "tiny-mtp") for rows in (1, 2, 4)]
 LONG_CASES += [("talker", 4, "chunk128"), ("split", 2, "chunk128")]  # chunks of 128 positions at least: 1-4 a row
 LONG_CASES += [("talker", 4, "tags"), ("split", 2, "tags")]  # no grid barriers: tagged activations, polled
+LONG_CASES += [("talker", 4, "late"), ("split", 2, "late"), ("talker", 2, "latet512")]  # chunks combined by o's blocks
 
 
 def long_positions(rows: int, step: int) -> list[int]:
@@ -655,7 +669,7 @@ def test_cuda_kernel_on_the_lean_grid_gives_the_full_grids_bits(long, cuda_optio
 
 
 # Options that change how, not what: the same sums in the same order.
-SAME_BITS = ["nonormpf", "scalaratt", "onerow", "fullgrid", "tags", "noevict"]
+SAME_BITS = ["nonormpf", "scalaratt", "onerow", "fullgrid", "tags", "noevict", "t512"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -667,7 +681,7 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
     the first's key of the same pass), the others in scattered slots. nonormpf: the norm weights read from L2;
     scalaratt: the cached keys and values by 2-byte loads; onerow: a weight row a warp; fullgrid: every SM; tags: no
     grid barriers, each block polling the tagged words it reads; noevict: the weight copies without the L2
-    evict-first policy."""
+    evict-first policy; t512: blocks of 512 threads (each warp fewer rows)."""
     dims = FULL if shape == "full" else SHAPES[shape]
     _, kern = make_cuda_stack(dims)
     H = dims[0]
@@ -692,7 +706,7 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
 
 
 # The same for a long cache (the talker's attention in chunks).
-LONG_SAME_BITS = ["tags", "longtags", "noevict"]
+LONG_SAME_BITS = ["tags", "longtags", "noevict", "late", "t512", "latet512"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -702,7 +716,8 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
     of four rows in a 700-position cache of random keys: rows with one and three chunks, and two rows of one slot at
     consecutive positions in the first round of one chunk (the second attends to the first's key of the same pass,
     which the cache does not hold yet). tags: no grid barriers; longtags: the same for a long cache only;
-    noevict: the weight copies without the L2 evict-first policy."""
+    noevict: the weight copies without the L2 evict-first policy; late: the chunks' partials combined by the o
+    phase's blocks; t512: blocks of 512 threads (attention's positions still over 8 warps)."""
     _, kern = make_cuda_stack(LONG_SHAPE)
     H = LONG_SHAPE[0]
     slot_list = [5, 0, 3, 3]

@@ -819,6 +819,8 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
         tags=config.stack_tags,
         long_tags=config.talker_stack_tags,
         evict_first=config.stack_evict_first,
+        threads=config.stack_threads,
+        late_combine=config.stack_late_combine,
     )
     stack_kernel.enable(talker.code_predictor.model, config.cp_stack_kernel)
     if config.cp_stack_kernel != "off":
