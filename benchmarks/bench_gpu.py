@@ -124,6 +124,7 @@ VARIANTS: dict[str, dict] = {
     "no-stack-evict-first": {"stack_evict_first": False},  # the weight copies without the L2 evict-first policy
     "stack-threads-512": {"stack_threads": 512},  # the stack kernels' blocks of 512 threads (the same bits)
     "stack-late-combine": {"stack_late_combine": True},  # the talker's chunks combined by the o phase's blocks
+    "stack-split-k": {"stack_split_k": True},  # with stack-threads-512: o's and down's rows in two K slices
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }

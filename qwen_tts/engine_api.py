@@ -257,6 +257,10 @@ class EngineSettings:
     # as it reads attention's output (stack_cuda's `late_combine`), instead of by the last chunk to finish after a
     # fence, a counter and a second round trip. The same arithmetic, the same bits.
     stack_late_combine: bool = False
+    # With stack_threads 512: a phase whose block has at most half as many weight rows as warps (o and down: 8 rows,
+    # 16 warps) takes each row's K in two slices, a warp each, the two sums added (stack_cuda's `split_k`). Other
+    # sums than the default's (a fixed order, batch invariant); measured in the twentieth round.
+    stack_split_k: bool = False
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
     # On an H200 the graphed step at batch 1 went 5.66 -> 5.54 ms; with the sampler kernel and polyphase convs on,

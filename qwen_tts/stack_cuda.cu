@@ -399,6 +399,22 @@ __device__ __forceinline__ void row_dot(const bf16* w, const bf16* act, int M, i
         if (m < M) acc[m] = warp_sum(acc[m]);  // the rows a pass has only
 }
 
+// row_dot over columns [k0, k1) only (k0 a multiple of 256): a slice's partial sums (SPLITK).
+__device__ __forceinline__ void row_dot_span(const bf16* w, const bf16* act, int M, int K, int k0, int k1, float* acc) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) acc[m] = 0.f;
+    for (int k = k0 + 8 * lane; k < k1; k += 256) {
+        const uint4 wv = *(const uint4*)(w + k);
+#pragma unroll
+        for (int m = 0; m < MAXM; ++m)
+            if (m < M) acc[m] += dot8(wv, *(const uint4*)(act + m * K + k));
+    }
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m)
+        if (m < M) acc[m] = warp_sum(acc[m]);
+}
+
 // row_dot for two weight rows at once (TWO_ROWS): the same sums, each row's in the same order.
 __device__ __forceinline__ void row_dot2(const bf16* w0, const bf16* w1, const bf16* act, int M, int K, float* a0,
                                          float* a1) {
@@ -471,6 +487,22 @@ __device__ void block_matmul(const bf16* w, int R, int K, const bf16* act, int M
             float v = 0.f;
             for (int sl = 0; sl < slices; ++sl) v += part[(sl * tiles + r / 16) * 128 + (r % 16) * 8 + m];
             res[r * MAXM + m] = v;
+        }
+    } else if (SPLITK && R > 0 && 2 * R <= NWARPS && 3 * R <= RES_ROWS) {
+        // Half the warps or fewer have a row (o and down at sixteen warps): each row's K in two slices of whole
+        // 256-column steps, a warp a slice, the slices' sums added in order (an order fixed by K: batch invariant).
+        const int steps = (K + 255) / 256, r = warp % R, sl = warp / R;
+        float acc[MAXM];
+        if (sl < 2) {
+            row_dot_span(w + r * K, act, M, K, sl * (steps / 2) * 256, sl ? K : (steps / 2) * 256, acc);
+#pragma unroll
+            for (int m = 0; m < MAXM; ++m)
+                if (m == lane && m < M) res[(R + sl * R + r) * MAXM + m] = acc[m];
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < R * M; i += NTHREADS) {
+            const int rr = i / M, m = i - rr * M;
+            res[rr * MAXM + m] = res[(R + rr) * MAXM + m] + res[(2 * R + rr) * MAXM + m];
         }
     } else if (TWO_ROWS) {
         float a0[MAXM], a1[MAXM];

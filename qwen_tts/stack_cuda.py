@@ -84,6 +84,7 @@ class Layout:
     evict_first: bool = True  # the weight copies marked first to leave L2, so caches and activations stay there
     threads: int = NTHREADS  # a block's threads (a multiple of 32, at most 1024): more warps share a phase's rows
     late_combine: bool = False  # a long cache's chunk partials combined by the o phase's blocks, not the last chunk
+    split_k: bool = False  # a phase with at most half as many rows as warps (o, down at 512 threads): K in two
 
     @property
     def slot_bytes(self) -> int:
@@ -171,7 +172,7 @@ class Layout:
                       TWO_ROWS=int(self.two_rows), NORMPF=int(self.norm_prefetch),
                       VECATT=int(self.vector_attention), TAGS=int(self.tags),
                       EVICT_FIRST=int(self.evict_first), NTHREADS=self.threads, ATTW=self.att_warps,
-                      LATE=int(self.late_combine))  # fmt: skip
+                      LATE=int(self.late_combine), SPLITK=int(self.split_k))  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
         return prelude + _SOURCE.read_text()
 
@@ -191,7 +192,7 @@ _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "lig
             "split_barrier": False, "two_rows": True, "lean_grid": True,
             "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK,
             "tags": False, "long_tags": False, "evict_first": True, "threads": NTHREADS,
-            "late_combine": False}  # fmt: skip
+            "late_combine": False, "split_k": False}  # fmt: skip
 
 
 def set_options(
@@ -201,6 +202,7 @@ def set_options(
     norm_prefetch: bool | None = None, vector_attention: bool | None = None, chunk: int | None = None,
     tags: bool | None = None, long_tags: bool | None = None,
     evict_first: bool | None = None, threads: int | None = None, late_combine: bool | None = None,
+    split_k: bool | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
     only (no weight copies: the matmuls read stale shared memory); mma: the matmuls on the tensor cores (else dot
@@ -220,7 +222,7 @@ def set_options(
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
                  vector_attention=vector_attention, tags=tags, long_tags=long_tags,
-                 evict_first=evict_first, late_combine=late_combine)  # fmt: skip
+                 evict_first=evict_first, late_combine=late_combine, split_k=split_k)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)

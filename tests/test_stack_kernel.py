@@ -301,8 +301,16 @@ def assert_builds_for_hopper_without_spills(lay, tmp_path) -> None:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize(
     "opts",
-    [{}, {"bulk": False}, {"mma": True}, {"tags": True}, {"evict_first": False}, {"threads": 512}],
-    ids=["default", "cpasync", "mma", "tags", "noevict", "t512"],
+    [
+        {},
+        {"bulk": False},
+        {"mma": True},
+        {"tags": True},
+        {"evict_first": False},
+        {"threads": 512},
+        {"threads": 512, "split_k": True},
+    ],
+    ids=["default", "cpasync", "mma", "tags", "noevict", "t512", "splitk"],
 )
 @pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
 def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
@@ -384,6 +392,7 @@ OPTION_CASES = {
     "t512": {"threads": 512},
     "late": {"late_combine": True},
     "latet512": {"late_combine": True, "threads": 512},
+    "splitk": {"split_k": True, "threads": 512},
 }
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
@@ -514,6 +523,7 @@ LONG_CASES = [(shape, rows, "default") for shape in ("talker", "split", "tiny-mt
 LONG_CASES += [("talker", 4, "chunk128"), ("split", 2, "chunk128")]  # chunks of 128 positions at least: 1-4 a row
 LONG_CASES += [("talker", 4, "tags"), ("split", 2, "tags")]  # no grid barriers: tagged activations, polled
 LONG_CASES += [("talker", 4, "late"), ("split", 2, "late"), ("talker", 2, "latet512")]  # chunks combined by o's blocks
+LONG_CASES += [("talker", 2, "splitk")]  # 512 threads, o's and down's rows in two K slices
 
 
 def long_positions(rows: int, step: int) -> list[int]:
