@@ -644,17 +644,24 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
 
 @needs_cuda
 @pytest.mark.parametrize(
-    ("greedy", "heads", "tags"), [(True, False, False), (False, True, False), (True, True, False), (True, True, True)]
-)
+    ("greedy", "heads", "tags", "wide"),
+    [(True, False, False, False), (False, True, False, False), (True, True, False, False), (True, True, True, False),
+     (False, True, False, True)],
+)  # fmt: skip
 async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_equal_in_a_pair(
-    tiny_model, greedy, heads, tags, monkeypatch
+    tiny_model, greedy, heads, tags, wide, monkeypatch
 ):
     """talker_stack_kernel="cuda" with cp_stack_kernel="cuda": the talker's one-token passes (a long cache, attention
     in chunks) and the code predictor's by stack_cuda.cu. A request gives the same codes alone and beside another,
     graphed and eager alike, and the talker's passes all went through the kernel. With the heads on the few-row
     kernel too (small_m_heads), a lone stream's graphed steps are one row, not two padded (one_row_steps), and still
-    give the codes it gets beside another stream. tags: both stacks' passes without grid barriers (stack_tags)."""
+    give the codes it gets beside another stream. tags: both stacks' passes without grid barriers (stack_tags).
+    wide: blocks of 512 threads with o's and down's rows in two K slices, the talker's chunks combined by the o
+    phase's blocks (stack_threads, stack_split_k, stack_late_combine)."""
     from qwen_tts import stack_cuda
+
+    before = stack_cuda.set_options()
+    widen = dict(stack_threads=512, stack_split_k=True, stack_late_combine=True) if wide else {}
 
     model = load_model(tiny_model.path, device="cuda")
     calls = []
@@ -667,12 +674,14 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
         eng = NativeEngine(
             EngineSettings(model_path=str(model.path), device="cuda", max_slots=2, warmup=False, frame_step=frame_step,
                            cp_stack_kernel="cuda", talker_stack_kernel="cuda", small_m_heads=heads,
-                           stack_tags=tags),
+                           stack_tags=tags, **widen),
             model=model,
         )  # fmt: skip
         await eng.start()
         try:
-            assert stack_cuda.set_options()["tags"] is tags
+            opts = stack_cuda.set_options()
+            assert opts["tags"] is tags and opts["threads"] == (512 if wide else 256)
+            assert opts["late_combine"] is wide and opts["split_k"] is wide
             target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
             calls.clear()
             (alone,), _ = await run(eng, [target])
@@ -682,7 +691,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
             )
         finally:
             await eng.stop()
-            stack_cuda.set_options(tags=False)  # process-wide: the next test's engine or stack starts from the default
+            stack_cuda.set_options(**before)  # process-wide: the next test's engine or stack starts from the default
         assert eng.model_info["talker_stack_kernel"] == "cuda" and eng.model_info["cp_stack_kernel"] == "cuda"
         assert eng.model_info["one_row_steps"] == heads
         assert eng.model_info["stack_tags"] is tags
