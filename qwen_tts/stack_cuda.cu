@@ -120,12 +120,6 @@ __device__ __forceinline__ float ldcgf(const float* p) {
     return v;
 }
 
-__device__ __forceinline__ float2 ldcg2f(const float* p) {  // 8 bytes: p on 8
-    float2 v;
-    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
-    return v;
-}
-
 __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     u32 v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -381,25 +375,9 @@ __device__ void load_rows(bf16* act, const void* xv, u32 tag, const bf16* g, int
 }
 
 
-// acc[m] = act[m, :] . w[row, :] for one weight row in shared memory, summed over the warp (every lane gets it).
-// The order of the sum depends on K only, never on M or the other rows: a row's result is batch invariant. Inlined
-// where K is a constant, so the loop unrolls.
-__device__ __forceinline__ void row_dot(const bf16* w, const bf16* act, int M, int K, float* acc) {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int m = 0; m < MAXM; ++m) acc[m] = 0.f;
-    for (int k = 8 * lane; k < K; k += 256) {
-        const uint4 wv = *(const uint4*)(w + k);
-#pragma unroll
-        for (int m = 0; m < MAXM; ++m)
-            if (m < M) acc[m] += dot8(wv, *(const uint4*)(act + m * K + k));
-    }
-#pragma unroll
-    for (int m = 0; m < MAXM; ++m)
-        if (m < M) acc[m] = warp_sum(acc[m]);  // the rows a pass has only
-}
-
-// row_dot over columns [k0, k1) only (k0 a multiple of 256): a slice's partial sums (SPLITK).
+// acc[m] = act[m, k0:k1] . w[row, k0:k1] for one weight row in shared memory (k0 a multiple of 256), summed over
+// the warp (every lane gets it). The order of the sum depends on K, k0 and k1 only, never on M or the other rows: a
+// row's result is batch invariant. Inlined where K is a constant, so the loop unrolls.
 __device__ __forceinline__ void row_dot_span(const bf16* w, const bf16* act, int M, int K, int k0, int k1, float* acc) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
@@ -412,7 +390,12 @@ __device__ __forceinline__ void row_dot_span(const bf16* w, const bf16* act, int
     }
 #pragma unroll
     for (int m = 0; m < MAXM; ++m)
-        if (m < M) acc[m] = warp_sum(acc[m]);
+        if (m < M) acc[m] = warp_sum(acc[m]);  // the rows a pass has only
+}
+
+// The whole row.
+__device__ __forceinline__ void row_dot(const bf16* w, const bf16* act, int M, int K, float* acc) {
+    row_dot_span(w, act, M, K, 0, K, acc);
 }
 
 // row_dot for two weight rows at once (TWO_ROWS): the same sums, each row's in the same order.
@@ -755,6 +738,31 @@ __device__ __forceinline__ float dot8f(uint4 k, const float* q) {
     return s;
 }
 
+// Element e of query head g of a (row, kv head)'s output from its nch chunks' partials at pc (sums, max, total a
+// query head, PS = D + 2 floats): the chunks' sums scaled to the largest max and added in chunk order. Both the
+// last chunk to finish (attention_long) and the o phase's blocks (load_attention) combine by it.
+__device__ __forceinline__ bf16 combine_chunks(const float* pc, int g, int e, int nch) {
+    constexpr int PS = D + 2;
+    float big = -3.0e38f, num = 0.f, den = 0.f, mk[NCHUNK], ok[NCHUNK], tk[NCHUNK];
+#pragma unroll
+    for (int k = 0; k < NCHUNK; ++k) {  // every chunk's loads at once
+        const float* pt = pc + (k * GQ + g) * PS;
+        mk[k] = k < nch ? ldcgf(pt + D) : -3.0e38f;
+        ok[k] = k < nch ? ldcgf(pt + e) : 0.f;
+        tk[k] = k < nch ? ldcgf(pt + D + 1) : 0.f;
+        big = fmaxf(big, mk[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < NCHUNK; ++k) {
+        if (k < nch) {
+            const float a = expf(mk[k] - big);
+            num += a * ok[k];
+            den += a * tk[k];
+        }
+    }
+    return b16(num / den);
+}
+
 // Attention for layer l over a long cache (LONG): one unit per (row, kv head, chunk of positions). A unit norms and
 // ropes its GQ queries, and the keys of its chunk written in this pass (this row's, and those of rows sharing its
 // slot, from the raw q|k|v; the row's own also into the cache). Then LPP lanes take a position (16 elements a lane,
@@ -986,27 +994,11 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
             if (*last) {
                 for (int i = threadIdx.x; i < GQ * D; i += NTHREADS) {
                     const int g = i / D, e = i % D;
-                    float big = -3.0e38f, num = 0.f, den = 0.f, mk[NCHUNK], ok[NCHUNK], tk[NCHUNK];
-#pragma unroll
-                    for (int k = 0; k < NCHUNK; ++k) {  // every chunk's loads at once
-                        const float* pt = pc + (k * GQ + g) * PS;
-                        mk[k] = k < nch ? ldcgf(pt + D) : -3.0e38f;
-                        ok[k] = k < nch ? ldcgf(pt + e) : 0.f;
-                        tk[k] = k < nch ? ldcgf(pt + D + 1) : 0.f;
-                        big = fmaxf(big, mk[k]);
-                    }
-#pragma unroll
-                    for (int k = 0; k < NCHUNK; ++k) {
-                        if (k < nch) {
-                            const float a = expf(mk[k] - big);
-                            num += a * ok[k];
-                            den += a * tk[k];
-                        }
-                    }
+                    const bf16 v = combine_chunks(pc, g, e, nch);
                     if (TAGS) {
-                        st_tag((u32*)abuf + m * QD + (h * GQ + g) * D + e, b16(num / den), ta);
+                        st_tag((u32*)abuf + m * QD + (h * GQ + g) * D + e, v, ta);
                     } else {
-                        abuf[m * QD + (h * GQ + g) * D + e] = b16(num / den);
+                        abuf[m * QD + (h * GQ + g) * D + e] = v;
                     }
                 }
             }
@@ -1017,48 +1009,15 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
 
 // LATE_ON: act (M, QD) <- attention's output for the o phase, which every block reads whole: a row whose cache
 // took one chunk a kv head from abuf (its unit wrote it there), else each kv head's chunk partials in `part`
-// combined here, in chunk order and with the arithmetic of attention_long's last chunk, so the same bits; the
-// attention phase then needs no counter, fence or second round trip for its last chunk. Eight columns a thread.
+// combined here by combine_chunks, as attention_long's last chunk would (the same bits); the attention phase then
+// needs no counter, fence or second round trip for its last chunk.
 __device__ void load_attention(bf16* act, const bf16* abuf, const float* part, const long long* pos_p, int M) {
-    constexpr int PS = D + 2;
-    for (int i = threadIdx.x; i < M * QD / 8; i += NTHREADS) {
-        const int m = 8 * i / QD, col = 8 * i - m * QD, nch = chunks((int)pos_p[m] + 1);
-        if (nch == 1) {
-            *(uint4*)(act + 8 * i) = ldcg4(abuf + 8 * i);
-            continue;
-        }
-        const int hq = col / D, e0 = col - hq * D, h = hq / GQ, g = hq - h * GQ;
-        const float* pc = part + (long long)((m * NKV + h) * NCHUNK) * GQ * PS;
-        float big = -3.0e38f, mk[NCHUNK], tk[NCHUNK], ok[NCHUNK][8];
-#pragma unroll
-        for (int k = 0; k < NCHUNK; ++k) {  // every chunk's loads at once
-            const float* pt = pc + (k * GQ + g) * PS;
-            mk[k] = k < nch ? ldcgf(pt + D) : -3.0e38f;
-            tk[k] = k < nch ? ldcgf(pt + D + 1) : 0.f;
-#pragma unroll
-            for (int j = 0; j < 8; j += 2) {
-                const float2 v = k < nch ? ldcg2f(pt + e0 + j) : make_float2(0.f, 0.f);
-                ok[k][j] = v.x;
-                ok[k][j + 1] = v.y;
-            }
-            big = fmaxf(big, mk[k]);
-        }
-        u32 w[4];
-#pragma unroll
-        for (int j = 0; j < 8; j += 2) {
-            float num0 = 0.f, num1 = 0.f, den = 0.f;
-#pragma unroll
-            for (int k = 0; k < NCHUNK; ++k) {
-                if (k < nch) {
-                    const float a = expf(mk[k] - big);
-                    num0 += a * ok[k][j];
-                    num1 += a * ok[k][j + 1];
-                    den += a * tk[k];
-                }
-            }
-            w[j / 2] = (u32)b16(num0 / den) | ((u32)b16(num1 / den) << 16);
-        }
-        *(uint4*)(act + 8 * i) = make_uint4(w[0], w[1], w[2], w[3]);
+    for (int i = threadIdx.x; i < M * QD; i += NTHREADS) {
+        const int m = i / QD, col = i - m * QD, nch = chunks((int)pos_p[m] + 1);
+        const int hq = col / D, h = hq / GQ;
+        act[i] = nch == 1 ? ldcg1(abuf + i)
+                          : combine_chunks(part + (long long)((m * NKV + h) * NCHUNK) * GQ * (D + 2), hq - h * GQ,
+                                           col - hq * D, nch);
     }
     __syncthreads();
 }

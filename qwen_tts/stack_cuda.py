@@ -51,8 +51,7 @@ ATT_COUNTERS = 64  # attention_long's (row, kv head) counters: MAX_ROWS x kv hea
 MAX_ARRIVE = 4  # the grid barrier's arrival counters, a 128-byte line each (the first line also holds the exit count)
 EPOCH_WORDS = 32  # the tagged workspace's first 128-byte line: the epoch (the `tags` option)
 BARRIER_INTS = 32 * MAX_ARRIVE + ATT_COUNTERS  # the barrier tensor stack_pass needs: the counters' lines, then those
-NTHREADS = 256
-NWARPS = NTHREADS // 32
+NTHREADS = 256  # a block's threads unless the `threads` option says otherwise
 _SOURCE = Path(__file__).with_name("stack_cuda.cu")
 
 
@@ -227,14 +226,21 @@ def set_options(
         if v is not None:
             _options[k] = bool(v)
     if threads is not None:
-        if threads % 32 or not 32 <= threads <= 1024:
-            raise ValueError(f"threads must be a multiple of 32 up to 1024, not {threads}")
+        if err := _threads_error(threads):
+            raise ValueError(err)
         _options["threads"] = int(threads)
     if chunk is not None:
         if chunk < 32 or chunk % 32:
             raise ValueError(f"chunk must be a multiple of 32 positions, not {chunk}")
         _options["chunk"] = int(chunk)
     return dict(_options)
+
+
+def _threads_error(threads: int) -> str | None:
+    """Why a block cannot have this many threads (None: it can)."""
+    if threads % 32 or not 32 <= threads <= 1024:
+        return f"a block of {threads} threads: a multiple of 32 up to 1024"
+    return None
 
 
 def layout(sw, max_len: int, nblk: int) -> Layout:
@@ -255,8 +261,8 @@ def why_not(lay: Layout, max_shared: int) -> str | None:
         return "the hidden, intermediate and q widths must be multiples of 8 (16-byte copies)"
     if lay.NQ % lay.NKV:
         return f"{lay.NQ} query heads do not group over {lay.NKV} kv heads"
-    if lay.threads % 32 or not 32 <= lay.threads <= 1024:
-        return f"a block of {lay.threads} threads: a multiple of 32 up to 1024"
+    if err := _threads_error(lay.threads):
+        return err
     if lay.warps < lay.NQ // lay.NKV:
         return f"more than {lay.warps} query heads a kv head"
     if lay.shared_bytes > max_shared:
