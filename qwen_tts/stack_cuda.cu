@@ -738,29 +738,36 @@ __device__ __forceinline__ float dot8f(uint4 k, const float* q) {
     return s;
 }
 
-// Element e of query head g of a (row, kv head)'s output from its nch chunks' partials at pc (sums, max, total a
-// query head, PS = D + 2 floats): the chunks' sums scaled to the largest max and added in chunk order. Both the
-// last chunk to finish (attention_long) and the o phase's blocks (load_attention) combine by it.
-__device__ __forceinline__ bf16 combine_chunks(const float* pc, int g, int e, int nch) {
+// Elements [e0, e0 + N) of query head g of a (row, kv head)'s output from its nch chunks' partials at pc (sums, max,
+// total a query head, PS = D + 2 floats), before rounding: the chunks' sums scaled to the largest max and added in
+// chunk order, every load at once. Both the last chunk to finish (attention_long, N = 1) and the o phase's blocks
+// (load_attention, N = 8) combine by it: an element's arithmetic is the same at any N.
+template <int N>
+__device__ __forceinline__ void combine_chunks(const float* pc, int g, int e0, int nch, float* out) {
     constexpr int PS = D + 2;
-    float big = -3.0e38f, num = 0.f, den = 0.f, mk[NCHUNK], ok[NCHUNK], tk[NCHUNK];
+    float big = -3.0e38f, mk[NCHUNK], tk[NCHUNK], ok[NCHUNK][N];
 #pragma unroll
-    for (int k = 0; k < NCHUNK; ++k) {  // every chunk's loads at once
+    for (int k = 0; k < NCHUNK; ++k) {
         const float* pt = pc + (k * GQ + g) * PS;
         mk[k] = k < nch ? ldcgf(pt + D) : -3.0e38f;
-        ok[k] = k < nch ? ldcgf(pt + e) : 0.f;
         tk[k] = k < nch ? ldcgf(pt + D + 1) : 0.f;
+#pragma unroll
+        for (int j = 0; j < N; ++j) ok[k][j] = k < nch ? ldcgf(pt + e0 + j) : 0.f;
         big = fmaxf(big, mk[k]);
     }
 #pragma unroll
-    for (int k = 0; k < NCHUNK; ++k) {
-        if (k < nch) {
-            const float a = expf(mk[k] - big);
-            num += a * ok[k];
-            den += a * tk[k];
+    for (int j = 0; j < N; ++j) {
+        float num = 0.f, den = 0.f;
+#pragma unroll
+        for (int k = 0; k < NCHUNK; ++k) {
+            if (k < nch) {
+                const float a = expf(mk[k] - big);
+                num += a * ok[k][j];
+                den += a * tk[k];
+            }
         }
+        out[j] = num / den;
     }
-    return b16(num / den);
 }
 
 // Attention for layer l over a long cache (LONG): one unit per (row, kv head, chunk of positions). A unit norms and
@@ -994,7 +1001,9 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
             if (*last) {
                 for (int i = threadIdx.x; i < GQ * D; i += NTHREADS) {
                     const int g = i / D, e = i % D;
-                    const bf16 v = combine_chunks(pc, g, e, nch);
+                    float c;
+                    combine_chunks<1>(pc, g, e, nch, &c);
+                    const bf16 v = b16(c);
                     if (TAGS) {
                         st_tag((u32*)abuf + m * QD + (h * GQ + g) * D + e, v, ta);
                     } else {
@@ -1009,15 +1018,23 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
 
 // LATE_ON: act (M, QD) <- attention's output for the o phase, which every block reads whole: a row whose cache
 // took one chunk a kv head from abuf (its unit wrote it there), else each kv head's chunk partials in `part`
-// combined here by combine_chunks, as attention_long's last chunk would (the same bits); the attention phase then
-// needs no counter, fence or second round trip for its last chunk.
+// combined here by combine_chunks, as attention_long's last chunk would (the same bits), eight columns a thread so
+// that all of a thread's loads are in flight at once; the attention phase then needs no counter, fence or second
+// round trip for its last chunk.
 __device__ void load_attention(bf16* act, const bf16* abuf, const float* part, const long long* pos_p, int M) {
-    for (int i = threadIdx.x; i < M * QD; i += NTHREADS) {
-        const int m = i / QD, col = i - m * QD, nch = chunks((int)pos_p[m] + 1);
+    for (int i = threadIdx.x; i < M * QD / 8; i += NTHREADS) {  // eight columns a thread, of one head (D % 8 == 0)
+        const int m = 8 * i / QD, col = 8 * i - m * QD, nch = chunks((int)pos_p[m] + 1);
+        if (nch == 1) {
+            *(uint4*)(act + 8 * i) = ldcg4(abuf + 8 * i);
+            continue;
+        }
         const int hq = col / D, h = hq / GQ;
-        act[i] = nch == 1 ? ldcg1(abuf + i)
-                          : combine_chunks(part + (long long)((m * NKV + h) * NCHUNK) * GQ * (D + 2), hq - h * GQ,
-                                           col - hq * D, nch);
+        float c[8];
+        combine_chunks<8>(part + (long long)((m * NKV + h) * NCHUNK) * GQ * (D + 2), hq - h * GQ, col - hq * D, nch, c);
+        u32 w[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) w[j] = (u32)b16(c[2 * j]) | ((u32)b16(c[2 * j + 1]) << 16);
+        *(uint4*)(act + 8 * i) = make_uint4(w[0], w[1], w[2], w[3]);
     }
     __syncthreads();
 }

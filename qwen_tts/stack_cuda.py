@@ -216,8 +216,11 @@ def set_options(
     polled by the blocks that read it (the same bits; on an H200 faster at one row, slower at four: off); long_tags:
     tags for a long cache's stack only (the talker's), whatever `tags` says of the others; evict_first: the weight
     copies with an L2 evict-first policy, so the caches' keys and values and the activations are not pushed out of
-    L2 by the weight stream (the same bits; on an H200 one stream 4% faster for the 0.6B, 2% for the 1.7B: on).
-    Returns the options now in force."""
+    L2 by the weight stream (the same bits; on an H200 one stream 4% faster for the 0.6B, 2% for the 1.7B: on);
+    threads: a block's threads (256 or 512 tested; a long cache's positions stay on 8 warps, so the same bits);
+    late_combine: a long cache's chunk partials combined by the o phase's blocks as they read attention's output,
+    not by the last chunk (the same bits); split_k: with half the warps or fewer having a row, each row's K in two
+    slices over two warps (other sums, batch invariant). Returns the options now in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
                  vector_attention=vector_attention, tags=tags, long_tags=long_tags,
