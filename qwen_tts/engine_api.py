@@ -249,15 +249,21 @@ class EngineSettings:
     # H200 one 0.6B stream 24.13x -> 25.11x, one 1.7B stream 18.30x -> 18.62x (nineteenth round, docs/benchmarks.md),
     # so on (bench_gpu.py --engine-variants no-stack-evict-first for the plain copies).
     stack_evict_first: bool = True
-    # With either stack kernel on "cuda": a block's threads (stack_cuda's `threads`; 256 or 512). With 512 each warp
-    # of a block has half the weight rows of q|k|v and gate|up, and attention's vectors and scores are spread over
-    # sixteen warps; a long cache's positions stay on eight, so the same sums, the same bits.
-    stack_threads: int = 256
+    # With the code predictor's stack kernel on "cuda": a block's threads (stack_cuda's `threads`; 256 or 512). With
+    # 512 each warp of a block has half the weight rows of q|k|v and gate|up, and attention's vectors and scores are
+    # spread over sixteen warps: the same sums, the same bits. Measured on an H100 (twenty-second round,
+    # docs/benchmarks.md): a pass 120.9 -> 113.4 us at one row, 137.0 -> 126.8 at two, 173.5 -> 160.5 at four; one
+    # 1.7B stream 17.50x -> 17.85x real time. So 512 (bench_gpu.py --engine-variants cp-stack-threads-256 for 256).
+    cp_stack_threads: int = 512
+    # The same for the talker's stack kernel (stack_cuda's `long_threads`): a long cache's positions stay on eight
+    # warps, so the same bits at either size. At 512 its build spills registers (the kernel's register cap halves)
+    # and its figure alone is not measured yet, so 256 (bench_gpu.py --engine-variants talker-stack-threads-512).
+    talker_stack_threads: int = 256
     # With the talker's stack kernel on "cuda": a long cache's chunk partials combined by every block of the o phase
     # as it reads attention's output (stack_cuda's `late_combine`), instead of by the last chunk to finish after a
     # fence, a counter and a second round trip. The same arithmetic, the same bits.
     stack_late_combine: bool = False
-    # With stack_threads 512: a phase whose block has at most half as many weight rows as warps (o and down: 8 rows,
+    # With a stack's threads 512: a phase whose block has at most half as many weight rows as warps (o and down: 8 rows,
     # 16 warps) takes each row's K in two slices, a warp each, the two sums added (stack_cuda's `split_k`). Other
     # sums than the default's (a fixed order, batch invariant); measured in the twentieth round.
     stack_split_k: bool = False
@@ -383,8 +389,9 @@ class EngineSettings:
             raise EngineSettingsError(
                 "small_m_split_k", f"small_m_split_k must be 1 to 8, not {self.small_m_split_k!r}"
             )
-        if self.stack_threads not in (256, 512):
-            raise EngineSettingsError("stack_threads", f"stack_threads must be 256 or 512, not {self.stack_threads!r}")
+        for name in ("cp_stack_threads", "talker_stack_threads"):
+            if getattr(self, name) not in (256, 512):
+                raise EngineSettingsError(name, f"{name} must be 256 or 512, not {getattr(self, name)!r}")
         from .sample_kernel import warp_elements_error  # the kernel's own rule; imported here, not at load
 
         if err := warp_elements_error(self.kernel_sampler_warp_elements):

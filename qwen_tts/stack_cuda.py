@@ -190,7 +190,7 @@ def _align16(n: int) -> int:
 _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "light_barrier": True, "chunked": False,
             "split_barrier": False, "two_rows": True, "lean_grid": True,
             "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK,
-            "tags": False, "long_tags": False, "evict_first": True, "threads": NTHREADS,
+            "tags": False, "long_tags": False, "evict_first": True, "threads": NTHREADS, "long_threads": 0,
             "late_combine": False, "split_k": False}  # fmt: skip
 
 
@@ -200,8 +200,8 @@ def set_options(
     two_rows: bool | None = None, lean_grid: bool | None = None,
     norm_prefetch: bool | None = None, vector_attention: bool | None = None, chunk: int | None = None,
     tags: bool | None = None, long_tags: bool | None = None,
-    evict_first: bool | None = None, threads: int | None = None, late_combine: bool | None = None,
-    split_k: bool | None = None,
+    evict_first: bool | None = None, threads: int | None = None, long_threads: int | None = None,
+    late_combine: bool | None = None, split_k: bool | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
     only (no weight copies: the matmuls read stale shared memory); mma: the matmuls on the tensor cores (else dot
@@ -218,6 +218,8 @@ def set_options(
     copies with an L2 evict-first policy, so the caches' keys and values and the activations are not pushed out of
     L2 by the weight stream (the same bits; on an H200 one stream 4% faster for the 0.6B, 2% for the 1.7B: on);
     threads: a block's threads (256 or 512 tested; a long cache's positions stay on 8 warps, so the same bits);
+    long_threads: a long cache's stack's (the talker's) block threads, whatever `threads` says of the others (0: as
+    `threads`);
     late_combine: a long cache's chunk partials combined by the o phase's blocks as they read attention's output,
     not by the last chunk (the same bits); split_k: with half the warps or fewer having a row, each row's K in two
     slices over two warps (other sums, batch invariant). Returns the options now in force."""
@@ -232,6 +234,10 @@ def set_options(
         if err := _threads_error(threads):
             raise ValueError(err)
         _options["threads"] = int(threads)
+    if long_threads is not None:
+        if long_threads and (err := _threads_error(long_threads)):
+            raise ValueError(err)
+        _options["long_threads"] = int(long_threads)
     if chunk is not None:
         if chunk < 32 or chunk % 32:
             raise ValueError(f"chunk must be a multiple of 32 positions, not {chunk}")
@@ -249,9 +255,13 @@ def _threads_error(threads: int) -> str | None:
 def layout(sw, max_len: int, nblk: int) -> Layout:
     """The layout of a `stack_kernel.StackWeights` stack with a cache of max_len positions on nblk SMs."""
     opts = dict(_options)
-    long_tags = opts.pop("long_tags")
+    long_tags, long_threads = opts.pop("long_tags"), opts.pop("long_threads")
     lay = Layout(H=sw.H, I=sw.I, D=sw.D, NQ=sw.NQ, NKV=sw.NKV, L=sw.L, T=max_len, nblk=nblk, **opts)
-    return dataclasses.replace(lay, tags=True) if long_tags and lay.long and not lay.tags else lay
+    if lay.long and long_tags:
+        lay = dataclasses.replace(lay, tags=True)
+    if lay.long and long_threads:
+        lay = dataclasses.replace(lay, threads=long_threads)
+    return lay
 
 
 def why_not(lay: Layout, max_shared: int) -> str | None:

@@ -211,11 +211,14 @@ def test_engine_settings_name_the_field_and_its_choices():
             EngineSettings(kernel_sampler_warp_elements=bad)
         assert e.value.setting == "kernel_sampler_warp_elements"
     assert EngineSettings(kernel_sampler_warp_elements=2048).kernel_sampler_warp_elements == 2048
-    for bad in (128, 384, 1024):
-        with pytest.raises(EngineSettingsError, match=f"stack_threads must be 256 or 512, not {bad}") as e:
-            EngineSettings(stack_threads=bad)
-        assert e.value.setting == "stack_threads"
-    assert EngineSettings(stack_threads=512).stack_threads == 512
+    for name in ("cp_stack_threads", "talker_stack_threads"):
+        for bad in (128, 384, 1024):
+            with pytest.raises(EngineSettingsError, match=f"^{name} must be 256 or 512, not {bad}$") as e:
+                EngineSettings(**{name: bad})
+            assert e.value.setting == name
+    s = EngineSettings()
+    assert (s.cp_stack_threads, s.talker_stack_threads) == (512, 256)
+    assert EngineSettings(talker_stack_threads=512).talker_stack_threads == 512
     with pytest.raises(EngineSettingsError, match="decoder_polyphase_dilation must be >= 0, not -1") as e:
         EngineSettings(decoder_polyphase_dilation=-1)
     assert e.value.setting == "decoder_polyphase_dilation" and EngineSettings().decoder_polyphase_dilation == 9
@@ -657,11 +660,11 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
     kernel too (small_m_heads), a lone stream's graphed steps are one row, not two padded (one_row_steps), and still
     give the codes it gets beside another stream. tags: both stacks' passes without grid barriers (stack_tags).
     wide: blocks of 512 threads with o's and down's rows in two K slices, the talker's chunks combined by the o
-    phase's blocks (stack_threads, stack_split_k, stack_late_combine)."""
+    phase's blocks (talker_stack_threads, stack_split_k, stack_late_combine)."""
     from qwen_tts import stack_cuda
 
     before = stack_cuda.set_options()
-    widen = dict(stack_threads=512, stack_split_k=True, stack_late_combine=True) if wide else {}
+    widen = dict(talker_stack_threads=512, stack_split_k=True, stack_late_combine=True) if wide else {}
 
     model = load_model(tiny_model.path, device="cuda")
     calls = []

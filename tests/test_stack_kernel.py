@@ -770,6 +770,27 @@ def test_the_long_tags_option_tags_only_a_long_caches_layout(cuda_options) -> No
     assert not stack_cuda.layout(talker, 3088, 128).tags
 
 
+def test_the_long_threads_option_sizes_only_a_long_caches_blocks(cuda_options) -> None:
+    """long_threads: the talker's stack (a long cache) gets its own block size, the code predictor's keeps `threads`;
+    0 gives both `threads`; a size that is not a multiple of 32 up to 1024 is refused with the reason."""
+    from qwen_tts import stack_cuda
+
+    H, inter, L, nq, nkv, D = TALKER_06B
+    talker = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=1, nblk=1)
+    cp = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=5, T=1, nblk=1)
+    cuda_options(threads=512, long_threads=256)
+    assert stack_cuda.layout(cp, 16, 128).threads == 512 and stack_cuda.layout(talker, 3088, 128).threads == 256
+    assert "constexpr int NTHREADS = 512;" in stack_cuda.layout(cp, 16, 128).source()
+    assert "constexpr int NTHREADS = 256;" in stack_cuda.layout(talker, 3088, 128).source()
+    cuda_options(threads=256, long_threads=512)
+    assert stack_cuda.layout(cp, 16, 128).threads == 256 and stack_cuda.layout(talker, 3088, 128).threads == 512
+    assert cuda_options(long_threads=0)["long_threads"] == 0
+    assert stack_cuda.layout(talker, 3088, 128).threads == 256
+    with pytest.raises(ValueError, match="a block of 100 threads: a multiple of 32 up to 1024"):
+        cuda_options(long_threads=100)
+    assert cuda_options()["long_threads"] == 0
+
+
 def test_the_cuda_kernels_chunk_option_takes_multiples_of_32_positions(cuda_options) -> None:
     """A long cache's chunk size (positions at least) is a multiple of a warp's 32: 128 is taken, 100 and 16 are
     refused with the reason, and the layout's source carries the chosen size."""

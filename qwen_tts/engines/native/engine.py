@@ -819,7 +819,8 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
         tags=config.stack_tags,
         long_tags=config.talker_stack_tags,
         evict_first=config.stack_evict_first,
-        threads=config.stack_threads,
+        threads=config.cp_stack_threads,
+        long_threads=config.talker_stack_threads,
         late_combine=config.stack_late_combine,
         split_k=config.stack_split_k,
     )
