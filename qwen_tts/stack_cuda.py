@@ -192,6 +192,14 @@ _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "lig
             "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK,
             "tags": False, "long_tags": False, "evict_first": True, "threads": NTHREADS, "long_threads": 0,
             "late_combine": False, "split_k": False}  # fmt: skip
+_DEFAULTS = dict(_options)
+
+
+def reset_options() -> dict:
+    """Every option back to the module's default (an engine sets its own, process-wide); returns them."""
+    _options.clear()
+    _options.update(_DEFAULTS)
+    return dict(_options)
 
 
 def set_options(

@@ -789,6 +789,9 @@ def test_the_long_threads_option_sizes_only_a_long_caches_blocks(cuda_options) -
     with pytest.raises(ValueError, match="a block of 100 threads: a multiple of 32 up to 1024"):
         cuda_options(long_threads=100)
     assert cuda_options()["long_threads"] == 0
+    cuda_options(threads=512, long_threads=256)
+    assert stack_cuda.reset_options() == cuda_options() and cuda_options()["threads"] == stack_cuda.NTHREADS
+    assert cuda_options()["long_threads"] == 0
 
 
 def test_the_cuda_kernels_chunk_option_takes_multiples_of_32_positions(cuda_options) -> None:
