@@ -253,19 +253,24 @@ class EngineSettings:
     # 512 each warp of a block has half the weight rows of q|k|v and gate|up, and attention's vectors and scores are
     # spread over sixteen warps: the same sums, the same bits. Measured on an H100 (twenty-second round,
     # docs/benchmarks.md): a pass 120.9 -> 113.4 us at one row, 137.0 -> 126.8 at two, 173.5 -> 160.5 at four; one
-    # 1.7B stream 17.50x -> 17.85x real time. So 512 (bench_gpu.py --engine-variants cp-stack-threads-256 for 256).
+    # 0.6B stream 23.81x -> 24.32x real time, one 1.7B stream 17.46x -> 17.87x. So 512 (bench_gpu.py
+    # --engine-variants cp-stack-threads-256 for 256).
     cp_stack_threads: int = 512
     # The same for the talker's stack kernel (stack_cuda's `long_threads`): a long cache's positions stay on eight
-    # warps, so the same bits at either size. At 512 its build spills registers (the kernel's register cap halves)
-    # and its figure alone is not measured yet, so 256 (bench_gpu.py --engine-variants talker-stack-threads-512).
+    # warps, so the same bits at either size. At 512 its build spills registers (the kernel's register cap halves):
+    # on an H100 the 0.6B's talker pass 732.5 -> 807.3 us at one row, one 0.6B stream 24.32x -> 24.12x (twenty-second
+    # round). So 256 (bench_gpu.py --engine-variants talker-stack-threads-512).
     talker_stack_threads: int = 256
     # With the talker's stack kernel on "cuda": a long cache's chunk partials combined by every block of the o phase
     # as it reads attention's output (stack_cuda's `late_combine`), instead of by the last chunk to finish after a
-    # fence, a counter and a second round trip. The same arithmetic, the same bits.
+    # fence, a counter and a second round trip. The same arithmetic, the same bits. Slower: on an H100 the 0.6B's
+    # talker pass 733.0 -> 816.2 us at one row, 825.5 -> 1029.4 at two (every o block reads every chunk's partials);
+    # one 0.6B stream 23.60x -> 23.20x (twenty-second round). So off (bench_gpu.py stack-late-combine).
     stack_late_combine: bool = False
     # With a stack's threads 512: a phase whose block has at most half as many weight rows as warps (o and down: 8 rows,
     # 16 warps) takes each row's K in two slices, a warp each, the two sums added (stack_cuda's `split_k`). Other
-    # sums than the default's (a fixed order, batch invariant); measured in the twentieth round.
+    # sums than the default's (a fixed order, batch invariant). On an H100 a code-predictor pass 2-6 us faster, but
+    # one stream no faster (0.6B 23.79x -> 23.60x, 1.7B 17.83x -> 17.86x; twenty-second round). So off.
     stack_split_k: bool = False
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
