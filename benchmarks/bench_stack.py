@@ -113,7 +113,7 @@ def main() -> None:
                     "from L2, not staged in shared memory during the wait), +scalaratt (the short cache's keys by "
                     "2-byte loads), +chunkN (a long cache's chunks of at least N positions), +noevict (the weight copies "
                     "without the L2 evict-first policy), +tags (no grid barriers: tagged activations, polled), +tN (blocks of "
-                    "N threads), +late (a long cache's chunks combined by the o phase's blocks), +splitk (with +t512: o's and "
+                    "N threads), +splitk (with +t512: o's and "
                     "down's rows in two K slices)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
     ap.add_argument(
@@ -170,7 +170,7 @@ def main() -> None:
                                split_barrier="splitbar" in parts, two_rows="onerow" not in parts,
                                lean_grid="fullgrid" not in parts, norm_prefetch="nonormpf" not in parts,
                                vector_attention="scalaratt" not in parts, tags="tags" in parts,
-                               evict_first="noevict" not in parts, late_combine="late" in parts,
+                               evict_first="noevict" not in parts,
                                split_k="splitk" in parts)  # fmt: skip
         for p in parts:
             if p.startswith("t") and p[1:].isdigit():  # t512: blocks of 512 threads

@@ -261,12 +261,6 @@ class EngineSettings:
     # on an H100 the 0.6B's talker pass 732.5 -> 807.3 us at one row, one 0.6B stream 24.32x -> 24.12x (twenty-second
     # round). So 256 (bench_gpu.py --engine-variants talker-stack-threads-512).
     talker_stack_threads: int = 256
-    # With the talker's stack kernel on "cuda": a long cache's chunk partials combined by every block of the o phase
-    # as it reads attention's output (stack_cuda's `late_combine`), instead of by the last chunk to finish after a
-    # fence, a counter and a second round trip. The same arithmetic, the same bits. Slower: on an H100 the 0.6B's
-    # talker pass 733.0 -> 816.2 us at one row, 825.5 -> 1029.4 at two (every o block reads every chunk's partials);
-    # one 0.6B stream 23.60x -> 23.20x (twenty-second round). So off (bench_gpu.py stack-late-combine).
-    stack_late_combine: bool = False
     # With a stack's threads 512: a phase whose block has at most half as many weight rows as warps (o and down: 8 rows,
     # 16 warps) takes each row's K in two slices, a warp each, the two sums added (stack_cuda's `split_k`). Other
     # sums than the default's (a fixed order, batch invariant). On an H100 a code-predictor pass 2-6 us faster, but

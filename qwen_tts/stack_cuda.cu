@@ -38,7 +38,6 @@ constexpr int NQKV = NQ + 2 * NKV;
 constexpr int QD = NQ * D;
 constexpr int GQ = NQ / NKV;
 constexpr int NWARPS = NTHREADS / 32;
-constexpr bool LATE_ON = LATE && LONG && !TAGS;  // the long cache's chunks combined by the o phase's blocks
 
 __device__ __forceinline__ float f32(bf16 h) { return __uint_as_float(((u32)h) << 16); }
 
@@ -738,36 +737,30 @@ __device__ __forceinline__ float dot8f(uint4 k, const float* q) {
     return s;
 }
 
-// Elements [e0, e0 + N) of query head g of a (row, kv head)'s output from its nch chunks' partials at pc (sums, max,
-// total a query head, PS = D + 2 floats), before rounding: the chunks' sums scaled to the largest max and added in
-// chunk order, every load at once. Both the last chunk to finish (attention_long, N = 1) and the o phase's blocks
-// (load_attention, N = 8) combine by it: an element's arithmetic is the same at any N.
-template <int N>
-__device__ __forceinline__ void combine_chunks(const float* pc, int g, int e0, int nch, float* out) {
+// Element e of query head g of a (row, kv head)'s output from its nch chunks' partials at pc (sums, max, total a
+// query head, PS = D + 2 floats), before rounding: the chunks' sums scaled to the largest max and added in chunk
+// order, every load at once. The last chunk to finish combines by it.
+__device__ __forceinline__ float combine_chunks(const float* pc, int g, int e, int nch) {
     constexpr int PS = D + 2;
-    float big = -3.0e38f, mk[NCHUNK], tk[NCHUNK], ok[NCHUNK][N];
+    float big = -3.0e38f, mk[NCHUNK], tk[NCHUNK], ok[NCHUNK];
 #pragma unroll
     for (int k = 0; k < NCHUNK; ++k) {
         const float* pt = pc + (k * GQ + g) * PS;
         mk[k] = k < nch ? ldcgf(pt + D) : -3.0e38f;
         tk[k] = k < nch ? ldcgf(pt + D + 1) : 0.f;
-#pragma unroll
-        for (int j = 0; j < N; ++j) ok[k][j] = k < nch ? ldcgf(pt + e0 + j) : 0.f;
+        ok[k] = k < nch ? ldcgf(pt + e) : 0.f;
         big = fmaxf(big, mk[k]);
     }
+    float num = 0.f, den = 0.f;
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-        float num = 0.f, den = 0.f;
-#pragma unroll
-        for (int k = 0; k < NCHUNK; ++k) {
-            if (k < nch) {
-                const float a = expf(mk[k] - big);
-                num += a * ok[k][j];
-                den += a * tk[k];
-            }
+    for (int k = 0; k < NCHUNK; ++k) {
+        if (k < nch) {
+            const float a = expf(mk[k] - big);
+            num += a * ok[k];
+            den += a * tk[k];
         }
-        out[j] = num / den;
     }
+    return num / den;
 }
 
 // Attention for layer l over a long cache (LONG): one unit per (row, kv head, chunk of positions). A unit norms and
@@ -981,7 +974,7 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
                 }
             }
         }
-        if (nch > 1 && !LATE_ON) {  // the last chunk to finish combines them all (LATE_ON: the o phase does)
+        if (nch > 1) {  // the last chunk to finish combines them all
             __syncthreads();
             if (threadIdx.x == 0) {
                 fence_gpu();
@@ -1001,9 +994,7 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
             if (*last) {
                 for (int i = threadIdx.x; i < GQ * D; i += NTHREADS) {
                     const int g = i / D, e = i % D;
-                    float c;
-                    combine_chunks<1>(pc, g, e, nch, &c);
-                    const bf16 v = b16(c);
+                    const bf16 v = b16(combine_chunks(pc, g, e, nch));
                     if (TAGS) {
                         st_tag((u32*)abuf + m * QD + (h * GQ + g) * D + e, v, ta);
                     } else {
@@ -1014,29 +1005,6 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
         }
         __syncthreads();  // the scratch is the next unit's
     }
-}
-
-// LATE_ON: act (M, QD) <- attention's output for the o phase, which every block reads whole: a row whose cache
-// took one chunk a kv head from abuf (its unit wrote it there), else each kv head's chunk partials in `part`
-// combined here by combine_chunks, as attention_long's last chunk would (the same bits), eight columns a thread so
-// that all of a thread's loads are in flight at once; the attention phase then needs no counter, fence or second
-// round trip for its last chunk.
-__device__ void load_attention(bf16* act, const bf16* abuf, const float* part, const long long* pos_p, int M) {
-    for (int i = threadIdx.x; i < M * QD / 8; i += NTHREADS) {  // eight columns a thread, of one head (D % 8 == 0)
-        const int m = 8 * i / QD, col = 8 * i - m * QD, nch = chunks((int)pos_p[m] + 1);
-        if (nch == 1) {
-            *(uint4*)(act + 8 * i) = ldcg4(abuf + 8 * i);
-            continue;
-        }
-        const int hq = col / D, h = hq / GQ;
-        float c[8];
-        combine_chunks<8>(part + (long long)((m * NKV + h) * NCHUNK) * GQ * (D + 2), hq - h * GQ, col - hq * D, nch, c);
-        u32 w[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) w[j] = (u32)b16(c[2 * j]) | ((u32)b16(c[2 * j + 1]) << 16);
-        *(uint4*)(act + 8 * i) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-    __syncthreads();
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
@@ -1130,11 +1098,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     // TAGS: src's words carry tsrc, x's tx (0: x is the bf16 pass input), and xs's words get tout.
     auto residual = [&](int f, const bf16* src, u32 tsrc, int K, const bf16* x, u32 tx, u32 tout) {
         const bf16* w = open_matmul(f);
-        if (LATE_ON && f % 4 == 1) {
-            load_attention(act, abuf, apart, pos_p, M);
-        } else {
-            load_rows(act, src, tsrc, 0, M, K, false, eps, inv, red);
-        }
+        load_rows(act, src, tsrc, 0, M, K, false, eps, inv, red);
         mark(3);
         const int r0 = lo(H, b), r1 = lo(H, b + 1);
         block_matmul(w, r1 - r0, K, act, M, part, res);

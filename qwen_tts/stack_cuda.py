@@ -82,7 +82,6 @@ class Layout:
     tags: bool = False  # a pass without grid barriers: the activations as tagged words, polled (`workspace`)
     evict_first: bool = True  # the weight copies marked first to leave L2, so caches and activations stay there
     threads: int = NTHREADS  # a block's threads (a multiple of 32, at most 1024): more warps share a phase's rows
-    late_combine: bool = False  # a long cache's chunk partials combined by the o phase's blocks, not the last chunk
     split_k: bool = False  # a phase with at most half as many rows as warps (o, down at 512 threads): K in two
 
     @property
@@ -171,7 +170,7 @@ class Layout:
                       TWO_ROWS=int(self.two_rows), NORMPF=int(self.norm_prefetch),
                       VECATT=int(self.vector_attention), TAGS=int(self.tags),
                       EVICT_FIRST=int(self.evict_first), NTHREADS=self.threads, ATTW=self.att_warps,
-                      LATE=int(self.late_combine), SPLITK=int(self.split_k))  # fmt: skip
+                      SPLITK=int(self.split_k))  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
         return prelude + _SOURCE.read_text()
 
@@ -191,7 +190,7 @@ _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "lig
             "split_barrier": False, "two_rows": True, "lean_grid": True,
             "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK,
             "tags": False, "long_tags": False, "evict_first": True, "threads": NTHREADS, "long_threads": 0,
-            "late_combine": False, "split_k": False}  # fmt: skip
+            "split_k": False}  # fmt: skip
 _DEFAULTS = dict(_options)
 
 
@@ -209,7 +208,7 @@ def set_options(
     norm_prefetch: bool | None = None, vector_attention: bool | None = None, chunk: int | None = None,
     tags: bool | None = None, long_tags: bool | None = None,
     evict_first: bool | None = None, threads: int | None = None, long_threads: int | None = None,
-    late_combine: bool | None = None, split_k: bool | None = None,
+    split_k: bool | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
     only (no weight copies: the matmuls read stale shared memory); mma: the matmuls on the tensor cores (else dot
@@ -227,14 +226,12 @@ def set_options(
     L2 by the weight stream (the same bits; on an H200 one stream 4% faster for the 0.6B, 2% for the 1.7B: on);
     threads: a block's threads (256 or 512 tested; a long cache's positions stay on 8 warps, so the same bits);
     long_threads: a long cache's stack's (the talker's) block threads, whatever `threads` says of the others (0: as
-    `threads`);
-    late_combine: a long cache's chunk partials combined by the o phase's blocks as they read attention's output,
-    not by the last chunk (the same bits); split_k: with half the warps or fewer having a row, each row's K in two
-    slices over two warps (other sums, batch invariant). Returns the options now in force."""
+    `threads`); split_k: with half the warps or fewer having a row, each row's K in two slices over two warps (other
+    sums, batch invariant). Returns the options now in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
                  vector_attention=vector_attention, tags=tags, long_tags=long_tags,
-                 evict_first=evict_first, late_combine=late_combine, split_k=split_k)  # fmt: skip
+                 evict_first=evict_first, split_k=split_k)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)

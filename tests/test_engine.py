@@ -659,12 +659,12 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
     graphed and eager alike, and the talker's passes all went through the kernel. With the heads on the few-row
     kernel too (small_m_heads), a lone stream's graphed steps are one row, not two padded (one_row_steps), and still
     give the codes it gets beside another stream. tags: both stacks' passes without grid barriers (stack_tags).
-    wide: blocks of 512 threads with o's and down's rows in two K slices, the talker's chunks combined by the o
-    phase's blocks (talker_stack_threads, stack_split_k, stack_late_combine)."""
+    wide: the talker's blocks of 512 threads too, and both stacks' o and down rows in two K slices
+    (talker_stack_threads, stack_split_k)."""
     from qwen_tts import stack_cuda
 
     before = stack_cuda.set_options()
-    widen = dict(talker_stack_threads=512, stack_split_k=True, stack_late_combine=True) if wide else {}
+    widen = dict(talker_stack_threads=512, stack_split_k=True) if wide else {}
 
     model = load_model(tiny_model.path, device="cuda")
     calls = []
@@ -685,7 +685,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
             opts = stack_cuda.set_options()
             # the code predictor's blocks of 512 threads (the default), the talker's of 256 unless wide
             assert opts["tags"] is tags and opts["threads"] == 512 and opts["long_threads"] == (512 if wide else 256)
-            assert opts["late_combine"] is wide and opts["split_k"] is wide
+            assert opts["split_k"] is wide
             target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
             calls.clear()
             (alone,), _ = await run(eng, [target])

@@ -390,8 +390,6 @@ OPTION_CASES = {
     "noevict": {"evict_first": False},
     "longtags": {"long_tags": True},
     "t512": {"threads": 512},
-    "late": {"late_combine": True},
-    "latet512": {"late_combine": True, "threads": 512},
     "splitk": {"split_k": True, "threads": 512},
 }
 CUDA_CASES = [
@@ -503,7 +501,7 @@ def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
 @pytest.mark.parametrize(
     ("shape", "opts"),
     [("talker", ""), ("tiny-mtp", ""), ("split", ""), ("talker", "tags"), ("split", "tags"),
-     ("talker", "noevict"), ("talker", "tags+noevict"), ("talker", "late"), ("split", "late")],
+     ("talker", "noevict"), ("talker", "tags+noevict")],
 )  # fmt: skip
 def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
     """The long-cache source (attention_long) for the 0.6B talker's shape and two small head widths (16 and 64:
@@ -522,7 +520,7 @@ LONG_SHAPE = (1024, 3072, 2, 16, 8, 128)  # the talker's layer, two of them
 LONG_CASES = [(shape, rows, "default") for shape in ("talker", "split", "tiny-mtp") for rows in (1, 2, 4)]
 LONG_CASES += [("talker", 4, "chunk128"), ("split", 2, "chunk128")]  # chunks of 128 positions at least: 1-4 a row
 LONG_CASES += [("talker", 4, "tags"), ("split", 2, "tags")]  # no grid barriers: tagged activations, polled
-LONG_CASES += [("talker", 4, "late"), ("split", 2, "late"), ("talker", 2, "latet512")]  # chunks combined by o's blocks
+LONG_CASES += [("talker", 2, "t512")]  # blocks of 512 threads (attention's positions still over 8 warps)
 LONG_CASES += [("talker", 2, "splitk")]  # 512 threads, o's and down's rows in two K slices
 
 
@@ -716,7 +714,7 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
 
 
 # The same for a long cache (the talker's attention in chunks).
-LONG_SAME_BITS = ["tags", "longtags", "noevict", "late", "t512", "latet512"]
+LONG_SAME_BITS = ["tags", "longtags", "noevict", "t512"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -726,8 +724,8 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
     of four rows in a 700-position cache of random keys: rows with one and three chunks, and two rows of one slot at
     consecutive positions in the first round of one chunk (the second attends to the first's key of the same pass,
     which the cache does not hold yet). tags: no grid barriers; longtags: the same for a long cache only;
-    noevict: the weight copies without the L2 evict-first policy; late: the chunks' partials combined by the o
-    phase's blocks; t512: blocks of 512 threads (attention's positions still over 8 warps)."""
+    noevict: the weight copies without the L2 evict-first policy; t512: blocks of 512 threads (attention's positions
+    still over 8 warps)."""
     _, kern = make_cuda_stack(LONG_SHAPE)
     H = LONG_SHAPE[0]
     slot_list = [5, 0, 3, 3]

@@ -821,7 +821,6 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
         evict_first=config.stack_evict_first,
         threads=config.cp_stack_threads,
         long_threads=config.talker_stack_threads,
-        late_combine=config.stack_late_combine,
         split_k=config.stack_split_k,
     )
     stack_kernel.enable(talker.code_predictor.model, config.cp_stack_kernel)
