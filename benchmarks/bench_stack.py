@@ -96,7 +96,29 @@ def stamp_pass(stack: DecoderStack, M: int, args) -> dict:
                 vals.append(round(d.mean().item() / ghz / 1e3, 2))
             steps[name] = vals
         phases[kind] = steps
-    return {"rows": M, "us": round(us, 1), "ghz": round(ghz, 3), "phases": phases}
+    out = {"rows": M, "us": round(us, 1), "ghz": round(ghz, 3), "phases": phases}
+    if args.cache_len > stack_cuda.MAX_POSITIONS:  # a long cache: attention_long stamps its first unit's steps
+        out["attention"] = attention_detail(st, sw.L, ghz)
+    return out
+
+
+ATT_STEPS = ("vectors", "positions", "combine")  # attention_long's first unit: stamps 1 -> 2 -> 3 -> 4
+
+
+def attention_detail(st, layers: int, ghz: float) -> dict:
+    """A long cache's attention phase inside, from the timeline's stamps (st: (2 blocks, 5 L + 1 phases, 6)): its
+    first unit's queries and this pass's keys normed and roped (the wait's end to stamp 2), its positions (2 to 3),
+    its partials written and, for the last chunk, the chunks combined (3 to the products' end, 4); mean us over the
+    layers, for the first and the last block, None for a block that had no unit (stamp 2 is 0)."""
+    idx = [5 * layer + 1 for layer in range(layers)]
+    detail = {name: [] for name in ATT_STEPS}
+    for blk in (0, 1):
+        s = st[blk, idx].double()
+        had = bool((s[:, 2] > 0).all())
+        for i, name in enumerate(ATT_STEPS):
+            d = s[:, i + 2] - s[:, i + 1]
+            detail[name].append(round(d.mean().item() / ghz / 1e3, 2) if had else None)
+    return detail
 
 
 def main() -> None:
@@ -266,6 +288,11 @@ def main() -> None:
         print(f"{'phase':>8} " + " ".join(f"{k:>13}" for k in STEPS))
         for kind, steps in t["phases"].items():
             print(f"{kind:>8} " + " ".join(f"{steps[k][0]:>6.2f}/{steps[k][1]:<6.2f}" for k in STEPS))
+        if "attention" in t:  # None: the block had no attention unit
+            cells = [
+                f"{k} " + " / ".join("-" if v is None else f"{v:.2f}" for v in t["attention"][k]) for k in ATT_STEPS
+            ]
+            print("    attn inside (first unit): " + ", ".join(cells))
     if args.out:
         out = {"device": torch.cuda.get_device_name(), "dims": dims, "rows": rows_out, "phase_profile": profile,
                "timeline": timeline}  # fmt: skip

@@ -763,6 +763,13 @@ __device__ __forceinline__ float combine_chunks(const float* pc, int g, int e, i
     return num / den;
 }
 
+// TIMELINE (profiling): in attention_long's scratch after its flag (8-byte aligned: every count before it is even),
+// its block's first unit's clock stamps, its vectors ready and its positions done (0: the block had no unit); thread
+// 0 writes them, and the kernel's thread 0 copies them into the timeline (Layout.act_bytes counts them).
+__device__ __forceinline__ u64* att_stamps(float* scratch) {
+    return (u64*)(scratch + (2 * MAXM * 2 * D) / 4 + GQ * D + NWARPS * D + ATTW * GQ * (D + 2) + 2);
+}
+
 // Attention for layer l over a long cache (LONG): one unit per (row, kv head, chunk of positions). A unit norms and
 // ropes its GQ queries, and the keys of its chunk written in this pass (this row's, and those of rows sharing its
 // slot, from the raw q|k|v; the row's own also into the cache). Then LPP lanes take a position (16 elements a lane,
@@ -860,6 +867,7 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
             __syncwarp();
         }
         __syncthreads();
+        if (TIMELINE && threadIdx.x == 0 && u == blockIdx.x) att_stamps(scratch)[0] = clock64();
         if (ATTW == NWARPS || warp < ATTW) {  // the positions: ATTW warps (the others idle: the same sums)
             float q[GQ][16], mx[GQ], tot[GQ], o[GQ][16];
 #pragma unroll
@@ -948,6 +956,7 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
             }
         }
         __syncthreads();
+        if (TIMELINE && threadIdx.x == 0 && u == blockIdx.x) att_stamps(scratch)[1] = clock64();
         float* pc = part + (long long)((m * NKV + h) * NCHUNK) * GQ * PS;  // this (row, kv head)'s partials
         for (int i = threadIdx.x; i < GQ * D; i += NTHREADS) {  // the warps' partials combined, in warp order
             const int g = i / D, e = i % D;
@@ -1038,9 +1047,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     int issued = -1, awaited = -1;  // the last matmul phase whose weights were asked for, and waited for
     // TIMELINE (profiling): thread 0 of the first and the last block stamps its SM's clock at six points of each
     // phase: its start, the grid wait over, the weights in, the rows loaded (and normed), the products done, the end.
+    // A long cache's attention has no weights or rows of its own: its second and third stamps are its first unit's
+    // vectors ready and positions done (att_stamps; 0 where the block had no unit).
     auto mark = [&](int e) {
         if (TIMELINE && threadIdx.x == 0 && (b == 0 || b == NBLK - 1))
             tl[((b == 0 ? 0 : 1) * (5 * L + 1) + ph - 1) * 6 + e] = clock64();
+    };
+    auto stamp = [&](int e, u64 t) {  // a stamp taken elsewhere (attention_long's)
+        if (TIMELINE && threadIdx.x == 0 && (b == 0 || b == NBLK - 1))
+            tl[((b == 0 ? 0 : 1) * (5 * L + 1) + ph - 1) * 6 + e] = t;
     };
     if (BULK && threadIdx.x == 0) {
         mbar_init(full);
@@ -1162,8 +1177,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             }
             mark(1);
             if (LONG) {
+                if (TIMELINE && threadIdx.x == 0) att_stamps((float*)act)[0] = att_stamps((float*)act)[1] = 0;
                 attention_long(l, M, pos_p, slot_p, kc, vc, qknw, rope, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
                                (float*)act, apart, bar + 32 * MAXNARRIVE, tagof(5 * l), tagof(5 * l + 1));
+                if (TIMELINE) {
+                    stamp(2, att_stamps((float*)act)[0]);
+                    stamp(3, att_stamps((float*)act)[1]);
+                }
             } else {
                 attention(l, M, pos_p, slot_p, kc, vc, qknw, rope, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
                           (float*)act, tagof(5 * l), tagof(5 * l + 1));

@@ -135,7 +135,9 @@ class Layout:
         acts = 2 * MAX_ROWS * max(self.H, self.NQ * self.D, self.I)
         g, D = self.NQ // self.NKV, self.D
         if self.long:  # this pass's keys and values (bf16), queries, a vector a warp, the warps' partials, a flag
-            attn = 2 * 2 * MAX_ROWS * D + 4 * (g * D + self.warps * D + self.att_warps * g * (D + 2) + 1)
+            # (and with the timeline a pad and two 8-byte clock stamps)
+            flag = 1 + (5 if self.timeline else 0)
+            attn = 2 * 2 * MAX_ROWS * D + 4 * (g * D + self.warps * D + self.att_warps * g * (D + 2) + flag)
         else:
             attn = 4 * (2 * self.T * D + g * D + g * self.T + self.warps * D)
         return _align16(max(acts, attn))

@@ -792,6 +792,53 @@ def test_the_long_threads_option_sizes_only_a_long_caches_blocks(cuda_options) -
     assert cuda_options()["long_threads"] == 0
 
 
+def test_bench_stack_reads_the_long_attentions_inside_from_the_timeline() -> None:
+    """bench_stack.attention_detail: from the timeline's stamps (2 blocks, 5 L + 1 phases, 6 stamps), each layer's
+    attention phase (phase 5 l + 1) split at attention_long's two stamps into its vectors, its positions and its
+    combine, in us at the given clock, averaged over the layers; a block whose stamps are 0 had no unit."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench_dir))  # bench_stack imports its sibling bench_attention
+    try:
+        spec = importlib.util.spec_from_file_location("bench_stack", bench_dir / "bench_stack.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(bench_dir))
+    layers, ghz = 2, 2.0  # 2 GHz: 2,000 cycles a us
+    st = torch.zeros(2, 5 * layers + 1, 6, dtype=torch.int64)
+    for layer, (a, b, c) in enumerate([(1000, 5000, 3000), (3000, 7000, 1000)]):  # cycles: vectors, positions, combine
+        t = st[0, 5 * layer + 1]
+        t[0], t[1] = 100_000 * (layer + 1), 100_000 * (layer + 1) + 500
+        t[2] = t[1] + a
+        t[3] = t[2] + b
+        t[4] = t[3] + c
+    detail = bench.attention_detail(st, layers, ghz)
+    assert detail == {"vectors": [1.0, None], "positions": [3.0, None], "combine": [1.0, None]}
+    assert tuple(detail) == bench.ATT_STEPS
+
+
+def test_the_timeline_reserves_attention_longs_stamps_in_its_scratch() -> None:
+    """With the timeline a long cache's attention scratch holds two 8-byte stamps after its flag, at an 8-byte
+    aligned offset (the source's att_stamps); without it the scratch is the flag's, so the default layout is unchanged."""
+    from qwen_tts import stack_cuda
+
+    H, inter, L, nq, nkv, D = SHAPES["tiny-mtp"]  # a scratch larger than the rows' activations
+    lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=132)
+    timed = stack_cuda.Layout(**{**lay.__dict__, "timeline": True})
+    g = nq // nkv
+    floats = 2 * stack_cuda.MAX_ROWS * D // 2 + g * D + lay.warps * D + lay.att_warps * g * (D + 2)  # up to the flag
+    assert floats % 2 == 0  # the flag and a pad: the stamps start on 8 bytes
+    assert lay.act_bytes >= 4 * (floats + 1) and timed.act_bytes >= 4 * (floats + 2) + 16
+    assert "(u64*)(scratch + (2 * MAXM * 2 * D) / 4 + GQ * D + NWARPS * D + ATTW * GQ * (D + 2) + 2)" in timed.source()
+    H, inter, L, nq, nkv, D = TALKER_06B
+    full = stack_cuda.Layout(**{**lay.__dict__, "H": H, "I": inter, "L": L, "NQ": nq, "NKV": nkv, "D": D})
+    assert stack_cuda.Layout(**{**full.__dict__, "timeline": True}).act_bytes == full.act_bytes  # the activations'
+
+
 def test_the_cuda_kernels_chunk_option_takes_multiples_of_32_positions(cuda_options) -> None:
     """A long cache's chunk size (positions at least) is a multiple of a warp's 32: 128 is taken, 100 and 16 are
     refused with the reason, and the layout's source carries the chosen size."""
