@@ -763,12 +763,16 @@ __device__ __forceinline__ float combine_chunks(const float* pc, int g, int e, i
     return num / den;
 }
 
-// TIMELINE (profiling): in attention_long's scratch after its flag (8-byte aligned: every count before it is even),
-// its block's first unit's clock stamps, its vectors ready and its positions done (0: the block had no unit); thread
-// 0 writes them, and the kernel's thread 0 copies them into the timeline (Layout.act_bytes counts them).
-__device__ __forceinline__ u64* att_stamps(float* scratch) {
-    return (u64*)(scratch + (2 * MAXM * 2 * D) / 4 + GQ * D + NWARPS * D + ATTW * GQ * (D + 2) + 2);
+// attention_long's flag in its scratch, after this pass's keys and values (MAXM, 2, D bf16), the queries (GQ, D),
+// a vector a warp (NWARPS, D) and the position warps' partials (ATTW, GQ, D + 2).
+__device__ __forceinline__ int* att_flag(float* scratch) {
+    return (int*)(scratch + MAXM * D + GQ * D + NWARPS * D + ATTW * GQ * (D + 2));
 }
+
+// TIMELINE (profiling): after the flag and a pad (8-byte aligned: every count before the flag is even), its
+// block's first unit's clock stamps, its vectors ready and its positions done (0: the block had no unit); thread
+// 0 writes them, and the kernel's thread 0 copies them into the timeline (Layout.act_bytes counts them).
+__device__ __forceinline__ u64* att_stamps(float* scratch) { return (u64*)(att_flag(scratch) + 2); }
 
 // Attention for layer l over a long cache (LONG): one unit per (row, kv head, chunk of positions). A unit norms and
 // ropes its GQ queries, and the keys of its chunk written in this pass (this row's, and those of rows sharing its
@@ -790,7 +794,7 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
     float* qf = (float*)(kv + MAXM * 2 * D);  // (GQ, D) the queries, normed and roped
     float* raw = qf + GQ * D;  // (NWARPS, D) a warp's raw vector
     float* ws = raw + NWARPS * D;  // (ATTW, GQ, PS) the position warps' partials
-    int* last = (int*)(ws + ATTW * GQ * PS);  // this unit combines the chunks
+    int* last = att_flag(scratch);  // this unit combines the chunks (after ws)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPP, j8 = 8 * (lane % LPP);
     const bf16* qn = qknw;  // this layer's q and k norm weights, in shared memory
     const bf16* knw = qn + D;

@@ -833,7 +833,9 @@ def test_the_timeline_reserves_attention_longs_stamps_in_its_scratch() -> None:
     floats = 2 * stack_cuda.MAX_ROWS * D // 2 + g * D + lay.warps * D + lay.att_warps * g * (D + 2)  # up to the flag
     assert floats % 2 == 0  # the flag and a pad: the stamps start on 8 bytes
     assert lay.act_bytes >= 4 * (floats + 1) and timed.act_bytes >= 4 * (floats + 2) + 16
-    assert "(u64*)(scratch + (2 * MAXM * 2 * D) / 4 + GQ * D + NWARPS * D + ATTW * GQ * (D + 2) + 2)" in timed.source()
+    src = timed.source()  # the flag after those floats, the stamps two words past it
+    assert "(int*)(scratch + MAXM * D + GQ * D + NWARPS * D + ATTW * GQ * (D + 2))" in src
+    assert "(u64*)(att_flag(scratch) + 2)" in src and "int* last = att_flag(scratch);" in src
     H, inter, L, nq, nkv, D = TALKER_06B
     full = stack_cuda.Layout(**{**lay.__dict__, "H": H, "I": inter, "L": L, "NQ": nq, "NKV": nkv, "D": D})
     assert stack_cuda.Layout(**{**full.__dict__, "timeline": True}).act_bytes == full.act_bytes  # the activations'
