@@ -1057,7 +1057,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         if (TIMELINE && threadIdx.x == 0 && (b == 0 || b == NBLK - 1))
             tl[((b == 0 ? 0 : 1) * (5 * L + 1) + ph - 1) * 6 + e] = clock64();
     };
-    auto stamp = [&](int e, u64 t) {  // a stamp taken elsewhere (attention_long's)
+    // A stamp taken elsewhere (attention_long's). mark does not call it: that form gave ptxas other instruction
+    // orders for some layouts without the timeline, and this keeps their machine code as it was.
+    auto stamp = [&](int e, u64 t) {
         if (TIMELINE && threadIdx.x == 0 && (b == 0 || b == NBLK - 1))
             tl[((b == 0 ? 0 : 1) * (5 * L + 1) + ph - 1) * 6 + e] = t;
     };

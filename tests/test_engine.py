@@ -632,8 +632,7 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
                 eng, [req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20), req(model, TEXTS[2], seed=9)]
             )
         finally:
-            await eng.stop()
-            stack_cuda.set_options(tags=False)  # process-wide: the next test's engine or stack starts from the default
+            await eng.stop()  # stack_cuda's options go back to the defaults after the test (conftest)
         assert eng.model_info["cp_stack_kernel"] == "cuda"
         assert model.talker.code_predictor.model.stack_kernel == "cuda"
         assert torch.equal(codes_of(alone), codes_of(pair)), frame_step
@@ -663,7 +662,6 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
     (talker_stack_threads, stack_split_k)."""
     from qwen_tts import stack_cuda
 
-    before = stack_cuda.set_options()
     widen = dict(talker_stack_threads=512, stack_split_k=True) if wide else {}
 
     model = load_model(tiny_model.path, device="cuda")
@@ -694,8 +692,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
                 eng, [req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20), req(model, TEXTS[2], seed=9)]
             )
         finally:
-            await eng.stop()
-            stack_cuda.set_options(**before)  # process-wide: the next test's engine or stack starts from the default
+            await eng.stop()  # stack_cuda's options go back to the defaults after the test (conftest)
         assert eng.model_info["talker_stack_kernel"] == "cuda" and eng.model_info["cp_stack_kernel"] == "cuda"
         assert eng.model_info["one_row_steps"] == heads
         assert eng.model_info["stack_tags"] is tags

@@ -367,12 +367,10 @@ def make_cuda_stack(dims, seed=0):
 
 @pytest.fixture
 def cuda_options():
-    """Restores stack_cuda's process-wide options after a test that sets them."""
+    """stack_cuda.set_options, for a test that sets them (conftest puts them back to the defaults after it)."""
     from qwen_tts import stack_cuda
 
-    before = stack_cuda.set_options()
-    yield stack_cuda.set_options
-    stack_cuda.set_options(**before)
+    return stack_cuda.set_options
 
 
 # A case's option (non-default) for the CUDA kernel: the name in the test's id, then the stack_cuda option.
