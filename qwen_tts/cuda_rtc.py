@@ -18,6 +18,27 @@ import sys
 import torch
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+
+
+class _LaunchAttributeValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("cluster", ctypes.c_uint * 3), ("align", ctypes.c_void_p)]
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: the id, padded to 8 bytes, then the value
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("nattrs", ctypes.c_uint),
+    ]
 
 
 @functools.cache
@@ -52,6 +73,7 @@ class Kernel:
     def __init__(self, module: ctypes.c_void_p, func: ctypes.c_void_p, name: str) -> None:
         self._module, self._func, self.name = module, func, name
         self._shared = 0
+        self._non_portable = False
 
     def set_max_shared(self, nbytes: int) -> None:
         """Allow this many bytes of dynamic shared memory a block (above 48 KiB needs the opt-in)."""
@@ -62,9 +84,48 @@ class Kernel:
             )
             self._shared = nbytes
 
-    def launch(self, grid: int, block: int, args: list, shared_bytes: int = 0) -> None:
+    def _config(self, grid: int, block: int, shared_bytes: int, cluster: int) -> tuple:
+        """A CUlaunchConfig on the current stream, with `cluster` blocks a cluster (and the attribute it points to,
+        which must outlive the call)."""
+        self.set_max_shared(shared_bytes)
+        attr = _LaunchAttribute()
+        attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.cluster[:] = [cluster, 1, 1]
+        if cluster > 8 and not self._non_portable:  # more than the portable 8 blocks need the function's opt-in
+            _check(
+                _cuda().cuFuncSetAttribute(self._func, _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+                f"cuFuncSetAttribute({self.name}, non-portable cluster size)",
+            )
+            self._non_portable = True
+        cfg = _LaunchConfig()
+        cfg.grid[:] = [grid, 1, 1]
+        cfg.block[:] = [block, 1, 1]
+        cfg.shared = shared_bytes
+        cfg.stream = torch.cuda.current_stream().cuda_stream
+        cfg.attrs = ctypes.pointer(attr)
+        cfg.nattrs = 1
+        return cfg, attr
+
+    def max_active_clusters(self, cluster: int, block: int, shared_bytes: int) -> int:
+        """How many clusters of `cluster` blocks (of `block` threads and `shared_bytes` of dynamic shared memory) the
+        device can hold at once (cuOccupancyMaxActiveClusters): a cluster's blocks share one GPC, so this can be
+        fewer than the SMs over `cluster`."""
+        cfg, _attr = self._config(cluster, block, shared_bytes, cluster)
+        n = ctypes.c_int()
+        _check(
+            _cuda().cuOccupancyMaxActiveClusters(ctypes.byref(n), self._func, ctypes.byref(cfg)),
+            f"cuOccupancyMaxActiveClusters({self.name}, {cluster})",
+        )
+        return n.value
+
+    def launch(self, grid: int, block: int, args: list, shared_bytes: int = 0, cluster: int = 0) -> None:
+        """Launch on the current stream; `cluster` > 0: in clusters of that many blocks (cuLaunchKernelEx)."""
         self.set_max_shared(shared_bytes)
         params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        if cluster:
+            cfg, _attr = self._config(grid, block, shared_bytes, cluster)
+            _check(_cuda().cuLaunchKernelEx(ctypes.byref(cfg), self._func, params, None), f"launching {self.name}")
+            return
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         _check(
             _cuda().cuLaunchKernel(self._func, grid, 1, 1, block, 1, 1, shared_bytes, stream, params, None),
