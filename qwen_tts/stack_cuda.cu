@@ -27,7 +27,9 @@
 // (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the talker's), so attention is split over
 // chunks of at least CHUNK positions, at most NCHUNK a (row, kv head), whose partial softmax sums the last
 // chunk to finish combines (`attention_long`); else one unit per (row, kv head) holds the whole cache in shared
-// memory (`attention`).
+// memory (`attention`). STAGE (a long cache): at the start of each attention phase, before its grid wait, a block's
+// unit has the copy engine bring its chunk's cached keys and values (up to STAGE_POS positions) into the weight slot
+// that phase leaves free, so its positions are read from shared memory instead of waiting on L2 or HBM.
 // No headers: bf16 is handled as its bits (round to nearest even, as torch rounds), so NVRTC needs no include path.
 
 typedef unsigned short bf16;
@@ -88,6 +90,14 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
                      "l"(src), "r"(bytes), "r"(smem_addr(bar))
                      : "memory");
     }
+}
+
+// A bulk copy of cached keys or values: no evict-first policy (the cache is read again by the next pass).
+__device__ __forceinline__ void bulk_copy_plain(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
 }
 
 __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
@@ -774,6 +784,60 @@ __device__ __forceinline__ int* att_flag(float* scratch) {
 // 0 writes them, and the kernel's thread 0 copies them into the timeline (Layout.act_bytes counts them).
 __device__ __forceinline__ u64* att_stamps(float* scratch) { return (u64*)(att_flag(scratch) + 2); }
 
+extern __shared__ __align__(16) unsigned char smem[];
+
+// STAGE: the staged keys' mbarrier, after the two slots' (and before a word holding how many positions it brings).
+__device__ __forceinline__ u64* stage_bar() { return (u64*)(smem + 2 * SLOT_BYTES + ACT_BYTES + 4 * MAXM) + 2; }
+__device__ __forceinline__ int stage_count() { return *(volatile int*)(stage_bar() + 1); }
+
+// STAGE: block b's first attention unit (u = b, as attention_long numbers them) has thread 0 copy its chunk's cached
+// keys and values of layer l, from its first position up to STAGE_POS of them and never a position a row of this
+// pass writes in the unit's slot, into the first weight slot (keys at 0, values at STAGE_POS x D), completing on
+// stage_bar; thread 0 writes how many positions beside it (0: none; attention then reads them all from the cache;
+// a block barrier must come before attention reads it). The positions this launch reads are cached by earlier
+// launches, so the copy can start before this pass's keys exist.
+__device__ __noinline__ void stage_kv(int l, int M, const long long* pos_p, const long long* slot_p, const bf16* kc,
+                                      const bf16* vc, long long scl, long long scs, long long sch, long long sct) {
+    int* count = (int*)(stage_bar() + 1);
+    if (threadIdx.x == 0) *count = 0;
+    int rp[MAXM], rs[MAXM], total = 0;
+#pragma unroll
+    for (int r = 0; r < MAXM; ++r) {
+        rp[r] = r < M ? (int)pos_p[r] : -1;
+        rs[r] = r < M ? (int)slot_p[r] : -1;
+        total += r < M ? NKV * chunks(rp[r] + 1) : 0;
+    }
+    if ((int)blockIdx.x >= total || sct != D) return;
+    int rest = blockIdx.x, p = 0, s = 0;
+#pragma unroll
+    for (int r = 0, found = 0; r < MAXM; ++r) {  // the unit's row (constant indices only: registers, not memory)
+        const int n = r < M ? NKV * chunks(rp[r] + 1) : 0;
+        if (!found && rest < n) {
+            p = rp[r];
+            s = rs[r];
+            found = 1;
+        } else if (!found) {
+            rest -= n;
+        }
+    }
+    const int len = p + 1, nch = chunks(len), h = rest / nch, c = rest % nch, span = (len + nch - 1) / nch;
+    const int t0 = c * span;
+    int lim = min(len, t0 + span);
+#pragma unroll
+    for (int r = 0; r < MAXM; ++r)  // a position written in this pass comes from its own vectors
+        if (r < M && rs[r] == s && rp[r] < lim) lim = rp[r];
+    const int n = min(lim - t0, STAGE_POS);
+    if (n <= 0 || threadIdx.x != 0) return;
+    bf16* dst = (bf16*)smem;
+    u64* bar = stage_bar();
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's last reads before the copy's writes
+    mbar_expect(bar, 2u * (u32)n * D * 2u);
+    const long long at = l * scl + s * scs + h * sch + (long long)t0 * D;
+    bulk_copy_plain(dst, kc + at, (u32)n * D * 2u, bar);
+    bulk_copy_plain(dst + STAGE_POS * D, vc + at, (u32)n * D * 2u, bar);
+    *count = n;
+}
+
 // Attention for layer l over a long cache (LONG): one unit per (row, kv head, chunk of positions). A unit norms and
 // ropes its GQ queries, and the keys of its chunk written in this pass (this row's, and those of rows sharing its
 // slot, from the raw q|k|v; the row's own also into the cache). Then LPP lanes take a position (16 elements a lane,
@@ -781,6 +845,8 @@ __device__ __forceinline__ u64* att_stamps(float* scratch) { return (u64*)(att_f
 // flight, each lane group running a softmax online over its positions; the groups combine by shuffles, the warps in
 // shared memory. A row's only chunk writes its output; else each chunk writes its partial (sums, max, total) to
 // `part`, and the unit that finds the (row, kv head) counter at its last arrival combines them in chunk order.
+// STAGE: the block's first unit finds its chunk's first cached positions (their count beside stage_bar) in the
+// weight slot at the start of shared memory, once stage_bar's fill of this layer completes (stage_kv).
 __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p, const long long* slot_p,
                                             bf16* kc, bf16* vc, const bf16* qknw, const float* rope,
                                             const bf16* qkvbuf, bf16* abuf, float eps, float scale, long long scl,
@@ -872,6 +938,9 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
         }
         __syncthreads();
         if (TIMELINE && threadIdx.x == 0 && u == blockIdx.x) att_stamps(scratch)[0] = clock64();
+        const int ns = STAGE && u == blockIdx.x ? stage_count() : 0;  // this unit's staged positions
+        if (ns > 0) mbar_wait(stage_bar(), (u32)l & 1u);  // a fill every layer (its wait is the positions')
+        const bf16* stg = (const bf16*)smem;
         if (ATTW == NWARPS || warp < ATTW) {  // the positions: ATTW warps (the others idle: the same sums)
             float q[GQ][16], mx[GQ], tot[GQ], o[GQ][16];
 #pragma unroll
@@ -894,6 +963,10 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
                     if (src < 0 && rs[r] == s && rp[r] == t) src = r;
                 const bf16* kp = src >= 0 ? kv + src * 2 * D : kc + at + t * sct;
                 const bf16* vp = src >= 0 ? kv + (src * 2 + 1) * D : vc + at + t * sct;
+                if (STAGE && src < 0 && t - t0 < ns) {  // staged in shared memory
+                    kp = stg + (t - t0) * D;
+                    vp = stg + (STAGE_POS + t - t0) * D;
+                }
                 kr[0] = *(const uint4*)(kp + j8);
                 kr[1] = *(const uint4*)(kp + D / 2 + j8);
                 kr[2] = *(const uint4*)(vp + j8);
@@ -1026,11 +1099,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
                   const bf16* wgu, const bf16* wd, const bf16* normw, const float* inv_freq, bf16* qkvbuf,
                   bf16* abuf, bf16* gbuf, float* apart, u32* bar, int M, float eps, float scale, long long scl,
                   long long scs, long long sch, long long sct, int stop, u64* tl, u32* epoch_p) {
-    extern __shared__ __align__(16) unsigned char smem[];
     bf16* act = (bf16*)(smem + 2 * SLOT_BYTES);
     float* inv = (float*)(smem + 2 * SLOT_BYTES + ACT_BYTES);  // MAXM floats
     u64* full = (u64*)(inv + MAXM);  // the two slots' mbarriers (BULK)
-    float* part = (float*)(full + 2);  // PART_ITEMS (16, 8) float tiles: the tensor-core path's partial sums
+    // STAGE: then the staged keys' and values' mbarrier (stage_bar) and their count (16 bytes, keeping the alignment)
+    float* part = (float*)(full + (STAGE ? 4 : 2));  // PART_ITEMS (16, 8) float tiles: the tensor-core path's partials
     float* res = part + PART_ITEMS * 128;  // (RES_ROWS, MAXM) a phase's sums
     float* red = res + RES_ROWS * MAXM;  // (NWARPS, MAXM) the norms' sums of squares by warp
     float* rope = red + NWARPS * MAXM;  // (MAXM, D) each row's RoPE cosines and sines (rope_tables)
@@ -1066,6 +1139,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     if (BULK && threadIdx.x == 0) {
         mbar_init(full);
         mbar_init(full + 1);
+        if (STAGE) mbar_init(stage_bar());
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -1175,6 +1249,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         }
         if (ph++ < stop) {
             mark(0);
+            // STAGE: the q|k|v slot is free until o's phase asks for gate|up's weights: the unit's cached keys there
+            if (STAGE) stage_kv(l, M, pos_p, slot_p, kc, vc, scl, scs, sch, sct);
             for (int i = threadIdx.x; i < 2 * D; i += NTHREADS) qknw[i] = qkn[l * 2 * D + i];  // weights: before
             if (TAGS) {
                 __syncthreads();  // no grid wait (the unit polls its words): a block barrier publishes them

@@ -83,6 +83,7 @@ class Layout:
     evict_first: bool = True  # the weight copies marked first to leave L2, so caches and activations stay there
     threads: int = NTHREADS  # a block's threads (a multiple of 32, at most 1024): more warps share a phase's rows
     split_k: bool = False  # a phase with at most half as many rows as warps (o, down at 512 threads): K in two
+    stage: bool = False  # a long cache: a unit's cached keys and values copied into the free slot before the wait
 
     @property
     def slot_bytes(self) -> int:
@@ -90,6 +91,17 @@ class Layout:
         H, I, D, NQ, NKV, n = self.H, self.I, self.D, self.NQ, self.NKV, self.nblk  # noqa: E741
         rows = max(_most(NQ * D + 2 * NKV * D, n) * H, _most(H, n) * NQ * D, 2 * _most(I, n) * H, _most(H, n) * I)
         return _align16(2 * rows)
+
+    @property
+    def stage_positions(self) -> int:
+        """`stage`: the most cached positions a long cache's unit stages, its keys and values in one weight slot."""
+        return self.slot_bytes // (4 * self.D)
+
+    @property
+    def staged(self) -> bool:
+        """Whether the kernel stages cached keys and values (`stage` on a long cache: a short one's are read at
+        once)."""
+        return self.stage and self.long
 
     @property
     def res_rows(self) -> int:
@@ -155,10 +167,11 @@ class Layout:
 
     @property
     def shared_bytes(self) -> int:
-        """Two weight slots, the activations, the rows' norms and the slots' mbarriers (32 bytes), the partial
-        tiles, a phase's sums, the norms' sums of squares by warp, the rows' RoPE tables, a layer's q/k norm weights,
-        a norm's weights (norm_prefetch)."""
-        return (2 * self.slot_bytes + self.act_bytes + 32 + 4 * 128 * self.part_items + 4 * MAX_ROWS * self.res_rows
+        """Two weight slots, the activations, the rows' norms and the slots' mbarriers (32 bytes; 48 with the staged
+        keys' mbarrier and its pad), the partial tiles, a phase's sums, the norms' sums of squares by warp, the rows'
+        RoPE tables, a layer's q/k norm weights, a norm's weights (norm_prefetch)."""
+        bars = 48 if self.staged else 32
+        return (2 * self.slot_bytes + self.act_bytes + bars + 4 * 128 * self.part_items + 4 * MAX_ROWS * self.res_rows
                 + 4 * self.warps * MAX_ROWS + 4 * MAX_ROWS * self.D + 2 * 2 * self.D
                 + (2 * self.H if self.norm_prefetch else 0))  # fmt: skip
 
@@ -172,7 +185,8 @@ class Layout:
                       TWO_ROWS=int(self.two_rows), NORMPF=int(self.norm_prefetch),
                       VECATT=int(self.vector_attention), TAGS=int(self.tags),
                       EVICT_FIRST=int(self.evict_first), NTHREADS=self.threads, ATTW=self.att_warps,
-                      SPLITK=int(self.split_k))  # fmt: skip
+                      SPLITK=int(self.split_k), STAGE=int(self.staged),
+                      STAGE_POS=max(1, self.stage_positions))  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
         return prelude + _SOURCE.read_text()
 
@@ -192,7 +206,7 @@ _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "lig
             "split_barrier": False, "two_rows": True, "lean_grid": True,
             "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK,
             "tags": False, "long_tags": False, "evict_first": True, "threads": NTHREADS, "long_threads": 0,
-            "split_k": False}  # fmt: skip
+            "split_k": False, "stage": False}  # fmt: skip
 _DEFAULTS = dict(_options)
 
 
@@ -210,7 +224,7 @@ def set_options(
     norm_prefetch: bool | None = None, vector_attention: bool | None = None, chunk: int | None = None,
     tags: bool | None = None, long_tags: bool | None = None,
     evict_first: bool | None = None, threads: int | None = None, long_threads: int | None = None,
-    split_k: bool | None = None,
+    split_k: bool | None = None, stage: bool | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
     only (no weight copies: the matmuls read stale shared memory); mma: the matmuls on the tensor cores (else dot
@@ -229,11 +243,14 @@ def set_options(
     threads: a block's threads (256 or 512 tested; a long cache's positions stay on 8 warps, so the same bits);
     long_threads: a long cache's stack's (the talker's) block threads, whatever `threads` says of the others (0: as
     `threads`); split_k: with half the warps or fewer having a row, each row's K in two slices over two warps (other
-    sums, batch invariant). Returns the options now in force."""
+    sums, batch invariant); stage: a long cache's attention unit has the copy engine bring its chunk's cached keys
+    and values (as many positions as a weight slot holds: 192 for the 0.6B talker) into the weight slot the attention
+    phase leaves free, before the phase's grid wait, and reads them from shared memory (the same bits; needs `bulk`;
+    with `chunk` 192 a row's positions up to 192 are one chunk, no combine). Returns the options now in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
                  vector_attention=vector_attention, tags=tags, long_tags=long_tags,
-                 evict_first=evict_first, split_k=split_k)  # fmt: skip
+                 evict_first=evict_first, split_k=split_k, stage=stage)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)
@@ -283,6 +300,10 @@ def why_not(lay: Layout, max_shared: int) -> str | None:
         return f"{lay.NQ} query heads do not group over {lay.NKV} kv heads"
     if err := _threads_error(lay.threads):
         return err
+    if lay.staged and not lay.bulk:
+        return "staging the cached keys and values needs the copy engine (bulk)"
+    if lay.staged and lay.stage_positions < 1:
+        return f"a weight slot of {lay.slot_bytes} bytes holds no cached position of {lay.D}-wide heads to stage"
     if lay.warps < lay.NQ // lay.NKV:
         return f"more than {lay.warps} query heads a kv head"
     if lay.shared_bytes > max_shared:

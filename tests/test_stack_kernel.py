@@ -389,6 +389,15 @@ OPTION_CASES = {
     "longtags": {"long_tags": True},
     "t512": {"threads": 512},
     "splitk": {"split_k": True, "threads": 512},
+    "stage": {"stage": True},
+}
+# And a long cache's: chunks of at least 128 positions; staged with chunks of 192 (one a row up to 192 positions,
+# each staged whole) and of 256 (a chunk's positions past the 192 a slot holds read from the cache).
+LONG_OPTION_CASES = {
+    **OPTION_CASES,
+    "chunk128": {"chunk": 128},
+    "stage192": {"stage": True, "chunk": 192},
+    "stage256": {"stage": True, "chunk": 256},
 }
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
@@ -499,12 +508,13 @@ def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
 @pytest.mark.parametrize(
     ("shape", "opts"),
     [("talker", ""), ("tiny-mtp", ""), ("split", ""), ("talker", "tags"), ("split", "tags"),
-     ("talker", "noevict"), ("talker", "tags+noevict")],
+     ("talker", "noevict"), ("talker", "tags+noevict"), ("talker", "stage"), ("talker", "stage+tags"),
+     ("split", "stage")],
 )  # fmt: skip
 def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
     """The long-cache source (attention_long) for the 0.6B talker's shape and two small head widths (16 and 64:
-    lanes without an element, two elements a lane) builds for sm_90 without spills; with the tags option, and
-    without evict_first."""
+    lanes without an element, two elements a lane) builds for sm_90 without spills; with the tags option, without
+    evict_first, with the cached keys staged (and staged with tags)."""
     from qwen_tts import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B if shape == "talker" else SHAPES[shape]
@@ -520,6 +530,8 @@ LONG_CASES += [("talker", 4, "chunk128"), ("split", 2, "chunk128")]  # chunks of
 LONG_CASES += [("talker", 4, "tags"), ("split", 2, "tags")]  # no grid barriers: tagged activations, polled
 LONG_CASES += [("talker", 2, "t512")]  # blocks of 512 threads (attention's positions still over 8 warps)
 LONG_CASES += [("talker", 2, "splitk")]  # 512 threads, o's and down's rows in two K slices
+LONG_CASES += [("talker", 4, "stage"), ("split", 2, "stage"), ("tiny-mtp", 3, "stage")]  # cached keys staged
+LONG_CASES += [("talker", 4, "stage192"), ("talker", 4, "stage256")]  # staged whole, and past a slot's 192
 
 
 def long_positions(rows: int, step: int) -> list[int]:
@@ -548,13 +560,12 @@ def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows, opts,
     holding random keys: the output and the K/V written as close to float32 as the eager bf16 stack's (the same
     bounds as the short cache's test); the attention counters back at zero; unwritten slots and positions zero.
     chunk128: chunks of at least 128 positions (so 1, 1, 2 and 4 chunks at those positions); tags: no grid barriers
-    (the chunks' counts run on over the layers)."""
+    (the chunks' counts run on over the layers); stage: each unit's cached keys and values staged in shared memory;
+    stage192: so, in chunks of 192 (1, 1, 1 and 4 chunks, each staged whole); stage256: in chunks of 256 (the last
+    row's 3 chunks of 231 positions: 39 a chunk past the 192 staged)."""
     from qwen_tts import stack_cuda
 
-    if opts == "chunk128":
-        cuda_options(chunk=128)
-    else:
-        cuda_options(**OPTION_CASES.get(opts, {}))
+    cuda_options(**LONG_OPTION_CASES.get(opts, {}))
     dims = LONG_SHAPE if shape == "talker" else SHAPES[shape]
     ref, kern = make_cuda_stack(dims)
     exact = copy.deepcopy(ref).float()
@@ -601,9 +612,12 @@ def test_cuda_kernel_with_a_long_cache_rows_sharing_a_slot_see_each_others_keys(
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
-def test_cuda_kernel_with_a_long_cache_gives_a_row_the_same_bits_alone_in_a_batch_and_replayed() -> None:
+@pytest.mark.parametrize("opts", ["default", "stage192"])
+def test_cuda_kernel_with_a_long_cache_gives_a_row_the_same_bits_alone_in_a_batch_and_replayed(opts, cuda_options):
     """Batch invariance with chunked attention (a row alone and among four: the same bits; each row's chunks depend
-    on its position only) and a graph replay giving the eager launch's bits, with the talker's layer shape."""
+    on its position only) and a graph replay giving the eager launch's bits, with the talker's layer shape; also
+    with the cached keys staged in chunks of 192 (which block stages a unit changes with the rows, its sums do not)."""
+    cuda_options(**LONG_OPTION_CASES.get(opts, {}))
     _, kern = make_cuda_stack(LONG_SHAPE)
     H = LONG_SHAPE[0]
     x = torch.randn(4, H, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
@@ -712,7 +726,7 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
 
 
 # The same for a long cache (the talker's attention in chunks).
-LONG_SAME_BITS = ["tags", "longtags", "noevict", "t512"]
+LONG_SAME_BITS = ["tags", "longtags", "noevict", "t512", "stage"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -723,7 +737,8 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
     consecutive positions in the first round of one chunk (the second attends to the first's key of the same pass,
     which the cache does not hold yet). tags: no grid barriers; longtags: the same for a long cache only;
     noevict: the weight copies without the L2 evict-first policy; t512: blocks of 512 threads (attention's positions
-    still over 8 warps)."""
+    still over 8 warps); stage: the cached keys and values staged in shared memory (never the one the second row
+    reads from the pass)."""
     _, kern = make_cuda_stack(LONG_SHAPE)
     H = LONG_SHAPE[0]
     slot_list = [5, 0, 3, 3]
@@ -745,6 +760,28 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
         assert torch.equal(base, changed)
     assert results[1][1][:, 3, :, 69].abs().sum() > 0 and not results[1][1][:, 3, :, 70:].any()
     assert not stack_kernel.prepare(DEVICE).any()
+
+
+def test_the_stage_option_stages_a_long_caches_keys_in_a_weight_slot(cuda_options) -> None:
+    """stage: the 0.6B talker's unit stages up to 192 positions (a 96 KiB slot of 128-wide keys and values); the
+    layout adds the staged keys' mbarrier and count (16 bytes) and still fits an H200's shared memory; a short cache
+    (the code predictor's) is not staged and its layout is the default's; the copies need the copy engine."""
+    from qwen_tts import stack_cuda
+
+    H, inter, L, nq, nkv, D = TALKER_06B
+    plain = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=128)
+    staged = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=128, stage=True)
+    assert staged.staged and not plain.staged and staged.stage_positions == 192
+    assert 4 * D * staged.stage_positions <= staged.slot_bytes < 4 * D * (staged.stage_positions + 1)
+    assert staged.shared_bytes == plain.shared_bytes + 16 and stack_cuda.why_not(staged, 232448) is None
+    assert "constexpr int STAGE = 1;" in staged.source() and "constexpr int STAGE_POS = 192;" in staged.source()
+    short = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=5, T=17, nblk=128, stage=True)
+    assert not short.staged and "constexpr int STAGE = 0;" in short.source()
+    assert short.shared_bytes == dataclasses.replace(short, stage=False).shared_bytes
+    assert "copy engine" in stack_cuda.why_not(dataclasses.replace(staged, bulk=False), 232448)
+    cuda_options(stage=True, chunk=192)
+    lay = stack_cuda.layout(staged, 3088, 128)
+    assert lay.staged and lay.chunk == 192 and "constexpr int CHUNK = 192;" in lay.source()
 
 
 def test_the_long_tags_option_tags_only_a_long_caches_layout(cuda_options) -> None:
