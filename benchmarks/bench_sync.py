@@ -7,8 +7,9 @@ could instead meet inside a cluster (16 blocks of one GPC, a hardware barrier, s
 depends on two figures this measures: the barriers' latencies, and whether 8 clusters of 16 blocks (one block an
 SM, the kernel's shared memory) can be resident together.
 
-Each mode runs `iters` rounds in one launch of `--blocks` blocks (one an SM: the kernel's shared memory), timed by
-CUDA events at two round counts so the launch drops out: microseconds a round.
+Each mode runs `iters` rounds in one launch of `--blocks` blocks (one an SM: the kernel's shared memory; a cluster
+mode only as many whole clusters as fit at once), timed by CUDA events at two round counts so the launch drops
+out: microseconds a round.
   grid          thread 0 of each block: fence, add to one counter, poll it until every block has added
   grid+data     the same, then read a word another block wrote before it arrived (one more L2 round trip)
   group         the same barrier, over groups of --cluster blocks (a counter a group)
@@ -181,20 +182,23 @@ def main() -> None:
         f"{props.name}, {props.multi_processor_count} SMs; clusters resident at once (one block an SM, "
         f"{a.shared_kib} KiB): " + ", ".join(f"{k} blocks: {v}" for k, v in occupancy.items())
     )
-    fits = isinstance(occupancy.get(a.cluster), int) and occupancy[a.cluster] * a.cluster >= a.blocks
     iters = tuple(int(x) for x in a.iters.split(","))
     rows = []
     for mode in a.modes.split(","):
-        if MODES[mode] >= 3 and not isinstance(occupancy.get(a.cluster), int):
-            continue
-        if MODES[mode] <= 2 and a.blocks > props.multi_processor_count:
+        blocks = a.blocks
+        if MODES[mode] >= 3:
+            if not isinstance(occupancy.get(a.cluster), int):
+                continue
+            # Only the clusters that fit at once: a cluster launched after another finished would add its rounds to
+            # the time instead of running beside them.
+            blocks = min(blocks // a.cluster, occupancy[a.cluster]) * a.cluster
+        elif blocks > props.multi_processor_count:
             continue  # a grid barrier needs every block resident
-        row = time_mode(kernel, mode, a.blocks, a.threads, shared, a.cluster, iters)
-        row["all_clusters_resident"] = fits if MODES[mode] >= 3 else None
+        row = time_mode(kernel, mode, blocks, a.threads, shared, a.cluster, iters)
+        row["blocks"] = blocks
         rows.append(row)
-        print(
-            f"  {mode:14s} {row['us_per_round']:7.3f} us a round" + (f"  ERROR {row['error']}" if row["error"] else "")
-        )
+        err = f"  ERROR {row['error']}" if row["error"] else ""
+        print(f"  {mode:14s} {row['us_per_round']:7.3f} us a round, {blocks} blocks{err}")
     out = {
         "device": props.name,
         "sms": props.multi_processor_count,
