@@ -523,6 +523,39 @@ class ProfileWindow:
                 self.done = True
 
 
+def union_us(spans: list[tuple[float, float]]) -> float:
+    """The time covered by (start, end) spans, overlaps counted once."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def stream_times(trace: dict) -> dict:
+    """Where a profile window's GPU time went by stream: each stream's kernels and the time they covered, the window
+    from the first kernel's start to the last one's end, the time any kernel ran, and the time the busiest stream (the
+    frame steps') sat idle while another stream ran (its kernels waited on, or shared the GPU with, the others)."""
+    by_stream = defaultdict(list)
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            by_stream[e.get("args", {}).get("stream")].append((e["ts"], e["ts"] + e["dur"]))
+    if not by_stream:
+        return {}
+    every = [sp for spans in by_stream.values() for sp in spans]
+    span = max(b for _, b in every) - min(a for a, _ in every)
+    busy = {k: union_us(v) for k, v in by_stream.items()}
+    main = max(busy, key=busy.get)
+    return {
+        "span_us": span,
+        "any_busy_us": union_us(every),
+        "streams": {str(k): {"kernels": len(by_stream[k]), "busy_us": busy[k]} for k in by_stream},
+        "main_stream": str(main),
+        "main_idle_us": span - busy[main],
+    }
+
+
 def attribute(trace: dict, on_cuda: bool) -> dict:
     """Group a chrome trace's device work by enclosing record_function range.
 
@@ -627,6 +660,7 @@ async def profile_batch(
         prof.prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
     a = attribute(trace, cuda())
+    st = stream_times(trace) if cuda() else {}
     if cuda() and not a["items"] and driver == "worker":
         log(f"bench: profile b={n}: no kernels recorded from the engine's thread; profiling from this one")
         return await profile_batch(engine, n, steps, chunk_frames, greedy, module_ranges, driver="main")
@@ -661,6 +695,15 @@ async def profile_batch(
         },
         "memcpy_per_step": per(len(a["memcpy"])),
     }
+    if st:  # the frame steps' stream (the busiest) against the window: its idle time, and what ran on the others
+        ms = lambda us: round(us / 1000 / nsteps, 3)  # noqa: E731
+        out["gpu_span_ms_per_step"] = ms(st["span_us"])
+        out["gpu_any_busy_ms_per_step"] = ms(st["any_busy_us"])
+        out["main_stream_idle_ms_per_step"] = ms(st["main_idle_us"])
+        out["streams_busy_ms_per_step"] = {
+            k: {"kernels": per(v["kernels"]), "busy": ms(v["busy_us"]), "main": k == st["main_stream"]}
+            for k, v in st["streams"].items()
+        }
     launch = a["api"].get("cudaGraphLaunch")
     if launch:
         out["graph_launch_host_ms_per_step"] = round(launch[1] / 1000 / nsteps, 3)
@@ -1105,7 +1148,8 @@ class Run:
         if "engine" in parts:
             res["engine"] = []
         # The default engine; --concurrency "" with --engine-variants runs the variants only.
-        if ("engine" in parts and a.concurrency) or {"poisson", "profile"} & parts:
+        profile_default = "profile" in parts and not a.variant_profile
+        if ("engine" in parts and a.concurrency) or "poisson" in parts or profile_default:
             slots = max([*a.concurrency, *(a.profile_batches if "profile" in parts else [])], default=1)
             engine, res["load_s"] = await self.start_engine(self.engine_config(ckpt, slots))
             res["info"] = engine.model_info
@@ -1123,7 +1167,7 @@ class Run:
                         emit({"size": size, "part": "poisson", **r})
                         res["poisson"].append(r)
                         self.save()
-                if "profile" in parts:
+                if profile_default:
                     res["profile"] = []
                     await self.profile_levels(engine, size, res["profile"], timed=True)
             finally:
@@ -1138,11 +1182,14 @@ class Run:
             res.setdefault("variant_info", {})[variant] = {"load_s": load_s, **engine.model_info}
             try:
                 await self.engine_levels(engine, size, levels, res["engine"], variant)
+                if a.variant_profile and "profile" in parts:
+                    res.setdefault("variant_profile", {})[variant] = out = []
+                    await self.profile_levels(engine, f"{size} {variant}", out, timed=True)
             finally:
                 await engine.stop()
                 del engine
                 free_memory()
-        if "profile" in parts and a.profile_eager and cuda() and self.time_left(f"{size} profile eager"):
+        if profile_default and a.profile_eager and cuda() and self.time_left(f"{size} profile eager"):
             engine, _ = await self.start_engine(self.engine_config(ckpt, max(a.profile_batches), graphs=False))
             try:
                 await self.profile_levels(engine, size, res["profile"], timed=False)
@@ -1325,6 +1372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--server-timeout", type=float, default=600.0)
     ap.add_argument("--profile", action="store_true", help="add the profile part")
     ap.add_argument("--profile-batches", type=ints, default=[1, 64])
+    ap.add_argument("--variant-profile", action="store_true",
+                    help="with --profile: profile each --engine-variants engine instead of the default one")  # fmt: skip
     ap.add_argument("--profile-steps", type=int, default=12, help="engine steps in each profile window")
     ap.add_argument("--no-profile-eager", dest="profile_eager", action="store_false",
                     help="on CUDA, skip profiling the eager engine (the per-part breakdown needs it)")  # fmt: skip

@@ -487,3 +487,21 @@ def test_reproducibility_benchmark_compares_fresh_processes(tmp_path) -> None:
             "equal": True, "elements_differing": 0, "max_abs_diff": 0.0, "top1_agreement": 1.0, "positions": 4
         }  # fmt: skip
         assert pair["code_predictor"]["equal"] and pair["code_predictor"]["positions"] == 4 * 15
+
+
+def test_stream_times_find_the_steps_streams_idle_time_in_the_window() -> None:
+    """Kernels on two streams: the busiest (the steps') covers 0-10 and 14-20 us, overlapping kernels counted once;
+    the other runs 9-13. The window is 20 us, the GPU busy 19 (10-13 by the other stream, 13-14 by none), the steps'
+    stream idle 4."""
+
+    def k(ts, dur, stream):
+        return {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    trace = {"traceEvents": [k(0, 6, 7), k(4, 6, 7), k(14, 6, 7), k(9, 4, 13), {"ph": "X", "cat": "cpu_op", "ts": 0,
+                                                                                   "dur": 99}]}  # fmt: skip
+    assert bench.union_us([(0, 6), (4, 10), (14, 20)]) == 16 and bench.union_us([]) == 0
+    st = bench.stream_times(trace)
+    assert st["span_us"] == 20 and st["any_busy_us"] == 19
+    assert st["main_stream"] == "7" and st["main_idle_us"] == 4
+    assert st["streams"] == {"7": {"kernels": 3, "busy_us": 16}, "13": {"kernels": 1, "busy_us": 4}}
+    assert bench.stream_times({"traceEvents": []}) == {}
