@@ -309,8 +309,10 @@ def assert_builds_for_hopper_without_spills(lay, tmp_path) -> None:
         {"evict_first": False},
         {"threads": 512},
         {"threads": 512, "split_k": True},
+        {"stage": True},
+        {"stage": True, "threads": 512},
     ],
-    ids=["default", "cpasync", "mma", "tags", "noevict", "t512", "splitk"],
+    ids=["default", "cpasync", "mma", "tags", "noevict", "t512", "splitk", "stage", "stage-t512"],
 )
 @pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
 def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
@@ -689,7 +691,7 @@ def test_cuda_kernel_on_the_lean_grid_gives_the_full_grids_bits(long, cuda_optio
 
 
 # Options that change how, not what: the same sums in the same order.
-SAME_BITS = ["nonormpf", "scalaratt", "onerow", "fullgrid", "tags", "noevict", "t512"]
+SAME_BITS = ["nonormpf", "scalaratt", "onerow", "fullgrid", "tags", "noevict", "t512", "stage"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -701,7 +703,8 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
     the first's key of the same pass), the others in scattered slots. nonormpf: the norm weights read from L2;
     scalaratt: the cached keys and values by 2-byte loads; onerow: a weight row a warp; fullgrid: every SM; tags: no
     grid barriers, each block polling the tagged words it reads; noevict: the weight copies without the L2
-    evict-first policy; t512: blocks of 512 threads (each warp fewer rows)."""
+    evict-first policy; t512: blocks of 512 threads (each warp fewer rows); stage: the cached keys and values
+    copied into shared memory before attention's grid wait (never the key the fourth row reads from the pass)."""
     dims = FULL if shape == "full" else SHAPES[shape]
     _, kern = make_cuda_stack(dims)
     H = dims[0]
@@ -765,7 +768,8 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
 def test_the_stage_option_stages_a_long_caches_keys_in_a_weight_slot(cuda_options) -> None:
     """stage: the 0.6B talker's unit stages up to 192 positions (a 96 KiB slot of 128-wide keys and values); the
     layout adds the staged keys' mbarrier and count (16 bytes) and still fits an H200's shared memory; a short cache
-    (the code predictor's) is not staged and its layout is the default's; the copies need the copy engine."""
+    (the code predictor's) is staged too, where its cached keys are read 16 bytes at a time (vector_attention), else
+    its layout is the default's; the copies need the copy engine."""
     from qwen_tts import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B
@@ -776,8 +780,11 @@ def test_the_stage_option_stages_a_long_caches_keys_in_a_weight_slot(cuda_option
     assert staged.shared_bytes == plain.shared_bytes + 16 and stack_cuda.why_not(staged, 232448) is None
     assert "constexpr int STAGE = 1;" in staged.source() and "constexpr int STAGE_POS = 192;" in staged.source()
     short = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=5, T=17, nblk=128, stage=True)
-    assert not short.staged and "constexpr int STAGE = 0;" in short.source()
-    assert short.shared_bytes == dataclasses.replace(short, stage=False).shared_bytes
+    assert short.staged and not short.long and "constexpr int STAGE = 1;" in short.source()
+    assert short.shared_bytes == dataclasses.replace(short, stage=False).shared_bytes + 16
+    scalar = dataclasses.replace(short, vector_attention=False)
+    assert not scalar.staged and "constexpr int STAGE = 0;" in scalar.source()
+    assert scalar.shared_bytes == dataclasses.replace(scalar, stage=False).shared_bytes
     assert "copy engine" in stack_cuda.why_not(dataclasses.replace(staged, bulk=False), 232448)
     cuda_options(stage=True, chunk=192)
     lay = stack_cuda.layout(staged, 3088, 128)
