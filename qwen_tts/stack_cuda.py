@@ -100,8 +100,8 @@ class Layout:
     @property
     def staged(self) -> bool:
         """Whether the kernel stages cached keys and values (`stage`; a short cache's with vector_attention, whose
-        16-byte reads take them)."""
-        return self.stage and (self.long or self.vector_attention)
+        16-byte reads take them; not where a weight slot cannot hold one position, as at tiny test shapes)."""
+        return self.stage and (self.long or self.vector_attention) and self.stage_positions >= 1
 
     @property
     def res_rows(self) -> int:
@@ -303,8 +303,6 @@ def why_not(lay: Layout, max_shared: int) -> str | None:
         return err
     if lay.staged and not lay.bulk:
         return "staging the cached keys and values needs the copy engine (bulk)"
-    if lay.staged and lay.stage_positions < 1:
-        return f"a weight slot of {lay.slot_bytes} bytes holds no cached position of {lay.D}-wide heads to stage"
     if lay.warps < lay.NQ // lay.NKV:
         return f"more than {lay.warps} query heads a kv head"
     if lay.shared_bytes > max_shared:
