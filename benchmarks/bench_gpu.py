@@ -1013,15 +1013,17 @@ def profile_lines(results: dict) -> list[str]:
     """Two lines per profiled batch (the JSON has everything)."""
     lines = []
     for size, res in results["sizes"].items():
-        for p in res.get("profile", []):
+        profiles = [(size, p) for p in res.get("profile", [])]
+        profiles += [(f"{size} {v}", p) for v, ps in res.get("variant_profile", {}).items() for p in ps]
+        for label, p in profiles:  # the size, and the engine variant if any
             if "error" in p:
-                lines.append(f"profile {size} b={p['batch']}: {p['error']}")
+                lines.append(f"profile {label} b={p['batch']}: {p['error']}")
                 continue
             kernels = "kernels_per_step" in p
             k = p["kernels_per_step"] if kernels else p["top_ops_per_step"]
             graph, launch = p.get("graph_launch_host_ms_per_step"), p.get("launch_host_ms_per_step")
             lines.append(
-                f"profile {size} {'graphs' if p.get('graphs') else 'eager'} b={p['batch']}: {k:g} "
+                f"profile {label} {'graphs' if p.get('graphs') else 'eager'} b={p['batch']}: {k:g} "
                 f"{'kernels' if kernels else 'top-level ops'}/step, device {p['device_ms_per_step']:.2f} ms/step, "
                 f"wall {p['wall_ms_per_step']:.2f}"
                 + (f", host launching {launch:.2f}" if launch is not None else "")
@@ -1031,6 +1033,15 @@ def profile_lines(results: dict) -> list[str]:
             )
             kern = ", ".join(f"{t['name'][:36]} {t['per_step']:.0f}" for t in p["top10_prefix"][:6])
             lines.append(f"  ms/step: {top(p['by_range_ms_per_step'], 5)} | kernels/step: {kern}")
+            if "gpu_span_ms_per_step" in p:
+                streams = ", ".join(
+                    f"{'steps' if v['main'] else 'stream ' + sid} {v['busy']:.2f} ({v['kernels']:g} kernels)"
+                    for sid, v in p["streams_busy_ms_per_step"].items()
+                )
+                lines.append(
+                    f"  GPU ms/step: span {p['gpu_span_ms_per_step']:.2f}, any kernel {p['gpu_any_busy_ms_per_step']:.2f}, "
+                    f"steps' stream idle {p['main_stream_idle_ms_per_step']:.2f} | busy: {streams}"
+                )
     return lines
 
 
@@ -1178,11 +1189,14 @@ class Run:
             if not self.time_left(f"{size} engine {variant}"):
                 break
             levels = a.variant_concurrency or a.concurrency
-            engine, load_s = await self.start_engine(self.engine_config(ckpt, max(levels), variant=variant))
+            profiled = a.profile_batches if a.variant_profile and "profile" in parts else []
+            engine, load_s = await self.start_engine(
+                self.engine_config(ckpt, max([*levels, *profiled]), variant=variant)
+            )
             res.setdefault("variant_info", {})[variant] = {"load_s": load_s, **engine.model_info}
             try:
                 await self.engine_levels(engine, size, levels, res["engine"], variant)
-                if a.variant_profile and "profile" in parts:
+                if profiled:
                     res.setdefault("variant_profile", {})[variant] = out = []
                     await self.profile_levels(engine, f"{size} {variant}", out, timed=True)
             finally:

@@ -505,3 +505,22 @@ def test_stream_times_find_the_steps_streams_idle_time_in_the_window() -> None:
     assert st["main_stream"] == "7" and st["main_idle_us"] == 4
     assert st["streams"] == {"7": {"kernels": 3, "busy_us": 16}, "13": {"kernels": 1, "busy_us": 4}}
     assert bench.stream_times({"traceEvents": []}) == {}
+
+
+def test_profile_lines_show_a_variants_profile_and_its_streams() -> None:
+    """A variant engine's profile (--variant-profile) is printed under its size and variant, with the GPU by stream:
+    the window's span, the time any kernel ran, the steps' stream's idle time and each stream's busy time."""
+    prof = {
+        "batch": 1, "graphs": True, "kernels_per_step": 110, "device_ms_per_step": 2.9, "wall_ms_per_step": 3.3,
+        "by_range_ms_per_step": {"(cuda graph)": 2.9}, "top10_prefix": [{"name": "cp_stack_pass", "per_step": 16}],
+        "gpu_span_ms_per_step": 3.3, "gpu_any_busy_ms_per_step": 3.1, "main_stream_idle_ms_per_step": 0.4,
+        "streams_busy_ms_per_step": {"7": {"kernels": 110, "busy": 2.9, "main": True},
+                                     "13": {"kernels": 40, "busy": 0.5, "main": False}},
+    }  # fmt: skip
+    lines = bench.profile_lines({"sizes": {"0.6b": {"variant_profile": {"cp-stack-cuda": [prof]}}}})
+    assert lines[0].startswith("profile 0.6b cp-stack-cuda graphs b=1: 110 kernels/step, device 2.90 ms/step")
+    assert lines[2] == (
+        "  GPU ms/step: span 3.30, any kernel 3.10, steps' stream idle 0.40 | busy: steps 2.90 (110 kernels), "
+        "stream 13 0.50 (40 kernels)"
+    )
+    assert len(lines) == 3
