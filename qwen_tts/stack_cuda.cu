@@ -835,8 +835,8 @@ __device__ __noinline__ void stage_kv(int l, int M, const long long* pos_p, cons
     const int t0 = c * span;
     int lim = min(len, t0 + span);
 #pragma unroll
-    for (int r = 0; r < MAXM; ++r)  // a position written in this pass comes from its own vectors
-        if (r < M && rs[r] == s && rp[r] < lim) lim = rp[r];
+    for (int r = 0; r < MAXM; ++r)  // a position of the chunk written in this pass comes from the pass's vectors
+        if (r < M && rs[r] == s && rp[r] >= t0 && rp[r] < lim) lim = rp[r];
     const int n = min(lim - t0, STAGE_POS);
     if (n <= 0 || threadIdx.x != 0) return;
     bf16* dst = (bf16*)smem;

@@ -592,10 +592,12 @@ def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows, opts,
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
-def test_cuda_kernel_with_a_long_cache_rows_sharing_a_slot_see_each_others_keys() -> None:
+@pytest.mark.parametrize("opts", ["default", "stage"])
+def test_cuda_kernel_with_a_long_cache_rows_sharing_a_slot_see_each_others_keys(opts, cuda_options) -> None:
     """Two rows of one slot at positions 299 and 300 (in the last of the second row's four chunks) after 299 cached
     positions, as a two-token step of the eager stack: the second row attends to the first's key written in the same
-    pass."""
+    pass. stage: that chunk's cached keys staged, up to the first row's position only."""
+    cuda_options(**LONG_OPTION_CASES.get(opts, {}))
     ref, kern = make_cuda_stack(LONG_SHAPE)
     H = LONG_SHAPE[0]
     c_ref, c_kern = filled_caches((ref, kern), 2, [299], [1], seed=3)
