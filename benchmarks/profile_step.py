@@ -106,6 +106,10 @@ STEP_VARIANTS = {
     # and the tags for the talker's stack only; and the weight copies without the L2 evict-first policy.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+talker-tags": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+no-evict-first": _BOTH,
+    # and with the attention units' cached keys staged in shared memory (stack_cuda's stage), with the talker's chunks
+    # of 192 positions too.
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage": _BOTH,
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage+chunk192": _BOTH,
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}
@@ -136,10 +140,15 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
         if "+tables" in variant:
             talker.code_predictor.build_input_tables()
         stack_kernel.set_options(preload="+preload" in variant)  # process-wide, read at capture
+        settings = EngineSettings()  # the engine's block sizes for each stack
         stack_cuda.set_options(
             tags="+tags" in variant,
             long_tags="+talker-tags" in variant,
             evict_first="+no-evict-first" not in variant,
+            threads=settings.cp_stack_threads,
+            long_threads=settings.talker_stack_threads,
+            stage="+stage" in variant,
+            chunk=192 if "+chunk192" in variant else settings.talker_stack_chunk,
         )
         for mode in ("phases", "persistent", "cuda"):
             if f"+stack-{mode}" in variant:
