@@ -801,6 +801,45 @@ __device__ __forceinline__ int* att_flag(float* scratch) {
 // 0 writes them, and the kernel's thread 0 copies them into the timeline (Layout.act_bytes counts them).
 __device__ __forceinline__ u64* att_stamps(float* scratch) { return (u64*)(att_flag(scratch) + 2); }
 
+// A pass's rows as the attention phase numbers its units: each row's position and slot (-1 past M); returns the
+// units of all rows (a short cache: one a (row, kv head); a long one: one a chunk of each).
+__device__ __forceinline__ int unit_rows(int M, const long long* pos_p, const long long* slot_p, int* rp, int* rs) {
+    int total = 0;
+#pragma unroll
+    for (int r = 0; r < MAXM; ++r) {
+        rp[r] = r < M ? (int)pos_p[r] : -1;
+        rs[r] = r < M ? (int)slot_p[r] : -1;
+        total += r < M ? NKV * (LONG ? chunks(rp[r] + 1) : 1) : 0;
+    }
+    return total;
+}
+
+// a[r] of a register array, through selects (a variable index would put the array in memory).
+__device__ __forceinline__ int pick(const int* a, int r) {
+    int v = 0;
+#pragma unroll
+    for (int k = 0; k < MAXM; ++k)
+        if (k == r) v = a[k];
+    return v;
+}
+
+// Unit u's row, and in `rest` its index among that row's units (constant indices only).
+__device__ __forceinline__ int unit_row(int u, int M, const int* rp, int& rest) {
+    int m = 0;
+    rest = u;
+#pragma unroll
+    for (int r = 0, found = 0; r < MAXM; ++r) {
+        const int n = r < M ? NKV * (LONG ? chunks(rp[r] + 1) : 1) : 0;
+        if (!found && rest < n) {
+            m = r;
+            found = 1;
+        } else if (!found) {
+            rest -= n;
+        }
+    }
+    return m;
+}
+
 // STAGE: block b's first attention unit (u = b, as attention and attention_long number them) has thread 0 copy the
 // cached keys and values of layer l of its chunk (a short cache: of its row), from the first position up to
 // STAGE_POS of them and never a position a row of this pass writes in the unit's slot, into the first weight slot
@@ -811,26 +850,9 @@ __device__ __noinline__ void stage_kv(int l, int M, const long long* pos_p, cons
                                       const bf16* vc, long long scl, long long scs, long long sch, long long sct) {
     int* count = (int*)(stage_bar() + 1);
     if (threadIdx.x == 0) *count = 0;
-    int rp[MAXM], rs[MAXM], total = 0;
-#pragma unroll
-    for (int r = 0; r < MAXM; ++r) {
-        rp[r] = r < M ? (int)pos_p[r] : -1;
-        rs[r] = r < M ? (int)slot_p[r] : -1;
-        total += r < M ? NKV * (LONG ? chunks(rp[r] + 1) : 1) : 0;  // a short cache: a unit a (row, kv head)
-    }
-    if ((int)blockIdx.x >= total || sct != D) return;
-    int rest = blockIdx.x, p = 0, s = 0;
-#pragma unroll
-    for (int r = 0, found = 0; r < MAXM; ++r) {  // the unit's row (constant indices only: registers, not memory)
-        const int n = r < M ? NKV * (LONG ? chunks(rp[r] + 1) : 1) : 0;
-        if (!found && rest < n) {
-            p = rp[r];
-            s = rs[r];
-            found = 1;
-        } else if (!found) {
-            rest -= n;
-        }
-    }
+    int rp[MAXM], rs[MAXM], rest;
+    if ((int)blockIdx.x >= unit_rows(M, pos_p, slot_p, rp, rs) || sct != D) return;
+    const int m = unit_row(blockIdx.x, M, rp, rest), p = pick(rp, m), s = pick(rs, m);
     const int len = p + 1, nch = LONG ? chunks(len) : 1, h = rest / nch, c = rest % nch, span = (len + nch - 1) / nch;
     const int t0 = c * span;
     int lim = min(len, t0 + span);
@@ -877,33 +899,11 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
     const bf16* knw = qn + D;
     const u32* qkt = (const u32*)qkvbuf;  // TAGS: the same buffer as tagged words
     if (TAGS) tag_absent_rows(abuf, M, ta);
-    int rp[MAXM], rs[MAXM], total = 0;
-#pragma unroll
-    for (int r = 0; r < MAXM; ++r) {
-        rp[r] = r < M ? (int)pos_p[r] : -1;
-        rs[r] = r < M ? (int)slot_p[r] : -1;
-        total += r < M ? NKV * chunks(rp[r] + 1) : 0;
-    }
-    // (Register arrays indexed by constants only, through these selects: a variable index would put them in memory.)
-    auto pick = [&](const int* a, int r) {
-        int v = 0;
-#pragma unroll
-        for (int k = 0; k < MAXM; ++k)
-            if (k == r) v = a[k];
-        return v;
-    };
+    int rp[MAXM], rs[MAXM];
+    const int total = unit_rows(M, pos_p, slot_p, rp, rs);
     for (int u = blockIdx.x; u < total; u += NBLK) {
-        int m = 0, rest = u;
-#pragma unroll
-        for (int r = 0, found = 0; r < MAXM; ++r) {  // the unit's row, and its index among the row's units
-            const int n = r < M ? NKV * chunks(rp[r] + 1) : 0;
-            if (!found && rest < n) {
-                m = r;
-                found = 1;
-            } else if (!found) {
-                rest -= n;
-            }
-        }
+        int rest;
+        const int m = unit_row(u, M, rp, rest);  // the unit's row, and its index among the row's units
         const int p = pick(rp, m), s = pick(rs, m), len = p + 1, nch = chunks(len);
         const int h = rest / nch, c = rest % nch, span = (len + nch - 1) / nch;
         const int t0 = c * span, t1 = min(len, t0 + span);
