@@ -767,7 +767,7 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
     assert not stack_kernel.prepare(DEVICE).any()
 
 
-def test_the_stage_option_stages_a_long_caches_keys_in_a_weight_slot(cuda_options) -> None:
+def test_the_stage_option_stages_cached_keys_in_a_free_weight_slot(cuda_options) -> None:
     """stage: the 0.6B talker's unit stages up to 192 positions (a 96 KiB slot of 128-wide keys and values); the
     layout adds the staged keys' mbarrier and count (16 bytes) and still fits an H200's shared memory; a short cache
     (the code predictor's) is staged too, where its cached keys are read 16 bytes at a time (vector_attention), else
