@@ -27,9 +27,9 @@
 // (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the talker's), so attention is split over
 // chunks of at least CHUNK positions, at most NCHUNK a (row, kv head), whose partial softmax sums the last
 // chunk to finish combines (`attention_long`); else one unit per (row, kv head) holds the whole cache in shared
-// memory (`attention`). STAGE: at the start of each attention phase, before its grid wait, a block's unit has the
-// copy engine bring its cached keys and values (a long cache: its chunk's; up to STAGE_POS positions) into the weight
-// slot that phase leaves free, so they are read from shared memory instead of waiting on L2 or HBM.
+// memory (`attention`). STAGE (a long cache): at the start of each attention phase, before its grid wait, a block's
+// unit has the copy engine bring its chunk's cached keys and values (up to STAGE_POS positions) into the weight slot
+// that phase leaves free, so they are read from shared memory instead of waiting on L2 or HBM.
 // No headers: bf16 is handled as its bits (round to nearest even, as torch rounds), so NVRTC needs no include path.
 
 typedef unsigned short bf16;
@@ -618,16 +618,9 @@ __device__ __forceinline__ void warp_tagged2(const u32* p0, const u32* p1, u32 t
     }
 }
 
-extern __shared__ __align__(16) unsigned char smem[];
-
-// STAGE: the staged keys' mbarrier, after the two slots' (and before a word holding how many positions it brings).
-__device__ __forceinline__ u64* stage_bar() { return (u64*)(smem + 2 * SLOT_BYTES + ACT_BYTES + 4 * MAXM) + 2; }
-__device__ __forceinline__ int stage_count() { return *(volatile int*)(stage_bar() + 1); }
-
 // Attention for layer l: one unit per (row, kv head). Keys and values of positions written in this pass (this row's
 // and those of rows sharing its slot at earlier positions) come from the raw q|k|v, normed and roped here; the rest
-// from the cache (STAGE: the block's first unit's from the weight slot stage_kv filled). The unit writes its own
-// row's key and value into the cache.
+// from the cache. The unit writes its own row's key and value into the cache.
 __device__ __noinline__ void attention(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc,
                                        bf16* vc, const bf16* qknw, const float* rope, const bf16* qkvbuf, bf16* abuf,
                                        float eps, float scale, long long scl, long long scs, long long sch,
@@ -653,21 +646,11 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
                 if (src < 0 && (int)slot_p[r] == s && (int)pos_p[r] == j) src = r;
             return src;
         };
-        const int ns = STAGE && u == blockIdx.x ? stage_count() : 0;  // positions staged in shared memory
-        if (ns > 0) mbar_wait(stage_bar(), (u32)l & 1u);  // a fill every layer
         if (VECATT) {  // the cached keys and values, 16 bytes a thread, all in one round
-            const bf16* stg = (const bf16*)smem;
             for (int i = threadIdx.x; i < (p + 1) * (D / 8); i += NTHREADS) {
                 const int j = i / (D / 8), c = 8 * (i % (D / 8));
                 if (source(j) >= 0) continue;
-                uint4 kw, vw;
-                if (STAGE && j < ns) {
-                    kw = *(const uint4*)(stg + j * D + c);
-                    vw = *(const uint4*)(stg + (STAGE_POS + j) * D + c);
-                } else {
-                    kw = ldcg4(kc + at + j * sct + c);
-                    vw = ldcg4(vc + at + j * sct + c);
-                }
+                const uint4 kw = ldcg4(kc + at + j * sct + c), vw = ldcg4(vc + at + j * sct + c);
                 unpack8(kw, kf + j * D + c);
                 unpack8(vw, vf + j * D + c);
             }
@@ -697,7 +680,7 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
                             vc[at + j * sct + c] = b16(vf[j * D + c]);
                         }
                     }
-                } else if (!VECATT) {  // (STAGE needs VECATT: the staged positions are read above)
+                } else if (!VECATT) {
                     for (int c = lane; c < D; c += 32) {
                         kf[j * D + c] = f32(ldcg1(kc + at + j * sct + c));
                         vf[j * D + c] = f32(ldcg1(vc + at + j * sct + c));
@@ -801,15 +784,21 @@ __device__ __forceinline__ int* att_flag(float* scratch) {
 // 0 writes them, and the kernel's thread 0 copies them into the timeline (Layout.act_bytes counts them).
 __device__ __forceinline__ u64* att_stamps(float* scratch) { return (u64*)(att_flag(scratch) + 2); }
 
-// A pass's rows as the attention phase numbers its units: each row's position and slot (-1 past M); returns the
-// units of all rows (a short cache: one a (row, kv head); a long one: one a chunk of each).
+extern __shared__ __align__(16) unsigned char smem[];
+
+// STAGE: the staged keys' mbarrier, after the two slots' (and before a word holding how many positions it brings).
+__device__ __forceinline__ u64* stage_bar() { return (u64*)(smem + 2 * SLOT_BYTES + ACT_BYTES + 4 * MAXM) + 2; }
+__device__ __forceinline__ int stage_count() { return *(volatile int*)(stage_bar() + 1); }
+
+// A pass's rows as a long cache's attention numbers its units: each row's position and slot (-1 past M); returns the
+// units of all rows (one a chunk of each (row, kv head)).
 __device__ __forceinline__ int unit_rows(int M, const long long* pos_p, const long long* slot_p, int* rp, int* rs) {
     int total = 0;
 #pragma unroll
     for (int r = 0; r < MAXM; ++r) {
         rp[r] = r < M ? (int)pos_p[r] : -1;
         rs[r] = r < M ? (int)slot_p[r] : -1;
-        total += r < M ? NKV * (LONG ? chunks(rp[r] + 1) : 1) : 0;
+        total += r < M ? NKV * chunks(rp[r] + 1) : 0;
     }
     return total;
 }
@@ -829,7 +818,7 @@ __device__ __forceinline__ int unit_row(int u, int M, const int* rp, int& rest) 
     rest = u;
 #pragma unroll
     for (int r = 0, found = 0; r < MAXM; ++r) {
-        const int n = r < M ? NKV * (LONG ? chunks(rp[r] + 1) : 1) : 0;
+        const int n = r < M ? NKV * chunks(rp[r] + 1) : 0;
         if (!found && rest < n) {
             m = r;
             found = 1;
@@ -840,9 +829,9 @@ __device__ __forceinline__ int unit_row(int u, int M, const int* rp, int& rest) 
     return m;
 }
 
-// STAGE: block b's first attention unit (u = b, as attention and attention_long number them) has thread 0 copy the
-// cached keys and values of layer l of its chunk (a short cache: of its row), from the first position up to
-// STAGE_POS of them and never a position a row of this pass writes in the unit's slot, into the first weight slot
+// STAGE: block b's first attention unit (u = b, as attention_long numbers them) has thread 0 copy the cached keys
+// and values of layer l of its chunk, from the chunk's first position up to STAGE_POS of them and never a position a
+// row of this pass writes in the unit's slot, into the first weight slot
 // (keys at 0, values at STAGE_POS x D), completing on stage_bar; thread 0 writes how many positions beside it (0:
 // none; attention then reads them all from the cache; a block barrier must come before attention reads it). The
 // positions this launch reads are cached by earlier launches, so the copy can start before this pass's keys exist.
@@ -853,7 +842,7 @@ __device__ __noinline__ void stage_kv(int l, int M, const long long* pos_p, cons
     int rp[MAXM], rs[MAXM], rest;
     if ((int)blockIdx.x >= unit_rows(M, pos_p, slot_p, rp, rs) || sct != D) return;
     const int m = unit_row(blockIdx.x, M, rp, rest), p = pick(rp, m), s = pick(rs, m);
-    const int len = p + 1, nch = LONG ? chunks(len) : 1, h = rest / nch, c = rest % nch, span = (len + nch - 1) / nch;
+    const int len = p + 1, nch = chunks(len), h = rest / nch, c = rest % nch, span = (len + nch - 1) / nch;
     const int t0 = c * span;
     int lim = min(len, t0 + span);
 #pragma unroll

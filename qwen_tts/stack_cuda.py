@@ -83,7 +83,7 @@ class Layout:
     evict_first: bool = True  # the weight copies marked first to leave L2, so caches and activations stay there
     threads: int = NTHREADS  # a block's threads (a multiple of 32, at most 1024): more warps share a phase's rows
     split_k: bool = False  # a phase with at most half as many rows as warps (o, down at 512 threads): K in two
-    stage: bool = False  # a unit's cached keys and values copied into the free weight slot before attention's wait
+    stage: bool = False  # a long cache: a unit's cached keys and values copied into the free slot before the wait
 
     @property
     def slot_bytes(self) -> int:
@@ -94,14 +94,14 @@ class Layout:
 
     @property
     def stage_positions(self) -> int:
-        """`stage`: the most cached positions an attention unit stages, its keys and values in one weight slot."""
+        """`stage`: the most cached positions a long cache's unit stages, its keys and values in one weight slot."""
         return self.slot_bytes // (4 * self.D)
 
     @property
     def staged(self) -> bool:
-        """Whether the kernel stages cached keys and values (`stage`; a short cache's with vector_attention, whose
-        16-byte reads take them; not where a weight slot cannot hold one position, as at tiny test shapes)."""
-        return self.stage and (self.long or self.vector_attention) and self.stage_positions >= 1
+        """Whether the kernel stages cached keys and values (`stage` on a long cache; a short cache's, staged in the
+        twenty-third round, measured slower; not where a weight slot cannot hold one position, at tiny test shapes)."""
+        return self.stage and self.long and self.stage_positions >= 1
 
     @property
     def res_rows(self) -> int:
@@ -243,11 +243,11 @@ def set_options(
     threads: a block's threads (256 or 512 tested; a long cache's positions stay on 8 warps, so the same bits);
     long_threads: a long cache's stack's (the talker's) block threads, whatever `threads` says of the others (0: as
     `threads`); split_k: with half the warps or fewer having a row, each row's K in two slices over two warps (other
-    sums, batch invariant); stage: an attention unit has the copy engine bring its cached keys and values (a long
-    cache's: its chunk's; as many positions as a weight slot holds, 192 at the code predictor's and 0.6B talker's
-    shape) into the weight slot the attention phase leaves free, before the phase's grid wait, and reads them from
-    shared memory (the same bits; needs `bulk`, and a short cache `vector_attention`; with `chunk` 192 a long cache's
-    positions up to 192 are one chunk, no combine). Returns the options now in force."""
+    sums, batch invariant); stage: a long cache's attention unit has the copy engine bring its chunk's cached keys
+    and values (as many positions as a weight slot holds, 192 at the 0.6B talker's shape) into the weight slot the
+    attention phase leaves free, before the phase's grid wait, and reads them from shared memory (the same bits;
+    needs `bulk`; with `chunk` 192 a row's positions up to 192 are one chunk, no combine). Returns the options now
+    in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
                  vector_attention=vector_attention, tags=tags, long_tags=long_tags,

@@ -224,7 +224,7 @@ def test_engine_settings_name_the_field_and_its_choices():
         assert e.value.setting == "talker_stack_chunk"
     s = EngineSettings()
     assert (s.cp_stack_threads, s.talker_stack_threads) == (512, 256)
-    assert (s.stack_stage, s.talker_stack_chunk) == (False, 64)
+    assert (s.talker_stack_stage, s.talker_stack_chunk) == (False, 64)
     assert EngineSettings(talker_stack_chunk=192).talker_stack_chunk == 192
     assert EngineSettings(talker_stack_threads=512).talker_stack_threads == 512
     with pytest.raises(EngineSettingsError, match="decoder_polyphase_dilation must be >= 0, not -1") as e:
@@ -667,13 +667,13 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
     kernel too (small_m_heads), a lone stream's graphed steps are one row, not two padded (one_row_steps), and still
     give the codes it gets beside another stream. tags: both stacks' passes without grid barriers (stack_tags).
     wide: the talker's blocks of 512 threads too, and both stacks' o and down rows in two K slices
-    (talker_stack_threads, stack_split_k). stage: both stacks' cached keys and values staged in shared memory, the
-    talker's attention in chunks of 192 positions (stack_stage, talker_stack_chunk)."""
+    (talker_stack_threads, stack_split_k). stage: the talker's cached keys and values staged in shared memory, its
+    attention in chunks of 192 positions (talker_stack_stage, talker_stack_chunk)."""
     from qwen_tts import stack_cuda
 
     widen = dict(talker_stack_threads=512, stack_split_k=True) if wide else {}
     if stage:
-        widen.update(stack_stage=True, talker_stack_chunk=192)
+        widen.update(talker_stack_stage=True, talker_stack_chunk=192)
 
     model = load_model(tiny_model.path, device="cuda")
     calls = []

@@ -822,7 +822,7 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
         threads=config.cp_stack_threads,
         long_threads=config.talker_stack_threads,
         split_k=config.stack_split_k,
-        stage=config.stack_stage,
+        stage=config.talker_stack_stage,
         chunk=config.talker_stack_chunk,
     )
     stack_kernel.enable(talker.code_predictor.model, config.cp_stack_kernel)
