@@ -125,7 +125,7 @@ VARIANTS: dict[str, dict] = {
     "stack-threads-512": {"cp_stack_threads": 512, "talker_stack_threads": 512},  # both stacks' blocks: 512 threads
     "cp-stack-threads-256": {"cp_stack_threads": 256},  # the code predictor's blocks of 256 threads (the same bits)
     "talker-stack-threads-512": {"talker_stack_threads": 512},  # the talker's blocks of 512 threads (the same bits)
-    "talker-stack-stage": {"talker_stack_stage": True},  # the talker's cached keys staged in the free weight slot
+    "no-talker-stack-stage": {"talker_stack_stage": False},  # the talker's cached keys read from the cache (not staged)
     "talker-stack-chunk-192": {"talker_stack_chunk": 192},  # its attention in chunks of 192 positions at least
     "stack-split-k": {"stack_split_k": True},  # with stack-threads-512: o's and down's rows in two K slices
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)

@@ -270,15 +270,17 @@ class EngineSettings:
     # block's attention unit has the copy engine bring its chunk's cached keys and values (up to 192 positions for
     # the 0.6B's talker) into the weight slot that phase leaves free, and reads them from shared memory instead of
     # waiting on L2 or HBM after this pass's queries (stack_cuda's `stage`). The same bits. On an H100 (twenty-third
-    # round, docs/benchmarks.md) the 0.6B's talker pass 735.9 -> 709.2 us at one row and position 100 (695.8 with
-    # talker_stack_chunk 192), 825.7 -> 815.4 at two rows; staging the code predictor's cache too was slower (113.1
-    # -> 114.1 us a pass, one 0.6B stream 24.76x -> 24.40x), so only the talker's is staged. Off until the engine
-    # measures the talker's alone (bench_gpu.py --engine-variants talker-stack-stage).
-    talker_stack_stage: bool = False
+    # round, docs/benchmarks.md) the 0.6B's talker pass 735.9 -> 709.2 us at one row and position 100, 767.3 -> 755.8
+    # at position 300, 825.7 -> 815.4 at two rows; one 0.6B stream 25.03x -> 25.13x real time (call 3). So on
+    # (bench_gpu.py --engine-variants no-talker-stack-stage for off). Staging the code predictor's cache too was
+    # slower (113.1 -> 114.1 us a pass; one 0.6B stream 24.76x -> 24.40x, call 2) and was removed.
+    talker_stack_stage: bool = True
     # With the talker's stack kernel on "cuda": the fewest positions a chunk of its attention takes (stack_cuda's
     # `chunk`, a multiple of 32). 64: a row's positions over up to four chunks, combined by the last to finish; 192
     # with talker_stack_stage: one chunk, staged whole, up to 192 positions (other sums: a fixed order, batch
-    # invariant). 64 until measured (bench_gpu.py --engine-variants talker-stack-chunk-192).
+    # invariant). On an H100 the talker's pass at position 100 709.2 -> 695.8 us, but at 300 755.8 -> 774.3, and one
+    # 0.6B stream 25.13x -> 25.02x (twenty-third round, call 3). So 64 (bench_gpu.py --engine-variants
+    # talker-stack-chunk-192).
     talker_stack_chunk: int = 64
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).

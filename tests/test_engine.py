@@ -224,7 +224,7 @@ def test_engine_settings_name_the_field_and_its_choices():
         assert e.value.setting == "talker_stack_chunk"
     s = EngineSettings()
     assert (s.cp_stack_threads, s.talker_stack_threads) == (512, 256)
-    assert (s.talker_stack_stage, s.talker_stack_chunk) == (False, 64)
+    assert (s.talker_stack_stage, s.talker_stack_chunk) == (True, 64)
     assert EngineSettings(talker_stack_chunk=192).talker_stack_chunk == 192
     assert EngineSettings(talker_stack_threads=512).talker_stack_threads == 512
     with pytest.raises(EngineSettingsError, match="decoder_polyphase_dilation must be >= 0, not -1") as e:
@@ -654,12 +654,12 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
 
 @needs_cuda
 @pytest.mark.parametrize(
-    ("greedy", "heads", "tags", "wide", "stage"),
-    [(True, False, False, False, False), (False, True, False, False, False), (True, True, False, False, False),
-     (True, True, True, False, False), (False, True, False, True, False), (False, True, False, False, True)],
+    ("greedy", "heads", "tags", "wide", "staged"),
+    [(True, False, False, False, True), (False, True, False, False, True), (True, True, False, False, True),
+     (True, True, True, False, True), (False, True, False, True, True), (False, True, False, False, False)],
 )  # fmt: skip
 async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_equal_in_a_pair(
-    tiny_model, greedy, heads, tags, wide, stage, monkeypatch
+    tiny_model, greedy, heads, tags, wide, staged, monkeypatch
 ):
     """talker_stack_kernel="cuda" with cp_stack_kernel="cuda": the talker's one-token passes (a long cache, attention
     in chunks) and the code predictor's by stack_cuda.cu. A request gives the same codes alone and beside another,
@@ -667,13 +667,13 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
     kernel too (small_m_heads), a lone stream's graphed steps are one row, not two padded (one_row_steps), and still
     give the codes it gets beside another stream. tags: both stacks' passes without grid barriers (stack_tags).
     wide: the talker's blocks of 512 threads too, and both stacks' o and down rows in two K slices
-    (talker_stack_threads, stack_split_k). stage: the talker's cached keys and values staged in shared memory, its
-    attention in chunks of 192 positions (talker_stack_stage, talker_stack_chunk)."""
+    (talker_stack_threads, stack_split_k). staged: the talker's cached keys and values staged in shared memory (the
+    default, talker_stack_stage), else read from the cache."""
     from qwen_tts import stack_cuda
 
     widen = dict(talker_stack_threads=512, stack_split_k=True) if wide else {}
-    if stage:
-        widen.update(talker_stack_stage=True, talker_stack_chunk=192)
+    if not staged:
+        widen.update(talker_stack_stage=False)
 
     model = load_model(tiny_model.path, device="cuda")
     calls = []
@@ -695,7 +695,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
             # the code predictor's blocks of 512 threads (the default), the talker's of 256 unless wide
             assert opts["tags"] is tags and opts["threads"] == 512 and opts["long_threads"] == (512 if wide else 256)
             assert opts["split_k"] is wide
-            assert opts["stage"] is stage and opts["chunk"] == (192 if stage else 64)
+            assert opts["stage"] is staged and opts["chunk"] == 64
             target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
             calls.clear()
             (alone,), _ = await run(eng, [target])
