@@ -110,6 +110,8 @@ STEP_VARIANTS = {
     # of 192 positions too.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage+chunk192": _BOTH,
+    # and with both stacks' matmuls on the tensor cores (stack_cuda's mma: padded slots, ldmatrix).
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage+mma": _BOTH,
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}
@@ -149,6 +151,7 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
             long_threads=settings.talker_stack_threads,
             stage="+stage" in variant,
             chunk=192 if "+chunk192" in variant else settings.talker_stack_chunk,
+            mma="+mma" in variant,
         )
         for mode in ("phases", "persistent", "cuda"):
             if f"+stack-{mode}" in variant:

@@ -13,12 +13,14 @@
 //
 // Constants come from stack_cuda.py as `constexpr int`s written before this text (constants, not macros, so no
 // header's names are touched): the shapes H, I, D, NQ, NKV, L, T, MAXM, NBLK, SLOT_BYTES, ACT_BYTES, RES_ROWS (the
-// most weight rows a block has in one phase), PART_ITEMS (the tensor-core path's partial tiles), and the options:
+// most weight rows a block has in one phase), WPAD (MMA: a weight row's padding in its slot), and the options:
 // BULK (1: the weights by the copy engine, cp.async.bulk, one instruction a range, completion on an mbarrier; 0:
 // 16-byte cp.async by every thread); WEIGHTS (0: no weight copies at all, the matmuls read whatever the slots hold;
 // for profiling only, to see what the phases cost without their bytes); MMA (1: the matmuls on the tensor cores,
-// mma.sync m16n8k16 with the rows' activations as the 8 columns; 0: dot products on the CUDA cores, a warp a row,
-// TWO_ROWS: two rows at once); TIMELINE (profiling: clock stamps); LIGHTBAR (the barrier's release by an
+// mma.sync m16n8k16, 16 weight rows by ldmatrix times the rows' activations as the 8 columns, K split over the
+// warps; each weight row lands in its slot WPAD elements (16 bytes) past the one before, so the eight rows an
+// ldmatrix reads fall in eight different bank groups; 0: dot products on the CUDA cores, a warp a row, TWO_ROWS: two
+// rows at once); TIMELINE (profiling: clock stamps); LIGHTBAR (the barrier's release by an
 // acquire-release fence); NARRIVE (arrival counters, of MAXNARRIVE lines); NORMPF (each norm's weights copied into
 // shared memory during the grid wait before it); VECATT (a short cache's cached keys and values by 16-byte loads in
 // one round); EVICT_FIRST (the weight copies with an L2 evict-first policy); TAGS (no grid barrier at all: each
@@ -40,6 +42,7 @@ constexpr int NQKV = NQ + 2 * NKV;
 constexpr int QD = NQ * D;
 constexpr int GQ = NQ / NKV;
 constexpr int NWARPS = NTHREADS / 32;
+constexpr int MTILES = MMA ? (RES_ROWS + 15) / 16 : 1;  // MMA: a phase's 16-row tiles at most
 
 __device__ __forceinline__ float f32(bf16 h) { return __uint_as_float(((u32)h) << 16); }
 
@@ -245,6 +248,14 @@ __device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes
     }
 }
 
+// MMA: `rows` weight rows of K from global (row stride K) into the slot at a row stride of K + WPAD, a bulk copy a
+// row, spread over warp 0's lanes (each lane first orders the slot's earlier reads before its copies' writes).
+__device__ __forceinline__ void copy_rows(bf16* dst, const bf16* src, int rows, int K, u64* bar) {
+    if (!WEIGHTS || rows <= 0 || threadIdx.x >= 32) return;
+    if (threadIdx.x < rows) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    for (int r = threadIdx.x; r < rows; r += 32) bulk_copy(dst + r * (K + WPAD), src + (u64)r * K, K * 2, bar);
+}
+
 // The bytes of matmul phase f's weight share for block b.
 __device__ __noinline__ int share_bytes(int f) {
     const int b = blockIdx.x, kind = f % 4;
@@ -262,6 +273,26 @@ __device__ __noinline__ void issue(int f, void* dst, u64* bar, const bf16* wqkv,
     if (BULK && threadIdx.x == 0) {
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's last reads before the copy's writes
         mbar_expect(bar, WEIGHTS ? share_bytes(f) : 0);
+    }
+    if (MMA) {  // padded rows (WPAD): a copy a row; the bytes are the share's all the same
+        __syncwarp();
+        bf16* d = (bf16*)dst;
+        if (kind == 0) {
+            const int r0 = lo(NQKV * D, b), r1 = lo(NQKV * D, b + 1);
+            copy_rows(d, wqkv + (u64)layer * NQKV * D * H + (u64)r0 * H, r1 - r0, H, bar);
+        } else if (kind == 1) {
+            const int r0 = lo(H, b), r1 = lo(H, b + 1);
+            copy_rows(d, wo + (u64)layer * H * QD + (u64)r0 * QD, r1 - r0, QD, bar);
+        } else if (kind == 2) {
+            const int j0 = lo(I, b), j1 = lo(I, b + 1);
+            const bf16* w = wgu + (u64)layer * 2 * I * H;
+            copy_rows(d, w + (u64)j0 * H, j1 - j0, H, bar);  // gate rows
+            copy_rows(d + (j1 - j0) * (H + WPAD), w + (u64)(I + j0) * H, j1 - j0, H, bar);  // then their up rows
+        } else {
+            const int r0 = lo(H, b), r1 = lo(H, b + 1);
+            copy_rows(d, wd + (u64)layer * H * I + (u64)r0 * I, r1 - r0, I, bar);
+        }
+        return;
     }
     if (kind == 0) {
         const int r0 = lo(NQKV * D, b), r1 = lo(NQKV * D, b + 1);
@@ -433,51 +464,76 @@ __device__ __forceinline__ void row_dot2(const bf16* w0, const bf16* w1, const b
     }
 }
 
-// res[r * MAXM + m] = act[m, :] . w[r, :] for the block's R weight rows in shared memory (K wide). MMA: 16-row tiles
-// times the rows' activations as the columns of an m16n8k16 product (columns past M are zero), K split over the
-// warps that the tiles leave free, the slices' partial tiles summed in order; else a warp a row on the CUDA cores.
-// Either way a sum's order depends on R and K only, never on M: a row's result is batch invariant.
-__device__ void block_matmul(const bf16* w, int R, int K, const bf16* act, int M, float* part, float* res) {
+// res[r * MAXM + m] = act[m, :] . w[r, :] for the block's R weight rows in shared memory (K wide; MMA: row stride
+// K + WPAD). MMA: the rows in 16-row tiles (A, by ldmatrix from the padded rows: conflict-free) times the rows'
+// activations as the columns of an m16n8k16 product (columns past M are zero), K in equal slices of 16-column steps
+// over the warps, each warp's partial sums (float32, in its accumulators) written into the activations' space once
+// every warp has read them, then summed over the warps in order; else a warp a row on the CUDA cores. Either way a
+// sum's order depends on R and K only, never on M: a row's result is batch invariant.
+__device__ void block_matmul(const bf16* w, int R, int K, const bf16* act, int M, float* res) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (MMA) {
-        const int tiles = (R + 15) / 16, slices = tiles >= NWARPS ? 1 : NWARPS / tiles;
-        const int ksteps = (K + 15) / 16, per = (ksteps + slices - 1) / slices;
-        const int g = lane >> 2, tig = lane & 3;
-        for (int it = warp; it < tiles * slices; it += NWARPS) {
-            const int tile = it % tiles, sl = it / tiles;
-            const int ra = tile * 16 + g, rb = ra + 8;
-            const bool oka = ra < R, okb = rb < R, okn = g < M;
-            const bf16* wa = w + (oka ? ra : 0) * K;
-            const bf16* wb = w + (okb ? rb : 0) * K;
-            const bf16* an = act + (okn ? g : 0) * K;
-            float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
-            const int kend = min(ksteps, (sl + 1) * per);
-            for (int ks = sl * per; ks < kend; ++ks) {
-                const int k = ks * 16 + 2 * tig;
-                const bool k0 = k < K, k1 = k + 8 < K;
-                const u32 a0 = oka && k0 ? *(const u32*)(wa + k) : 0u;
-                const u32 a1 = okb && k0 ? *(const u32*)(wb + k) : 0u;
-                const u32 a2 = oka && k1 ? *(const u32*)(wa + k + 8) : 0u;
-                const u32 a3 = okb && k1 ? *(const u32*)(wb + k + 8) : 0u;
-                const u32 b0 = okn && k0 ? *(const u32*)(an + k) : 0u;
-                const u32 b1 = okn && k1 ? *(const u32*)(an + k + 8) : 0u;
-                asm volatile(
-                    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                    "{%8, %9}, {%0, %1, %2, %3};"
-                    : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
-                    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+        const int tiles = (R + 15) / 16, ksteps = (K + 15) / 16, per = (ksteps + NWARPS - 1) / NWARPS;
+        const int ks0 = warp * per, ks1 = min(ksteps, ks0 + per);
+        const int g = lane >> 2, tig = lane & 3, stride = K + WPAD;
+        const bf16* an = act + (g < M ? g : 0) * K;
+        float c[MTILES][4];
+#pragma unroll
+        for (int t = 0; t < MTILES; ++t) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.f;
+        // This lane's ldmatrix row address in each tile: x4 (rows 0-15, columns 0-7 then 8-15) where the tile has
+        // more than 8 rows; else x2 (rows 0-7, columns 0-7 then 8-15). Rows past R read row R - 1: their sums are
+        // never kept.
+        for (int ks = ks0; ks < ks1; ++ks) {
+            const int k = ks * 16 + 2 * tig;
+            const bool half = ks * 16 + 8 >= K;  // K % 16 == 8: the step's upper eight columns are past the row
+            const u32 b0 = g < M ? *(const u32*)(an + k) : 0u;
+            const u32 b1 = g < M && !half ? *(const u32*)(an + k + 8) : 0u;
+#pragma unroll
+            for (int t = 0; t < MTILES; ++t) {
+                if (t < tiles) {
+                    const int left = R - 16 * t;
+                    u32 a0, a1, a2, a3;
+                    if (left > 8) {
+                        const int row = 16 * t + min((lane & 7) + (lane & 8), left - 1);
+                        const int col = ks * 16 + (half ? 0 : (lane >> 4) * 8);
+                        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                                     : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
+                                     : "r"(smem_addr(w + row * stride + col)));
+                    } else {
+                        const int row = 16 * t + min(lane & 7, left - 1);
+                        const int col = ks * 16 + (half ? 0 : ((lane >> 3) & 1) * 8);
+                        asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+                                     : "=r"(a0), "=r"(a2)
+                                     : "r"(smem_addr(w + row * stride + col)));
+                        a1 = a3 = 0u;
+                    }
+                    if (half) a2 = a3 = 0u;
+                    asm volatile(
+                        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                        "{%8, %9}, {%0, %1, %2, %3};"
+                        : "+f"(c[t][0]), "+f"(c[t][1]), "+f"(c[t][2]), "+f"(c[t][3])
+                        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                }
             }
-            float* pt = part + it * 128;  // (16 rows, 8 columns)
-            pt[g * 8 + 2 * tig] = c0;
-            pt[g * 8 + 2 * tig + 1] = c1;
-            pt[(g + 8) * 8 + 2 * tig] = c2;
-            pt[(g + 8) * 8 + 2 * tig + 1] = c3;
+        }
+        __syncthreads();  // every warp is done with the activations: their space takes the partial sums
+        float* pw = (float*)act + warp * RES_ROWS * MAXM;
+#pragma unroll
+        for (int t = 0; t < MTILES; ++t) {
+            if (t < tiles) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = 16 * t + g + (e >> 1) * 8, m = 2 * tig + (e & 1);
+                    if (r < R && m < M) pw[r * MAXM + m] = c[t][e];
+                }
+            }
         }
         __syncthreads();
+        const float* pa = (const float*)act;
         for (int i = threadIdx.x; i < R * M; i += NTHREADS) {
             const int r = i / M, m = i - r * M;
             float v = 0.f;
-            for (int sl = 0; sl < slices; ++sl) v += part[(sl * tiles + r / 16) * 128 + (r % 16) * 8 + m];
+            for (int wp = 0; wp < NWARPS; ++wp) v += pa[(wp * RES_ROWS + r) * MAXM + m];
             res[r * MAXM + m] = v;
         }
     } else if (SPLITK && R > 0 && 2 * R <= NWARPS && 3 * R <= RES_ROWS) {
@@ -1103,8 +1159,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     float* inv = (float*)(smem + 2 * SLOT_BYTES + ACT_BYTES);  // MAXM floats
     u64* full = (u64*)(inv + MAXM);  // the two slots' mbarriers (BULK)
     // STAGE: then the staged keys' and values' mbarrier (stage_bar) and their count (16 bytes, keeping the alignment)
-    float* part = (float*)(full + (STAGE ? 4 : 2));  // PART_ITEMS (16, 8) float tiles: the tensor-core path's partials
-    float* res = part + PART_ITEMS * 128;  // (RES_ROWS, MAXM) a phase's sums
+    float* res = (float*)(full + (STAGE ? 4 : 2));  // (RES_ROWS, MAXM) a phase's sums
     float* red = res + RES_ROWS * MAXM;  // (NWARPS, MAXM) the norms' sums of squares by warp
     float* rope = red + NWARPS * MAXM;  // (MAXM, D) each row's RoPE cosines and sines (rope_tables)
     bf16* qknw = (bf16*)(rope + MAXM * D);  // (2, D) the attention phase's q and k norm weights
@@ -1196,7 +1251,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         load_rows(act, src, tsrc, 0, M, K, false, eps, inv, red);
         mark(3);
         const int r0 = lo(H, b), r1 = lo(H, b + 1);
-        block_matmul(w, r1 - r0, K, act, M, part, res);
+        block_matmul(w, r1 - r0, K, act, M, res);
         mark(4);
         if (TAGS) {
             for (int i = threadIdx.x; i < (r1 - r0) * MAXM; i += NTHREADS) {
@@ -1231,7 +1286,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             load_rows(act, xcur, TAGS && l ? tagof(5 * l - 1) : 0u, g, M, H, true, eps, inv, red);
             mark(3);
             const int r0 = lo(NQKV * D, b), r1 = lo(NQKV * D, b + 1);
-            block_matmul(w, r1 - r0, H, act, M, part, res);
+            block_matmul(w, r1 - r0, H, act, M, res);
             mark(4);
             if (TAGS) {
                 for (int i = threadIdx.x; i < (r1 - r0) * MAXM; i += NTHREADS) {
@@ -1284,7 +1339,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             load_rows(act, xs, TAGS ? tagof(5 * l + 2) : 0u, g, M, H, true, eps, inv, red);
             mark(3);
             const int j0 = lo(I, b), nj = lo(I, b + 1) - j0;
-            block_matmul(w, 2 * nj, H, act, M, part, res);  // nj gate rows, then their up rows
+            block_matmul(w, 2 * nj, H, act, M, res);  // nj gate rows, then their up rows
             mark(4);
             if (TAGS) {  // rows past M as tagged zeros
                 for (int i = threadIdx.x; i < nj * MAXM; i += NTHREADS) {

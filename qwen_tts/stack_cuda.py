@@ -48,6 +48,7 @@ MAX_ROWS = 4  # rows a pass: their activations share the block's shared memory w
 MAX_POSITIONS = 32  # a longer cache (the talker's) takes attention_long: chunks, combined by the last to finish
 CHUNK = 64  # attention_long: positions a chunk at least; chunks a (row, kv head) at most: Layout.max_chunks
 ATT_COUNTERS = 64  # attention_long's (row, kv head) counters: MAX_ROWS x kv heads at most
+WPAD = 8  # the `mma` option: a weight row's padding in its slot (bf16 elements, 16 bytes)
 MAX_ARRIVE = 4  # the grid barrier's arrival counters, a 128-byte line each (the first line also holds the exit count)
 EPOCH_WORDS = 32  # the tagged workspace's first 128-byte line: the epoch (the `tags` option)
 BARRIER_INTS = 32 * MAX_ARRIVE + ATT_COUNTERS  # the barrier tensor stack_pass needs: the counters' lines, then those
@@ -69,7 +70,7 @@ class Layout:
     nblk: int
     bulk: bool = True  # the weights by the copy engine (cp.async.bulk); False: 16-byte cp.async by every thread
     weights: bool = True  # False: no weight copies (profiling only: the phases' cost without their bytes)
-    mma: bool = False  # the matmuls on the tensor cores (mma.sync; measured slower); False: dot products on CUDA cores
+    mma: bool = False  # the matmuls on the tensor cores (mma.sync from padded weight rows); False: on the CUDA cores
     timeline: bool = False  # profiling: clock stamps of each phase's steps by two blocks (stack_pass's `timeline`)
     light_barrier: bool = True  # the grid barrier's release as fence.acq_rel + a relaxed add; False: __threadfence
     chunked: bool = False  # a short cache's attention by attention_long too (lane groups), not a unit's shared memory
@@ -87,9 +88,12 @@ class Layout:
 
     @property
     def slot_bytes(self) -> int:
-        """The largest share of one matmul's weights a block copies (q|k|v, o, gate|up, down), 16-byte aligned."""
+        """The largest share of one matmul's weights a block copies (q|k|v, o, gate|up, down), 16-byte aligned; with
+        `mma` each row WPAD (8) elements longer in the slot, so the rows an ldmatrix reads start in different banks."""
         H, I, D, NQ, NKV, n = self.H, self.I, self.D, self.NQ, self.NKV, self.nblk  # noqa: E741
-        rows = max(_most(NQ * D + 2 * NKV * D, n) * H, _most(H, n) * NQ * D, 2 * _most(I, n) * H, _most(H, n) * I)
+        p = WPAD if self.mma else 0
+        rows = max(_most(NQ * D + 2 * NKV * D, n) * (H + p), _most(H, n) * (NQ * D + p), 2 * _most(I, n) * (H + p),
+                   _most(H, n) * (I + p))  # fmt: skip
         return _align16(2 * rows)
 
     @property
@@ -108,12 +112,6 @@ class Layout:
         """The most weight rows a block has in one phase (its gate|up share counts gate and up rows)."""
         n = self.nblk
         return max(_most(self.NQ * self.D + 2 * self.NKV * self.D, n), _most(self.H, n), 2 * _most(self.I, n))
-
-    @property
-    def part_items(self) -> int:
-        """The tensor-core path's partial (16, 8) tiles: a warp each, or a 16-row tile each past the warps; none
-        without it (the CUDA-core products need no partial tiles)."""
-        return max(self.warps, -(-self.res_rows // 16)) if self.mma else 0
 
     @property
     def warps(self) -> int:
@@ -143,7 +141,8 @@ class Layout:
 
     @property
     def act_bytes(self) -> int:
-        """Activations (MAX_ROWS rows of the widest K, bf16), or attention's float32 scratch, whichever is larger."""
+        """Activations (MAX_ROWS rows of the widest K, bf16), attention's float32 scratch or (`mma`) the warps'
+        partial sums of a matmul phase, whichever is larger."""
         acts = 2 * MAX_ROWS * max(self.H, self.NQ * self.D, self.I)
         g, D = self.NQ // self.NKV, self.D
         if self.long:  # this pass's keys and values (bf16), queries, a vector a warp, the warps' partials, a flag
@@ -152,7 +151,8 @@ class Layout:
             attn = 2 * 2 * MAX_ROWS * D + 4 * (g * D + self.warps * D + self.att_warps * g * (D + 2) + flag)
         else:
             attn = 4 * (2 * self.T * D + g * D + g * self.T + self.warps * D)
-        return _align16(max(acts, attn))
+        part = 4 * self.warps * self.res_rows * MAX_ROWS if self.mma else 0  # mma: the warps' partial sums (float32)
+        return _align16(max(acts, attn, part))
 
     @property
     def max_chunks(self) -> int:
@@ -171,15 +171,15 @@ class Layout:
         keys' mbarrier and its pad), the partial tiles, a phase's sums, the norms' sums of squares by warp, the rows'
         RoPE tables, a layer's q/k norm weights, a norm's weights (norm_prefetch)."""
         bars = 48 if self.staged else 32
-        return (2 * self.slot_bytes + self.act_bytes + bars + 4 * 128 * self.part_items + 4 * MAX_ROWS * self.res_rows
+        return (2 * self.slot_bytes + self.act_bytes + bars + 4 * MAX_ROWS * self.res_rows
                 + 4 * self.warps * MAX_ROWS + 4 * MAX_ROWS * self.D + 2 * 2 * self.D
                 + (2 * self.H if self.norm_prefetch else 0))  # fmt: skip
 
     def source(self) -> str:
         consts = dict(H=self.H, I=self.I, D=self.D, NQ=self.NQ, NKV=self.NKV, L=self.L, T=self.T, MAXM=MAX_ROWS,
                       NBLK=self.nblk, SLOT_BYTES=self.slot_bytes, ACT_BYTES=self.act_bytes, BULK=int(self.bulk),
-                      WEIGHTS=int(self.weights), MMA=int(self.mma), RES_ROWS=self.res_rows,
-                      PART_ITEMS=self.part_items, LONG=int(self.long), CHUNK=self.chunk, NCHUNK=self.max_chunks,
+                      WEIGHTS=int(self.weights), MMA=int(self.mma), WPAD=WPAD if self.mma else 0, RES_ROWS=self.res_rows,
+                      LONG=int(self.long), CHUNK=self.chunk, NCHUNK=self.max_chunks,
                       TIMELINE=int(self.timeline), LIGHTBAR=int(self.light_barrier),
                       NARRIVE=MAX_ARRIVE if self.split_barrier else 1, MAXNARRIVE=MAX_ARRIVE,
                       TWO_ROWS=int(self.two_rows), NORMPF=int(self.norm_prefetch),
@@ -301,6 +301,8 @@ def why_not(lay: Layout, max_shared: int) -> str | None:
         return f"{lay.NQ} query heads do not group over {lay.NKV} kv heads"
     if err := _threads_error(lay.threads):
         return err
+    if lay.mma and not lay.bulk:
+        return "the tensor cores' padded weight rows need the copy engine (bulk)"
     if lay.staged and not lay.bulk:
         return "staging the cached keys and values needs the copy engine (bulk)"
     if lay.warps < lay.NQ // lay.NKV:

@@ -266,12 +266,24 @@ def test_cuda_kernel_layout_fits_an_h200_with_the_code_predictor() -> None:
     lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=CACHE_LEN, nblk=132)
     assert lay.slot_bytes == 48 * 1024 * 2
     assert lay.act_bytes == 4 * 3072 * 2
-    assert lay.res_rows == 48 and lay.part_items == 0  # the gate|up share; no partial tiles without the tensor cores
+    assert lay.res_rows == 48  # the gate|up share
     # ... and the norm weights staged during the grid wait (norm_prefetch): 2 KiB, 5.6 KiB to spare.
     assert lay.shared_bytes == 2 * 98304 + 24576 + 32 + 48 * 16 + 8 * 16 + 16 * 128 + 4 * 128 + 2048 <= 232448
     assert stack_cuda.why_not(lay, 232448) is None
-    mma = stack_cuda.Layout(**{**lay.__dict__, "mma": True})  # a partial tile per warp
-    assert mma.part_items == 8 and mma.shared_bytes == lay.shared_bytes + 8 * 512 <= 232448
+    # The tensor cores: each weight row 16 bytes longer in its slot (the 48 gate|up rows), the warps' partial sums in
+    # the activations' space (8 warps x 48 rows x 4 columns of float32: within its 24 KiB), refused without bulk.
+    mma = stack_cuda.Layout(**{**lay.__dict__, "mma": True})
+    assert mma.slot_bytes == 48 * (1024 + 8) * 2 and mma.act_bytes == lay.act_bytes
+    assert mma.shared_bytes == lay.shared_bytes + 2 * 48 * 16 <= 232448 and stack_cuda.why_not(mma, 232448) is None
+    assert "bulk" in stack_cuda.why_not(stack_cuda.Layout(**{**mma.__dict__, "bulk": False}), 232448)
+    wide_mma = stack_cuda.Layout(**{**mma.__dict__, "threads": 512, "nblk": 128})  # 16 warps' partials: 12 KiB
+    assert wide_mma.act_bytes >= 4 * 16 * 48 * 4 and wide_mma.shared_bytes <= 232448
+    tiny = stack_cuda.Layout(H=24, I=48, D=16, NQ=2, NKV=1, L=2, T=CACHE_LEN, nblk=4, mma=True)
+    # where the partials outgrow the rows' activations and attention's scratch, they size the space
+    assert (
+        tiny.res_rows == 24
+        and tiny.act_bytes == 4 * 8 * 24 * 4 > stack_cuda.Layout(**{**tiny.__dict__, "mma": False}).act_bytes
+    )
     # 512 threads: sixteen warps' sums of squares and raw vectors (the short cache's scratch outgrows the rows'
     # activations: keys and values of 17 positions, two queries, their scores, a vector a warp).
     wide = stack_cuda.Layout(**{**lay.__dict__, "threads": 512})
@@ -309,8 +321,9 @@ def assert_builds_for_hopper_without_spills(lay, tmp_path) -> None:
         {"evict_first": False},
         {"threads": 512},
         {"threads": 512, "split_k": True},
+        {"threads": 512, "mma": True},
     ],
-    ids=["default", "cpasync", "mma", "tags", "noevict", "t512", "splitk"],
+    ids=["default", "cpasync", "mma", "tags", "noevict", "t512", "splitk", "t512mma"],
 )
 @pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
 def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
@@ -389,6 +402,7 @@ OPTION_CASES = {
     "longtags": {"long_tags": True},
     "t512": {"threads": 512},
     "splitk": {"split_k": True, "threads": 512},
+    "t512mma": {"threads": 512, "mma": True},
 }
 # And a long cache's: chunks of at least 128 positions; its cached keys staged, with chunks of 64 (the default), 192
 # (one a row up to 192 positions, each staged whole) and 256 (a chunk's positions past the 192 a slot holds read
@@ -399,6 +413,7 @@ LONG_OPTION_CASES = {
     "stage": {"stage": True},
     "stage192": {"stage": True, "chunk": 192},
     "stage256": {"stage": True, "chunk": 256},
+    "stagemma": {"stage": True, "mma": True},
 }
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
@@ -464,9 +479,12 @@ def test_cuda_kernel_rows_sharing_a_slot_see_each_others_keys(chunked, cuda_opti
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
-def test_cuda_kernel_gives_a_row_the_same_bits_alone_in_a_batch_and_replayed() -> None:
+@pytest.mark.parametrize("opts", ["default", "mma", "t512mma"])
+def test_cuda_kernel_gives_a_row_the_same_bits_alone_in_a_batch_and_replayed(opts, cuda_options) -> None:
     """Batch invariance (a row alone and among four: the same bits) and CUDA graph capture (a replay gives the eager
-    launch's bits), on the code predictor's shape."""
+    launch's bits), on the code predictor's shape; also with the matmuls on the tensor cores (a column's sums do not
+    depend on the other columns), at 256 and 512 threads."""
+    cuda_options(**OPTION_CASES.get(opts, {}))
     _, kern = make_cuda_stack(FULL)
     H = FULL[0]
     x = torch.randn(4, H, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
@@ -510,7 +528,7 @@ def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
     ("shape", "opts"),
     [("talker", ""), ("tiny-mtp", ""), ("split", ""), ("talker", "tags"), ("split", "tags"),
      ("talker", "noevict"), ("talker", "tags+noevict"), ("talker", "stage"), ("talker", "stage+tags"),
-     ("split", "stage")],
+     ("split", "stage"), ("talker", "stage+mma"), ("tiny-mtp", "mma"), ("talker", "mma")],
 )  # fmt: skip
 def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
     """The long-cache source (attention_long) for the 0.6B talker's shape and two small head widths (16 and 64:
@@ -533,6 +551,8 @@ LONG_CASES += [("talker", 2, "t512")]  # blocks of 512 threads (attention's posi
 LONG_CASES += [("talker", 2, "splitk")]  # 512 threads, o's and down's rows in two K slices
 LONG_CASES += [("talker", 4, "stage"), ("split", 2, "stage"), ("tiny-mtp", 3, "stage")]  # cached keys staged
 LONG_CASES += [("talker", 4, "stage192"), ("talker", 4, "stage256")]  # staged whole, and past a slot's 192
+LONG_CASES += [("talker", 4, "mma"), ("split", 2, "mma"), ("tiny-mtp", 3, "mma")]  # the tensor cores
+LONG_CASES += [("talker", 2, "stagemma")]  # the default staging with the tensor cores
 
 
 def long_positions(rows: int, step: int) -> list[int]:
@@ -615,11 +635,12 @@ def test_cuda_kernel_with_a_long_cache_rows_sharing_a_slot_see_each_others_keys(
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
-@pytest.mark.parametrize("opts", ["default", "stage192"])
+@pytest.mark.parametrize("opts", ["default", "stage192", "stagemma"])
 def test_cuda_kernel_with_a_long_cache_gives_a_row_the_same_bits_alone_in_a_batch_and_replayed(opts, cuda_options):
     """Batch invariance with chunked attention (a row alone and among four: the same bits; each row's chunks depend
     on its position only) and a graph replay giving the eager launch's bits, with the talker's layer shape; also
-    with the cached keys staged in chunks of 192 (which block stages a unit changes with the rows, its sums do not)."""
+    with the cached keys staged in chunks of 192 (which block stages a unit changes with the rows, its sums do not),
+    and staged with the matmuls on the tensor cores."""
     cuda_options(**LONG_OPTION_CASES.get(opts, {}))
     _, kern = make_cuda_stack(LONG_SHAPE)
     H = LONG_SHAPE[0]
