@@ -127,7 +127,9 @@ VARIANTS: dict[str, dict] = {
     "talker-stack-threads-512": {"talker_stack_threads": 512},  # the talker's blocks of 512 threads (the same bits)
     "no-talker-stack-stage": {"talker_stack_stage": False},  # the talker's cached keys read from the cache (not staged)
     "talker-stack-chunk-192": {"talker_stack_chunk": 192},  # its attention in chunks of 192 positions at least
-    "stack-mma": {"stack_mma": True},  # both stacks' matmuls on the tensor cores (padded slots, ldmatrix)
+    "stack-mma": {"cp_stack_mma": True, "talker_stack_mma": True},  # both stacks' matmuls on the tensor cores
+    "cp-stack-mma": {"cp_stack_mma": True},  # the code predictor's only (padded slots, ldmatrix)
+    "talker-stack-mma": {"talker_stack_mma": True},  # the talker's only
     "stack-split-k": {"stack_split_k": True},  # with stack-threads-512: o's and down's rows in two K slices
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)

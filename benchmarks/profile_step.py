@@ -152,6 +152,7 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
             stage="+stage" in variant,
             chunk=192 if "+chunk192" in variant else settings.talker_stack_chunk,
             mma="+mma" in variant,
+            long_mma="+mma" in variant,
         )
         for mode in ("phases", "persistent", "cuda"):
             if f"+stack-{mode}" in variant:

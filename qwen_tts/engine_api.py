@@ -282,12 +282,15 @@ class EngineSettings:
     # 0.6B stream 25.13x -> 25.02x (twenty-third round, call 3). So 64 (bench_gpu.py --engine-variants
     # talker-stack-chunk-192).
     talker_stack_chunk: int = 64
-    # With either stack kernel on "cuda": its matmuls on the tensor cores (stack_cuda's `mma`): 16 weight rows at a
-    # time by ldmatrix from slots whose rows are padded by 16 bytes (so the eight rows a load reads fall in eight bank
-    # groups: the fourteenth round's tensor-core path read rows 2 KiB apart, 8-way conflicts, and was slower), times
-    # the rows' activations as the product's columns, K split over the warps. Other sums than the CUDA cores' (a fixed
-    # order, batch invariant). Not measured on a device yet, so off (bench_gpu.py --engine-variants stack-mma).
-    stack_mma: bool = False
+    # With the code predictor's stack kernel on "cuda": its matmuls on the tensor cores (stack_cuda's `mma`): 16 weight
+    # rows at a time by ldmatrix from slots whose rows are padded by 16 bytes (so the eight rows a load reads fall in
+    # eight bank groups: the fourteenth round's tensor-core path read rows 2 KiB apart, 8-way conflicts, and was
+    # slower), times the rows' activations as the product's columns, K split over the warps. Other sums than the CUDA
+    # cores' (a fixed order, batch invariant). Not measured on a device yet (the twenty-fourth round got none), so
+    # off (bench_gpu.py --engine-variants cp-stack-mma, talker-stack-mma, stack-mma for both).
+    cp_stack_mma: bool = False
+    # The same for the talker's stack kernel (stack_cuda's `long_mma`).
+    talker_stack_mma: bool = False
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
     # On an H200 the graphed step at batch 1 went 5.66 -> 5.54 ms; with the sampler kernel and polyphase convs on,

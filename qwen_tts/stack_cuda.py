@@ -206,7 +206,7 @@ _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "lig
             "split_barrier": False, "two_rows": True, "lean_grid": True,
             "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK,
             "tags": False, "long_tags": False, "evict_first": True, "threads": NTHREADS, "long_threads": 0,
-            "split_k": False, "stage": False}  # fmt: skip
+            "split_k": False, "stage": False, "long_mma": False}  # fmt: skip
 _DEFAULTS = dict(_options)
 
 
@@ -224,11 +224,13 @@ def set_options(
     norm_prefetch: bool | None = None, vector_attention: bool | None = None, chunk: int | None = None,
     tags: bool | None = None, long_tags: bool | None = None,
     evict_first: bool | None = None, threads: int | None = None, long_threads: int | None = None,
-    split_k: bool | None = None, stage: bool | None = None,
+    split_k: bool | None = None, stage: bool | None = None, long_mma: bool | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
-    only (no weight copies: the matmuls read stale shared memory); mma: the matmuls on the tensor cores (else dot
-    products on the CUDA cores); timeline: profiling, each phase's steps stamped (stack_pass's `timeline`);
+    only (no weight copies: the matmuls read stale shared memory); mma: a short cache's stack's (the code
+    predictor's) matmuls on the tensor cores, 16 weight rows by ldmatrix from slots whose rows are padded by 16 bytes
+    (else dot products on the CUDA cores; other sums, batch invariant); long_mma: the same for a long cache's stack
+    (the talker's), whatever `mma` says of the others; timeline: profiling, each phase's steps stamped (stack_pass's `timeline`);
     light_barrier: the grid barrier's release by an acquire-release fence (else a sequentially consistent one);
     chunked: a short cache's attention by the long cache's code; split_barrier: the barrier's arrivals over four
     counters (else one; four measured slower); two_rows: the products two weight rows a warp at once; lean_grid: a
@@ -251,7 +253,7 @@ def set_options(
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
                  vector_attention=vector_attention, tags=tags, long_tags=long_tags,
-                 evict_first=evict_first, split_k=split_k, stage=stage)  # fmt: skip
+                 evict_first=evict_first, split_k=split_k, stage=stage, long_mma=long_mma)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)
@@ -280,8 +282,10 @@ def _threads_error(threads: int) -> str | None:
 def layout(sw, max_len: int, nblk: int) -> Layout:
     """The layout of a `stack_kernel.StackWeights` stack with a cache of max_len positions on nblk SMs."""
     opts = dict(_options)
-    long_tags, long_threads = opts.pop("long_tags"), opts.pop("long_threads")
+    long_tags, long_threads, long_mma = opts.pop("long_tags"), opts.pop("long_threads"), opts.pop("long_mma")
     lay = Layout(H=sw.H, I=sw.I, D=sw.D, NQ=sw.NQ, NKV=sw.NKV, L=sw.L, T=max_len, nblk=nblk, **opts)
+    if lay.long:  # a long cache's stack takes long_mma, not mma
+        lay = dataclasses.replace(lay, mma=long_mma)
     if lay.long and long_tags:
         lay = dataclasses.replace(lay, tags=True)
     if lay.long and long_threads:

@@ -671,7 +671,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
     wide: the talker's blocks of 512 threads too, and both stacks' o and down rows in two K slices
     (talker_stack_threads, stack_split_k). staged: the talker's cached keys and values staged in shared memory (the
     default, talker_stack_stage), else read from the cache. mma: both stacks' matmuls on the tensor cores
-    (stack_mma)."""
+    (cp_stack_mma, talker_stack_mma)."""
     from qwen_tts import stack_cuda
 
     widen = dict(talker_stack_threads=512, stack_split_k=True) if wide else {}
@@ -689,7 +689,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
         eng = NativeEngine(
             EngineSettings(model_path=str(model.path), device="cuda", max_slots=2, warmup=False, frame_step=frame_step,
                            cp_stack_kernel="cuda", talker_stack_kernel="cuda", small_m_heads=heads,
-                           stack_tags=tags, stack_mma=mma, **widen),
+                           stack_tags=tags, cp_stack_mma=mma, talker_stack_mma=mma, **widen),
             model=model,
         )  # fmt: skip
         await eng.start()
@@ -698,7 +698,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
             # the code predictor's blocks of 512 threads (the default), the talker's of 256 unless wide
             assert opts["tags"] is tags and opts["threads"] == 512 and opts["long_threads"] == (512 if wide else 256)
             assert opts["split_k"] is wide
-            assert opts["stage"] is staged and opts["chunk"] == 64 and opts["mma"] is mma
+            assert opts["stage"] is staged and opts["chunk"] == 64 and opts["mma"] is opts["long_mma"] is mma
             target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
             calls.clear()
             (alone,), _ = await run(eng, [target])
@@ -710,7 +710,8 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
             await eng.stop()  # stack_cuda's options go back to the defaults after the test (conftest)
         assert eng.model_info["talker_stack_kernel"] == "cuda" and eng.model_info["cp_stack_kernel"] == "cuda"
         assert eng.model_info["one_row_steps"] == heads
-        assert eng.model_info["stack_tags"] is tags and eng.model_info["stack_mma"] is mma
+        assert eng.model_info["stack_tags"] is tags
+        assert eng.model_info["cp_stack_mma"] is eng.model_info["talker_stack_mma"] is mma
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         blocks = eng.model_info["stack_blocks"]  # the lean grid: at most every SM
         assert set(blocks) == {"code_predictor", "talker"} and all(0 < n <= sms for n in blocks.values()), blocks

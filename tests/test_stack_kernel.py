@@ -389,7 +389,7 @@ def cuda_options():
 # A case's option (non-default) for the CUDA kernel: the name in the test's id, then the stack_cuda option.
 OPTION_CASES = {
     "cpasync": {"bulk": False},
-    "mma": {"mma": True},
+    "mma": {"mma": True, "long_mma": True},
     "chunked": {"chunked": True},
     "heavybar": {"light_barrier": False},
     "splitbar": {"split_barrier": True},
@@ -402,7 +402,7 @@ OPTION_CASES = {
     "longtags": {"long_tags": True},
     "t512": {"threads": 512},
     "splitk": {"split_k": True, "threads": 512},
-    "t512mma": {"threads": 512, "mma": True},
+    "t512mma": {"threads": 512, "mma": True, "long_mma": True},
 }
 # And a long cache's: chunks of at least 128 positions; its cached keys staged, with chunks of 64 (the default), 192
 # (one a row up to 192 positions, each staged whole) and 256 (a chunk's positions past the 192 a slot holds read
@@ -413,7 +413,7 @@ LONG_OPTION_CASES = {
     "stage": {"stage": True},
     "stage192": {"stage": True, "chunk": 192},
     "stage256": {"stage": True, "chunk": 256},
-    "stagemma": {"stage": True, "mma": True},
+    "stagemma": {"stage": True, "mma": True, "long_mma": True},
 }
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
@@ -537,7 +537,7 @@ def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape,
     from qwen_tts import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B if shape == "talker" else SHAPES[shape]
-    extra = {k: v for o in opts.split("+") if o for k, v in LONG_OPTION_CASES[o].items()}
+    extra = {k: v for o in opts.split("+") if o for k, v in LONG_OPTION_CASES[o].items() if k != "long_mma"}
     lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=132, **extra)
     assert_builds_for_hopper_without_spills(lay, tmp_path)
 
@@ -826,6 +826,25 @@ def test_the_long_tags_option_tags_only_a_long_caches_layout(cuda_options) -> No
     assert stack_cuda.layout(cp, 16, 128).tags and stack_cuda.layout(talker, 3088, 128).tags
     cuda_options(tags=False)
     assert not stack_cuda.layout(talker, 3088, 128).tags
+
+
+def test_the_mma_options_take_the_tensor_cores_for_one_kind_of_stack_each(cuda_options) -> None:
+    """mma: the code predictor's stack (a short cache) on the tensor cores, with its slots' padded rows; long_mma: the
+    talker's (a long cache); each leaves the other kind of stack on the CUDA cores."""
+    from qwen_tts import stack_cuda
+
+    H, inter, L, nq, nkv, D = TALKER_06B
+    talker = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=1, nblk=1)
+    cp = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=5, T=1, nblk=1)
+    assert not stack_cuda.layout(cp, 16, 128).mma and not stack_cuda.layout(talker, 3088, 128).mma  # the defaults
+    cuda_options(mma=True)
+    assert stack_cuda.layout(cp, 16, 128).mma and not stack_cuda.layout(talker, 3088, 128).mma
+    src = stack_cuda.layout(cp, 16, 128).source()
+    assert "constexpr int MMA = 1;" in src and "constexpr int WPAD = 8;" in src
+    assert stack_cuda.layout(cp, 16, 128).slot_bytes == 48 * (1024 + 8) * 2  # the gate|up share's padded rows
+    cuda_options(mma=False, long_mma=True)
+    assert not stack_cuda.layout(cp, 16, 128).mma and stack_cuda.layout(talker, 3088, 128).mma
+    assert "constexpr int WPAD = 0;" in stack_cuda.layout(cp, 16, 128).source()
 
 
 def test_the_long_threads_option_sizes_only_a_long_caches_blocks(cuda_options) -> None:

@@ -208,7 +208,9 @@ class NativeEngine(Engine):
         self._model_info["one_row_steps"] = one_row_steps(self._talker)
         self._model_info["stack_blocks"] = stack_blocks(self._talker, self.config, self.device)
         self._model_info["stack_tags"] = bool(self._model_info["stack_blocks"]) and self.config.stack_tags
-        self._model_info["stack_mma"] = bool(self._model_info["stack_blocks"]) and self.config.stack_mma
+        blocks = self._model_info["stack_blocks"]
+        self._model_info["cp_stack_mma"] = "code_predictor" in blocks and self.config.cp_stack_mma
+        self._model_info["talker_stack_mma"] = "talker" in blocks and self.config.talker_stack_mma
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)
         self._model_info["fused_decoder"] = any(getattr(m, "fast", None) for m in self._code2wav.modules())
@@ -825,7 +827,8 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
         split_k=config.stack_split_k,
         stage=config.talker_stack_stage,
         chunk=config.talker_stack_chunk,
-        mma=config.stack_mma,
+        mma=config.cp_stack_mma,
+        long_mma=config.talker_stack_mma,
     )
     stack_kernel.enable(talker.code_predictor.model, config.cp_stack_kernel)
     if config.cp_stack_kernel != "off":
