@@ -188,8 +188,8 @@ def main() -> None:
         stack_kernel.set_options(**default_options)
         parts = mode.split("+")[1:]
         stack_cuda.set_options(**default_cuda)
-        stack_cuda.set_options(bulk="cpasync" not in parts, weights="noweights" not in parts, mma="mma" in parts, long_mma="mma" in parts,
-                               light_barrier="heavybar" not in parts, chunked="chunked" in parts,
+        stack_cuda.set_options(bulk="cpasync" not in parts, weights="noweights" not in parts, mma="mma" in parts,
+                               long_mma="mma" in parts, light_barrier="heavybar" not in parts, chunked="chunked" in parts,
                                split_barrier="splitbar" in parts, two_rows="onerow" not in parts,
                                lean_grid="fullgrid" not in parts, norm_prefetch="nonormpf" not in parts,
                                vector_attention="scalaratt" not in parts, tags="tags" in parts,

@@ -168,7 +168,7 @@ class Layout:
     @property
     def shared_bytes(self) -> int:
         """Two weight slots, the activations, the rows' norms and the slots' mbarriers (32 bytes; 48 with the staged
-        keys' mbarrier and its pad), the partial tiles, a phase's sums, the norms' sums of squares by warp, the rows'
+        keys' mbarrier and its pad), a phase's sums, the norms' sums of squares by warp, the rows'
         RoPE tables, a layer's q/k norm weights, a norm's weights (norm_prefetch)."""
         bars = 48 if self.staged else 32
         return (2 * self.slot_bytes + self.act_bytes + bars + 4 * MAX_ROWS * self.res_rows
