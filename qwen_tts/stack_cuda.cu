@@ -248,9 +248,14 @@ __device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes
     }
 }
 
-// MMA: `rows` weight rows of K from global (row stride K) into the slot at a row stride of K + WPAD, a bulk copy a
-// row, spread over warp 0's lanes (each lane first orders the slot's earlier reads before its copies' writes).
-__device__ __forceinline__ void copy_rows(bf16* dst, const bf16* src, int rows, int K, u64* bar) {
+// `rows` weight rows of K from global (row stride K) into a slot: one contiguous range (copy_async); MMA: at a row
+// stride of K + WPAD, a bulk copy a row spread over warp 0's lanes (each lane first orders the slot's earlier reads
+// before its copies' writes).
+__device__ __forceinline__ void copy_share(bf16* dst, const bf16* src, int rows, int K, u64* bar) {
+    if (!MMA) {
+        copy_async(dst, src, rows * K * 2, bar);
+        return;
+    }
     if (!WEIGHTS || rows <= 0 || threadIdx.x >= 32) return;
     if (threadIdx.x < rows) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     for (int r = threadIdx.x; r < rows; r += 32) bulk_copy(dst + r * (K + WPAD), src + (u64)r * K, K * 2, bar);
@@ -274,40 +279,22 @@ __device__ __noinline__ void issue(int f, void* dst, u64* bar, const bf16* wqkv,
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's last reads before the copy's writes
         mbar_expect(bar, WEIGHTS ? share_bytes(f) : 0);
     }
-    if (MMA) {  // padded rows (WPAD): a copy a row; the bytes are the share's all the same
-        __syncwarp();
-        bf16* d = (bf16*)dst;
-        if (kind == 0) {
-            const int r0 = lo(NQKV * D, b), r1 = lo(NQKV * D, b + 1);
-            copy_rows(d, wqkv + (u64)layer * NQKV * D * H + (u64)r0 * H, r1 - r0, H, bar);
-        } else if (kind == 1) {
-            const int r0 = lo(H, b), r1 = lo(H, b + 1);
-            copy_rows(d, wo + (u64)layer * H * QD + (u64)r0 * QD, r1 - r0, QD, bar);
-        } else if (kind == 2) {
-            const int j0 = lo(I, b), j1 = lo(I, b + 1);
-            const bf16* w = wgu + (u64)layer * 2 * I * H;
-            copy_rows(d, w + (u64)j0 * H, j1 - j0, H, bar);  // gate rows
-            copy_rows(d + (j1 - j0) * (H + WPAD), w + (u64)(I + j0) * H, j1 - j0, H, bar);  // then their up rows
-        } else {
-            const int r0 = lo(H, b), r1 = lo(H, b + 1);
-            copy_rows(d, wd + (u64)layer * H * I + (u64)r0 * I, r1 - r0, I, bar);
-        }
-        return;
-    }
+    if (MMA) __syncwarp();  // thread 0's expectation before warp 0's copies
+    bf16* d = (bf16*)dst;
     if (kind == 0) {
         const int r0 = lo(NQKV * D, b), r1 = lo(NQKV * D, b + 1);
-        copy_async(dst, wqkv + (u64)layer * NQKV * D * H + (u64)r0 * H, (r1 - r0) * H * 2, bar);
+        copy_share(d, wqkv + (u64)layer * NQKV * D * H + (u64)r0 * H, r1 - r0, H, bar);
     } else if (kind == 1) {
         const int r0 = lo(H, b), r1 = lo(H, b + 1);
-        copy_async(dst, wo + (u64)layer * H * QD + (u64)r0 * QD, (r1 - r0) * QD * 2, bar);
+        copy_share(d, wo + (u64)layer * H * QD + (u64)r0 * QD, r1 - r0, QD, bar);
     } else if (kind == 2) {
         const int j0 = lo(I, b), j1 = lo(I, b + 1);
         const bf16* w = wgu + (u64)layer * 2 * I * H;
-        copy_async(dst, w + (u64)j0 * H, (j1 - j0) * H * 2, bar);  // gate rows
-        copy_async((bf16*)dst + (j1 - j0) * H, w + (u64)(I + j0) * H, (j1 - j0) * H * 2, bar);  // then their up rows
+        copy_share(d, w + (u64)j0 * H, j1 - j0, H, bar);  // gate rows
+        copy_share(d + (j1 - j0) * (H + WPAD), w + (u64)(I + j0) * H, j1 - j0, H, bar);  // then their up rows
     } else {
         const int r0 = lo(H, b), r1 = lo(H, b + 1);
-        copy_async(dst, wd + (u64)layer * H * I + (u64)r0 * I, (r1 - r0) * I * 2, bar);
+        copy_share(d, wd + (u64)layer * H * I + (u64)r0 * I, r1 - r0, I, bar);
     }
 }
 
