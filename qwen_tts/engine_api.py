@@ -288,12 +288,12 @@ class EngineSettings:
     # slower), times the rows' activations as the product's columns, K split over the warps. Other sums than the CUDA
     # cores' (a fixed order, batch invariant). Measured on an H100 (twenty-fifth round, bench_stack.py, 512 threads):
     # a pass 113.2 -> 120.1 us at one row, 125.5 -> 120.6 at two; one 1.7B stream (two rows) 18.05x -> 17.81x real
-    # time. The per-row bulk copies the padding needs cost what the tensor cores save. So off (bench_gpu.py
-    # --engine-variants cp-stack-mma, talker-stack-mma, stack-mma for both).
+    # time. Most likely the per-row bulk copies the padding needs cost what the tensor cores save (not yet timed
+    # phase by phase). So off (bench_gpu.py --engine-variants cp-stack-mma, talker-stack-mma, stack-mma for both).
     cp_stack_mma: bool = False
     # The same for the talker's stack kernel (stack_cuda's `long_mma`). Measured on an H100: the 0.6B talker's pass
-    # 733.6 -> 715.9 us at position 100, one row; one 0.6B stream unchanged (24.61-24.80x against 24.48-24.75x, in
-    # either order). Off.
+    # 733.6 -> 715.9 us at position 100, one row; one 0.6B stream unchanged (five requests each: median 24.73x,
+    # 24.26-24.82, against 24.66x, 24.48-24.75; the variants' order moved it more). Off.
     talker_stack_mma: bool = False
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
