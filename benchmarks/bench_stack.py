@@ -133,7 +133,8 @@ def main() -> None:
                     "weight row a warp, not two), +fullgrid (every SM, not only those that keep each block's largest "
                     "share), +nonormpf (the norms' weights "
                     "from L2, not staged in shared memory during the wait), +scalaratt (the short cache's keys by "
-                    "2-byte loads), +chunkN (a long cache's chunks of at least N positions), +noevict (the weight copies "
+                    "2-byte loads), +chunkN (a long cache's chunks of at least N positions), +splitN (past the chunk, chunks of at "
+                    "least N positions), +noevict (the weight copies "
                     "without the L2 evict-first policy), +tags (no grid barriers: tagged activations, polled), +tN (blocks of "
                     "N threads), +splitk (with +t512: o's and "
                     "down's rows in two K slices), +stage (a long cache's cached keys and values copied into the free "
@@ -200,6 +201,9 @@ def main() -> None:
                 stack_cuda.set_options(threads=int(p[1:]))
             if p.startswith("chunk") and p[5:].isdigit():  # chunk128: a long cache's chunks of 128 positions at least
                 stack_cuda.set_options(chunk=int(p[5:]))
+        for p in parts:  # after the chunk (split may not exceed it)
+            if p.startswith("split") and p[5:].isdigit():  # split32: past the chunk, chunks of 32 positions at least
+                stack_cuda.set_options(split=int(p[5:]))
         stack_kernel.set_options(prefetch="prefetch" in parts, preload="preload" in parts)
         if "unsplit" in parts:
             stack_kernel.set_options(residual_split=1, residual_block_n=16)

@@ -282,6 +282,12 @@ class EngineSettings:
     # 0.6B stream 25.13x -> 25.02x (twenty-third round, call 3). So 64 (bench_gpu.py --engine-variants
     # talker-stack-chunk-192).
     talker_stack_chunk: int = 64
+    # With the talker's stack kernel on "cuda": past talker_stack_chunk positions, the fewest positions a chunk takes
+    # (stack_cuda's `split`: 0, as talker_stack_chunk; else a multiple of 32 up to it). A row's positions up to the
+    # chunk stay one chunk (no combine); past it they spread over more, shorter chunks (at 32: 3 chunks at 65-96
+    # positions, 4 from 97, against 2 and 2-3 at 64). Other sums than 0's (a fixed order, batch invariant). Off by
+    # default (bench_gpu.py --engine-variants talker-stack-split-32; docs/benchmarks.md, twenty-sixth round).
+    talker_stack_split: int = 0
     # With the code predictor's stack kernel on "cuda": its matmuls on the tensor cores (stack_cuda's `mma`): 16 weight
     # rows at a time by ldmatrix from slots whose rows are padded by 16 bytes (so the eight rows a load reads fall in
     # eight bank groups: the fourteenth round's tensor-core path read rows 2 KiB apart, 8-way conflicts, and was
@@ -421,6 +427,16 @@ class EngineSettings:
             raise EngineSettingsError(
                 "talker_stack_chunk",
                 f"talker_stack_chunk must be a multiple of 32 positions, not {self.talker_stack_chunk!r}",
+            )
+        if (
+            self.talker_stack_split < 0
+            or self.talker_stack_split % 32
+            or self.talker_stack_split > self.talker_stack_chunk
+        ):
+            raise EngineSettingsError(
+                "talker_stack_split",
+                f"talker_stack_split must be 0 or a multiple of 32 positions up to talker_stack_chunk "
+                f"({self.talker_stack_chunk}), not {self.talker_stack_split!r}",
             )
         for name in ("cp_stack_threads", "talker_stack_threads"):
             if getattr(self, name) not in (256, 512):

@@ -27,7 +27,7 @@
 // activation word tagged with the phase that wrote it and polled by its readers, in a workspace of the stack's own
 // that only the kernel writes). NBLK may be fewer than the SMs
 // (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the talker's), so attention is split over
-// chunks of at least CHUNK positions, at most NCHUNK a (row, kv head), whose partial softmax sums the last
+// one chunk up to CHUNK positions, past it chunks of at least SPLIT, at most NCHUNK a (row, kv head), whose partial softmax sums the last
 // chunk to finish combines (`attention_long`); else one unit per (row, kv head) holds the whole cache in shared
 // memory (`attention`). STAGE (a long cache): at the start of each attention phase, before its grid wait, a block's
 // unit has the copy engine bring its chunk's cached keys and values (up to STAGE_POS positions) into the weight slot
@@ -773,10 +773,10 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
     }
 }
 
-// The chunks of a (row, kv head) whose cache holds len positions: one per CHUNK positions, at most NCHUNK (the SMs
-// over MAXM rows of NKV heads: one unit a block at any row count); a function of the row's position alone, so a
-// row's sums do not depend on the other rows.
-__device__ __forceinline__ int chunks(int len) { return min(NCHUNK, (len + CHUNK - 1) / CHUNK); }
+// The chunks of a (row, kv head) whose cache holds len positions: one up to CHUNK positions; past it one per SPLIT
+// positions (SPLIT == CHUNK: one per CHUNK), at most NCHUNK (the SMs over MAXM rows of NKV heads: one unit a block at
+// any row count); a function of the row's position alone, so a row's sums do not depend on the other rows.
+__device__ __forceinline__ int chunks(int len) { return len <= CHUNK ? 1 : min(NCHUNK, (len + SPLIT - 1) / SPLIT); }
 
 // Eight bf16 from a 16-byte load, times eight floats (summed in order).
 __device__ __forceinline__ float dot8f(uint4 k, const float* q) {

@@ -80,6 +80,7 @@ class Layout:
     norm_prefetch: bool = True  # a norm's weights into shared memory while the grid waits (else read from L2 after)
     vector_attention: bool = True  # a short cache's cached keys and values by 16-byte loads in one round
     chunk: int = CHUNK  # attention_long: positions a chunk at least
+    split: int = 0  # attention_long past `chunk` positions: chunks of at least this many (0: `chunk`)
     tags: bool = False  # a pass without grid barriers: the activations as tagged words, polled (`workspace`)
     evict_first: bool = True  # the weight copies marked first to leave L2, so caches and activations stay there
     threads: int = NTHREADS  # a block's threads (a multiple of 32, at most 1024): more warps share a phase's rows
@@ -179,7 +180,7 @@ class Layout:
         consts = dict(H=self.H, I=self.I, D=self.D, NQ=self.NQ, NKV=self.NKV, L=self.L, T=self.T, MAXM=MAX_ROWS,
                       NBLK=self.nblk, SLOT_BYTES=self.slot_bytes, ACT_BYTES=self.act_bytes, BULK=int(self.bulk),
                       WEIGHTS=int(self.weights), MMA=int(self.mma), WPAD=WPAD if self.mma else 0, RES_ROWS=self.res_rows,
-                      LONG=int(self.long), CHUNK=self.chunk, NCHUNK=self.max_chunks,
+                      LONG=int(self.long), CHUNK=self.chunk, SPLIT=self.split or self.chunk, NCHUNK=self.max_chunks,
                       TIMELINE=int(self.timeline), LIGHTBAR=int(self.light_barrier),
                       NARRIVE=MAX_ARRIVE if self.split_barrier else 1, MAXNARRIVE=MAX_ARRIVE,
                       TWO_ROWS=int(self.two_rows), NORMPF=int(self.norm_prefetch),
@@ -204,7 +205,7 @@ def _align16(n: int) -> int:
 # The kernel's choices, process-wide (`set_options`; CUDA graphs keep the kernel they were captured with).
 _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "light_barrier": True, "chunked": False,
             "split_barrier": False, "two_rows": True, "lean_grid": True,
-            "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK,
+            "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK, "split": 0,
             "tags": False, "long_tags": False, "evict_first": True, "threads": NTHREADS, "long_threads": 0,
             "split_k": False, "stage": False, "long_mma": False}  # fmt: skip
 _DEFAULTS = dict(_options)
@@ -222,7 +223,7 @@ def set_options(
     light_barrier: bool | None = None, chunked: bool | None = None, split_barrier: bool | None = None,
     two_rows: bool | None = None, lean_grid: bool | None = None,
     norm_prefetch: bool | None = None, vector_attention: bool | None = None, chunk: int | None = None,
-    tags: bool | None = None, long_tags: bool | None = None,
+    split: int | None = None, tags: bool | None = None, long_tags: bool | None = None,
     evict_first: bool | None = None, threads: int | None = None, long_threads: int | None = None,
     split_k: bool | None = None, stage: bool | None = None, long_mma: bool | None = None,
 ) -> dict:  # fmt: skip
@@ -237,7 +238,9 @@ def set_options(
     block on only as many SMs as keep each block's largest share of every phase (`lean_blocks`), the others left to
     kernels on other streams (Code2Wav's); norm_prefetch: each norm's weights copied into shared memory during the
     grid wait before it; vector_attention: a short cache's cached keys and values by 16-byte loads, all in one
-    round; chunk: a long cache's chunks take at least this many positions (a multiple of 32); tags: a pass with no grid barrier, each activation word carrying its phase's tag and
+    round; chunk: a long cache's chunks take at least this many positions (a multiple of 32), and a row's positions
+    up to it are one chunk; split: past `chunk` positions, chunks of at least this many (a multiple of 32 up to
+    `chunk`; 0: `chunk`), so a row just past `chunk` gets more, shorter chunks (other sums, batch invariant); tags: a pass with no grid barrier, each activation word carrying its phase's tag and
     polled by the blocks that read it (the same bits; on an H200 faster at one row, slower at four: off); long_tags:
     tags for a long cache's stack only (the talker's), whatever `tags` says of the others; evict_first: the weight
     copies with an L2 evict-first policy, so the caches' keys and values and the activations are not pushed out of
@@ -265,10 +268,15 @@ def set_options(
         if long_threads and (err := _threads_error(long_threads)):
             raise ValueError(err)
         _options["long_threads"] = int(long_threads)
-    if chunk is not None:
-        if chunk < 32 or chunk % 32:
-            raise ValueError(f"chunk must be a multiple of 32 positions, not {chunk}")
-        _options["chunk"] = int(chunk)
+    if chunk is not None and (chunk < 32 or chunk % 32):
+        raise ValueError(f"chunk must be a multiple of 32 positions, not {chunk}")
+    if split is not None and (split < 0 or split % 32):
+        raise ValueError(f"split must be 0 or a multiple of 32 positions, not {split}")
+    new_chunk = _options["chunk"] if chunk is None else int(chunk)
+    new_split = _options["split"] if split is None else int(split)
+    if new_split > new_chunk:
+        raise ValueError(f"split ({new_split}) must not exceed chunk ({new_chunk})")
+    _options["chunk"], _options["split"] = new_chunk, new_split
     return dict(_options)
 
 

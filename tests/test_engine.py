@@ -226,6 +226,16 @@ def test_engine_settings_name_the_field_and_its_choices():
     assert (s.cp_stack_threads, s.talker_stack_threads) == (512, 256)
     assert (s.talker_stack_stage, s.talker_stack_chunk) == (True, 64)
     assert EngineSettings(talker_stack_chunk=192).talker_stack_chunk == 192
+    assert s.talker_stack_split == 0 and EngineSettings(talker_stack_split=32).talker_stack_split == 32
+    for bad, chunk in ((16, 64), (-32, 64), (128, 64), (64, 32)):
+        with pytest.raises(
+            EngineSettingsError,
+            match=rf"^talker_stack_split must be 0 or a multiple of 32 positions up to talker_stack_chunk \({chunk}\), "
+            rf"not {bad}$",
+        ) as e:
+            EngineSettings(talker_stack_split=bad, talker_stack_chunk=chunk)
+        assert e.value.setting == "talker_stack_split"
+    assert EngineSettings(talker_stack_chunk=192, talker_stack_split=128).talker_stack_split == 128
     assert EngineSettings(talker_stack_threads=512).talker_stack_threads == 512
     with pytest.raises(EngineSettingsError, match="decoder_polyphase_dilation must be >= 0, not -1") as e:
         EngineSettings(decoder_polyphase_dilation=-1)

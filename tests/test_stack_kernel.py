@@ -414,6 +414,9 @@ LONG_OPTION_CASES = {
     "stage192": {"stage": True, "chunk": 192},
     "stage256": {"stage": True, "chunk": 256},
     "stagemma": {"stage": True, "mma": True, "long_mma": True},
+    "split32": {"split": 32},
+    "split64": {"split": 64},
+    "chunk128split64": {"chunk": 128, "split": 64},
 }
 CUDA_CASES = [
     (shape, rows, "default") for shape in ("full", "split", "group4", "tiny", "tiny-mtp") for rows in (1, 2, 4)
@@ -528,7 +531,7 @@ def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
     ("shape", "opts"),
     [("talker", ""), ("tiny-mtp", ""), ("split", ""), ("talker", "tags"), ("split", "tags"),
      ("talker", "noevict"), ("talker", "tags+noevict"), ("talker", "stage"), ("talker", "stage+tags"),
-     ("split", "stage"), ("talker", "stage+mma"), ("tiny-mtp", "mma"), ("talker", "mma")],
+     ("split", "stage"), ("talker", "stage+mma"), ("tiny-mtp", "mma"), ("talker", "mma"), ("talker", "stage+split32")],
 )  # fmt: skip
 def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
     """The long-cache source (attention_long) for the 0.6B talker's shape and two small head widths (16 and 64:
@@ -553,6 +556,8 @@ LONG_CASES += [("talker", 4, "stage"), ("split", 2, "stage"), ("tiny-mtp", 3, "s
 LONG_CASES += [("talker", 4, "stage192"), ("talker", 4, "stage256")]  # staged whole, and past a slot's 192
 LONG_CASES += [("talker", 4, "mma"), ("split", 2, "mma"), ("tiny-mtp", 3, "mma")]  # the tensor cores
 LONG_CASES += [("talker", 2, "stagemma")]  # the default staging with the tensor cores
+# Past the chunk, shorter chunks: split32 gives 1, 4, 4 and 4 chunks at those positions; chunk128split64 1, 1, 3, 4.
+LONG_CASES += [("talker", 4, "split32"), ("split", 2, "split32"), ("talker", 4, "chunk128split64")]
 
 
 def long_positions(rows: int, step: int) -> list[int]:
@@ -635,7 +640,7 @@ def test_cuda_kernel_with_a_long_cache_rows_sharing_a_slot_see_each_others_keys(
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
-@pytest.mark.parametrize("opts", ["default", "stage192", "stagemma"])
+@pytest.mark.parametrize("opts", ["default", "stage192", "stagemma", "split32"])
 def test_cuda_kernel_with_a_long_cache_gives_a_row_the_same_bits_alone_in_a_batch_and_replayed(opts, cuda_options):
     """Batch invariance with chunked attention (a row alone and among four: the same bits; each row's chunks depend
     on its position only) and a graph replay giving the eager launch's bits, with the talker's layer shape; also
@@ -750,7 +755,7 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
 
 
 # The same for a long cache (the talker's attention in chunks).
-LONG_SAME_BITS = ["tags", "longtags", "noevict", "t512", "stage"]
+LONG_SAME_BITS = ["tags", "longtags", "noevict", "t512", "stage", "split64"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -762,7 +767,7 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
     which the cache does not hold yet). tags: no grid barriers; longtags: the same for a long cache only;
     noevict: the weight copies without the L2 evict-first policy; t512: blocks of 512 threads (attention's positions
     still over 8 warps); stage: the cached keys and values staged in shared memory (never the one the second row
-    reads from the pass)."""
+    reads from the pass); split64: past the chunk of 64, chunks of 64 (the default's rule by the other expression)."""
     _, kern = make_cuda_stack(LONG_SHAPE)
     H = LONG_SHAPE[0]
     slot_list = [5, 0, 3, 3]
@@ -937,6 +942,37 @@ def test_the_cuda_kernels_chunk_option_takes_multiples_of_32_positions(cuda_opti
         with pytest.raises(ValueError, match="multiple of 32"):
             cuda_options(chunk=bad)
     assert cuda_options()["chunk"] == 128
+
+
+def test_the_cuda_kernels_split_option_takes_multiples_of_32_up_to_the_chunk(cuda_options) -> None:
+    """Past the chunk, a long cache's chunks take at least `split` positions: 0 (as the chunk: the source's SPLIT is
+    the chunk) or a multiple of 32 up to the chunk; a larger one, or one not a multiple of 32, is refused with the
+    reason and leaves the options as they were."""
+    from qwen_tts import stack_cuda
+
+    H, inter, L, nq, nkv, D = TALKER_06B
+
+    def source() -> str:
+        return stack_cuda.layout(
+            stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=1), 3088, 132
+        ).source()
+
+    assert cuda_options()["split"] == 0 and "constexpr int SPLIT = 64;" in source()
+    assert cuda_options(split=32)["split"] == 32
+    assert "constexpr int CHUNK = 64;" in source() and "constexpr int SPLIT = 32;" in source()
+    for bad in (48, -32):
+        with pytest.raises(ValueError, match="multiple of 32"):
+            cuda_options(split=bad)
+    with pytest.raises(ValueError, match=r"split \(128\) must not exceed chunk \(64\)"):
+        cuda_options(split=128)
+    opts = cuda_options(chunk=192, split=128)
+    assert (opts["chunk"], opts["split"]) == (192, 128)
+    with pytest.raises(ValueError, match=r"split \(128\) must not exceed chunk \(64\)"):
+        cuda_options(chunk=64)  # the split already set would exceed it
+    with pytest.raises(ValueError, match=r"split \(64\) must not exceed chunk \(32\)"):
+        cuda_options(chunk=32, split=64)
+    opts = cuda_options()
+    assert (opts["chunk"], opts["split"]) == (192, 128)  # refused: nothing changed
 
 
 def test_the_tags_option_takes_a_short_cache_and_a_workspace_of_the_stacks_own() -> None:

@@ -827,6 +827,7 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
         split_k=config.stack_split_k,
         stage=config.talker_stack_stage,
         chunk=config.talker_stack_chunk,
+        split=config.talker_stack_split,
         mma=config.cp_stack_mma,
         long_mma=config.talker_stack_mma,
     )
