@@ -58,7 +58,7 @@ import torch
 
 # --- The engine's public pieces: the one place to update when the package moves. -------------------------------
 from qwen_tts.engine_api import SAMPLE_RATE, EngineSettings, QueueFullError, SynthesisRequest
-from qwen_tts.engines import create_engine
+from qwen_tts.engines import create_engine, release_device_memory
 from qwen_tts.random_checkpoint import write_random_checkpoint
 from qwen_tts.voices import VoiceProfile, save_profile
 from tts_server.heap import freeze_startup_heap, thaw_and_collect
@@ -1346,8 +1346,7 @@ def merge(paths: list[str]) -> dict:
 
 def free_memory() -> None:
     thaw_and_collect()  # an engine's frozen reference cycles (which may hold device memory) go too
-    if cuda():
-        torch.cuda.empty_cache()
+    release_device_memory()  # and the cuBLAS workspaces of its streams, as a server's engine restart does
 
 
 def machine() -> dict:

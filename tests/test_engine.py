@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import numpy as np
@@ -559,6 +560,51 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
         with torch.inference_mode():
             whole = model.code2wav(c.T[None].cuda())[0].cpu().numpy() if len(c) else np.zeros(0, np.float32)
         np.testing.assert_allclose(a_g, whole, rtol=0, atol=1e-4)
+
+
+def cublas_workspace_bytes() -> int:
+    """What cuBLAS keeps for a stream it had not run on: the device memory one small matmul there leaves allocated
+    once its product is freed (the stream's workspace)."""
+    a = torch.ones(64, 64, device="cuda")
+    before = torch.cuda.memory_allocated()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        out = a @ a
+    torch.cuda.synchronize()
+    del out
+    return torch.cuda.memory_allocated() - before
+
+
+@needs_cuda
+async def test_a_stopped_engine_leaves_a_cublas_workspace_per_stream_not_per_graph(tiny_model):
+    """cuBLAS keeps a workspace for each stream a matmul ran on, for the life of the process. The runners used to
+    warm each graph up on a new stream, leaving a workspace per graph (0.82 GiB of the 0.6B engine's 3.08 GiB on an
+    H100). Now the frame steps, the prefill and Code2Wav each warm up and capture on one stream of their own: once an
+    engine with many graphs is stopped and collected, at most a workspace for each stream it ran on is left (those
+    three, the steps', the decoder's, the loading thread's; by thread), and release_device_memory hands them back."""
+    from qwen_tts.engines import release_device_memory
+
+    release_device_memory()
+    ws = cublas_workspace_bytes()
+    if ws < 2**20:
+        pytest.skip(f"this torch keeps no per-stream cuBLAS workspace ({ws} bytes)")
+    release_device_memory()
+    base = torch.cuda.memory_allocated()
+    model = load_model(tiny_model.path, device="cuda")
+    eng = NativeEngine(EngineSettings(model_path=str(model.path), device="cuda", max_slots=8), model=model)
+    await eng.start()
+    try:
+        await run(eng, [req(model, TEXTS[1], seed=5, max_frames=20)])
+    finally:
+        await eng.stop()
+    graphs = eng._runner.num_graphs + eng._prefiller.num_graphs + eng._decoder.decoder.num_graphs
+    del eng, model
+    gc.collect()
+    left = torch.cuda.memory_allocated() - base
+    assert graphs >= 16  # each on a new stream, these left at least 16 workspaces
+    assert left <= 8 * ws + 2**20, (left / ws, graphs)
+    release_device_memory()
+    assert torch.cuda.memory_allocated() - base < 2**20
 
 
 @needs_cuda

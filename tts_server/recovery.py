@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from qwen_tts.engine_api import Engine
+from qwen_tts.engines import release_device_memory
 
 from .heap import freeze_startup_heap, thaw_and_collect
 from .runtime import Runtime, StartupError, start_engine
@@ -108,8 +109,7 @@ class EngineSupervisor:
                 await old.stop(0.0)
             del old
             thaw_and_collect()  # the old engine's reference cycles (which may hold device memory) are freed now
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            release_device_memory()  # and what the CUDA libraries kept for its streams
             engine = rt.engine_factory()
             if self.on_engine is not None:
                 self.on_engine(engine)

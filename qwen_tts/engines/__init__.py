@@ -37,4 +37,21 @@ def create_engine(settings: EngineSettings) -> Engine:
     )
 
 
-__all__ = ["AVAILABLE_BACKENDS", "BACKENDS", "create_engine"]
+def release_device_memory() -> None:
+    """Between two engines of one process (the first stopped and collected, the next not built yet): hand back the
+    device memory the CUDA libraries keep per stream and the allocator's cached blocks. cuBLAS keeps a workspace for
+    every stream a matmul ran on for the life of the process (32 MiB each on Hopper), and a new engine runs on
+    streams of its own, so each replaced engine used to leave its workspaces behind. Never while an engine is alive:
+    its CUDA graphs use the workspaces they were captured with. A no-op where CUDA was never used."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # not public API: used where this torch has it
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+
+
+__all__ = ["AVAILABLE_BACKENDS", "BACKENDS", "create_engine", "release_device_memory"]

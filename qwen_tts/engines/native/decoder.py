@@ -32,7 +32,7 @@ from torch import Tensor
 
 from qwen_tts.codec_decoder import Code2Wav, Code2WavStream
 
-from .frame_step import batch_buckets, bucket
+from .frame_step import batch_buckets, bucket, capture_stream
 
 log = logging.getLogger("qwen_tts.decoder")
 
@@ -78,6 +78,7 @@ class SlotDecoder:
         self._tensors = _state_tensors(self.state)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
+        self._side = capture_stream(self.device) if mode == "graphs" else None
 
     def padded_len(self, t: int) -> int:
         """The chunk length a chunk of t frames is decoded at."""
@@ -127,14 +128,14 @@ class SlotDecoder:
             "fresh": torch.ones(B, dtype=torch.bool, device=dev),
             "codes": torch.zeros(B, self.num_quantizers, T, dtype=torch.long, device=dev),
         }
-        side = torch.cuda.Stream(dev)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm up (cuDNN plans, lazy init); touches the scratch row only
             for _ in range(2):
                 self._chunk(buf["idx"], buf["fresh"], buf["codes"])
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
             buf["wav"] = self._chunk(buf["idx"], buf["fresh"], buf["codes"])
         self._graphs[(B, T)] = (graph, buf)
         return graph, buf

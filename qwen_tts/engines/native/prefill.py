@@ -25,7 +25,7 @@ from torch import Tensor
 from qwen_tts.layers import KVCache
 from qwen_tts.talker import Talker
 
-from .frame_step import batch_buckets, bucket, kv_buckets
+from .frame_step import batch_buckets, bucket, capture_stream, kv_buckets
 
 log = logging.getLogger("qwen_tts.prefill")
 
@@ -61,6 +61,7 @@ class PrefillRunner:
         self.device, self.dtype, self.hidden = w.device, w.dtype, w.shape[1]
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
+        self._side = capture_stream(self.device) if mode == "graphs" else None
 
     def shape(self, n: int, longest: int) -> tuple[int, int]:
         """The (batch, length) a group of n prompts whose longest has `longest` tokens runs at."""
@@ -116,7 +117,7 @@ class PrefillRunner:
             "slots": torch.full((B,), self.scratch, dtype=torch.long, device=dev),
             "last": torch.zeros(B, dtype=torch.long, device=dev),
         }
-        side = torch.cuda.Stream(dev)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(dev))
         try:
             with torch.cuda.stream(side):  # warm up (library plans, lazy init): writes the scratch slot only
@@ -124,7 +125,7 @@ class PrefillRunner:
                     self._forward(buf["embeds"], buf["slots"], buf["last"])
             torch.cuda.current_stream(dev).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
                 buf["out"] = self._forward(buf["embeds"], buf["slots"], buf["last"])
         except RuntimeError as e:  # prefill eagerly rather than not at all
             log.warning("prefill graph (%d, %d) not captured; uncaptured buckets run eagerly: %s", B, T, e)
