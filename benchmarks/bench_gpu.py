@@ -129,6 +129,7 @@ VARIANTS: dict[str, dict] = {
     "talker-stack-chunk-192": {"talker_stack_chunk": 192},  # its attention in chunks of 192 positions at least
     "talker-stack-chunk-32": {"talker_stack_chunk": 32},  # and of 32 at least (up to four chunks a kv head)
     "talker-stack-split-32": {"talker_stack_split": 32},  # one chunk up to 64 positions, past it chunks of 32 at least
+    "talker-stack-split-0": {"talker_stack_split": 0},  # past 64 positions, chunks of 64 (before the default)
     "stack-mma": {"cp_stack_mma": True, "talker_stack_mma": True},  # both stacks' matmuls on the tensor cores
     "cp-stack-mma": {"cp_stack_mma": True},  # the code predictor's only (padded slots, ldmatrix)
     "talker-stack-mma": {"talker_stack_mma": True},  # the talker's only

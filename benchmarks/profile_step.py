@@ -151,6 +151,7 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
             long_threads=settings.talker_stack_threads,
             stage="+stage" in variant,
             chunk=192 if "+chunk192" in variant else settings.talker_stack_chunk,
+            split=settings.talker_stack_split,
             mma="+mma" in variant,
             long_mma="+mma" in variant,
         )

@@ -285,9 +285,11 @@ class EngineSettings:
     # With the talker's stack kernel on "cuda": past talker_stack_chunk positions, the fewest positions a chunk takes
     # (stack_cuda's `split`: 0, as talker_stack_chunk; else a multiple of 32 up to it). A row's positions up to the
     # chunk stay one chunk (no combine); past it they spread over more, shorter chunks (at 32: 3 chunks at 65-96
-    # positions, 4 from 97, against 2 and 2-3 at 64). Other sums than 0's (a fixed order, batch invariant). Off by
-    # default (bench_gpu.py --engine-variants talker-stack-split-32; docs/benchmarks.md, twenty-sixth round).
-    talker_stack_split: int = 0
+    # positions, 4 from 97, against 2 and 2-3 at 64). Other sums than 0's (a fixed order, batch invariant). On an
+    # H100 (twenty-sixth round, docs/benchmarks.md), one 0.6B stream with 32 against 0, two calls, A/B/B/A and
+    # B/A/A/B, median of three requests each: 24.75 / 24.91 against 24.54 / 24.68, and 24.67 / 24.78 against
+    # 24.55 / 24.65 (+0.5-0.9% in each pair). So 32 (bench_gpu.py --engine-variants talker-stack-split-0 for 0).
+    talker_stack_split: int = 32
     # With the code predictor's stack kernel on "cuda": its matmuls on the tensor cores (stack_cuda's `mma`): 16 weight
     # rows at a time by ldmatrix from slots whose rows are padded by 16 bytes (so the eight rows a load reads fall in
     # eight bank groups: the fourteenth round's tensor-core path read rows 2 KiB apart, 8-way conflicts, and was

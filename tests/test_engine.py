@@ -227,7 +227,7 @@ def test_engine_settings_name_the_field_and_its_choices():
     assert (s.cp_stack_threads, s.talker_stack_threads) == (512, 256)
     assert (s.talker_stack_stage, s.talker_stack_chunk) == (True, 64)
     assert EngineSettings(talker_stack_chunk=192).talker_stack_chunk == 192
-    assert s.talker_stack_split == 0 and EngineSettings(talker_stack_split=32).talker_stack_split == 32
+    assert s.talker_stack_split == 32 and EngineSettings(talker_stack_split=0).talker_stack_split == 0
     for bad, chunk in ((16, 64), (-32, 64), (128, 64), (64, 32)):
         with pytest.raises(
             EngineSettingsError,
@@ -727,7 +727,8 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
     wide: the talker's blocks of 512 threads too, and both stacks' o and down rows in two K slices
     (talker_stack_threads, stack_split_k). staged: the talker's cached keys and values staged in shared memory (the
     default, talker_stack_stage), else read from the cache. mma: both stacks' matmuls on the tensor cores
-    (cp_stack_mma, talker_stack_mma)."""
+    (cp_stack_mma, talker_stack_mma). The request runs past 64 positions, where the default talker_stack_split of 32
+    spreads its attention over three chunks, then four."""
     from qwen_tts import stack_cuda
 
     widen = dict(talker_stack_threads=512, stack_split_k=True) if wide else {}
@@ -755,12 +756,18 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
             assert opts["tags"] is tags and opts["threads"] == 512 and opts["long_threads"] == (512 if wide else 256)
             assert opts["split_k"] is wide
             assert opts["stage"] is staged and opts["chunk"] == 64 and opts["mma"] is opts["long_mma"] is mma
-            target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
+            assert opts["split"] == 32
+            # 64 frames at least: the talker's positions pass 64, where its attention goes from one chunk to three
+            target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=72, min_frames=64)
             calls.clear()
             (alone,), _ = await run(eng, [target])
             alone_rows = {n for sw, n in calls if sw is model.talker.model.stack_weights}
             (pair, _), _ = await run(
-                eng, [req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20), req(model, TEXTS[2], seed=9)]
+                eng,
+                [
+                    req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=72, min_frames=64),
+                    req(model, TEXTS[2], seed=9),
+                ],
             )
         finally:
             await eng.stop()  # stack_cuda's options go back to the defaults after the test (conftest)
