@@ -275,20 +275,23 @@ class EngineSettings:
     # (bench_gpu.py --engine-variants no-talker-stack-stage for off). Staging the code predictor's cache too was
     # slower (113.1 -> 114.1 us a pass; one 0.6B stream 24.76x -> 24.40x, call 2) and was removed.
     talker_stack_stage: bool = True
-    # With the talker's stack kernel on "cuda": the fewest positions a chunk of its attention takes (stack_cuda's
-    # `chunk`, a multiple of 32). 64: a row's positions over up to four chunks, combined by the last to finish; 192
-    # with talker_stack_stage: one chunk, staged whole, up to 192 positions (other sums: a fixed order, batch
-    # invariant). On an H100 the talker's pass at position 100 709.2 -> 695.8 us, but at 300 755.8 -> 774.3, and one
-    # 0.6B stream 25.13x -> 25.02x (twenty-third round, call 3). So 64 (bench_gpu.py --engine-variants
-    # talker-stack-chunk-192).
+    # With the talker's stack kernel on "cuda": a row's positions up to this many are one chunk of its attention
+    # (stack_cuda's `chunk`, a multiple of 32); past it, chunks of at least talker_stack_split positions, at most
+    # four, combined by the last to finish (other sums than one chunk's: a fixed order, batch invariant). Measured
+    # with the split equal to the chunk, on H100s: 192 with talker_stack_stage (one chunk, staged whole, up to 192
+    # positions) took the talker's pass at position 100 709.2 -> 695.8 us but at 300 755.8 -> 774.3, one 0.6B stream
+    # 25.13x -> 25.02x (twenty-third round, call 3); 32 took it 742.8 -> 691.4 us at position 100 and 660.4 -> 686.7
+    # at 40 (two chunks where 64 has one), one 0.6B stream within the spread (twenty-sixth round, call 1). So 64
+    # (bench_gpu.py --engine-variants talker-stack-chunk-192, talker-stack-chunk-32; both keep the split's 32).
     talker_stack_chunk: int = 64
     # With the talker's stack kernel on "cuda": past talker_stack_chunk positions, the fewest positions a chunk takes
     # (stack_cuda's `split`: 0, as talker_stack_chunk; else a multiple of 32 up to it). A row's positions up to the
     # chunk stay one chunk (no combine); past it they spread over more, shorter chunks (at 32: 3 chunks at 65-96
     # positions, 4 from 97, against 2 and 2-3 at 64). Other sums than 0's (a fixed order, batch invariant). On an
-    # H100 (twenty-sixth round, docs/benchmarks.md), one 0.6B stream with 32 against 0, two calls, A/B/B/A and
-    # B/A/A/B, median of three requests each: 24.75 / 24.91 against 24.54 / 24.68, and 24.67 / 24.78 against
-    # 24.55 / 24.65 (+0.5-0.9% in each pair). So 32 (bench_gpu.py --engine-variants talker-stack-split-0 for 0).
+    # H100 (twenty-sixth round, docs/benchmarks.md), one 0.6B stream with 32 against 0, median of three requests
+    # each: 24.75 / 24.91 against 24.54 / 24.68 (call 3, in the order 0, 32, 32, 0), 24.67 / 24.78 against
+    # 24.55 / 24.65 (call 5, 32, 0, 0, 32), 25.40 against 25.30 (call 6): +0.4-0.9% in each pair. So 32
+    # (bench_gpu.py --engine-variants talker-stack-split-0 for 0).
     talker_stack_split: int = 32
     # With the code predictor's stack kernel on "cuda": its matmuls on the tensor cores (stack_cuda's `mma`): 16 weight
     # rows at a time by ldmatrix from slots whose rows are padded by 16 bytes (so the eight rows a load reads fall in

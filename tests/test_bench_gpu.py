@@ -524,3 +524,17 @@ def test_profile_lines_show_a_variants_profile_and_its_streams() -> None:
         "stream 13 0.50 (40 kernels)"
     )
     assert len(lines) == 3
+
+
+def test_engine_memory_builds_and_frees_engines_one_after_another(capsys):
+    """benchmarks/engine_memory.py on the CPU: two tiny engines, each started, run and stopped; each engine object is
+    collected once stopped (nothing keeps it), and the memory fields are null off CUDA."""
+    spec = importlib.util.spec_from_file_location("engine_memory", ROOT / "benchmarks" / "engine_memory.py")
+    mem = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mem)
+    records = mem.main(["--size", "tiny", "--device", "cpu", "--engines", "2", "--frames", "6"])
+    assert [r["engine"] for r in records] == [0, 1]
+    assert all(r["collected"] for r in records)
+    assert all(r["started_gib"] is None and r["left_gib"] is None for r in records)
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[-1]["all_collected"] is True and lines[-1]["size"] == "tiny" and len(lines) == 3
