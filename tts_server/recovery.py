@@ -17,11 +17,13 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from qwen_tts.engine_api import Engine
+from qwen_tts.engine_api import Engine, EngineNotReadyError, RequestHandle, SynthesisRequest
 from qwen_tts.engines import release_device_memory
 
 from .heap import freeze_startup_heap, thaw_and_collect
@@ -32,6 +34,57 @@ logger = logging.getLogger("tts_server")
 EXIT_ENGINE_FAILED = 3
 _POLL_S = 0.05
 _WINDOW_S = 3600.0
+
+
+class EngineStandIn(Engine):
+    """Holds an engine's place while it is replaced: its facts (x-vector width, languages, rate, device, model
+    info), never ready, refusing work as a stopped engine does, and no reference to it, so the old engine and its
+    device memory are freed before the next one loads (a restart after running out of memory needs that room)."""
+
+    def __init__(self, old: Engine, reason: str = "the engine is restarting") -> None:
+        self._xvector_dim = old.xvector_dim
+        self._languages = list(old.languages)
+        self._sample_rate = old.sample_rate
+        self._device = old.device
+        self._model_info = dict(old.model_info)
+        self._reason = reason
+        self.fault: BaseException | None = None
+
+    async def start(self) -> None:
+        raise RuntimeError("a stand-in engine does not start")
+
+    async def stop(self, drain_timeout: float = 0.0) -> None:
+        return None
+
+    def submit(self, request: SynthesisRequest) -> RequestHandle:
+        raise EngineNotReadyError(self._reason)
+
+    def cancel(self, handle: RequestHandle) -> None:
+        return None  # its requests were failed with the engine it stands in for
+
+    @property
+    def ready(self) -> bool:
+        return False
+
+    @property
+    def xvector_dim(self) -> int:
+        return self._xvector_dim
+
+    @property
+    def languages(self) -> list[str]:
+        return list(self._languages)
+
+    @property
+    def sample_rate(self) -> int:
+        return self._sample_rate
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def model_info(self) -> dict[str, Any]:
+        return dict(self._model_info)
 
 
 def needs_new_process(fault: BaseException | None) -> bool:
@@ -107,9 +160,16 @@ class EngineSupervisor:
             old = rt.engine
             with contextlib.suppress(Exception):
                 await old.stop(0.0)
+            rt.engine = EngineStandIn(old)  # the routes still answer (not ready, 503) without holding the old engine
+            gone = weakref.ref(old)
             del old
             thaw_and_collect()  # the old engine's reference cycles (which may hold device memory) are freed now
-            release_device_memory()  # and what the CUDA libraries kept for its streams
+            if gone() is None:
+                release_device_memory()  # and what the CUDA libraries kept for its streams
+            else:  # a thread of it may still launch work on those streams: leave their workspaces alone
+                logger.warning("the old engine was not freed (a thread still running?): its device memory stays")
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
             engine = rt.engine_factory()
             if self.on_engine is not None:
                 self.on_engine(engine)
