@@ -479,6 +479,7 @@ def test_an_engine_fault_fails_in_flight_requests_in_shape_then_the_engine_resta
     assert srv.proc.poll() is None
     log = srv.log()
     assert f"injecting fault '{kind}'" in log and "engine restarted" in log
+    assert "the old engine was not freed" not in log  # freed before the next one loaded (its memory with it)
 
 
 def test_a_sticky_cuda_error_exits_non_zero_for_the_supervisor(tmp_path: Path) -> None:

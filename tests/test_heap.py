@@ -66,6 +66,20 @@ def test_a_frozen_cycle_outlives_collections_until_thawed(thawed) -> None:
     assert ref() is None
 
 
+def fault_raised_in(engine: object) -> Exception:
+    """An exception raised in a frame that holds `engine` (as the engine loop's own error is): its traceback keeps
+    the engine alive for as long as something keeps the exception."""
+
+    def loop(self: object) -> None:
+        raise MemoryError("out of memory in the loop")
+
+    try:
+        loop(engine)
+    except MemoryError as e:
+        return e
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture
 def voices(tmp_path: Path) -> Path:
     root = tmp_path / "voices"
@@ -83,6 +97,7 @@ async def test_an_engine_restart_frees_the_old_engine_even_in_a_cycle_and_freeze
     try:
         old = rt.engine
         old.me = old  # type: ignore[attr-defined]  # engines hold cycles (threads, callbacks, modules)
+        old.fault = fault_raised_in(old)  # type: ignore[attr-defined]  # as a dead engine's loop leaves it
         ref = weakref.ref(old)
         freeze_startup_heap()  # as the server does before it serves
         await old.stop()  # the engine dies: not ready any more (the runtime alone holds it now)

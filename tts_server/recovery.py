@@ -146,6 +146,7 @@ class EngineSupervisor:
         logger.error("engine failed (%s); in-flight requests were failed", reason)
         if needs_new_process(fault):
             return self._fatal(f"{reason}; the CUDA context is unusable, a new process is needed")
+        del fault  # its traceback's frames hold the old engine: it must be freed before the next one loads
         if rt.engine_factory is None:
             return self._fatal(f"{reason}; this engine cannot be rebuilt in process")
         now = time.monotonic()
