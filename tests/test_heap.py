@@ -91,7 +91,7 @@ async def test_an_engine_restart_frees_the_old_engine_even_in_a_cycle_and_freeze
     voices: Path, thawed, monkeypatch
 ) -> None:
     released = []
-    monkeypatch.setattr(recovery, "release_device_memory", lambda: released.append(True))
+    monkeypatch.setattr(recovery, "release_device_memory", lambda device: released.append(device))
     rt = await Runtime.start(clean_settings(profiles_dir=voices), engine=FakeEngine(xvector_dim=DIM))
     supervisor = EngineSupervisor(rt, lambda reason: None, restart_delay=0.0, max_restarts=3)
     try:
@@ -113,7 +113,7 @@ async def test_an_engine_restart_frees_the_old_engine_even_in_a_cycle_and_freeze
         # Freed before the next engine was built (its device memory is needed for that), not left frozen
         assert freed_before_next == [True] and ref() is None
         assert not walked(rt.engine)  # the new engine is out of full collections again
-        assert released == [True]  # and then the CUDA libraries' per-stream memory handed back
+        assert released == [rt.engine.device]  # then the CUDA libraries' per-stream memory of its device handed back
     finally:
         await supervisor.stop()
         await rt.stop()
@@ -125,7 +125,7 @@ async def test_a_restart_leaves_the_device_memory_of_an_old_engine_that_was_not_
     """An old engine something still holds (a thread of it that did not stop, say) may still launch work on its
     streams: the restart goes on, but the CUDA libraries' per-stream workspaces are not handed back."""
     released = []
-    monkeypatch.setattr(recovery, "release_device_memory", lambda: released.append(True))
+    monkeypatch.setattr(recovery, "release_device_memory", lambda device: released.append(device))
     rt = await Runtime.start(clean_settings(profiles_dir=voices), engine=FakeEngine(xvector_dim=DIM))
     supervisor = EngineSupervisor(rt, lambda reason: None, restart_delay=0.0, max_restarts=3)
     try:

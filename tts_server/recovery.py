@@ -166,7 +166,7 @@ class EngineSupervisor:
             del old
             thaw_and_collect()  # the old engine's reference cycles (which may hold device memory) are freed now
             if gone() is None:
-                release_device_memory()  # and what the CUDA libraries kept for its streams
+                release_device_memory(rt.engine.device)  # and what the CUDA libraries kept for its streams
             else:  # a thread of it may still launch work on those streams: leave their workspaces alone
                 logger.warning("the old engine was not freed (a thread still running?): its device memory stays")
                 if torch.cuda.is_available():

@@ -6,6 +6,8 @@ Each backend is a package or module here (native/, vllm_omni/, fake.py) that imp
 
 from __future__ import annotations
 
+import torch
+
 from qwen_tts.engine_api import Engine, EngineSettings, EngineSettingsError
 
 # Names a setting may give; `create_engine` says which of them this build lacks.
@@ -37,17 +39,17 @@ def create_engine(settings: EngineSettings) -> Engine:
     )
 
 
-def release_device_memory() -> None:
+def release_device_memory(device: torch.device | str | None = None) -> None:
     """Between two engines of one process (the first stopped and collected, the next not built yet): hand back the
     device memory the CUDA libraries keep per stream and the allocator's cached blocks. cuBLAS keeps a workspace for
     every stream a matmul ran on for the life of the process (32 MiB each on Hopper), and a new engine runs on
     streams of its own, so each replaced engine used to leave its workspaces behind. Never while an engine is alive:
-    its CUDA graphs use the workspaces they were captured with. A no-op where CUDA was never used."""
-    import torch
-
+    its CUDA graphs use the workspaces they were captured with. `device`: the engine's (its work finishes first; a
+    CPU device, or None, waits for the current CUDA device). A no-op where CUDA was never used."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return
-    torch.cuda.synchronize()
+    device = torch.device(device) if device is not None else None
+    torch.cuda.synchronize(device if device is not None and device.type == "cuda" else None)
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # not public API: used where this torch has it
     if clear is not None:
         clear()
