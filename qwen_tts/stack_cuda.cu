@@ -27,11 +27,11 @@
 // activation word tagged with the phase that wrote it and polled by its readers, in a workspace of the stack's own
 // that only the kernel writes). NBLK may be fewer than the SMs
 // (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the talker's), so attention is split over
-// one chunk up to CHUNK positions, past it chunks of at least SPLIT, at most NCHUNK a (row, kv head), whose partial softmax sums the last
-// chunk to finish combines (`attention_long`); else one unit per (row, kv head) holds the whole cache in shared
-// memory (`attention`). STAGE (a long cache): at the start of each attention phase, before its grid wait, a block's
-// unit has the copy engine bring its chunk's cached keys and values (up to STAGE_POS positions) into the weight slot
-// that phase leaves free, so they are read from shared memory instead of waiting on L2 or HBM.
+// one chunk up to CHUNK positions, past it chunks of at least SPLIT, at most NCHUNK a (row, kv head), whose partial
+// softmax sums the last chunk to finish combines (`attention_long`); else one unit per (row, kv head) holds the
+// whole cache in shared memory (`attention`). STAGE (a long cache): at the start of each attention phase, before its
+// grid wait, a block's unit has the copy engine bring its chunk's cached keys and values (up to STAGE_POS positions)
+// into the weight slot that phase leaves free, so they are read from shared memory instead of waiting on L2 or HBM.
 // No headers: bf16 is handled as its bits (round to nearest even, as torch rounds), so NVRTC needs no include path.
 
 typedef unsigned short bf16;

@@ -240,8 +240,9 @@ def set_options(
     grid wait before it; vector_attention: a short cache's cached keys and values by 16-byte loads, all in one
     round; chunk: a long cache's chunks take at least this many positions (a multiple of 32), and a row's positions
     up to it are one chunk; split: past `chunk` positions, chunks of at least this many (a multiple of 32 up to
-    `chunk`; 0: `chunk`), so a row just past `chunk` gets more, shorter chunks (other sums, batch invariant); tags: a pass with no grid barrier, each activation word carrying its phase's tag and
-    polled by the blocks that read it (the same bits; on an H200 faster at one row, slower at four: off); long_tags:
+    `chunk`; 0: `chunk`), so a row just past `chunk` gets more, shorter chunks (other sums, batch invariant);
+    tags: a pass with no grid barrier, each activation word carrying its phase's tag and polled by the blocks that
+    read it (the same bits; on an H200 faster at one row, slower at four: off); long_tags:
     tags for a long cache's stack only (the talker's), whatever `tags` says of the others; evict_first: the weight
     copies with an L2 evict-first policy, so the caches' keys and values and the activations are not pushed out of
     L2 by the weight stream (the same bits; on an H200 one stream 4% faster for the 0.6B, 2% for the 1.7B: on);
