@@ -79,6 +79,7 @@ VARIANTS: dict[str, dict] = {
     "inline-decode": {"decode_thread": False, "decode_graphs": False},  # Code2Wav eager, in the engine loop
     "eager-decode": {"decode_graphs": False},  # on its own thread, without CUDA graphs
     "decode-thread-off": {"decode_thread": False},  # graphed, in the engine loop
+    "decode-pageable": {"decode_pinned_io": False},  # graphed Code2Wav's copies pageable (before the default)
     "default-stream": {"step_stream_priority": False},  # frame steps on the default stream, not a high-priority one
     "eager-snake": {"fused_decoder": False},  # Code2Wav's SnakeBeta as five eager passes
     "cudnn-benchmark": {"decoder_cudnn_benchmark": True},  # cuDNN picks Code2Wav's convolution algorithms by timing

@@ -314,6 +314,38 @@ def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, polyph
         torch.backends.cudnn.allow_tf32 = True
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_decode_through_pinned_buffers_equals_pageable_copies_and_keeps_each_chunk_on_cuda(c2w):
+    """The pinned host buffers serve every call: each chunk returned must be its own tensor (the next call refills
+    the buffers), and the audio is the pageable path's bit for bit."""
+    import copy
+
+    model = copy.deepcopy(c2w).to("cuda")
+    out = {}
+    for pinned in (True, False):
+        dec = SlotDecoder(model, max_slots=5, chunk_lens=[3, 5], mode="graphs")
+        dec.set_pinned_io(pinned)
+        assert (dec._host is not None) == pinned
+        with torch.inference_mode():
+            dec.capture_all()
+            done, chunks = {}, []
+            for call in SCHEDULE:
+                T = max(dec.padded_len(t) for _, _, t in call)
+                batch = random_codes(c2w.cfg, len(call), T, seed=len(done))
+                fresh = [name not in done for name, _, _ in call]
+                wav = dec.decode([slot for _, slot, _ in call], fresh, batch)
+                assert wav.device.type == "cpu" and wav.dtype == torch.float32
+                assert wav.shape == (len(call), T * dec.upsample)
+                chunks.append((wav, wav.clone()))
+                for name, _, t in call:
+                    done[name] = done.get(name, 0) + t
+        for wav, copy_then in chunks:  # no later call wrote into an earlier chunk
+            assert torch.equal(wav, copy_then)
+        out[pinned] = [w for w, _ in chunks]
+    assert all(torch.equal(a, b) for a, b in zip(out[True], out[False], strict=True))
+    assert any(w.abs().max() > 0 for w in out[True])
+
+
 # ------------------------------------------------------------------------------------------------- prefill
 def test_padded_prefill_equals_exact_prefill(tiny_model):
     from qwen_tts.engines.native.prefill import PrefillRunner, len_buckets

@@ -79,6 +79,25 @@ class SlotDecoder:
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
         self._side = capture_stream(self.device) if mode == "graphs" else None
+        # Pinned host buffers of the largest bucket for the graphs' inputs and audio (views of them serve smaller
+        # buckets). None: pageable copies (set_pinned_io(False), A/B runs).
+        self._host: dict[str, Tensor] | None = None
+        if mode == "graphs":
+            self.set_pinned_io(True)
+
+    def set_pinned_io(self, on: bool) -> None:
+        """Whether graph replays move their inputs and audio through pinned host buffers (the default)."""
+        if not on or self.mode != "graphs":
+            self._host = None
+            return
+        B, T = self.batch_buckets[-1], max(self.chunk_lens)
+        pin = dict(pin_memory=True)
+        self._host = {
+            "idx": torch.zeros(B, dtype=torch.long, **pin),
+            "fresh": torch.zeros(B, dtype=torch.bool, **pin),
+            "codes": torch.zeros(B * self.num_quantizers * T, dtype=torch.long, **pin),
+            "wav": torch.zeros(B * T * self.upsample, dtype=torch.float32, **pin),
+        }
 
     def padded_len(self, t: int) -> int:
         """The chunk length a chunk of t frames is decoded at."""
@@ -115,6 +134,32 @@ class SlotDecoder:
             wav = self._chunk(idx.to(self.device), fr.to(self.device), codes.to(self.device))
             return wav[:n].float().cpu()
         graph, buf = self._graphs.get((B, T)) or self._capture(B, T)
+        if self._host is None:
+            return self._replay_pageable(graph, buf, idx, fr, codes, n)
+        h = self._host
+        h["idx"][:B].copy_(idx)
+        h["fresh"][:B].copy_(fr)
+        h_codes = h["codes"][: codes.numel()].view(codes.shape)
+        h_codes.copy_(codes)
+        # Pinned, so each upload is an async copy (a pageable one syncs the stream first) and the host buffers are
+        # free again once `done` has passed, which this call waits for.
+        buf["idx"].copy_(h["idx"][:B], non_blocking=True)
+        buf["fresh"].copy_(h["fresh"][:B], non_blocking=True)
+        buf["codes"].copy_(h_codes, non_blocking=True)
+        graph.replay()
+        wav = buf["wav"][:n]
+        wav = wav if wav.dtype == torch.float32 else wav.float()
+        out = h["wav"][: wav.numel()].view(wav.shape)
+        out.copy_(wav, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        # Waiting on an event lets the engine thread run meanwhile; a blocking copy to pageable memory held it up
+        # for as long as the chunk took on the GPU (docs/benchmarks.md, twenty-seventh round).
+        done.synchronize()
+        return out.clone()  # the pinned buffer is the next call's
+
+    def _replay_pageable(self, graph, buf: dict[str, Tensor], idx: Tensor, fr: Tensor, codes: Tensor, n: int) -> Tensor:
+        """The replay with pageable copies (decode's path before pinned buffers; A/B runs)."""
         buf["idx"].copy_(idx)
         buf["fresh"].copy_(fr)
         buf["codes"].copy_(codes)
