@@ -68,7 +68,7 @@ def parts(engine, n: int, repeats: int) -> dict[str, float]:
         slots = torch.arange(n, device=engine.device)
         out["talker_ms"], _ = timed(engine, lambda: engine._talker(embeds, pos, engine._cache, slots, T), repeats)
         req = SynthesisRequest(text=TEXT, xvector=xs[0], seed=1)
-        out["slots_ms"], _ = timed(engine, lambda: [engine._set_slot_params(i, req) for i in range(n)], repeats)
+        out["slots_ms"], _ = timed(engine, lambda: engine._set_slot_params(slots, [req] * n), repeats)
         out["tokens"] = T
     return out
 

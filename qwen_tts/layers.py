@@ -17,6 +17,18 @@ from qwen_tts import fused
 from qwen_tts.config import DecoderLayersConfig
 
 
+def upload(values: list | Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Host values (a list or a CPU tensor) as a `dtype` tensor on `device`, without a host sync on CUDA.
+
+    A pageable upload waits for the stream to drain first (the copy is synchronous), which stalls the host behind
+    whatever the GPU has queued (a frame step launched ahead) and leaves the GPU idle after it. From pinned memory
+    the copy is queued on the current stream like a kernel; torch keeps the pinned block until the copy is done."""
+    t = values if isinstance(values, Tensor) else torch.tensor(values)
+    if torch.device(device).type != "cuda" or t.device.type != "cpu":
+        return t.to(device=device, dtype=dtype)
+    return t.to(dtype).pin_memory().to(device, non_blocking=True)
+
+
 class KVCache:
     """Static K/V storage: `k`, `v` of shape (num_layers, slots, kv_heads, max_len, head_dim).
 

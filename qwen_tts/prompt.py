@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from qwen_tts.config import ModelConfig
+from qwen_tts.layers import upload
 from qwen_tts.talker import Talker
 
 
@@ -67,7 +68,7 @@ def build_prompt(
     dev = w.device
 
     def ids(values: list[int]) -> Tensor:
-        return torch.tensor(values, dtype=torch.long, device=dev)
+        return upload(values, torch.long, dev)
 
     if xvector.shape != (tc.hidden_size,):
         raise ValueError(f"x-vector must have shape ({tc.hidden_size},), got {tuple(xvector.shape)}")
@@ -79,7 +80,7 @@ def build_prompt(
     codec = torch.cat(
         (
             talker.embed_codec(ids(prefix)),
-            xvector.to(device=dev, dtype=w.dtype)[None],
+            upload(xvector, w.dtype, dev)[None],
             talker.embed_codec(ids([tc.codec_pad_id, tc.codec_bos_id])),
         )
     )  # (n, H)

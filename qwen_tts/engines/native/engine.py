@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 from torch.profiler import record_function
 
 from qwen_tts import fused, sample_kernel, small_m_gemm, snake_kernel, stack_cuda, stack_kernel
@@ -52,6 +53,7 @@ from qwen_tts.engine_api import (
     SynthesisRequest,
     chunk_schedule,
 )
+from qwen_tts.layers import upload
 from qwen_tts.loading import Qwen3TTS, load_model, resolve_device, resolve_dtype
 from qwen_tts.model_paths import DEMO, ModelPathError, resolve_model_path
 from qwen_tts.prompt import Prompt, build_prompt, normalize_language
@@ -466,7 +468,7 @@ class NativeEngine(Engine):
 
     def _build_prompt(self, lv: RequestState) -> Prompt:
         req = lv.request
-        x = req.xvector.to(self.device, self.dtype)
+        x = upload(req.xvector, self.dtype, self.device)
         return build_prompt(
             self._cfg, self._talker, lv.text_ids, self._role_ids, x, lv.language, req.non_streaming_text
         )
@@ -479,10 +481,10 @@ class NativeEngine(Engine):
                 lens = [lv.prompt.prefill.shape[0] for lv in group]
                 with record_function("prefill.talker"), self._capture_guard:
                     last = self._prefiller.run([lv.prompt.prefill for lv in group], [lv.slot for lv in group])
-                self._state.h[torch.tensor([lv.slot for lv in group], device=self.device)] = last
+                slots = upload([lv.slot for lv in group], torch.long, self.device)
+                self._state.h[slots] = last
                 with record_function("prefill.slots"):
-                    for lv in group:
-                        self._set_slot_params(lv.slot, lv.request)
+                    self._set_slot_params(slots, [lv.request for lv in group])
         except Exception as e:
             if len(group) > 1:  # find the culprit: prefill each request on its own
                 for lv in group:
@@ -498,19 +500,25 @@ class NativeEngine(Engine):
         log.error("request %s failed in prefill: %r", lv.handle.request_id, e)
         self._finish(lv, FinishReason.ERROR, f"prefill failed: {type(e).__name__}")
 
-    def _set_slot_params(self, slot: int, req: SynthesisRequest) -> None:
+    def _set_slot_params(self, slots: Tensor, reqs: list[SynthesisRequest]) -> None:
+        """Each request's sampling settings into its slot (`slots` on the device, one per request): one upload per
+        setting for the whole group, none of them a host sync (a scalar written into a CUDA tensor is one)."""
         st = self._state
-        st.seen[slot] = False
-        st.temp[slot] = max(req.temperature, 1e-5)
-        st.top_k[slot] = req.top_k
-        st.top_p[slot] = req.top_p
-        st.rep[slot] = req.repetition_penalty
-        st.greedy[slot] = req.greedy
-        st.cp_temp[slot] = max(req.cp_temperature, 1e-5)
-        st.cp_top_k[slot] = req.cp_top_k
-        st.cp_top_p[slot] = req.cp_top_p
-        st.cp_greedy[slot] = req.greedy
-        st.seed[slot] = req.seed & ((1 << 62) - 1)
+        st.seen.index_fill_(0, slots, False)
+        values = (
+            (st.temp, [max(r.temperature, 1e-5) for r in reqs]),
+            (st.top_k, [r.top_k for r in reqs]),
+            (st.top_p, [r.top_p for r in reqs]),
+            (st.rep, [r.repetition_penalty for r in reqs]),
+            (st.greedy, [r.greedy for r in reqs]),
+            (st.cp_temp, [max(r.cp_temperature, 1e-5) for r in reqs]),
+            (st.cp_top_k, [r.cp_top_k for r in reqs]),
+            (st.cp_top_p, [r.cp_top_p for r in reqs]),
+            (st.cp_greedy, [r.greedy for r in reqs]),
+            (st.seed, [r.seed & ((1 << 62) - 1) for r in reqs]),
+        )
+        for t, v in values:
+            t.index_copy_(0, slots, upload(v, t.dtype, t.device))
 
     @property
     def _overlap(self) -> bool:

@@ -22,7 +22,7 @@ import time
 import torch
 from torch import Tensor
 
-from qwen_tts.layers import KVCache
+from qwen_tts.layers import KVCache, upload
 from qwen_tts.talker import Talker
 
 from .frame_step import batch_buckets, bucket, capture_stream, kv_buckets
@@ -100,15 +100,15 @@ class PrefillRunner:
             embeds = torch.zeros(B, T, self.hidden, device=self.device, dtype=self.dtype)
         for i, p in enumerate(prompts):
             embeds[i, : lens[i]] = p
-        slot_t = torch.tensor(slots + [self.scratch] * (B - n))
-        last_t = torch.tensor([n_ - 1 for n_ in lens] + [0] * (B - n))
+        slot_t = upload(slots + [self.scratch] * (B - n), torch.long, self.device)
+        last_t = upload([n_ - 1 for n_ in lens] + [0] * (B - n), torch.long, self.device)
         if key in self._graphs:
             graph, buf = self._graphs[key]
             buf["slots"].copy_(slot_t)
             buf["last"].copy_(last_t)
             graph.replay()
             return buf["out"][:n].clone()
-        return self._forward(embeds, slot_t.to(self.device), last_t.to(self.device))[:n]
+        return self._forward(embeds, slot_t, last_t)[:n]
 
     def _capture(self, B: int, T: int) -> None:
         dev = self.device
