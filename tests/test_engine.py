@@ -810,6 +810,80 @@ async def test_batched_prefill_matches_prefill_alone(tiny_model, monkeypatch):
         assert torch.equal(a, codes_of(h))
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_upload_gives_the_values_in_the_dtype_on_the_device(device):
+    from qwen_tts.layers import upload
+
+    ids = upload([3, 1, 2], torch.long, torch.device(device))
+    assert ids.device.type == device and ids.dtype == torch.long and ids.tolist() == [3, 1, 2]
+    x = torch.randn(7, generator=torch.Generator().manual_seed(0))
+    y = upload(x, torch.bfloat16, torch.device(device))
+    assert y.dtype == torch.bfloat16 and torch.equal(y.cpu(), x.to(torch.bfloat16))
+    assert torch.equal(upload(y, torch.float32, torch.device(device)).cpu(), x.to(torch.bfloat16).float())
+    flags = upload([True, False], torch.bool, torch.device(device))
+    assert flags.tolist() == [True, False]
+
+
+async def test_a_prefill_group_gives_each_slot_its_own_request_settings(tiny_model, monkeypatch):
+    """Sampling settings are written for a whole admission group at once: each slot must get its own request's, and
+    the slots the requests ran in alone before are reset (`seen` too: the first request's repetition penalty), so
+    each request's codes in the group equal its codes alone."""
+    settings = [
+        dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.3, cp_temperature=1.1, cp_top_k=5),
+        dict(greedy=True),
+        dict(temperature=1.2, top_k=0, top_p=0.95, repetition_penalty=1.0, cp_temperature=0.6, cp_top_p=0.5),
+    ]
+    texts = [TEXTS[0], TEXTS[1], TEXTS[4]]
+    eng = make_engine(tiny_model, max_slots=4)
+    await eng.start()
+    written = []
+    real = eng._set_slot_params
+
+    def spy(slots, reqs):
+        real(slots, reqs)
+        st = eng._state
+        written.append(
+            {
+                int(slot): (float(st.temp[slot]), int(st.top_k[slot]), float(st.top_p[slot]), float(st.rep[slot]),
+                            bool(st.greedy[slot]), float(st.cp_temp[slot]), int(st.cp_top_k[slot]),
+                            float(st.cp_top_p[slot]), bool(st.cp_greedy[slot]), int(st.seed[slot]))
+                for slot in slots.tolist()
+            }
+        )  # fmt: skip
+
+    try:
+        alone = []
+        for i, (t, kw) in enumerate(zip(texts, settings, strict=True)):
+            (h,), _ = await run(eng, [req(tiny_model, t, seed=100 + i, max_frames=10, **kw)])
+            alone.append(codes_of(h))
+        monkeypatch.setattr(eng, "_set_slot_params", spy)
+        with eng._cv:  # the worker sees all three at once: one group
+            rs = [
+                req(tiny_model, t, seed=100 + i, max_frames=10, **kw)
+                for i, (t, kw) in enumerate(zip(texts, settings, strict=True))
+            ]
+            hs = [eng.submit(r) for r in rs]
+        await asyncio.gather(*(h.collect() for h in hs))
+    finally:
+        await eng.stop()
+    assert len(written) == 1 and len(written[0]) == 3  # one group, three slots
+
+    def f32(x: float) -> float:
+        return torch.tensor(x, dtype=torch.float32).item()
+
+    for r in rs:
+        expect = (
+            f32(max(r.temperature, 1e-5)), r.top_k, f32(r.top_p), f32(r.repetition_penalty), r.greedy,
+            f32(max(r.cp_temperature, 1e-5)), r.cp_top_k, f32(r.cp_top_p), r.greedy, r.seed & ((1 << 62) - 1),
+        )  # fmt: skip
+        assert [v for v in written[0].values() if v[9] == expect[9]] == [expect]
+    for a, h in zip(alone, hs, strict=True):
+        assert torch.equal(a, codes_of(h))
+
+
 async def test_cancel_while_queued_leaves_the_queue_at_once(tiny_model):
     eng = make_engine(tiny_model, max_slots=1, max_queue=1, first_chunk_frames=1)
     await eng.start()
