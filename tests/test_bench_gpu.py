@@ -538,3 +538,48 @@ def test_engine_memory_builds_and_frees_engines_one_after_another(capsys):
     assert all(r["started_gib"] is None and r["left_gib"] is None for r in records)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert lines[-1]["all_collected"] is True and lines[-1]["size"] == "tiny" and len(lines) == 3
+
+
+def _trace_request():
+    spec = importlib.util.spec_from_file_location("trace_request", ROOT / "benchmarks" / "trace_request.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_trace_analysis_finds_a_frame_held_up_and_the_thread_that_made_no_call():
+    """benchmarks/trace_request.py's analysis on a synthetic trace: three frames of 100 us on stream 7 (each ending in
+    its codes copy), the second with a 300 us hole of which the decoder's kernel on stream 9 covers 200 us, and the
+    engine thread (most graph launches) silent for 350 us."""
+    tr = _trace_request()
+
+    def kernel(ts, dur, stream, name="k"):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    def copy(ts):
+        return {"cat": "gpu_memcpy", "name": tr.CODES_COPY, "ts": ts, "dur": 2.0, "args": {"stream": 7}}
+
+    def call(ts, tid, name="cudaMemcpyAsync", dur=5.0):
+        return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    events = [copy(-2.0)]  # frames run from one copy's end to the next
+    events += [kernel(10.0, 40.0, 7), kernel(55.0, 40.0, 7), copy(98.0)]  # frame 1: 100 us, a 5 us gap
+    events += [kernel(100.0, 50.0, 7), kernel(450.0, 45.0, 7, "late_kernel"), copy(498.0)]  # frame 2: 400 us
+    events += [kernel(200.0, 200.0, 9, "decoder_conv")]  # the decoder beside frame 2's hole
+    events += [kernel(510.0, 80.0, 7), copy(598.0)]  # frame 3: 100 us
+    events += [call(0.0, "loop", "cudaGraphLaunch"), call(100.0, "loop", "cudaGraphLaunch"), call(450.0, "loop")]
+    events += [call(150.0, "decoder", "cudaGraphLaunch"), call(160.0, "decoder")]
+    out = tr.analyze(events, slowest=1)
+    assert out["steps_stream"] == 7 and out["kernels_by_stream"] == {7: 5, 9: 1}
+    assert out["frames"] == 3 and out["median_frame_us"] == 100.0
+    assert [f["frame_us"] for f in out["frame_list"]] == [100.0, 400.0, 100.0]
+    slow = out["slowest"][0]
+    assert slow["frame_us"] == 400.0 and slow["kernels"] == 2 and slow["busy_us"] == 95.0
+    assert slow["gaps_us"] == 300.0 and slow["gaps_with_decoder_us"] == 200.0 and slow["decoder_us"] == 200.0
+    assert slow["longest_gap_us"] == 300.0 and slow["before"] == "late_kernel"
+    threads = {t["thread"]: t for t in out["host_threads"]}
+    assert threads["loop"]["engine_loop"] and not threads["decoder"]["engine_loop"]
+    assert threads["loop"]["longest_without_a_call_us"] == 345.0 and threads["loop"]["from_us"] == 105.0
+    assert threads["decoder"]["longest_without_a_call_us"] == 5.0
+    with pytest.raises(ValueError, match="no CUDA graph launch"):
+        tr.analyze([e for e in events if e.get("name") != "cudaGraphLaunch"])
