@@ -386,7 +386,7 @@ class EngineSettings:
     decode_graphs: bool = True
     # Graphed Code2Wav moves its inputs and audio through pinned host buffers and waits on an event. False: pageable
     # copies, whose blocking copy of the audio held the engine loop up for as long as the chunk ran on the GPU (one
-    # 0.6B stream 24.8x -> 25.8x on an H100 with pinned buffers; docs/benchmarks.md, twenty-seventh round).
+    # 0.6B stream 24.7x -> 25.6x in the benchmark on an H100 with pinned buffers; docs/benchmarks.md, 27th round).
     decode_pinned_io: bool = True
     # On CUDA, run the engine loop's work (prefill, frame steps) on a high-priority CUDA stream: Code2Wav's long
     # convolution kernels on the decoder's stream then fill the SMs the frame step leaves idle instead of making
