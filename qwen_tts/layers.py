@@ -18,7 +18,8 @@ from qwen_tts.config import DecoderLayersConfig
 
 
 def upload(values: list | Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Host values (a list or a CPU tensor) as a `dtype` tensor on `device`, without a host sync on CUDA.
+    """Values (a list or a tensor) as a `dtype` tensor on `device`, without a host sync on CUDA (a tensor already
+    on a device is only moved or cast there).
 
     A pageable upload waits for the stream to drain first (the copy is synchronous), which stalls the host behind
     whatever the GPU has queued (a frame step launched ahead) and leaves the GPU idle after it. From pinned memory

@@ -315,7 +315,7 @@ def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, polyph
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_graphed_decode_through_pinned_buffers_equals_pageable_copies_and_keeps_each_chunk_on_cuda(c2w):
+def test_graphed_decode_through_pinned_buffers_equals_pageable_copies_and_returns_chunks_of_their_own(c2w):
     """The pinned host buffers serve every call: each chunk returned must be its own tensor (the next call refills
     the buffers), and the audio is the pageable path's bit for bit."""
     import copy
