@@ -105,6 +105,8 @@ VARIANTS: dict[str, dict] = {
     "cp-two-passes": {"cp_prompt_one_pass": False},  # and in two passes (before the default)
     "kernel-sampler": {"kernel_sampler": True},  # each draw by one Triton kernel, no sort (sample_kernel.py)
     "no-kernel-sampler": {"kernel_sampler": False},  # the compiled sampling.sample (before the default)
+    "cp-fused-feed": {"cp_fused_feed": True},  # each code-predictor draw also feeds the next pass (one launch)
+    "cp-unfused-feed": {"cp_fused_feed": False},  # and the draw, gathers and add as four launches (before it)
     "sampler-w1k": {"kernel_sampler_warp_elements": 1024},  # with kernel-sampler: 2 warps for 2048 logits
     "sampler-w2k": {"kernel_sampler_warp_elements": 2048},  # and 1 warp
     "small-m-fusion": {"small_m_fusion": True},  # RMSNorm, SiLU * up, residual adds inside the few-row matmul

@@ -112,6 +112,8 @@ STEP_VARIANTS = {
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage+chunk192": _BOTH,
     # and with both stacks' matmuls on the tensor cores (stack_cuda's mma: padded slots, ldmatrix).
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage+mma": _BOTH,
+    # and with each residual draw feeding the next pass in its own launch (sample_kernel.sample_feed).
+    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage+feed": _BOTH,
     "fused-cublaslt": {},
 }
 STEP_BLAS = {"fused-cublaslt": "cublaslt"}
@@ -138,6 +140,7 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
         fused.enable(talker, **STEP_VARIANTS[variant])
         talker.code_predictor.prompt_one_pass = "+cp-one-pass" in variant
         talker.kernel_sampler = "+kernel-sampler" in variant
+        talker.cp_fused_feed = "+feed" in variant
         fused.set_small_m_heads(talker, "+heads" in variant)
         if "+tables" in variant:
             talker.code_predictor.build_input_tables()

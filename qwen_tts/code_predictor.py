@@ -18,6 +18,9 @@ from qwen_tts import fused
 from qwen_tts.config import CodePredictorConfig
 from qwen_tts.layers import DecoderStack, KVCache
 
+# feed(j, logits_j, codes_j, table_e, codec_sum, table_x, x): a pass's draw and what follows it (`forward`).
+Feed = Callable[[int, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None], None]
+
 
 class CodePredictorModel(DecoderStack):
     """`code_predictor.model`: decoder layers plus one embedding table per residual codebook."""
@@ -84,13 +87,18 @@ class CodePredictor(nn.Module):
             self.input_tables = torch.stack(tables)
         return self.input_tables.numel() * self.input_tables.element_size()
 
+    def next_input_is_a_row(self) -> bool:
+        """Whether a pass's input is one gathered row of a table (`input_tables`, or no projection): what a `feed`
+        hook needs."""
+        return self.input_tables is not None or isinstance(self.small_to_mtp_projection, nn.Identity)
+
     def _head(self, j: int, hidden: Tensor) -> Tensor:
         if self.head_linear is not None:
             return self.head_linear(hidden, self.lm_head[j].weight)
         return self.lm_head[j](hidden)
 
     def forward(
-        self, h: Tensor, cb0_embed: Tensor, sample: Callable[[int, Tensor], LongTensor]
+        self, h: Tensor, cb0_embed: Tensor, sample: Callable[[int, Tensor], LongTensor], feed: Feed | None = None
     ) -> tuple[LongTensor, Tensor]:
         """h, cb0_embed (B, H_talker) -> codes (B, 15), codec_sum (B, H_talker).
 
@@ -99,6 +107,12 @@ class CodePredictor(nn.Module):
         it (`codec_hiddens.sum(1)`): in float32, in order, rounded once (in bf16 not 15 roundings). On the CPU that is
         torch's sum bit for bit; written as float32 additions, each row's sum is the same whatever the batch on any
         device (a reduction kernel may split its work by the batch's size).
+
+        `feed(j, logits_j, codes_j, table_e, codec_sum, table_x, x)`, where given (the sampler kernel's
+        `sample_feed`), replaces `sample` and what follows it in a pass: it draws cb_{j+1} into codes_j (B,), adds
+        its row of table_e into codec_sum (B, H_talker) float32 in place and, with table_x, writes its row of
+        table_x into x (B, H_cp), the next pass's input. The same codes and sums as `sample`'s path, in one launch
+        a pass instead of four. It needs the next input as one gathered row: `input_tables`, or no projection.
         """
         B = h.shape[0]
         self.reserve(B, h.device, h.dtype)
@@ -122,6 +136,8 @@ class CodePredictor(nn.Module):
             hidden = self.model(x[:, 1:], pos[:, 1:2], cache, slots, kv_len)[:, -1]
         else:
             hidden = self.model(x, pos[:, :2], cache, slots, 2)[:, -1]
+        if feed is not None and self.next_input_is_a_row():
+            return self._fed_passes(hidden, cb0_embed, feed, pos, kv_len, fast)
         codes = []
         codec_sum = cb0_embed.float()
         for j in range(self.num_residual):
@@ -136,3 +152,23 @@ class CodePredictor(nn.Module):
                     x = self.small_to_mtp_projection(emb[:, None])
                 hidden = self.model(x, pos[:, j + 2 : j + 3], cache, slots, kv_len if fast else j + 3)[:, -1]
         return torch.stack(codes, dim=1), codec_sum.to(cb0_embed.dtype)
+
+    def _fed_passes(
+        self, hidden: Tensor, cb0_embed: Tensor, feed: Feed, pos: Tensor, kv_len: int, fast: bool
+    ) -> tuple[LongTensor, Tensor]:
+        """`forward`'s passes after the prompt, each draw and what follows it by `feed`."""
+        B, R = hidden.shape[0], self.num_residual
+        cache, slots = self._cache, self._slot_ids[:B]
+        codes = torch.empty(B, R, dtype=torch.long, device=hidden.device)
+        codec_sum = cb0_embed.to(torch.float32, copy=True)  # summed into in place
+        for j in range(R):
+            logits = self._head(j, hidden)
+            table_e = self.model.codec_embedding[j].weight
+            if j + 1 == R:  # the last code is not fed back
+                feed(j, logits, codes[:, j], table_e, codec_sum, None, None)
+                break
+            table_x = self.input_tables[j] if self.input_tables is not None else table_e
+            x = torch.empty(B, table_x.shape[1], dtype=table_x.dtype, device=hidden.device)
+            feed(j, logits, codes[:, j], table_e, codec_sum, table_x, x)
+            hidden = self.model(x[:, None], pos[:, j + 2 : j + 3], cache, slots, kv_len if fast else j + 3)[:, -1]
+        return codes, codec_sum.to(cb0_embed.dtype)

@@ -320,6 +320,12 @@ class EngineSettings:
     # stream 13.2x -> 14.6x real time, 64 streams 356 -> 399 audio-s/s (docs/benchmarks.md; bench_gpu.py
     # --engine-variants no-kernel-sampler). False: the compiled sampling.sample. Ignored on CPU.
     kernel_sampler: bool = True
+    # With kernel_sampler, each code-predictor pass's draw also writes its code, adds the code's embedding row into
+    # the frame's codec sum and writes the next pass's input row (sample_kernel.sample_feed): one launch a pass where
+    # four ran (the draw, the embedding's gather, the add, the input table's gather), the same codes and sums.
+    # Needs the next input as one gathered row (cp_input_tables, or a code predictor without the projection).
+    # bench_gpu.py --engine-variants cp-unfused-feed. Ignored on CPU.
+    cp_fused_feed: bool = True
     # With kernel_sampler, row elements per warp of the sampler kernel (sample_kernel.set_warp_elements; a power
     # of two, 32-4096): 512 runs the code predictor's 2048 logits on 4 warps. On an H200 512 was the fastest or
     # within 1 us of it at every batch (bench_sampler.py): 2048 (one warp) took 42 us a draw. Process-wide.

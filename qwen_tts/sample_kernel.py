@@ -111,6 +111,27 @@ if HAVE_TRITON:
         return tl.argmax(scores, axis=0)
 
     @triton.jit
+    def _pick(Logits, Temperature, TopK, TopP, Greedy, Seeds, Counters, b, stride_row, counter_offset, V,
+              BLOCK: tl.constexpr, GREEDY_BRANCH: tl.constexpr):  # fmt: skip
+        """Row b's id (int64): the greedy argmax, or the draw through the row's filters and noise."""
+        idx = tl.arange(0, BLOCK)
+        valid = idx < V
+        x = tl.load(Logits + b * stride_row + idx, mask=valid, other=float("-inf")).to(tl.float32)
+        temperature = tl.load(Temperature + b).to(tl.float32)
+        greedy = (tl.load(Greedy + b) != 0) | (temperature <= 0)
+        if GREEDY_BRANCH:
+            if greedy:
+                out = tl.argmax(x, axis=0).to(tl.int64)
+            else:
+                y = tl.math.div_rn(x, temperature)  # IEEE division, as torch's `logits / temperature`
+                out = _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V).to(tl.int64)
+        else:
+            y = tl.math.div_rn(x, tl.where(greedy, 1.0, temperature))
+            drawn = _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V)
+            out = tl.where(greedy, tl.argmax(x, axis=0), drawn).to(tl.int64)
+        return out
+
+    @triton.jit
     def _sample_kernel(
         Logits,  # (B, V), float32 / bfloat16 / float16
         Temperature,  # (B,) float32
@@ -127,22 +148,36 @@ if HAVE_TRITON:
         GREEDY_BRANCH: tl.constexpr,  # a greedy row skips the filters and the noise (else computes and drops them)
     ):
         b = tl.program_id(0)
-        idx = tl.arange(0, BLOCK)
-        valid = idx < V
-        x = tl.load(Logits + b * stride_row + idx, mask=valid, other=float("-inf")).to(tl.float32)
-        temperature = tl.load(Temperature + b).to(tl.float32)
-        greedy = (tl.load(Greedy + b) != 0) | (temperature <= 0)
-        if GREEDY_BRANCH:
-            if greedy:
-                out = tl.argmax(x, axis=0).to(tl.int64)
-            else:
-                y = tl.math.div_rn(x, temperature)  # IEEE division, as torch's `logits / temperature`
-                out = _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V).to(tl.int64)
-        else:
-            y = tl.math.div_rn(x, tl.where(greedy, 1.0, temperature))
-            drawn = _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V)
-            out = tl.where(greedy, tl.argmax(x, axis=0), drawn).to(tl.int64)
+        out = _pick(Logits, Temperature, TopK, TopP, Greedy, Seeds, Counters, b, stride_row, counter_offset, V,
+                    BLOCK, GREEDY_BRANCH)  # fmt: skip
         tl.store(Out + b, out)
+
+    @triton.jit
+    def _sample_feed_kernel(
+        Logits, Temperature, TopK, TopP, Greedy, Seeds, Counters,  # as _sample_kernel's
+        Codes,  # (B,) int64 view (any row stride): the drawn ids
+        Emb,  # (V, HS) the codebook's embedding table
+        Sum,  # (B, HS) float32, in place: += the drawn id's embedding row
+        Table,  # (V, HN): the next pass's input rows (the embedding table itself, or its projection)
+        Next,  # (B, HN): the next pass's input, written when FEED
+        stride_row, stride_codes, stride_emb, stride_sum, stride_table, stride_next, counter_offset, V, HS, HN,
+        BLOCK: tl.constexpr, GREEDY_BRANCH: tl.constexpr, BLOCK_H: tl.constexpr, FEED: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        out = _pick(Logits, Temperature, TopK, TopP, Greedy, Seeds, Counters, b, stride_row, counter_offset, V,
+                    BLOCK, GREEDY_BRANCH)  # fmt: skip
+        tl.store(Codes + b * stride_codes, out)
+        cols = tl.arange(0, BLOCK_H)
+        for h0 in range(0, HS, BLOCK_H):
+            m = h0 + cols < HS
+            e = tl.load(Emb + out * stride_emb + h0 + cols, mask=m).to(tl.float32)
+            acc = tl.load(Sum + b * stride_sum + h0 + cols, mask=m)
+            tl.store(Sum + b * stride_sum + h0 + cols, acc + e, mask=m)
+        if FEED:
+            for h0 in range(0, HN, BLOCK_H):
+                m = h0 + cols < HN
+                row = tl.load(Table + out * stride_table + h0 + cols, mask=m)
+                tl.store(Next + b * stride_next + h0 + cols, row, mask=m)
 
 
 # Row elements per warp: a program gets max(1, BLOCK // this) warps (512: the code predictor's 2048-wide row on 4
@@ -220,3 +255,75 @@ def sample(
         num_warps=num_warps(V),
     )
     return out
+
+
+def sample_feed(
+    logits: Tensor,
+    temperature: Tensor,
+    top_k: Tensor,
+    top_p: Tensor,
+    greedy: Tensor,
+    seeds: Tensor,
+    counters: Tensor,
+    counter_offset: int,
+    codes: Tensor,
+    emb: Tensor,
+    codec_sum: Tensor,
+    table: Tensor | None = None,
+    nxt: Tensor | None = None,
+) -> None:
+    """`sample`'s draw, and what the code predictor does with it, in the same launch:
+
+    - codes (B,) int64 (a column of the codes, any row stride) = the drawn ids;
+    - codec_sum (B, HS) float32 += emb[ids] (float32 additions, as `codec_sum + emb[ids]`);
+    - nxt (B, HN) = table[ids] (the next pass's input; with table None, nothing).
+
+    One kernel where the pass ran four (the draw, the embedding's gather, the add, the next input's gather)."""
+    B, V = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if codes.shape != (B,) or codes.dtype != torch.long:
+        raise ValueError(f"codes must be ({B},) int64, not {tuple(codes.shape)} {codes.dtype}")
+    HS = emb.shape[1]
+    if emb.shape[0] != V or emb.stride(-1) != 1:
+        raise ValueError(f"emb must be ({V}, H) with contiguous rows, not {tuple(emb.shape)}")
+    if codec_sum.shape != (B, HS) or codec_sum.dtype != torch.float32 or codec_sum.stride(-1) != 1:
+        raise ValueError(f"codec_sum must be ({B}, {HS}) float32 with contiguous rows")
+    feed = table is not None
+    if feed != (nxt is not None):
+        raise ValueError("table and nxt come together")
+    HN = table.shape[1] if feed else 0
+    if feed and (table.shape[0] != V or table.stride(-1) != 1 or nxt.shape != (B, HN) or nxt.stride(-1) != 1):
+        raise ValueError(f"table must be ({V}, H) and nxt ({B}, H), rows contiguous")
+    if B == 0:
+        return
+    t, n = (table, nxt) if feed else (emb, codec_sum)  # unread without FEED
+    _sample_feed_kernel[(B,)](
+        logits,
+        temperature.float(),
+        top_k,
+        top_p.float(),
+        greedy,
+        seeds,
+        counters,
+        codes,
+        emb,
+        codec_sum,
+        t,
+        n,
+        logits.stride(0),
+        codes.stride(0),
+        emb.stride(0),
+        codec_sum.stride(0),
+        t.stride(0),
+        n.stride(0),
+        counter_offset,
+        V,
+        HS,
+        HN,
+        BLOCK=triton.next_power_of_2(V),
+        GREEDY_BRANCH=_greedy_branch,
+        BLOCK_H=1024,
+        FEED=feed,
+        num_warps=num_warps(V),
+    )

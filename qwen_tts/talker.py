@@ -55,6 +55,10 @@ class Talker(nn.Module):
         # On the fused path, draw every code with sample_kernel.sample (one Triton launch, no sort) instead of the
         # compiled sampling.sample. EngineSettings.kernel_sampler.
         self.kernel_sampler = False
+        # With kernel_sampler, each code-predictor pass's draw also writes its code, adds its embedding row into the
+        # codec sum and writes the next pass's input (sample_kernel.sample_feed): one launch where four ran.
+        # EngineSettings.cp_fused_feed.
+        self.cp_fused_feed = False
         # The output head's matmul, (hidden, weight) -> logits, where it is not the head's own F.linear: the few-row
         # kernel on the fused path (fused.set_small_m_heads; EngineSettings.small_m_heads).
         self.head_linear: Callable[[Tensor, Tensor], Tensor] | None = None

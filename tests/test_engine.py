@@ -87,6 +87,7 @@ async def test_stream_equals_whole_decode(tiny_model):
     assert info["decoder_channels_last"] is False
     assert info["small_m_fusion"] is False and info["small_m_pdl"] is False
     assert info["cp_input_tables"] is False and info["small_m_heads"] is False
+    assert info["cp_fused_feed"] is False
     try:
         (h,), (audio,) = await run(eng, [req(tiny_model, TEXTS[1], greedy=True, max_frames=23)])
     finally:
@@ -618,6 +619,7 @@ async def test_a_stopped_engine_leaves_a_cublas_workspace_per_stream_not_per_gra
         {"small_m_split_k": 1},
         {"cp_prompt_one_pass": False},
         {"kernel_sampler": False},
+        {"cp_fused_feed": False},
         {"step_blas": "cublaslt"},
         {"small_m_fusion": True},
         {"small_m_fusion": True, "small_m_pdl": True},
@@ -631,6 +633,7 @@ async def test_a_stopped_engine_leaves_a_cublas_workspace_per_stream_not_per_gra
         "no-split-k",
         "cp-two-passes",
         "compiled-sampler",
+        "cp-unfused-feed",
         "cublaslt",
         "small-m-fusion",
         "small-m-fusion-pdl",

@@ -160,3 +160,57 @@ def test_greedy_rows_branch_around_the_draw_with_the_same_ids(top_p) -> None:
         assert torch.equal(draws[True], sampling.sample(*args))
     # The sampled rows are draws, not argmaxes: the noise moves some of them.
     assert not torch.equal(draws[True][~is_greedy], args[0].argmax(-1)[~is_greedy])
+
+
+@pytest.mark.parametrize("feed", [True, False], ids=["feeds-the-next-pass", "last-pass"])
+def test_sample_feed_draws_as_sample_and_adds_and_gathers_the_drawn_rows(feed) -> None:
+    """`sample_feed` (EngineSettings.cp_fused_feed): the ids are `sampling.sample`'s (greedy and sampled rows
+    mixed), written into a column of a wider codes tensor and nowhere else; the codec sum gains each id's embedding
+    row as `codec_sum + emb[ids]` does, bit for bit; the next input is each id's table row (rows wider than one
+    block of the kernel's loop, and of two widths), and without a table nothing else is written."""
+    g = torch.Generator().manual_seed(23)
+    rows, vocab, hs, hn = 10, 2048, 1100, 700
+    logits = (torch.randn(rows, vocab, generator=g) * 4).to(torch.bfloat16)
+    s = settings(rows, g, top_p=False)
+    s[3][:4] = True  # greedy rows as well as sampled ones
+    emb = torch.randn(vocab, hs, generator=g).to(torch.bfloat16)
+    table = torch.randn(vocab, hn, generator=g).to(torch.bfloat16)
+    codec_sum = torch.randn(rows, hs, generator=g) * 10
+    logits, *s = on(DEVICE, logits, *s)
+    emb, table, codec_sum = on(DEVICE, emb, table, codec_sum)
+    codes = torch.full((rows, 15), -1, dtype=torch.long, device=DEVICE)
+    nxt = torch.full((rows, hn), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    before = codec_sum.clone()
+
+    ids = sampling.sample(logits.float(), *s[:-1], s[-1] + 6)
+    sample_kernel.sample_feed(
+        logits, *s, 6, codes[:, 5], emb, codec_sum, table if feed else None, nxt if feed else None
+    )
+
+    assert torch.equal(codes[:, 5], ids)
+    assert bool((codes[:, :5] == -1).all()) and bool((codes[:, 6:] == -1).all())
+    assert torch.equal(codec_sum, before + emb[ids])
+    assert not torch.equal(codec_sum, before)
+    if feed:
+        assert torch.equal(nxt, table[ids])
+    else:
+        assert bool((nxt == 7.0).all())
+    assert len(set(ids.tolist())) > 3
+
+
+def test_sample_feed_refuses_mismatched_buffers() -> None:
+    logits = torch.zeros(2, 64, device=DEVICE)
+    s = on(DEVICE, torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(2), torch.ones(2, dtype=torch.bool))
+    s += on(DEVICE, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+    emb, total = torch.zeros(64, 8, device=DEVICE), torch.zeros(2, 8, device=DEVICE)
+    codes = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="codes must be"):
+        sample_kernel.sample_feed(logits, *s, 0, codes.int(), emb, total)
+    with pytest.raises(ValueError, match="emb must be"):
+        sample_kernel.sample_feed(logits, *s, 0, codes, emb[:32], total)
+    with pytest.raises(ValueError, match="codec_sum must be"):
+        sample_kernel.sample_feed(logits, *s, 0, codes, emb, total.bfloat16())
+    with pytest.raises(ValueError, match="come together"):
+        sample_kernel.sample_feed(logits, *s, 0, codes, emb, total, emb)
+    with pytest.raises(ValueError, match="table must be"):
+        sample_kernel.sample_feed(logits, *s, 0, codes, emb, total, emb[:32], torch.zeros(2, 8, device=DEVICE))

@@ -296,6 +296,49 @@ def test_code_predictor_input_tables_hold_the_projected_rows_and_leave_the_codes
     assert flat.build_input_tables() == 0 and flat.input_tables is None
 
 
+def _argmax_feed(calls: list):
+    """A `feed` hook in torch ops (the kernel's own test is in test_sample_kernel.py): argmax, then the code, the
+    sum and the next input written into the buffers the code predictor hands over."""
+
+    def feed(j, logits, codes, table_e, codec_sum, table_x, x) -> None:
+        calls.append((j, table_e.data_ptr(), None if table_x is None else table_x.data_ptr()))
+        ids = logits.argmax(-1)
+        codes.copy_(ids)
+        codec_sum += table_e[ids]
+        if table_x is not None:
+            x.copy_(table_x[ids])
+
+    return feed
+
+
+@pytest.mark.parametrize("shape", ["projected-tables", "no-projection"])
+def test_a_feed_hook_gives_the_codes_and_sums_of_the_sampling_path(shape) -> None:
+    """CodePredictor.forward's `feed` (EngineSettings.cp_fused_feed): each pass hands the hook its logits, its
+    column of the codes, codebook j's embedding table, the codec sum and the next input's table (the projected
+    input table, or the embedding table itself without a projection; none at the last pass). The codes and sums
+    equal the sampling path's. Behind a projection without input tables the hook is not used."""
+    cfg = tiny_config(hidden=64, cp_hidden=32) if shape == "projected-tables" else tiny_config(hidden=32, cp_hidden=32)
+    talker = random_talker(cfg, seed=5)
+    cp = talker.code_predictor
+    if shape == "projected-tables":
+        cp.build_input_tables()
+    torch.manual_seed(10)
+    h, cb0 = torch.randn(3, talker.cfg.hidden_size), torch.randint(0, 2048, (3,))
+    want_codes, want_sum = cp(h, talker.embed_codec(cb0), _argmax_sampler())
+    calls: list = []
+    codes, codec_sum = cp(h, talker.embed_codec(cb0), _argmax_sampler(), _argmax_feed(calls))
+    assert torch.equal(codes, want_codes) and torch.equal(codec_sum, want_sum)
+    assert len(set(codes[0].tolist())) > 3
+    emb = [m.weight.data_ptr() for m in cp.model.codec_embedding]
+    inputs = [t.data_ptr() for t in cp.input_tables] if shape == "projected-tables" else emb[:14]
+    assert calls == [(j, emb[j], inputs[j] if j < 14 else None) for j in range(15)]
+    if shape == "projected-tables":
+        cp.input_tables = None
+        unused: list = []
+        codes, codec_sum = cp(h, talker.embed_codec(cb0), _argmax_sampler(), _argmax_feed(unused))
+        assert unused == [] and torch.equal(codes, want_codes)
+
+
 def test_a_head_linear_hook_runs_every_head_matmul(cfg: ModelConfig) -> None:
     """Talker.head_linear and CodePredictor.head_linear (fused.set_small_m_heads sets both): each of a frame's 16
     head matmuls goes through the hook with the head's own weight, and the logits are the heads' own."""

@@ -202,6 +202,8 @@ class NativeEngine(Engine):
         self._model_info["fused_deterministic"] = bool(self._model_info["fused_kernels"] and fused.deterministic())
         self._model_info["small_m_pdl"] = bool(fused_on and self.config.small_m_pdl and small_m_gemm.pdl_active())
         self._model_info["kernel_sampler"] = self._talker.kernel_sampler
+        feeds = self._talker.code_predictor.next_input_is_a_row()
+        self._model_info["cp_fused_feed"] = self._model_info["fused_kernels"] and self._talker.cp_fused_feed and feeds
         self._model_info["small_m_heads"] = self._talker.head_linear is not None
         self._model_info["cp_input_tables"] = self._talker.code_predictor.input_tables is not None
         self._model_info["cp_prompt_one_pass"] = self._talker.code_predictor.prompt_one_pass
@@ -505,20 +507,14 @@ class NativeEngine(Engine):
         setting for the whole group, none of them a host sync (a scalar written into a CUDA tensor is one)."""
         st = self._state
         st.seen.index_fill_(0, slots, False)
-        values = (
-            (st.temp, [max(r.temperature, 1e-5) for r in reqs]),
-            (st.top_k, [r.top_k for r in reqs]),
-            (st.top_p, [r.top_p for r in reqs]),
-            (st.rep, [r.repetition_penalty for r in reqs]),
-            (st.greedy, [r.greedy for r in reqs]),
-            (st.cp_temp, [max(r.cp_temperature, 1e-5) for r in reqs]),
-            (st.cp_top_k, [r.cp_top_k for r in reqs]),
-            (st.cp_top_p, [r.cp_top_p for r in reqs]),
-            (st.cp_greedy, [r.greedy for r in reqs]),
-            (st.seed, [r.seed & ((1 << 62) - 1) for r in reqs]),
-        )
-        for t, v in values:
-            t.index_copy_(0, slots, upload(v, t.dtype, t.device))
+        packs = (
+            (st.floats, [[r.repetition_penalty, max(r.temperature, 1e-5), r.top_p,
+                          max(r.cp_temperature, 1e-5), r.cp_top_p] for r in reqs]),
+            (st.ints, [[r.top_k, r.cp_top_k, r.seed & ((1 << 62) - 1)] for r in reqs]),
+            (st.flags, [[r.greedy, r.greedy] for r in reqs]),
+        )  # fmt: skip
+        for t, rows in packs:  # rows (n, settings) -> the packs' (settings, n) columns of these slots
+            t.index_copy_(1, slots, upload(rows, t.dtype, t.device).T)
 
     @property
     def _overlap(self) -> bool:
@@ -857,5 +853,6 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
             log.warning("talker_stack_kernel=cuda cannot run here (%s): the fused path's kernels run instead", reason)
             stack_kernel.enable(talker.model, "off")
     talker.kernel_sampler = config.kernel_sampler
+    talker.cp_fused_feed = config.kernel_sampler and config.cp_fused_feed
     sample_kernel.set_warp_elements(config.kernel_sampler_warp_elements)  # read at capture
     return True

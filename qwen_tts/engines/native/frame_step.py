@@ -47,40 +47,46 @@ MIN_KV_BUCKET = 256
 
 @dataclass
 class SlotState:
-    """Per-slot device state of the batched step (first dim: slots); the engine keeps one slot as scratch."""
+    """Per-slot device state of the batched step (last dim: slots); the engine keeps one slot as scratch.
+
+    The sampling settings live in three packed tensors, one row a setting, so a step gathers its rows' settings in
+    three index kernels instead of eleven; the named properties are views of their rows (writes go to the packs)."""
 
     h: Tensor  # (S, H) last talker hidden state, the input of the next step's logits
     seen: Tensor  # (S, V) bool: ids generated so far (repetition penalty)
-    rep: Tensor  # (S,) float32 repetition penalty
-    temp: Tensor  # (S,) float32
-    top_k: Tensor  # (S,) int64
-    top_p: Tensor  # (S,) float32
-    greedy: Tensor  # (S,) bool
-    cp_temp: Tensor
-    cp_top_k: Tensor
-    cp_top_p: Tensor
-    cp_greedy: Tensor
-    seed: Tensor  # (S,) int64
+    floats: Tensor  # (5, S) float32: rep, temp, top_p, cp_temp, cp_top_p
+    ints: Tensor  # (3, S) int64: top_k, cp_top_k, seed
+    flags: Tensor  # (2, S) bool: greedy, cp_greedy
 
     @classmethod
     def zeros(cls, slots: int, hidden: int, vocab: int, device: torch.device, dtype: torch.dtype) -> SlotState:
-        f32 = dict(device=device, dtype=torch.float32)
-        i64 = dict(device=device, dtype=torch.long)
-        b = dict(device=device, dtype=torch.bool)
+        floats = torch.ones(5, slots, device=device, dtype=torch.float32)
         return cls(
             h=torch.zeros(slots, hidden, device=device, dtype=dtype),
-            seen=torch.zeros(slots, vocab, **b),
-            rep=torch.ones(slots, **f32),
-            temp=torch.ones(slots, **f32),
-            top_k=torch.zeros(slots, **i64),
-            top_p=torch.ones(slots, **f32),
-            greedy=torch.zeros(slots, **b),
-            cp_temp=torch.ones(slots, **f32),
-            cp_top_k=torch.zeros(slots, **i64),
-            cp_top_p=torch.ones(slots, **f32),
-            cp_greedy=torch.zeros(slots, **b),
-            seed=torch.zeros(slots, **i64),
+            seen=torch.zeros(slots, vocab, device=device, dtype=torch.bool),
+            floats=floats,
+            ints=torch.zeros(3, slots, device=device, dtype=torch.long),
+            flags=torch.zeros(2, slots, device=device, dtype=torch.bool),
         )
+
+    rep = property(lambda self: self.floats[0])  # (S,) float32 repetition penalty
+    temp = property(lambda self: self.floats[1])
+    top_p = property(lambda self: self.floats[2])
+    cp_temp = property(lambda self: self.floats[3])
+    cp_top_p = property(lambda self: self.floats[4])
+    top_k = property(lambda self: self.ints[0])  # (S,) int64
+    cp_top_k = property(lambda self: self.ints[1])
+    seed = property(lambda self: self.ints[2])
+    greedy = property(lambda self: self.flags[0])  # (S,) bool
+    cp_greedy = property(lambda self: self.flags[1])
+
+    def settings(self, slots: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
+        """The rows' sampling settings, gathered in three kernels: (temp, top_k, top_p, greedy, seed) for cb0, the
+        same for the residual codes, and the repetition penalty; each a contiguous (B,) tensor."""
+        rep, temp, top_p, cp_temp, cp_top_p = self.floats[:, slots].unbind(0)
+        top_k, cp_top_k, seed = self.ints[:, slots].unbind(0)
+        greedy, cp_greedy = self.flags[:, slots].unbind(0)
+        return (temp, top_k, top_p, greedy, seed), (cp_temp, cp_top_k, cp_top_p, cp_greedy, seed), rep
 
 
 def frame_step(
@@ -102,24 +108,29 @@ def frame_step(
     is the text-track row added to each next input. Fixed shapes, no host sync: safe to capture.
     """
     h = state.h[slots]
+    tk, cp, rep = state.settings(slots)
     fast = talker.model.layers[0].fused is not None  # fused.py: the same function in fewer kernels
     if fast:
         logits = fused.compiled("talker_logits")(
-            talker.logits(h), state.seen[slots], state.rep[slots], suppressed, eos_id, frames < min_frames
+            talker.logits(h), state.seen[slots], rep, suppressed, eos_id, frames < min_frames
         )
     else:
         logits = talker.logits(h).float()
-        logits = apply_repetition_penalty(logits, state.seen[slots], state.rep[slots])
+        logits = apply_repetition_penalty(logits, state.seen[slots], rep)
         logits = suppress(logits, suppressed)
         logits = mask_eos(logits, eos_id, frames < min_frames)
     counters = frames * COUNTER_STRIDE
-    tk = (state.temp[slots], state.top_k[slots], state.top_p[slots], state.greedy[slots], state.seed[slots])
-    cp = (state.cp_temp[slots], state.cp_top_k[slots], state.cp_top_p[slots], state.cp_greedy[slots], state.seed[slots])
+    feed = None
     if fast and talker.kernel_sampler:  # one Triton launch per draw, no sort (sample_kernel.py)
         cb0 = sample_kernel.sample(logits, *tk, counters)
 
         def sample_residual(j: int, cp_logits: Tensor) -> Tensor:
             return sample_kernel.sample(cp_logits, *cp, counters, j + 1)
+
+        if talker.cp_fused_feed:
+
+            def feed(j: int, cp_logits: Tensor, codes: Tensor, table_e: Tensor, codec_sum: Tensor, table_x, x) -> None:
+                sample_kernel.sample_feed(cp_logits, *cp, counters, j + 1, codes, table_e, codec_sum, table_x, x)
 
     else:
         sampler = fused.compiled("sample") if fast else sample
@@ -130,7 +141,7 @@ def frame_step(
 
     cb0_emb = talker.embed_codec(cb0)
     with record_function("code_predictor"):  # profiler ranges (host side only: free inside a graph)
-        residual, codec_sum = talker.code_predictor(h, cb0_emb, sample_residual)
+        residual, codec_sum = talker.code_predictor(h, cb0_emb, sample_residual, feed)
     # A tensor value, not a Python scalar: index_put_ of a host scalar is not capturable.
     state.seen[slots, cb0] = torch.ones((), dtype=torch.bool, device=slots.device)
     nxt = (codec_sum + text.to(codec_sum.dtype))[:, None]
