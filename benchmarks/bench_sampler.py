@@ -3,15 +3,18 @@ warp sizes against the compiled `sampling.sample` it replaces, at the code predi
 (3072) vocab, graphed as the frame step runs them (16 draws a frame).
 
 For each vocab, batch and variant it captures 16 calls into a CUDA graph, replays it back to back (CUDA events)
-and reports microseconds per draw; it checks that every variant draws what `sampling.sample` draws (top-k rows,
-the Qwen3-TTS default top_p 1). Prints a table last, writes JSON.
+and reports microseconds per draw (with `--shortcut on,off`, with and without the top-k shortcut of
+`sample_kernel._draw`; `--scales`, flatter or more peaked rows); it checks that every variant draws what
+`sampling.sample` draws (top-k rows, the Qwen3-TTS default top_p 1). Prints a table last, writes JSON.
 
     python3 benchmarks/bench_sampler.py --batches 2,64,256 --warp-elements 256,512,1024,2048 --out sampler.json
+    python3 benchmarks/bench_sampler.py --batches 1,64 --warp-elements 512 --scales 1,3 --shortcut on,off
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -42,6 +45,10 @@ def main() -> None:
     ap.add_argument("--vocabs", default="2048,3072")
     ap.add_argument("--warp-elements", default="256,512,1024,2048")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument(
+        "--scales", default="3", help="the logits' standard deviations (flatter rows: more draws outside top-k)"
+    )
+    ap.add_argument("--shortcut", default="on", help="top-k shortcut settings of the kernel to time: on, off or on,off")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -49,34 +56,38 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     compiled = fused.compiled("sample")
     rows = []
-    for vocab in map(int, args.vocabs.split(",")):
-        for batch in map(int, args.batches.split(",")):
-            logits = torch.randn(batch, vocab, device="cuda", generator=g) * 3
-            temp = torch.full((batch,), 0.9, device="cuda")
-            top_k = torch.full((batch,), 50, device="cuda", dtype=torch.long)
-            top_p = torch.ones(batch, device="cuda")
-            greedy = torch.zeros(batch, device="cuda", dtype=torch.bool)
-            seeds = torch.arange(batch, device="cuda")
-            counters = torch.zeros(batch, device="cuda", dtype=torch.long)
-            settings = (temp, top_k, top_p, greedy, seeds, counters)
-            want = sampling.sample(logits, *settings)
-            us = graph_us(draws(compiled, logits, *settings), args.iters)
-            rows.append({"vocab": vocab, "batch": batch, "sampler": "compiled", "us_per_draw": round(us, 2)})
+    for vocab, batch, scale in itertools.product(
+        map(int, args.vocabs.split(",")), map(int, args.batches.split(",")), map(float, args.scales.split(","))
+    ):
+        logits = torch.randn(batch, vocab, device="cuda", generator=g) * scale
+        temp = torch.full((batch,), 0.9, device="cuda")
+        top_k = torch.full((batch,), 50, device="cuda", dtype=torch.long)
+        top_p = torch.ones(batch, device="cuda")
+        greedy = torch.zeros(batch, device="cuda", dtype=torch.bool)
+        seeds = torch.arange(batch, device="cuda")
+        counters = torch.zeros(batch, device="cuda", dtype=torch.long)
+        settings = (temp, top_k, top_p, greedy, seeds, counters)
+        want = sampling.sample(logits, *settings)
+        us = graph_us(draws(compiled, logits, *settings), args.iters)
+        base = {"vocab": vocab, "batch": batch, "scale": scale}
+        rows.append({**base, "sampler": "compiled", "us_per_draw": round(us, 2)})
+        print(json.dumps(rows[-1]), flush=True)
+        for we, shortcut in itertools.product(map(int, args.warp_elements.split(",")), args.shortcut.split(",")):
+            sample_kernel.set_warp_elements(we)
+            sample_kernel.set_topk_shortcut(shortcut == "on")
+            got = sample_kernel.sample(logits, *settings)
+            same = bool(torch.equal(got, want))
+            us = graph_us(draws(sample_kernel.sample, logits, *settings), args.iters)
+            name = f"kernel/{we}" + ("" if shortcut == "on" else "/no-shortcut")
+            rows.append({**base, "sampler": name, "warps": sample_kernel.num_warps(vocab),
+                         "us_per_draw": round(us, 2), "same_draws": same})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
-            for we in map(int, args.warp_elements.split(",")):
-                sample_kernel.set_warp_elements(we)
-                got = sample_kernel.sample(logits, *settings)
-                same = bool(torch.equal(got, want))
-                us = graph_us(draws(sample_kernel.sample, logits, *settings), args.iters)
-                rows.append({"vocab": vocab, "batch": batch, "sampler": f"kernel/{we}",
-                             "warps": sample_kernel.num_warps(vocab), "us_per_draw": round(us, 2),
-                             "same_draws": same})  # fmt: skip
-                print(json.dumps(rows[-1]), flush=True)
     sample_kernel.set_warp_elements(sample_kernel.WARP_ELEMENTS)
-    print("| vocab | batch | sampler | warps | us/draw | same draws |\n|---|---|---|---|---|---|")
+    sample_kernel.set_topk_shortcut(True)
+    print("| vocab | batch | logit sd | sampler | warps | us/draw | same draws |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['vocab']} | {r['batch']} | {r['sampler']} | {r.get('warps', '')} | {r['us_per_draw']} | "
-              f"{r.get('same_draws', '')} |")  # fmt: skip
+        print(f"| {r['vocab']} | {r['batch']} | {r['scale']} | {r['sampler']} | {r.get('warps', '')} | "
+              f"{r['us_per_draw']} | {r.get('same_draws', '')} |")  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps({"rows": rows}, indent=1))
 

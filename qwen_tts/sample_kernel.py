@@ -59,14 +59,27 @@ if HAVE_TRITON:
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
     @triton.jit
-    def _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V):
-        """The sampled id of one row: y (the logits over the temperature) through top-k, top-p and the noise."""
+    def _noise(idx, b, Seeds, Counters, counter_offset):
+        """sampling.uniform_noise's Gumbel noise: the row's key from (counter, seed), then one hash per vocab index."""
+        seed = tl.load(Seeds + b)
+        counter = tl.load(Counters + b) + counter_offset
+        h = _mix32(((counter >> 32) & 0xFFFFFFFF).to(tl.uint32))
+        h = _mix32((counter & 0xFFFFFFFF).to(tl.uint32) ^ h)
+        h = _mix32(h ^ (seed & 0xFFFFFFFF).to(tl.uint32))
+        h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+        hv = _mix32(_mix32(idx.to(tl.uint32) ^ h) ^ _mix32(h ^ _SALT))
+        u = (((hv >> 8) & 0xFFFFFF).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        u = tl.minimum(u, _UNIT_MAX)
+        return -tl.log(-tl.log(u))
+
+    @triton.jit
+    def _filtered_draw(y, noise, valid, top_k, top_p, V):
+        """argmax(y + noise) over the ids top-k and top-p keep (top_k <= 0: no top-k; top_p >= 1: no top-p)."""
         neg_inf = float("-inf")
         key = _order_key(y)
 
         # top-k: the largest key with at least k keys >= it. Bit 31 first (is the k-th largest >= +0.0?), then
         # bits 30..0 added to the lower bound; every candidate fits in int32.
-        top_k = tl.load(TopK + b)
         k = tl.minimum(tl.maximum(top_k, 1), V).to(tl.int32)
         lo = tl.full((), -2147483648, tl.int32)
         n = tl.sum((valid & (key >= 0)).to(tl.int32), axis=0)
@@ -78,7 +91,6 @@ if HAVE_TRITON:
         kth = _order_key(lo).to(tl.float32, bitcast=True)
         y = tl.where((top_k > 0) & (y < kth), neg_inf, y)
 
-        top_p = tl.load(TopP + b).to(tl.float32)
         if top_p < 1.0:
             key = _order_key(y)
             m = tl.max(y, axis=0)
@@ -96,23 +108,37 @@ if HAVE_TRITON:
                 lo = tl.where(mass <= cut, cand, lo)
             y = tl.where((key <= lo) & (y < m), neg_inf, y)
 
-        # sampling.uniform_noise: the row's key from (counter, seed), then one hash per vocab index.
-        seed = tl.load(Seeds + b)
-        counter = tl.load(Counters + b) + counter_offset
-        h = _mix32(((counter >> 32) & 0xFFFFFFFF).to(tl.uint32))
-        h = _mix32((counter & 0xFFFFFFFF).to(tl.uint32) ^ h)
-        h = _mix32(h ^ (seed & 0xFFFFFFFF).to(tl.uint32))
-        h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
-        hv = _mix32(_mix32(idx.to(tl.uint32) ^ h) ^ _mix32(h ^ _SALT))
-        u = (((hv >> 8) & 0xFFFFFF).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        u = tl.minimum(u, _UNIT_MAX)
-        noise = -tl.log(-tl.log(u))
         scores = tl.where(y > neg_inf, y + noise, neg_inf)
         return tl.argmax(scores, axis=0)
 
     @triton.jit
+    def _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V, SHORTCUT: tl.constexpr):
+        """The sampled id of one row: y (the logits over the temperature) through top-k, top-p and the noise.
+
+        SHORTCUT (`set_topk_shortcut`): without top-p, the draw over every id first. Its id a is the filtered
+        draw's too whenever top-k keeps it, and top-k keeps it exactly when fewer than k ids have y > y[a]: then
+        the filtered ids' scores are a subset holding the largest, and no kept id before a ties it (argmax takes
+        the first). One count instead of top-k's 32; else the filters run as without it."""
+        neg_inf = float("-inf")
+        noise = _noise(idx, b, Seeds, Counters, counter_offset)
+        top_k = tl.load(TopK + b)
+        top_p = tl.load(TopP + b).to(tl.float32)
+        if SHORTCUT:
+            a = tl.argmax(tl.where(y > neg_inf, y + noise, neg_inf), axis=0)
+            y_a = tl.max(tl.where(idx == a, y, neg_inf), axis=0)
+            above = tl.sum((valid & (y > y_a)).to(tl.int32), axis=0)
+            k = tl.minimum(tl.maximum(top_k, 1), V).to(tl.int32)
+            if (top_p >= 1.0) & ((top_k <= 0) | (above < k)):
+                out = a
+            else:
+                out = _filtered_draw(y, noise, valid, top_k, top_p, V)
+        else:
+            out = _filtered_draw(y, noise, valid, top_k, top_p, V)
+        return out
+
+    @triton.jit
     def _pick(Logits, Temperature, TopK, TopP, Greedy, Seeds, Counters, b, stride_row, counter_offset, V,
-              BLOCK: tl.constexpr, GREEDY_BRANCH: tl.constexpr):  # fmt: skip
+              BLOCK: tl.constexpr, GREEDY_BRANCH: tl.constexpr, SHORTCUT: tl.constexpr):  # fmt: skip
         """Row b's id (int64): the greedy argmax, or the draw through the row's filters and noise."""
         idx = tl.arange(0, BLOCK)
         valid = idx < V
@@ -124,10 +150,10 @@ if HAVE_TRITON:
                 out = tl.argmax(x, axis=0).to(tl.int64)
             else:
                 y = tl.math.div_rn(x, temperature)  # IEEE division, as torch's `logits / temperature`
-                out = _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V).to(tl.int64)
+                out = _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V, SHORTCUT).to(tl.int64)
         else:
             y = tl.math.div_rn(x, tl.where(greedy, 1.0, temperature))
-            drawn = _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V)
+            drawn = _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V, SHORTCUT)
             out = tl.where(greedy, tl.argmax(x, axis=0), drawn).to(tl.int64)
         return out
 
@@ -146,10 +172,11 @@ if HAVE_TRITON:
         V,
         BLOCK: tl.constexpr,
         GREEDY_BRANCH: tl.constexpr,  # a greedy row skips the filters and the noise (else computes and drops them)
+        SHORTCUT: tl.constexpr,  # `_draw`'s: the unfiltered draw first, top-k's cut only where it falls outside
     ):
         b = tl.program_id(0)
         out = _pick(Logits, Temperature, TopK, TopP, Greedy, Seeds, Counters, b, stride_row, counter_offset, V,
-                    BLOCK, GREEDY_BRANCH)  # fmt: skip
+                    BLOCK, GREEDY_BRANCH, SHORTCUT)  # fmt: skip
         tl.store(Out + b, out)
 
     @triton.jit
@@ -161,11 +188,12 @@ if HAVE_TRITON:
         Table,  # (V, HN): the next pass's input rows (the embedding table itself, or its projection)
         Next,  # (B, HN): the next pass's input, written when FEED
         stride_row, stride_codes, stride_emb, stride_sum, stride_table, stride_next, counter_offset, V, HS, HN,
-        BLOCK: tl.constexpr, GREEDY_BRANCH: tl.constexpr, BLOCK_H: tl.constexpr, FEED: tl.constexpr,
+        BLOCK: tl.constexpr, GREEDY_BRANCH: tl.constexpr, SHORTCUT: tl.constexpr, BLOCK_H: tl.constexpr,
+        FEED: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         out = _pick(Logits, Temperature, TopK, TopP, Greedy, Seeds, Counters, b, stride_row, counter_offset, V,
-                    BLOCK, GREEDY_BRANCH)  # fmt: skip
+                    BLOCK, GREEDY_BRANCH, SHORTCUT)  # fmt: skip
         tl.store(Codes + b * stride_codes, out)
         cols = tl.arange(0, BLOCK_H)
         for h0 in range(0, HS, BLOCK_H):
@@ -190,6 +218,9 @@ _warp_elements = WARP_ELEMENTS
 # Greedy rows branch around the filters and the noise (one argmax) instead of computing a draw they drop: the same
 # ids either way. `set_greedy_branch` switches it process-wide (A/B runs), read at launch (so at graph capture).
 _greedy_branch = True
+# Sampled rows without top-p take the draw over every id when top-k keeps it (`_draw`), instead of finding top-k's
+# cut first: the same ids. `set_topk_shortcut` switches it process-wide (A/B runs), read at launch.
+_topk_shortcut = True
 
 
 def warp_elements_error(n: object) -> str | None:
@@ -211,6 +242,12 @@ def set_greedy_branch(on: bool) -> None:
     """Whether greedy rows skip the filters and the noise (the same ids either way; A/B runs)."""
     global _greedy_branch
     _greedy_branch = bool(on)
+
+
+def set_topk_shortcut(on: bool) -> None:
+    """Whether sampled rows without top-p try the unfiltered draw before top-k's cut (the same ids; A/B runs)."""
+    global _topk_shortcut
+    _topk_shortcut = bool(on)
 
 
 def num_warps(vocab: int) -> int:
@@ -252,6 +289,7 @@ def sample(
         V,
         BLOCK=block,
         GREEDY_BRANCH=_greedy_branch,
+        SHORTCUT=_topk_shortcut,
         num_warps=num_warps(V),
     )
     return out
@@ -323,6 +361,7 @@ def sample_feed(
         HN,
         BLOCK=triton.next_power_of_2(V),
         GREEDY_BRANCH=_greedy_branch,
+        SHORTCUT=_topk_shortcut,
         BLOCK_H=1024,
         FEED=feed,
         num_warps=num_warps(V),

@@ -214,3 +214,43 @@ def test_sample_feed_refuses_mismatched_buffers() -> None:
         sample_kernel.sample_feed(logits, *s, 0, codes, emb, total, emb)
     with pytest.raises(ValueError, match="table must be"):
         sample_kernel.sample_feed(logits, *s, 0, codes, emb, total, emb[:32], torch.zeros(2, 8, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_top_k_shortcut_draws_the_same_ids_where_the_unfiltered_draw_falls_in_and_out(dtype) -> None:
+    """`set_topk_shortcut`: a sampled row without top-p first takes the draw over every id and keeps it when top-k
+    keeps that id. Rows of both kinds are in the batch (the unfiltered draw inside and outside the top k, found
+    here from `sampling.gumbel_noise`), with ties at the k-th value, suppressed ids, k of 0, 1 and above the vocab,
+    and top-p rows; every id equals `sampling.sample`'s (top-k rows) and the kernel's without the shortcut."""
+    g = torch.Generator().manual_seed(29)
+    rows, vocab = 64, 2048
+    logits = torch.randn(rows, vocab, generator=g) * torch.linspace(0.2, 6.0, rows)[:, None]  # flat to peaked
+    logits[:6, vocab // 3 :] = float("-inf")
+    logits[6:12] = (logits[6:12] * 2).round()  # ties
+    logits = logits.to(dtype)
+    temperature = torch.full((rows,), 0.9)
+    top_k = torch.randint(2, 60, (rows,), generator=g)
+    top_k[12:16] = torch.tensor([0, 1, vocab, 5000])
+    top_p = torch.ones(rows)
+    top_p[16:20] = 0.8
+    greedy = torch.zeros(rows, dtype=torch.bool)
+    seeds = torch.randint(0, 2**62, (rows,), generator=g)
+    counters = torch.randint(0, 2**40, (rows,), generator=g)
+    y = logits.float() / temperature[:, None]
+    a = torch.where(y > float("-inf"), y + sampling.gumbel_noise(seeds, counters + 3, vocab), float("-inf")).argmax(-1)
+    above = (y > y.gather(1, a[:, None])).sum(-1)
+    inside = (top_k <= 0) | (above < top_k.clamp(1, vocab))
+    assert 4 <= int(inside[20:].sum()) <= rows - 24  # both kinds (4 at least) among the plain top-k rows
+    args = on(DEVICE, logits, temperature, top_k, top_p, greedy, seeds, counters)
+    try:
+        got = {}
+        for on_ in (True, False):
+            sample_kernel.set_topk_shortcut(on_)
+            got[on_] = sample_kernel.sample(*args, counter_offset=3)
+    finally:
+        sample_kernel.set_topk_shortcut(True)
+    assert torch.equal(got[True], got[False])
+    want = sampling.sample(args[0].float(), *args[1:-1], args[-1] + 3)
+    plain = torch.ones(rows, dtype=torch.bool)
+    plain[16:20] = False  # top-p's cut may differ from the sort's at ties (the module's docstring)
+    assert torch.equal(got[True][plain], want.cpu()[plain].to(got[True].device))
