@@ -48,7 +48,9 @@ def main() -> None:
     ap.add_argument(
         "--scales", default="3", help="the logits' standard deviations (flatter rows: more draws outside top-k)"
     )
-    ap.add_argument("--shortcut", default="on", help="top-k shortcut settings of the kernel to time: on, off or on,off")
+    ap.add_argument(
+        "--shortcut", default="off", help="top-k shortcut settings of the kernel to time: on, off or on,off"
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -78,12 +80,12 @@ def main() -> None:
             got = sample_kernel.sample(logits, *settings)
             same = bool(torch.equal(got, want))
             us = graph_us(draws(sample_kernel.sample, logits, *settings), args.iters)
-            name = f"kernel/{we}" + ("" if shortcut == "on" else "/no-shortcut")
+            name = f"kernel/{we}" + ("/shortcut" if shortcut == "on" else "")
             rows.append({**base, "sampler": name, "warps": sample_kernel.num_warps(vocab),
                          "us_per_draw": round(us, 2), "same_draws": same})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     sample_kernel.set_warp_elements(sample_kernel.WARP_ELEMENTS)
-    sample_kernel.set_topk_shortcut(True)
+    sample_kernel.set_topk_shortcut(sample_kernel.TOPK_SHORTCUT)
     print("| vocab | batch | logit sd | sampler | warps | us/draw | same draws |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['vocab']} | {r['batch']} | {r['scale']} | {r['sampler']} | {r.get('warps', '')} | "

@@ -219,8 +219,10 @@ _warp_elements = WARP_ELEMENTS
 # ids either way. `set_greedy_branch` switches it process-wide (A/B runs), read at launch (so at graph capture).
 _greedy_branch = True
 # Sampled rows without top-p take the draw over every id when top-k keeps it (`_draw`), instead of finding top-k's
-# cut first: the same ids. `set_topk_shortcut` switches it process-wide (A/B runs), read at launch.
-_topk_shortcut = True
+# cut first: the same ids. `set_topk_shortcut` switches it process-wide (EngineSettings.kernel_sampler_topk_shortcut,
+# off: docs/benchmarks.md), read at launch.
+TOPK_SHORTCUT = False
+_topk_shortcut = TOPK_SHORTCUT
 
 
 def warp_elements_error(n: object) -> str | None:

@@ -248,7 +248,7 @@ def test_the_top_k_shortcut_draws_the_same_ids_where_the_unfiltered_draw_falls_i
             sample_kernel.set_topk_shortcut(on_)
             got[on_] = sample_kernel.sample(*args, counter_offset=3)
     finally:
-        sample_kernel.set_topk_shortcut(True)
+        sample_kernel.set_topk_shortcut(sample_kernel.TOPK_SHORTCUT)
     assert torch.equal(got[True], got[False])
     want = sampling.sample(args[0].float(), *args[1:-1], args[-1] + 3)
     plain = torch.ones(rows, dtype=torch.bool)
