@@ -47,7 +47,8 @@ MIN_KV_BUCKET = 256
 
 @dataclass
 class SlotState:
-    """Per-slot device state of the batched step (last dim: slots); the engine keeps one slot as scratch.
+    """Per-slot device state of the batched step (slots: the first dim of h and seen, the last of the packed
+    settings); the engine keeps one slot as scratch.
 
     The sampling settings live in three packed tensors, one row a setting, so a step gathers its rows' settings in
     three index kernels instead of eleven; the named properties are views of their rows (writes go to the packs)."""
