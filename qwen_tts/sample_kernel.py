@@ -257,6 +257,19 @@ def num_warps(vocab: int) -> int:
     return min(16, max(1, triton.next_power_of_2(vocab) // _warp_elements))
 
 
+def _row_draw(logits: Tensor, settings: tuple[Tensor, ...]) -> tuple[Tensor, tuple, dict]:
+    """What both launches take for a row's draw: the logits (rows contiguous), the settings as the kernels read
+    them (temperature, top_k, top_p, greedy, seeds, counters; the floats as float32) and the launch's constants."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    temperature, top_k, top_p, greedy, seeds, counters = settings
+    V = logits.shape[1]
+    meta = dict(
+        BLOCK=triton.next_power_of_2(V), GREEDY_BRANCH=_greedy_branch, SHORTCUT=_topk_shortcut, num_warps=num_warps(V)
+    )
+    return logits, (temperature.float(), top_k, top_p.float(), greedy, seeds, counters), meta
+
+
 def sample(
     logits: Tensor,
     temperature: Tensor,
@@ -271,29 +284,11 @@ def sample(
 
     logits (B, V) in any float dtype (read as float32, as `sample` casts them); the settings are (B,) tensors."""
     B, V = logits.shape
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
+    logits, settings, meta = _row_draw(logits, (temperature, top_k, top_p, greedy, seeds, counters))
     out = torch.empty(B, dtype=torch.long, device=logits.device)
     if B == 0:
         return out
-    block = triton.next_power_of_2(V)
-    _sample_kernel[(B,)](
-        logits,
-        temperature.float(),
-        top_k,
-        top_p.float(),
-        greedy,
-        seeds,
-        counters,
-        out,
-        logits.stride(0),
-        counter_offset,
-        V,
-        BLOCK=block,
-        GREEDY_BRANCH=_greedy_branch,
-        SHORTCUT=_topk_shortcut,
-        num_warps=num_warps(V),
-    )
+    _sample_kernel[(B,)](logits, *settings, out, logits.stride(0), counter_offset, V, **meta)
     return out
 
 
@@ -320,8 +315,7 @@ def sample_feed(
 
     One kernel where the pass ran four (the draw, the embedding's gather, the add, the next input's gather)."""
     B, V = logits.shape
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
+    logits, settings, meta = _row_draw(logits, (temperature, top_k, top_p, greedy, seeds, counters))
     if codes.shape != (B,) or codes.dtype != torch.long:
         raise ValueError(f"codes must be ({B},) int64, not {tuple(codes.shape)} {codes.dtype}")
     HS = emb.shape[1]
@@ -340,12 +334,7 @@ def sample_feed(
     t, n = (table, nxt) if feed else (emb, codec_sum)  # unread without FEED
     _sample_feed_kernel[(B,)](
         logits,
-        temperature.float(),
-        top_k,
-        top_p.float(),
-        greedy,
-        seeds,
-        counters,
+        *settings,
         codes,
         emb,
         codec_sum,
@@ -361,10 +350,7 @@ def sample_feed(
         V,
         HS,
         HN,
-        BLOCK=triton.next_power_of_2(V),
-        GREEDY_BRANCH=_greedy_branch,
-        SHORTCUT=_topk_shortcut,
         BLOCK_H=1024,
         FEED=feed,
-        num_warps=num_warps(V),
+        **meta,
     )
