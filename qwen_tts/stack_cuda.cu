@@ -12,8 +12,9 @@
 // kernel is read past L1 (ld.global.cg).
 //
 // Constants come from stack_cuda.py as `constexpr int`s written before this text (constants, not macros, so no
-// header's names are touched): the shapes H, I, D, NQ, NKV, L, T, MAXM, NBLK, SLOT_BYTES, ACT_BYTES, RES_ROWS (the
-// most weight rows a block has in one phase), WPAD (MMA: a weight row's padding in its slot), and the options:
+// header's names are touched): the shapes H, I, D, NQ, NKV, L, T, MAXM (the most rows a pass of this build takes),
+// MAXR (the rows shared memory is carved for: MAXM, or four for a one-row build), NBLK, SLOT_BYTES, ACT_BYTES,
+// RES_ROWS (the most weight rows a block has in one phase), WPAD (MMA: a weight row's padding in its slot), and the options:
 // BULK (1: the weights by the copy engine, cp.async.bulk, one instruction a range, completion on an mbarrier; 0:
 // 16-byte cp.async by every thread); WEIGHTS (0: no weight copies at all, the matmuls read whatever the slots hold;
 // for profiling only, to see what the phases cost without their bytes); MMA (1: the matmuls on the tensor cores,
@@ -830,7 +831,7 @@ __device__ __forceinline__ u64* att_stamps(float* scratch) { return (u64*)(att_f
 extern __shared__ __align__(16) unsigned char smem[];
 
 // STAGE: the staged keys' mbarrier, after the two slots' (and before a word holding how many positions it brings).
-__device__ __forceinline__ u64* stage_bar() { return (u64*)(smem + 2 * SLOT_BYTES + ACT_BYTES + 4 * MAXM) + 2; }
+__device__ __forceinline__ u64* stage_bar() { return (u64*)(smem + 2 * SLOT_BYTES + ACT_BYTES + 4 * MAXR) + 2; }
 __device__ __forceinline__ int stage_count() { return *(volatile int*)(stage_bar() + 1); }
 
 // A pass's rows as a long cache's attention numbers its units: each row's position and slot (-1 past M); returns the
@@ -1143,13 +1144,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
                   bf16* abuf, bf16* gbuf, float* apart, u32* bar, int M, float eps, float scale, long long scl,
                   long long scs, long long sch, long long sct, int stop, u64* tl, u32* epoch_p) {
     bf16* act = (bf16*)(smem + 2 * SLOT_BYTES);
-    float* inv = (float*)(smem + 2 * SLOT_BYTES + ACT_BYTES);  // MAXM floats
-    u64* full = (u64*)(inv + MAXM);  // the two slots' mbarriers (BULK)
+    // Shared memory is carved for MAXR rows whatever MAXM (a one-row build's arrays use the first of their space),
+    // so every region starts where the MAXR-row build's does, as aligned.
+    float* inv = (float*)(smem + 2 * SLOT_BYTES + ACT_BYTES);  // MAXM floats (MAXR's space)
+    u64* full = (u64*)(inv + MAXR);  // the two slots' mbarriers (BULK)
     // STAGE: then the staged keys' and values' mbarrier (stage_bar) and their count (16 bytes, keeping the alignment)
     float* res = (float*)(full + (STAGE ? 4 : 2));  // (RES_ROWS, MAXM) a phase's sums
-    float* red = res + RES_ROWS * MAXM;  // (NWARPS, MAXM) the norms' sums of squares by warp
-    float* rope = red + NWARPS * MAXM;  // (MAXM, D) each row's RoPE cosines and sines (rope_tables)
-    bf16* qknw = (bf16*)(rope + MAXM * D);  // (2, D) the attention phase's q and k norm weights
+    float* red = res + RES_ROWS * MAXR;  // (NWARPS, MAXM) the norms' sums of squares by warp
+    float* rope = red + NWARPS * MAXR;  // (MAXM, D) each row's RoPE cosines and sines (rope_tables)
+    bf16* qknw = (bf16*)(rope + MAXR * D);  // (2, D) the attention phase's q and k norm weights
     bf16* nrm = qknw + 2 * D;  // (H) NORMPF: the next norm's weights, copied in while the grid waits
     const int b = blockIdx.x;
     u32 target = 0;  // arrivals every block has made so far: the barrier's next wait

@@ -86,6 +86,7 @@ class Layout:
     threads: int = NTHREADS  # a block's threads (a multiple of 32, at most 1024): more warps share a phase's rows
     split_k: bool = False  # a phase with at most half as many rows as warps (o, down at 512 threads): K in two
     stage: bool = False  # a long cache: a unit's cached keys and values copied into the free slot before the wait
+    rows: int = MAX_ROWS  # the most rows a pass of this build takes (1: the one-row build; shared memory as MAX_ROWS')
 
     @property
     def slot_bytes(self) -> int:
@@ -177,7 +178,8 @@ class Layout:
                 + (2 * self.H if self.norm_prefetch else 0))  # fmt: skip
 
     def source(self) -> str:
-        consts = dict(H=self.H, I=self.I, D=self.D, NQ=self.NQ, NKV=self.NKV, L=self.L, T=self.T, MAXM=MAX_ROWS,
+        consts = dict(H=self.H, I=self.I, D=self.D, NQ=self.NQ, NKV=self.NKV, L=self.L, T=self.T, MAXM=self.rows,
+                      MAXR=MAX_ROWS,
                       NBLK=self.nblk, SLOT_BYTES=self.slot_bytes, ACT_BYTES=self.act_bytes, BULK=int(self.bulk),
                       WEIGHTS=int(self.weights), MMA=int(self.mma), WPAD=WPAD if self.mma else 0, RES_ROWS=self.res_rows,
                       LONG=int(self.long), CHUNK=self.chunk, SPLIT=self.split or self.chunk, NCHUNK=self.max_chunks,
@@ -207,7 +209,7 @@ _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "lig
             "split_barrier": False, "two_rows": True, "lean_grid": True,
             "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK, "split": 0,
             "tags": False, "long_tags": False, "evict_first": True, "threads": NTHREADS, "long_threads": 0,
-            "split_k": False, "stage": False, "long_mma": False}  # fmt: skip
+            "split_k": False, "stage": False, "long_mma": False, "one_row": False}  # fmt: skip
 _DEFAULTS = dict(_options)
 
 
@@ -226,6 +228,7 @@ def set_options(
     split: int | None = None, tags: bool | None = None, long_tags: bool | None = None,
     evict_first: bool | None = None, threads: int | None = None, long_threads: int | None = None,
     split_k: bool | None = None, stage: bool | None = None, long_mma: bool | None = None,
+    one_row: bool | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
     only (no weight copies: the matmuls read stale shared memory); mma: a short cache's stack's (the code
@@ -252,12 +255,15 @@ def set_options(
     sums, batch invariant); stage: a long cache's attention unit has the copy engine bring its chunk's cached keys
     and values (as many positions as a weight slot holds, 192 at the 0.6B talker's shape) into the weight slot the
     attention phase leaves free, before the phase's grid wait, and reads them from shared memory (the same bits;
-    needs `bulk`; with `chunk` 192 a row's positions up to 192 are one chunk, no combine). Returns the options now
-    in force."""
+    needs `bulk`; with `chunk` 192 a row's positions up to 192 are one chunk, no combine); one_row: a pass of one row
+    launches a build of the kernel compiled for one row (`Layout.rows` 1: the same sums in the same order, the rows'
+    loops and registers for one row only, a quarter less code), a pass of more the build for MAX_ROWS (not with
+    `tags`, whose workspace words every launch must rewrite). Returns the options now in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
                  vector_attention=vector_attention, tags=tags, long_tags=long_tags,
-                 evict_first=evict_first, split_k=split_k, stage=stage, long_mma=long_mma)  # fmt: skip
+                 evict_first=evict_first, split_k=split_k, stage=stage, long_mma=long_mma,
+                 one_row=one_row)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)
@@ -288,10 +294,12 @@ def _threads_error(threads: int) -> str | None:
     return None
 
 
-def layout(sw, max_len: int, nblk: int) -> Layout:
-    """The layout of a `stack_kernel.StackWeights` stack with a cache of max_len positions on nblk SMs."""
+def layout(sw, max_len: int, nblk: int, rows: int = MAX_ROWS) -> Layout:
+    """The layout of a `stack_kernel.StackWeights` stack with a cache of max_len positions on nblk SMs, for a pass of
+    `rows` rows (the one-row build where the `one_row` option takes it, else the MAX_ROWS build)."""
     opts = dict(_options)
     long_tags, long_threads, long_mma = opts.pop("long_tags"), opts.pop("long_threads"), opts.pop("long_mma")
+    one_row = opts.pop("one_row")
     lay = Layout(H=sw.H, I=sw.I, D=sw.D, NQ=sw.NQ, NKV=sw.NKV, L=sw.L, T=max_len, nblk=nblk, **opts)
     if lay.long:  # a long cache's stack takes long_mma, not mma
         lay = dataclasses.replace(lay, mma=long_mma)
@@ -299,6 +307,8 @@ def layout(sw, max_len: int, nblk: int) -> Layout:
         lay = dataclasses.replace(lay, tags=True)
     if lay.long and long_threads:
         lay = dataclasses.replace(lay, threads=long_threads)
+    if one_row and rows == 1 and not lay.tags:
+        lay = dataclasses.replace(lay, rows=1)
     return lay
 
 
@@ -314,6 +324,10 @@ def why_not(lay: Layout, max_shared: int) -> str | None:
         return f"{lay.NQ} query heads do not group over {lay.NKV} kv heads"
     if err := _threads_error(lay.threads):
         return err
+    if not 1 <= lay.rows <= MAX_ROWS:
+        return f"a build for {lay.rows} rows: 1 to {MAX_ROWS}"
+    if lay.rows < MAX_ROWS and lay.tags:
+        return "the tags option needs the MAX_ROWS build (every launch rewrites every row of its workspace)"
     if lay.mma and not lay.bulk:
         return "the tensor cores' padded weight rows need the copy engine (bulk)"
     if lay.staged and not lay.bulk:
@@ -331,10 +345,10 @@ def _device_limits(device: torch.device) -> tuple[int, int]:
     return props.multi_processor_count, props.shared_memory_per_block_optin
 
 
-def device_layout(sw, max_len: int, device: torch.device) -> tuple[Layout, str | None]:
-    """The layout on this device and why the kernel cannot take it (None: it can); asked on every pass, so the
-    arithmetic runs once per shape, device and options."""
-    return _checked_layout(layout(sw, max_len, 1), device)
+def device_layout(sw, max_len: int, device: torch.device, rows: int = MAX_ROWS) -> tuple[Layout, str | None]:
+    """The layout on this device for a pass of `rows` rows and why the kernel cannot take it (None: it can); asked on
+    every pass, so the arithmetic runs once per shape, device, row build and options."""
+    return _checked_layout(layout(sw, max_len, 1, rows), device)
 
 
 def _shares(lay: Layout) -> tuple[int, ...]:
@@ -404,10 +418,12 @@ def prepare(sw, max_len: int, device: torch.device | str) -> str | None:
     if dev.type != "cuda":
         return "not a CUDA device"
     lay, reason = device_layout(sw, max_len, dev)
-    if reason:
-        return reason
+    one, one_reason = device_layout(sw, max_len, dev, 1)  # the one-row build (the same layout without `one_row`)
+    if reason or one_reason:
+        return reason or one_reason
     try:
-        _kernel(dev, lay)
+        for build in dict.fromkeys((lay, one)):
+            _kernel(dev, build)
     except (OSError, RuntimeError) as e:
         return f"{type(e).__name__}: {str(e)[:500]}"
     if lay.tags:
@@ -454,7 +470,7 @@ def stack_pass(
     if M > MAX_ROWS:
         raise ValueError(f"{M} rows > MAX_ROWS ({MAX_ROWS})")
     dev = _index(x.device)
-    lay, reason = device_layout(sw, cache.max_len, dev)
+    lay, reason = device_layout(sw, cache.max_len, dev, M)
     if reason:
         raise ValueError(f"stack_cuda cannot take this stack: {reason}")
     if x.dtype != torch.bfloat16:
