@@ -138,7 +138,7 @@ def main() -> None:
                     "without the L2 evict-first policy), +tags (no grid barriers: tagged activations, polled), +tN (blocks of "
                     "N threads), +splitk (with +t512: o's and "
                     "down's rows in two K slices), +stage (a long cache's cached keys and values copied into the free "
-                    "weight slot before attention's wait), +m1 (a one-row pass by the kernel's one-row build)")  # fmt: skip
+                    "weight slot before attention's wait), +exact (a pass of M rows by the kernel's M-row build)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
     ap.add_argument(
         "--cache-len",
@@ -196,7 +196,7 @@ def main() -> None:
                                vector_attention="scalaratt" not in parts, tags="tags" in parts,
                                evict_first="noevict" not in parts,
                                split_k="splitk" in parts, stage="stage" in parts,
-                               one_row="m1" in parts)  # fmt: skip
+                               exact_rows="exact" in parts)  # fmt: skip
         for p in parts:
             if p.startswith("t") and p[1:].isdigit():  # t512: blocks of 512 threads
                 stack_cuda.set_options(threads=int(p[1:]))

@@ -261,13 +261,15 @@ class EngineSettings:
     # on an H100 the 0.6B's talker pass 732.5 -> 807.3 us at one row, one 0.6B stream 24.32x -> 24.12x (twenty-second
     # round). So 256 (bench_gpu.py --engine-variants talker-stack-threads-512).
     talker_stack_threads: int = 256
-    # With either stack kernel on "cuda": a pass of one row (one stream's steps; the code predictor's passes after
-    # its prompt) launches a build of the kernel compiled for one row (stack_cuda's `one_row`): the same sums in the
-    # same order, so the same bits, with the rows' loops and registers for one row only and a quarter less code (the
-    # code predictor's sm_90 build 141 -> 105 KB, the 0.6B talker's 171 -> 132 KB; an earlier round saw the layer
-    # slow down when its code outgrew the SM's instruction cache). Passes of two to four rows keep the four-row
-    # build. Not with stack_tags (bench_gpu.py --engine-variants stack-one-row).
-    stack_one_row: bool = False
+    # With either stack kernel on "cuda": a pass of M rows (one stream's steps are one row, the code predictor's
+    # prompt pass two) launches a build of the kernel compiled for M rows (stack_cuda's `exact_rows`), not the one
+    # for four: the same sums in the same order, so the same bits, with the rows' loops and registers for M rows
+    # only and less code (sm_90, one row: the code predictor's 141 -> 105 KB, the 0.6B talker's 171 -> 132 KB; two
+    # rows 116 and 144 KB). Measured on an H100 (twenty-ninth round, docs/benchmarks.md) with one-row builds: a
+    # code-predictor pass 112.5 -> 100.2 us at one row, the 0.6B talker's 712.4 -> 606.4 us (position 100); one
+    # 0.6B stream 26.53x -> 29.57x real time, one 1.7B stream 18.50x -> 19.38x. Not with stack_tags (bench_gpu.py
+    # --engine-variants no-stack-exact-rows).
+    stack_exact_rows: bool = True
     # With a stack's threads 512: a phase whose block has at most half as many weight rows as warps (o and down: 8 rows,
     # 16 warps) takes each row's K in two slices, a warp each, the two sums added (stack_cuda's `split_k`). Other
     # sums than the default's (a fixed order, batch invariant). On an H100 a code-predictor pass 2-6 us faster, but

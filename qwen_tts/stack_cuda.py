@@ -86,7 +86,7 @@ class Layout:
     threads: int = NTHREADS  # a block's threads (a multiple of 32, at most 1024): more warps share a phase's rows
     split_k: bool = False  # a phase with at most half as many rows as warps (o, down at 512 threads): K in two
     stage: bool = False  # a long cache: a unit's cached keys and values copied into the free slot before the wait
-    rows: int = MAX_ROWS  # the most rows a pass of this build takes (1: the one-row build; shared memory as MAX_ROWS')
+    rows: int = MAX_ROWS  # the most rows a pass of this build takes (`exact_rows`; shared memory as MAX_ROWS')
 
     @property
     def slot_bytes(self) -> int:
@@ -209,7 +209,7 @@ _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "lig
             "split_barrier": False, "two_rows": True, "lean_grid": True,
             "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK, "split": 0,
             "tags": False, "long_tags": False, "evict_first": True, "threads": NTHREADS, "long_threads": 0,
-            "split_k": False, "stage": False, "long_mma": False, "one_row": False}  # fmt: skip
+            "split_k": False, "stage": False, "long_mma": False, "exact_rows": False}  # fmt: skip
 _DEFAULTS = dict(_options)
 
 
@@ -228,7 +228,7 @@ def set_options(
     split: int | None = None, tags: bool | None = None, long_tags: bool | None = None,
     evict_first: bool | None = None, threads: int | None = None, long_threads: int | None = None,
     split_k: bool | None = None, stage: bool | None = None, long_mma: bool | None = None,
-    one_row: bool | None = None,
+    exact_rows: bool | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
     only (no weight copies: the matmuls read stale shared memory); mma: a short cache's stack's (the code
@@ -255,15 +255,15 @@ def set_options(
     sums, batch invariant); stage: a long cache's attention unit has the copy engine bring its chunk's cached keys
     and values (as many positions as a weight slot holds, 192 at the 0.6B talker's shape) into the weight slot the
     attention phase leaves free, before the phase's grid wait, and reads them from shared memory (the same bits;
-    needs `bulk`; with `chunk` 192 a row's positions up to 192 are one chunk, no combine); one_row: a pass of one row
-    launches a build of the kernel compiled for one row (`Layout.rows` 1: the same sums in the same order, the rows'
-    loops and registers for one row only, a quarter less code), a pass of more the build for MAX_ROWS (not with
+    needs `bulk`; with `chunk` 192 a row's positions up to 192 are one chunk, no combine); exact_rows: a pass of M rows
+    launches a build of the kernel compiled for M rows (`Layout.rows`: the same sums in the same order, the rows'
+    loops and registers for M rows only: a quarter less code for one row), else the build for MAX_ROWS (always with
     `tags`, whose workspace words every launch must rewrite). Returns the options now in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
                  vector_attention=vector_attention, tags=tags, long_tags=long_tags,
                  evict_first=evict_first, split_k=split_k, stage=stage, long_mma=long_mma,
-                 one_row=one_row)  # fmt: skip
+                 exact_rows=exact_rows)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)
@@ -296,10 +296,10 @@ def _threads_error(threads: int) -> str | None:
 
 def layout(sw, max_len: int, nblk: int, rows: int = MAX_ROWS) -> Layout:
     """The layout of a `stack_kernel.StackWeights` stack with a cache of max_len positions on nblk SMs, for a pass of
-    `rows` rows (the one-row build where the `one_row` option takes it, else the MAX_ROWS build)."""
+    `rows` rows (the build for that many rows where the `exact_rows` option takes it, else the MAX_ROWS build)."""
     opts = dict(_options)
     long_tags, long_threads, long_mma = opts.pop("long_tags"), opts.pop("long_threads"), opts.pop("long_mma")
-    one_row = opts.pop("one_row")
+    exact_rows = opts.pop("exact_rows")
     lay = Layout(H=sw.H, I=sw.I, D=sw.D, NQ=sw.NQ, NKV=sw.NKV, L=sw.L, T=max_len, nblk=nblk, **opts)
     if lay.long:  # a long cache's stack takes long_mma, not mma
         lay = dataclasses.replace(lay, mma=long_mma)
@@ -307,8 +307,8 @@ def layout(sw, max_len: int, nblk: int, rows: int = MAX_ROWS) -> Layout:
         lay = dataclasses.replace(lay, tags=True)
     if lay.long and long_threads:
         lay = dataclasses.replace(lay, threads=long_threads)
-    if one_row and rows == 1 and not lay.tags:
-        lay = dataclasses.replace(lay, rows=1)
+    if exact_rows and 1 <= rows < MAX_ROWS and not lay.tags:
+        lay = dataclasses.replace(lay, rows=rows)
     return lay
 
 
@@ -417,12 +417,12 @@ def prepare(sw, max_len: int, device: torch.device | str) -> str | None:
     dev = _index(torch.device(device))
     if dev.type != "cuda":
         return "not a CUDA device"
-    lay, reason = device_layout(sw, max_len, dev)
-    one, one_reason = device_layout(sw, max_len, dev, 1)  # the one-row build (the same layout without `one_row`)
-    if reason or one_reason:
-        return reason or one_reason
+    builds = [device_layout(sw, max_len, dev, m) for m in range(MAX_ROWS, 0, -1)]  # one without `exact_rows`
+    lay, reason = builds[0]
+    if reason := next((r for _, r in builds if r), None):
+        return reason
     try:
-        for build in dict.fromkeys((lay, one)):
+        for build in dict.fromkeys(b for b, _ in builds):
             _kernel(dev, build)
     except (OSError, RuntimeError) as e:
         return f"{type(e).__name__}: {str(e)[:500]}"

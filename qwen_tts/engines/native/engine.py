@@ -215,7 +215,9 @@ class NativeEngine(Engine):
         blocks = self._model_info["stack_blocks"]
         self._model_info["cp_stack_mma"] = "code_predictor" in blocks and self.config.cp_stack_mma
         self._model_info["talker_stack_mma"] = "talker" in blocks and self.config.talker_stack_mma
-        self._model_info["stack_one_row"] = bool(blocks) and self.config.stack_one_row and not self.config.stack_tags
+        self._model_info["stack_exact_rows"] = (
+            bool(blocks) and self.config.stack_exact_rows and not self.config.stack_tags
+        )
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)
         self._model_info["fused_decoder"] = any(getattr(m, "fast", None) for m in self._code2wav.modules())
@@ -834,7 +836,7 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
         stage=config.talker_stack_stage,
         chunk=config.talker_stack_chunk,
         split=config.talker_stack_split,
-        one_row=config.stack_one_row,
+        exact_rows=config.stack_exact_rows,
         mma=config.cp_stack_mma,
         long_mma=config.talker_stack_mma,
     )
