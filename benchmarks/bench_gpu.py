@@ -137,8 +137,8 @@ VARIANTS: dict[str, dict] = {
     "stack-mma": {"cp_stack_mma": True, "talker_stack_mma": True},  # both stacks' matmuls on the tensor cores
     "cp-stack-mma": {"cp_stack_mma": True},  # the code predictor's only (padded slots, ldmatrix)
     "talker-stack-mma": {"talker_stack_mma": True},  # the talker's only
-    "stack-exact-rows": {"stack_exact_rows": True},  # a pass of M rows by the kernel's M-row build (the same bits)
-    "no-stack-exact-rows": {"stack_exact_rows": False},  # and every pass by its four-row build
+    "stack-exact-rows-3": {"stack_exact_rows": 3},  # a pass of M < 4 rows by the kernel's M-row build (same bits)
+    "no-stack-exact-rows": {"stack_exact_rows": 0},  # and every pass by its four-row build (one row: the default)
     "stack-split-k": {"stack_split_k": True},  # with stack-threads-512: o's and down's rows in two K slices
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
     "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)

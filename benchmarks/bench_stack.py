@@ -196,7 +196,7 @@ def main() -> None:
                                vector_attention="scalaratt" not in parts, tags="tags" in parts,
                                evict_first="noevict" not in parts,
                                split_k="splitk" in parts, stage="stage" in parts,
-                               exact_rows="exact" in parts)  # fmt: skip
+                               exact_rows=3 if "exact" in parts else 0)  # fmt: skip
         for p in parts:
             if p.startswith("t") and p[1:].isdigit():  # t512: blocks of 512 threads
                 stack_cuda.set_options(threads=int(p[1:]))

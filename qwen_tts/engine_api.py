@@ -261,15 +261,16 @@ class EngineSettings:
     # on an H100 the 0.6B's talker pass 732.5 -> 807.3 us at one row, one 0.6B stream 24.32x -> 24.12x (twenty-second
     # round). So 256 (bench_gpu.py --engine-variants talker-stack-threads-512).
     talker_stack_threads: int = 256
-    # With either stack kernel on "cuda": a pass of M rows (one stream's steps are one row, the code predictor's
-    # prompt pass two) launches a build of the kernel compiled for M rows (stack_cuda's `exact_rows`), not the one
-    # for four: the same sums in the same order, so the same bits, with the rows' loops and registers for M rows
-    # only and less code (sm_90, one row: the code predictor's 141 -> 105 KB, the 0.6B talker's 171 -> 132 KB; two
-    # rows 116 and 144 KB). Measured on an H100 (twenty-ninth round, docs/benchmarks.md) with one-row builds: a
-    # code-predictor pass 112.5 -> 100.2 us at one row, the 0.6B talker's 712.4 -> 606.4 us (position 100); one
-    # 0.6B stream 26.53x -> 29.57x real time, one 1.7B stream 18.50x -> 19.38x. Not with stack_tags (bench_gpu.py
-    # --engine-variants no-stack-exact-rows).
-    stack_exact_rows: bool = True
+    # With either stack kernel on "cuda": a pass of M <= stack_exact_rows rows (0-3; one stream's steps are one row)
+    # launches a build of the kernel compiled for M rows (stack_cuda's `exact_rows`), not the one for four: the same
+    # sums in the same order, so the same bits, with the rows' loops and registers for M rows only and less code
+    # (sm_90, one row: the code predictor's 141 -> 105 KB, the 0.6B talker's 171 -> 132 KB; two rows 116 and 144 KB).
+    # Measured on an H100 (twenty-ninth round, docs/benchmarks.md) with the one-row build: a code-predictor pass
+    # 112.5 -> 100.2 us at one row, the 0.6B talker's 712.4 -> 606.4 us (position 100); one 0.6B stream 26.53x ->
+    # 29.57x real time, one 1.7B stream 18.50x -> 19.38x. So 1. The two- and three-row builds (2, 3) are built and
+    # tested on the CPU, not yet on a GPU (bench_gpu.py --engine-variants stack-exact-rows-3; no-stack-exact-rows
+    # for 0). Not with stack_tags.
+    stack_exact_rows: int = 1
     # With a stack's threads 512: a phase whose block has at most half as many weight rows as warps (o and down: 8 rows,
     # 16 warps) takes each row's K in two slices, a warp each, the two sums added (stack_cuda's `split_k`). Other
     # sums than the default's (a fixed order, batch invariant). On an H100 a code-predictor pass 2-6 us faster, but
@@ -452,6 +453,10 @@ class EngineSettings:
             raise EngineSettingsError("chunk_growth", f"chunk_growth must be >= 2, not {self.chunk_growth}")
         if self.max_queue < 0:
             raise EngineSettingsError("max_queue", "max_queue must be >= 0")
+        if not 0 <= self.stack_exact_rows <= 3:
+            raise EngineSettingsError(
+                "stack_exact_rows", f"stack_exact_rows must be 0 to 3 rows, not {self.stack_exact_rows!r}"
+            )
         if not 1 <= self.small_m_split_k <= 8:
             raise EngineSettingsError(
                 "small_m_split_k", f"small_m_split_k must be 1 to 8, not {self.small_m_split_k!r}"

@@ -209,7 +209,7 @@ _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "lig
             "split_barrier": False, "two_rows": True, "lean_grid": True,
             "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK, "split": 0,
             "tags": False, "long_tags": False, "evict_first": True, "threads": NTHREADS, "long_threads": 0,
-            "split_k": False, "stage": False, "long_mma": False, "exact_rows": False}  # fmt: skip
+            "split_k": False, "stage": False, "long_mma": False, "exact_rows": 0}  # fmt: skip
 _DEFAULTS = dict(_options)
 
 
@@ -228,7 +228,7 @@ def set_options(
     split: int | None = None, tags: bool | None = None, long_tags: bool | None = None,
     evict_first: bool | None = None, threads: int | None = None, long_threads: int | None = None,
     split_k: bool | None = None, stage: bool | None = None, long_mma: bool | None = None,
-    exact_rows: bool | None = None,
+    exact_rows: int | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
     only (no weight copies: the matmuls read stale shared memory); mma: a short cache's stack's (the code
@@ -255,18 +255,22 @@ def set_options(
     sums, batch invariant); stage: a long cache's attention unit has the copy engine bring its chunk's cached keys
     and values (as many positions as a weight slot holds, 192 at the 0.6B talker's shape) into the weight slot the
     attention phase leaves free, before the phase's grid wait, and reads them from shared memory (the same bits;
-    needs `bulk`; with `chunk` 192 a row's positions up to 192 are one chunk, no combine); exact_rows: a pass of M rows
-    launches a build of the kernel compiled for M rows (`Layout.rows`: the same sums in the same order, the rows'
-    loops and registers for M rows only: a quarter less code for one row), else the build for MAX_ROWS (always with
-    `tags`, whose workspace words every launch must rewrite). Returns the options now in force."""
+    needs `bulk`; with `chunk` 192 a row's positions up to 192 are one chunk, no combine); exact_rows (0 to
+    MAX_ROWS - 1): a pass of M <= exact_rows rows launches a build of the kernel compiled for M rows (`Layout.rows`:
+    the same sums in the same order, the rows' loops and registers for M rows only: a quarter less code for one
+    row), a pass of more rows the build for MAX_ROWS (always with `tags`, whose workspace words every launch must
+    rewrite). Returns the options now in force."""
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
                  vector_attention=vector_attention, tags=tags, long_tags=long_tags,
-                 evict_first=evict_first, split_k=split_k, stage=stage, long_mma=long_mma,
-                 exact_rows=exact_rows)  # fmt: skip
+                 evict_first=evict_first, split_k=split_k, stage=stage, long_mma=long_mma)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)
+    if exact_rows is not None:
+        if not 0 <= exact_rows < MAX_ROWS:
+            raise ValueError(f"exact_rows must be 0 to {MAX_ROWS - 1} rows, not {exact_rows}")
+        _options["exact_rows"] = int(exact_rows)
     if threads is not None:
         if err := _threads_error(threads):
             raise ValueError(err)
@@ -307,7 +311,7 @@ def layout(sw, max_len: int, nblk: int, rows: int = MAX_ROWS) -> Layout:
         lay = dataclasses.replace(lay, tags=True)
     if lay.long and long_threads:
         lay = dataclasses.replace(lay, threads=long_threads)
-    if exact_rows and 1 <= rows < MAX_ROWS and not lay.tags:
+    if 1 <= rows <= exact_rows and not lay.tags:
         lay = dataclasses.replace(lay, rows=rows)
     return lay
 
@@ -417,7 +421,7 @@ def prepare(sw, max_len: int, device: torch.device | str) -> str | None:
     dev = _index(torch.device(device))
     if dev.type != "cuda":
         return "not a CUDA device"
-    builds = [device_layout(sw, max_len, dev, m) for m in range(MAX_ROWS, 0, -1)]  # one without `exact_rows`
+    builds = [device_layout(sw, max_len, dev, m) for m in range(MAX_ROWS, 0, -1)]  # the same one past exact_rows
     lay, reason = builds[0]
     if reason := next((r for _, r in builds if r), None):
         return reason

@@ -87,7 +87,7 @@ async def test_stream_equals_whole_decode(tiny_model):
     assert info["decoder_channels_last"] is False
     assert info["small_m_fusion"] is False and info["small_m_pdl"] is False
     assert info["cp_input_tables"] is False and info["small_m_heads"] is False
-    assert info["cp_fused_feed"] is False and info["stack_exact_rows"] is False
+    assert info["cp_fused_feed"] is False and info["stack_exact_rows"] == 0
     try:
         (h,), (audio,) = await run(eng, [req(tiny_model, TEXTS[1], greedy=True, max_frames=23)])
     finally:
@@ -208,6 +208,11 @@ def test_engine_settings_name_the_field_and_its_choices():
         with pytest.raises(EngineSettingsError, match=f"small_m_split_k must be 1 to 8, not {bad}") as e:
             EngineSettings(small_m_split_k=bad)
         assert e.value.setting == "small_m_split_k"
+    for bad in (-1, 4):
+        with pytest.raises(EngineSettingsError, match=f"^stack_exact_rows must be 0 to 3 rows, not {bad}$") as e:
+            EngineSettings(stack_exact_rows=bad)
+        assert e.value.setting == "stack_exact_rows"
+    assert [EngineSettings(stack_exact_rows=n).stack_exact_rows for n in (0, 3)] == [0, 3]
     for bad in (0, 100, 8192):
         with pytest.raises(EngineSettingsError, match=f"must be a power of two from 32 to 4096, not {bad}") as e:
             EngineSettings(kernel_sampler_warp_elements=bad)
@@ -225,7 +230,7 @@ def test_engine_settings_name_the_field_and_its_choices():
             EngineSettings(talker_stack_chunk=bad)
         assert e.value.setting == "talker_stack_chunk"
     s = EngineSettings()
-    assert (s.cp_stack_threads, s.talker_stack_threads) == (512, 256) and s.stack_exact_rows is True
+    assert (s.cp_stack_threads, s.talker_stack_threads) == (512, 256) and s.stack_exact_rows == 1
     assert (s.talker_stack_stage, s.talker_stack_chunk) == (True, 64)
     assert EngineSettings(talker_stack_chunk=192).talker_stack_chunk == 192
     assert s.talker_stack_split == 32 and EngineSettings(talker_stack_split=0).talker_stack_split == 0
@@ -717,7 +722,8 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
     [(True, False, False, False, True, False, True), (False, True, False, False, True, False, True),
      (True, True, False, False, True, False, True), (True, True, True, False, True, False, True),
      (False, True, False, True, True, False, True), (False, True, False, False, False, False, True),
-     (False, True, False, False, True, True, True), (True, True, False, False, True, False, False)],
+     (False, True, False, False, True, True, True), (True, True, False, False, True, False, False),
+     (False, True, False, False, True, False, 3)],
 )  # fmt: skip
 async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_equal_in_a_pair(
     tiny_model, greedy, heads, tags, wide, staged, mma, exact, monkeypatch
@@ -730,8 +736,9 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
     wide: the talker's blocks of 512 threads too, and both stacks' o and down rows in two K slices
     (talker_stack_threads, stack_split_k). staged: the talker's cached keys and values staged in shared memory (the
     default, talker_stack_stage), else read from the cache. mma: both stacks' matmuls on the tensor cores
-    (cp_stack_mma, talker_stack_mma). exact: each pass by the kernel's build for its row count (stack_exact_rows,
-    the default), else by the four-row build. The request runs past 64 positions, where the default talker_stack_split of 32 spreads its
+    (cp_stack_mma, talker_stack_mma). exact: one-row passes by the kernel's one-row build (stack_exact_rows 1,
+    the default; True), passes of up to three rows each by its own build (3), else every pass by the four-row build
+    (False). The request runs past 64 positions, where the default talker_stack_split of 32 spreads its
     attention over three chunks, then four."""
     from qwen_tts import stack_cuda
 
@@ -750,7 +757,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
         eng = NativeEngine(
             EngineSettings(model_path=str(model.path), device="cuda", max_slots=2, warmup=False, frame_step=frame_step,
                            cp_stack_kernel="cuda", talker_stack_kernel="cuda", small_m_heads=heads,
-                           stack_tags=tags, cp_stack_mma=mma, talker_stack_mma=mma, stack_exact_rows=exact,
+                           stack_tags=tags, cp_stack_mma=mma, talker_stack_mma=mma, stack_exact_rows=int(exact),
                            **widen),
             model=model,
         )  # fmt: skip
@@ -761,7 +768,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
             assert opts["tags"] is tags and opts["threads"] == 512 and opts["long_threads"] == (512 if wide else 256)
             assert opts["split_k"] is wide
             assert opts["stage"] is staged and opts["chunk"] == 64 and opts["mma"] is opts["long_mma"] is mma
-            assert opts["split"] == 32 and opts["exact_rows"] is exact
+            assert opts["split"] == 32 and opts["exact_rows"] == int(exact)
             for sw, n in (
                 (model.talker.model.stack_weights, eng._cache.max_len),
                 (model.talker.code_predictor.model.stack_weights, model.talker.code_predictor.num_residual + 1),
@@ -786,7 +793,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
         assert eng.model_info["one_row_steps"] == heads
         assert eng.model_info["stack_tags"] is tags
         assert eng.model_info["cp_stack_mma"] is eng.model_info["talker_stack_mma"] is mma
-        assert eng.model_info["stack_exact_rows"] is (exact and not tags)
+        assert eng.model_info["stack_exact_rows"] == (0 if tags else int(exact))
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         blocks = eng.model_info["stack_blocks"]  # the lean grid: at most every SM
         assert set(blocks) == {"code_predictor", "talker"} and all(0 < n <= sms for n in blocks.values()), blocks

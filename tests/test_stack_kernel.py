@@ -1072,17 +1072,20 @@ def test_cuda_kernel_with_tags_keeps_the_defaults_bits_as_rows_change_and_the_ep
 
 
 def test_the_exact_rows_option_takes_a_build_for_each_row_count(cuda_options) -> None:
-    """exact_rows: a pass of M rows gets a layout compiled for M rows (MAXM) whose shared memory is carved as the
-    four-row build's (MAXR 4: every region where, and as aligned as, the four-row build has it), with the same chunks
-    a (row, kv head) as the four-row build, so the same sums; without the option, and with the tags option, every
-    pass takes the four-row build; a build for 0 or 5 rows, or one for fewer rows with tags, is refused."""
+    """exact_rows N: a pass of M <= N rows gets a layout compiled for M rows (MAXM) whose shared memory is carved as
+    the four-row build's (MAXR 4: every region where, and as aligned as, the four-row build has it), with the same
+    chunks a (row, kv head) as the four-row build, so the same sums; a pass of more rows, every pass at 0 (the
+    module's default) and every pass with the tags option take the four-row build; N past 3 is refused, and so is a
+    build for 0 or 5 rows, or one for fewer rows with tags."""
     from qwen_tts import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B
     sw = dataclasses.make_dataclass("SW", ["H", "I", "D", "NQ", "NKV", "L"])(H, inter, D, nq, nkv, L)
     for T in (CACHE_LEN + 1, 3088):  # the code predictor's cache and the talker's
         assert [stack_cuda.layout(sw, T, 132, m).rows for m in (1, 2, 3, 4)] == [4] * 4  # off by default
-        cuda_options(exact_rows=True)
+        cuda_options(exact_rows=1)
+        assert [stack_cuda.layout(sw, T, 132, m).rows for m in (1, 2, 3, 4)] == [1, 4, 4, 4]
+        cuda_options(exact_rows=3)
         builds = [stack_cuda.layout(sw, T, 132, m) for m in (1, 2, 3, 4)]
         four = builds[-1]
         assert [b.rows for b in builds] == [1, 2, 3, 4] and stack_cuda.layout(sw, T, 132) == four
@@ -1096,7 +1099,10 @@ def test_the_exact_rows_option_takes_a_build_for_each_row_count(cuda_options) ->
         cuda_options(tags=True)
         assert [stack_cuda.layout(sw, T, 132, m).rows for m in (1, 2, 3, 4)] == [4] * 4
         assert "tags" in stack_cuda.why_not(dataclasses.replace(builds[0], tags=True), 232448)
-        cuda_options(tags=False, exact_rows=False)
+        cuda_options(tags=False, exact_rows=0)
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match="exact_rows must be 0 to 3"):
+            cuda_options(exact_rows=bad)
     for bad in (0, 5):
         assert "1 to 4" in stack_cuda.why_not(dataclasses.replace(four, rows=bad), 232448)
 
@@ -1150,7 +1156,7 @@ def test_each_rows_build_gives_the_four_row_builds_bits(shape, opts, cuda_option
     shapes = [(1, [2], [0]), (2, [2, 2], [0, 1]), (3, [2, 3, 1], [0, 0, 0])]
     results = []
     for exact in (False, True):
-        cuda_options(**opt, exact_rows=exact)
+        cuda_options(**opt, exact_rows=3 if exact else 0)
         if long:
             (cache,) = filled_caches((kern,), 3, [5, 5, 5], [1, 2, 3], seed=21)
             for t in ("k", "v"):  # keys and values at every position a pass reads

@@ -216,7 +216,7 @@ class NativeEngine(Engine):
         self._model_info["cp_stack_mma"] = "code_predictor" in blocks and self.config.cp_stack_mma
         self._model_info["talker_stack_mma"] = "talker" in blocks and self.config.talker_stack_mma
         self._model_info["stack_exact_rows"] = (
-            bool(blocks) and self.config.stack_exact_rows and not self.config.stack_tags
+            self.config.stack_exact_rows if blocks and not self.config.stack_tags else 0
         )
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)
