@@ -266,7 +266,7 @@ class EngineSettings:
     # sums in the same order, so the same bits, with the rows' loops and registers for M rows only and less code
     # (sm_90, one row: the code predictor's 141 -> 105 KB, the 0.6B talker's 171 -> 132 KB; two rows 116 and 144 KB).
     # Measured on an H100 (twenty-ninth round, docs/benchmarks.md) with the one-row build: a code-predictor pass
-    # 112.5 -> 100.2 us at one row, the 0.6B talker's 712.4 -> 606.4 us (position 100); one 0.6B stream 26.53x ->
+    # 112.5 -> 100.2 us at one row, the 0.6B talker's 712.4 -> 606.4 us (position 100); one 0.6B stream 26.54x ->
     # 29.57x real time, one 1.7B stream 18.50x -> 19.38x. So 1. The two- and three-row builds (2, 3) are built and
     # tested on the CPU, not yet on a GPU (bench_gpu.py --engine-variants stack-exact-rows-3; no-stack-exact-rows
     # for 0). Not with stack_tags.

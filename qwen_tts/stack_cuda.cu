@@ -13,8 +13,9 @@
 //
 // Constants come from stack_cuda.py as `constexpr int`s written before this text (constants, not macros, so no
 // header's names are touched): the shapes H, I, D, NQ, NKV, L, T, MAXM (the most rows a pass of this build takes),
-// MAXR (the rows shared memory is carved for: MAXM, or four for a one-row build), NBLK, SLOT_BYTES, ACT_BYTES,
-// RES_ROWS (the most weight rows a block has in one phase), WPAD (MMA: a weight row's padding in its slot), and the options:
+// MAXR (the rows shared memory is carved for: four, whatever MAXM; a build for fewer rows uses the first of each
+// region), NBLK, SLOT_BYTES, ACT_BYTES, RES_ROWS (the most weight rows a block has in one phase), WPAD (MMA: a weight
+// row's padding in its slot), and the options:
 // BULK (1: the weights by the copy engine, cp.async.bulk, one instruction a range, completion on an mbarrier; 0:
 // 16-byte cp.async by every thread); WEIGHTS (0: no weight copies at all, the matmuls read whatever the slots hold;
 // for profiling only, to see what the phases cost without their bytes); MMA (1: the matmuls on the tensor cores,
