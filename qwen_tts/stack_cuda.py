@@ -422,7 +422,7 @@ def prepare(sw, max_len: int, device: torch.device | str) -> str | None:
     if dev.type != "cuda":
         return "not a CUDA device"
     builds = [device_layout(sw, max_len, dev, m) for m in range(MAX_ROWS, 0, -1)]  # the same one past exact_rows
-    lay, reason = builds[0]
+    lay = builds[0][0]
     if reason := next((r for _, r in builds if r), None):
         return reason
     try:
