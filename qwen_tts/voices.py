@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-import soundfile as sf
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
@@ -496,7 +495,8 @@ class VoiceEncoder:
 
 # --- reference clips: the checks every enrollment applies ------------------------------------------------------
 # The extractor (tts_tools/extract.py) and the server's upload route (tts_server/voice_routes.py) both enroll
-# through `embed_clip`, so a clip one refuses the other refuses too, with the same message.
+# through `embed_clip`, so a clip one refuses the other refuses too, with the same message. What a file may be
+# (format, channels, rate) and how it is decoded (in blocks, never whole) is `qwen_tts.audio.read_mono`'s.
 MIN_CLIP_SECONDS, MAX_CLIP_SECONDS = 1.0, 60.0  # refused outside
 RECOMMENDED_SECONDS = (5.0, 30.0)  # warned outside: too little speech gives an unstable voice, more adds nothing
 SILENCE_RMS_DBFS = -50.0  # quieter than this is room noise, not speech
@@ -507,6 +507,38 @@ MAX_CLIPPED_FRACTION = 0.01  # speech peaks touch full scale briefly; 1% of all 
 
 class ClipRefused(ValueError):
     """A reference clip is unusable; the message is one line naming the clip and the measured value."""
+
+
+@dataclass(frozen=True)
+class ClipAudio:
+    """A reference clip as enrollment reads it: what the checks measure of the file, and the mono 24 kHz signal
+    the speaker encoder takes. The file's own (frames, channels) samples are not kept (see `load_clip`)."""
+
+    frames: int  # samples per channel in the file
+    sample_rate: int  # the file's
+    channels: int
+    clipped: int  # the file's samples, over all channels, at |x| >= CLIP_LEVEL
+    mono: np.ndarray  # (M,) float32 at SAMPLE_RATE: the channel mean, resampled
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.sample_rate
+
+    @property
+    def clipped_fraction(self) -> float:
+        return self.clipped / (self.frames * self.channels) if self.frames else 0.0
+
+    @classmethod
+    def from_samples(cls, samples: np.ndarray, sample_rate: int) -> ClipAudio:
+        """A clip already in memory, (N,) or (N, C) float samples at `sample_rate`, measured as `load_clip`
+        measures a file."""
+        from . import audio
+
+        samples = samples[:, None] if samples.ndim == 1 else samples
+        frames, channels = samples.shape
+        clipped = int(np.count_nonzero(np.abs(samples) >= CLIP_LEVEL))
+        mono = audio.resample(audio.to_mono(samples), sample_rate, SAMPLE_RATE) if frames else np.zeros(0, np.float32)
+        return cls(frames, int(sample_rate), channels, clipped, np.ascontiguousarray(mono, dtype=np.float32))
 
 
 @dataclass
@@ -526,19 +558,18 @@ def _too_long(label: str, seconds: float, max_seconds: float) -> ClipRefused:
     return ClipRefused(f"{label}: too long ({seconds:.1f} s; the limit is {max_seconds:g} s, trim it to 5-30 s)")
 
 
-def check_clip(
-    samples: np.ndarray, sample_rate: int, mono: np.ndarray, label: str, *, max_seconds: float = MAX_CLIP_SECONDS
-) -> ClipLevels:
-    """Duration and level checks. `samples` is the file as read (N, C); `mono` is what the encoder will see."""
-    seconds = samples.shape[0] / sample_rate
+def check_clip(clip: ClipAudio, label: str, *, max_seconds: float = MAX_CLIP_SECONDS) -> ClipLevels:
+    """Duration and level checks: duration and clipping of the file's own samples (resampling smears flat tops
+    and hides them), RMS and peak of `clip.mono`, what the encoder will see."""
+    seconds = clip.seconds
     if seconds < MIN_CLIP_SECONDS:
         raise ClipRefused(
             f"{label}: too short ({seconds:.2f} s; a reference clip needs at least {MIN_CLIP_SECONDS:g} s)"
         )
     if seconds > max_seconds:
         raise _too_long(label, seconds, max_seconds)
-    # Clipping is measured on the file's own samples: resampling smears flat tops and hides them.
-    clipped = float(np.mean(np.abs(samples) >= CLIP_LEVEL)) if samples.size else 0.0
+    clipped = clip.clipped_fraction
+    mono = clip.mono
     rms = float(np.sqrt(np.mean(np.square(mono, dtype=np.float64)))) if mono.size else 0.0
     peak = float(np.max(np.abs(mono))) if mono.size else 0.0
     levels = ClipLevels(seconds=seconds, rms_dbfs=_dbfs(rms), peak=peak, clipped_fraction=clipped)
@@ -558,36 +589,39 @@ def check_clip(
     return levels
 
 
+def _clip_name(source: str | Path | BinaryIO) -> str:
+    """A clip's name in messages when the caller gives none: a path whole (the directory matters in batch runs), a
+    file object by its name attribute, never its repr (an address means nothing to whoever reads the message)."""
+    if isinstance(source, (str, os.PathLike)):
+        return str(source)
+    name = getattr(source, "name", None)
+    return name if isinstance(name, str) and name else "<stream>"
+
+
 def load_clip(
     source: str | Path | BinaryIO, label: str | None = None, *, max_seconds: float = MAX_CLIP_SECONDS
-) -> tuple[np.ndarray, int, np.ndarray]:
-    """(samples (N, C) as read, their rate, mono float32 at 24 kHz) of a file path or an open binary file (an
-    upload's bytes). `label` names the clip in messages (default: the path)."""
+) -> ClipAudio:
+    """A file path or an open binary file (an upload's bytes) read for enrollment. `label` names the clip in
+    messages (default: the path). Refused (ClipRefused, one line) from the header before any sample is decoded:
+    a format outside the accepted list (m4a and WebM named, with how to convert them), too many channels, too
+    high a rate, longer than `max_seconds`; then decoded in blocks mixed to mono, so memory stays within the mono
+    signal's size whatever the file's channels (`qwen_tts.audio.read_mono`). The mono signal is then resampled
+    whole, as the model's own input path does."""
     from . import audio
 
-    if isinstance(source, (str, os.PathLike)):
-        source = name = str(source)  # a str, so soundfile's and load_audio's messages carry the whole path
-    else:
-        name = getattr(source, "name", None) or "<stream>"
-    label = label if label is not None else name
-    # Refuse an hour-long recording from its header instead of decoding gigabytes of samples first.
+    label = label if label is not None else _clip_name(source)
     try:
-        info = sf.info(source)
-        if info.samplerate > 0 and info.frames / info.samplerate > 2 * max_seconds:
-            raise _too_long(label, info.frames / info.samplerate, max_seconds)
-    except (sf.LibsndfileError, RuntimeError, TypeError):
-        pass  # unreadable: load_audio below says why
-    finally:
-        if hasattr(source, "seek"):
-            source.seek(0)
-    try:
-        samples, sr = audio.load_audio(source)
-    except audio.AudioError as e:  # its message is '<name>: <reason>': name the clip as the caller does
-        raise ClipRefused(f"{label}: {str(e).removeprefix(f'{name}: ')}") from None
+        read = audio.read_mono(source, max_seconds=max_seconds, clip_level=CLIP_LEVEL)
+    except audio.AudioTooLong as e:
+        raise _too_long(label, e.seconds, max_seconds) from None
+    except audio.AudioError as e:  # one line saying what is wrong, without the file's name: ours goes first
+        raise ClipRefused(f"{label}: {e}") from None
     except OSError as e:
         raise ClipRefused(f"{label}: cannot read ({e.strerror or e})") from None
-    mono = audio.resample(audio.to_mono(samples), sr, SAMPLE_RATE) if samples.size else np.zeros(0, np.float32)
-    return samples, sr, np.ascontiguousarray(mono, dtype=np.float32)
+    mono = audio.resample(read.samples, read.sample_rate, SAMPLE_RATE) if read.frames else np.zeros(0, np.float32)
+    return ClipAudio(
+        read.frames, read.sample_rate, read.channels, read.clipped, np.ascontiguousarray(mono, dtype=np.float32)
+    )
 
 
 def embed_clip(
@@ -598,10 +632,10 @@ def embed_clip(
     max_seconds: float = MAX_CLIP_SECONDS,
 ) -> tuple[torch.Tensor, ClipLevels]:
     """Read, check and embed one reference clip: (x-vector, its levels with any warnings), or ClipRefused."""
-    label = label if label is not None else str(source)
-    samples, sr, mono = load_clip(source, label, max_seconds=max_seconds)
-    levels = check_clip(samples, sr, mono, label, max_seconds=max_seconds)
-    x = encoder.embed(mono)
+    label = label if label is not None else _clip_name(source)
+    clip = load_clip(source, label, max_seconds=max_seconds)
+    levels = check_clip(clip, label, max_seconds=max_seconds)
+    x = encoder.embed(clip.mono)
     if x.shape[0] != encoder.xvector_dim:
         raise ClipRefused(f"{label}: encoder gave width {x.shape[0]}, the model needs {encoder.xvector_dim}")
     return x, levels

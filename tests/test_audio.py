@@ -6,8 +6,20 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from qwen_tts.audio import (
+    ACCEPTED_FORMATS,
+    ACCEPTED_SUBTYPES,
+    MAX_CHANNELS,
+    MAX_SAMPLE_RATE,
+    AudioError,
+    AudioTooLong,
+    load_audio,
+    load_mono_24k,
+    read_mono,
+    resample,
+    to_mono,
+)
 from qwen_tts.audio import SAMPLE_RATE as TARGET_SR
-from qwen_tts.audio import AudioError, load_audio, load_mono_24k, resample, to_mono
 
 FORMATS = [
     ("wav", "WAV", "PCM_16", 1e-4),
@@ -111,3 +123,132 @@ def test_resample_keeps_channels():
     y = resample(x, 16000)
     assert y.shape == (6000, 2)
     assert dominant_hz(y[:, 1], TARGET_SR) == pytest.approx(1000.0, abs=4.0)
+
+
+# --- read_mono: clips from outside, checked from the header, decoded in blocks ---------------------------------
+def encoded(x: np.ndarray, sr: int, fmt: str, subtype: str | None = None) -> io.BytesIO:
+    buf = io.BytesIO()
+    sf.write(buf, x, sr, format=fmt, subtype=subtype)
+    buf.seek(0)
+    return buf
+
+
+@pytest.mark.parametrize(
+    ("fmt", "subtype", "sr", "channels"),
+    [
+        ("WAV", "PCM_16", 44100, 2),
+        ("WAV", "FLOAT", 48000, 8),
+        ("WAVEX", "PCM_24", 96000, 3),
+        ("FLAC", "PCM_24", 22050, 5),
+        ("OGG", "VORBIS", 48000, 2),
+        ("OGG", "OPUS", 48000, 1),
+        ("MP3", "MPEG_LAYER_III", 44100, 2),
+        ("MP3", "MPEG_LAYER_III", 22050, 2),  # MPEG-2: decodes differently unless sought to the start first
+    ],
+)
+@pytest.mark.parametrize("block_frames", [1000, 4096, 1 << 16])
+def test_read_mono_is_bit_identical_to_reading_whole_then_to_mono(fmt, subtype, sr, channels, block_frames):
+    x = tone(220.0, sr, 1.3, channels) * 2.2  # past full scale: some samples clip
+    buf = encoded(x, sr, fmt, subtype)
+    whole, whole_sr = load_audio(io.BytesIO(buf.getvalue()))
+    got = read_mono(buf, clip_level=0.999, block_frames=block_frames)
+    assert (got.sample_rate, got.channels, got.format, got.subtype) == (whole_sr, channels, fmt, subtype)
+    assert got.samples.dtype == np.float32 and got.frames == whole.shape[0]
+    np.testing.assert_array_equal(got.samples, to_mono(whole))  # the model's parity: the same bits
+    assert got.clipped == np.count_nonzero(np.abs(whole) >= 0.999) > 0
+
+
+def test_read_mono_reads_a_path_and_an_empty_file(tmp_path):
+    path = tmp_path / "a.flac"
+    sf.write(path, tone(300.0, 16000, 0.5, 2), 16000)
+    got = read_mono(path)
+    assert (got.frames, got.channels, got.sample_rate) == (8000, 2, 16000)
+    empty = read_mono(encoded(np.zeros((0, 2), np.float32), 16000, "WAV"))
+    assert empty.frames == 0 and empty.samples.shape == (0,)
+    with pytest.raises(OSError):
+        read_mono(tmp_path / "missing.wav")
+
+
+def _flac_of_unknown_length() -> io.BytesIO:
+    # STREAMINFO's 36-bit total-samples field zeroed, as an encoder writing to a pipe leaves it.
+    data = bytearray(encoded(tone(300.0, 16000, 1.0), 16000, "FLAC").getvalue())
+    assert data[:4] == b"fLaC"
+    packed = int.from_bytes(data[18:26], "big") & ~((1 << 36) - 1)
+    data[18:26] = packed.to_bytes(8, "big")
+    return io.BytesIO(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: encoded(tone(300.0, 16000, 0.5), 16000, "AIFF", "PCM_16"),
+            f"AIFF (PCM_16) is not an accepted format; accepted: {ACCEPTED_FORMATS}",
+        ),
+        (
+            lambda: encoded(tone(300.0, 16000, 0.5), 16000, "WAV", "GSM610"),
+            f"WAV (GSM610) is not an accepted format; accepted: {ACCEPTED_FORMATS}",
+        ),
+        (
+            lambda: encoded(np.zeros((100, 9), np.float32), 16000, "WAV"),
+            "9 channels; the limit is 8 (mix it down to mono first)",
+        ),
+        (
+            lambda: encoded(np.zeros((100, 1), np.float32), 384000, "WAV"),
+            "sample rate 384000 Hz; the limit is 192000 Hz (resample it first, e.g. to 48000 Hz)",
+        ),
+        (
+            _flac_of_unknown_length,
+            "its header does not give its length (a stream written without seeking back?); re-encode it, "
+            "e.g. ffmpeg -i clip.flac clip.wav",
+        ),
+        (
+            lambda: io.BytesIO(b"\x00\x00\x00\x1cftypisom\x00\x00\x02\x00isomiso2mp41" + bytes(100)),
+            "AAC/m4a (MP4) audio is not supported; convert it first, e.g. ffmpeg -i clip.m4a clip.wav",
+        ),
+        (
+            lambda: io.BytesIO(b"\x1a\x45\xdf\xa3" + bytes(100)),
+            "WebM/Matroska audio is not supported; convert it first, e.g. ffmpeg -i clip.webm clip.wav",
+        ),
+        (lambda: io.BytesIO(b"this is not audio at all" * 10), "not a readable audio file (Format not recognised)"),
+        (
+            lambda: io.BytesIO(encoded(tone(300.0, 16000, 0.5), 16000, "WAV").getvalue()[:30]),
+            "not a readable audio file (Error in WAV file. No 'data' chunk marker)",
+        ),
+    ],
+    ids=["aiff", "gsm-wav", "channels", "rate", "unknown-length", "m4a", "webm", "junk", "truncated"],
+)
+def test_read_mono_refuses_from_the_header_in_one_line_without_a_repr(monkeypatch, make, message):
+    def must_not_decode(*args, **kwargs):
+        raise AssertionError("decoded a clip its header already refuses")
+
+    source = make()
+    monkeypatch.setattr(sf.SoundFile, "read", must_not_decode)
+    with pytest.raises(AudioError) as e:
+        read_mono(source)
+    assert str(e.value) == message
+    assert "0x" not in str(e.value) and "object at" not in str(e.value)
+
+
+def test_read_mono_refuses_a_long_clip_from_its_header(monkeypatch):
+    monkeypatch.setattr(sf.SoundFile, "read", lambda *a, **k: pytest.fail("decoded a clip too long by its header"))
+    with pytest.raises(AudioTooLong) as e:
+        read_mono(encoded(np.zeros(16000 * 3 + 1, np.float32), 16000, "WAV"), max_seconds=3.0)
+    assert e.value.seconds == pytest.approx(3.0 + 1 / 16000)
+
+
+def test_read_mono_refuses_non_finite_samples_and_unreadable_messages_carry_no_repr():
+    x = np.zeros((5000, 2), dtype=np.float32)
+    x[4500, 1] = np.inf
+    with pytest.raises(AudioError, match=r"^audio contains NaN or infinite samples$"):
+        read_mono(encoded(x, 16000, "WAV", "FLOAT"), block_frames=1024)
+    with pytest.raises(AudioError) as e:
+        load_audio(io.BytesIO(b"junk" * 100))
+    assert str(e.value) == "<stream>: not a readable audio file (Format not recognised)"
+
+
+def test_accepted_subtypes_are_all_readable_here():
+    for fmt, subtypes in ACCEPTED_SUBTYPES.items():
+        assert fmt in sf.available_formats()
+        assert subtypes <= set(sf.available_subtypes(fmt)), fmt
+    assert MAX_CHANNELS == 8 and MAX_SAMPLE_RATE == 192_000

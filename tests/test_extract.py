@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from qwen_tts.voices import ClipRefused, ProfileError, check_clip, load_clip, load_profile, sha256_file
+from qwen_tts.voices import ClipAudio, ClipRefused, ProfileError, check_clip, load_clip, load_profile, sha256_file
 from tts_tools import extract
 from tts_tools.extract import collect_jobs
 
@@ -59,7 +59,7 @@ def run(tiny_model: Path, out: Path, *args: str) -> int:
 
 def test_check_clip_measures_a_good_clip():
     x = speechlike(6.0, 24000)
-    levels = check_clip(x[:, None], 24000, x, "a.wav")
+    levels = check_clip(ClipAudio.from_samples(x, 24000), "a.wav")
     assert levels.seconds == pytest.approx(6.0)
     assert levels.warnings == []
     assert levels.peak == pytest.approx(0.3, rel=1e-4)
@@ -78,7 +78,7 @@ def test_check_clip_measures_a_good_clip():
 def test_check_clip_refuses_with_one_line_naming_file_and_value(seconds, amp, message):
     x = speechlike(seconds, 8000, amp=amp)
     with pytest.raises(ClipRefused) as e:
-        check_clip(x[:, None], 8000, x, "a.wav")
+        check_clip(ClipAudio.from_samples(x, 8000), "a.wav")
     assert str(e.value).startswith(message)
     assert "\n" not in str(e.value)
 
@@ -86,15 +86,37 @@ def test_check_clip_refuses_with_one_line_naming_file_and_value(seconds, amp, me
 def test_check_clip_refuses_heavy_clipping_and_accepts_a_few_peaks_at_full_scale():
     x = np.clip(speechlike(6.0, 24000, amp=3.0), -1.0, 1.0)
     with pytest.raises(ClipRefused, match=r"heavily clipped \(\d+\.\d% of samples at full scale"):
-        check_clip(x[:, None], 24000, x, "c.wav")
+        check_clip(ClipAudio.from_samples(x, 24000), "c.wav")
     y = speechlike(6.0, 24000, amp=1.0)  # normalized to exactly full scale: a handful of samples touch it
-    assert check_clip(y[:, None], 24000, y, "n.wav").clipped_fraction < 0.01
+    assert check_clip(ClipAudio.from_samples(y, 24000), "n.wav").clipped_fraction < 0.01
 
 
 def test_check_clip_warns_outside_the_recommended_duration():
     x = speechlike(3.0, 24000)
-    levels = check_clip(x[:, None], 24000, x, "short.wav")
+    levels = check_clip(ClipAudio.from_samples(x, 24000), "short.wav")
     assert levels.warnings == ["short.wav: 3.0 s is outside the recommended 5-30 s"]
+
+
+@pytest.mark.parametrize(
+    ("ext", "sr", "channels"), [("wav", 44100, 2), ("flac", 48000, 6), ("ogg", 48000, 2), ("mp3", 22050, 2)]
+)
+def test_load_clip_in_blocks_gives_the_numbers_of_reading_the_file_whole(tmp_path, ext, sr, channels):
+    """Decoded in blocks mixed to mono as they come, a clip measures and embeds exactly as the whole (N, C) read,
+    mixed and resampled (the model's input path) did: the same mono bits, the same clipped fraction and levels."""
+    from qwen_tts.audio import load_audio
+    from qwen_tts.voices import CLIP_LEVEL
+
+    x = np.stack([speechlike(6.0, sr, amp=1.0 - 0.1 * c, seed=c) for c in range(channels)], axis=1)
+    path = tmp_path / f"clip.{ext}"
+    sf.write(str(path), x, sr)
+    clip = load_clip(path)
+    samples, rate = load_audio(path)  # the whole file, as enrollment read it before
+    whole = ClipAudio.from_samples(samples, rate)
+    assert (clip.frames, clip.sample_rate, clip.channels) == (samples.shape[0], rate, channels)
+    np.testing.assert_array_equal(clip.mono, whole.mono)
+    assert clip.clipped == whole.clipped > 0
+    assert clip.clipped_fraction == float(np.mean(np.abs(samples) >= CLIP_LEVEL))
+    assert check_clip(clip, "c") == check_clip(whole, "c")
 
 
 # ---------------------------------------------------------------------------------------------- clip sources
@@ -278,15 +300,23 @@ def test_script_help_and_a_real_run_as_subprocess(tiny_model, tmp_path):
     assert load_profile(out / "sub.safetensors").dim > 0
 
 
-def test_very_long_clip_is_refused_from_its_header_without_decoding(tmp_path, monkeypatch):
-    import qwen_tts.audio
-
+@pytest.mark.parametrize("seconds", [200.0, 61.0])
+def test_a_long_clip_is_refused_from_its_header_without_decoding(tmp_path, monkeypatch, seconds):
     clip = tmp_path / "podcast.wav"
-    sf.write(str(clip), np.zeros(200 * 8000, np.int16), 8000, subtype="PCM_16")
+    sf.write(str(clip), np.zeros(int(seconds * 8000), np.int16), 8000, subtype="PCM_16")
 
-    def must_not_decode(path):
+    def must_not_decode(*args, **kwargs):
         raise AssertionError("decoded a clip whose header already says it is too long")
 
-    monkeypatch.setattr(qwen_tts.audio, "load_audio", must_not_decode)
-    with pytest.raises(ClipRefused, match=r"podcast.wav: too long \(200.0 s; the limit is 60 s"):
+    monkeypatch.setattr(sf.SoundFile, "read", must_not_decode)
+    with pytest.raises(ClipRefused) as e:
         load_clip(clip)
+    assert str(e.value) == f"{clip}: too long ({seconds:.1f} s; the limit is 60 s, trim it to 5-30 s)"
+
+
+def test_a_clip_without_a_label_is_named_without_its_repr():
+    import io
+
+    with pytest.raises(ClipRefused) as e:
+        load_clip(io.BytesIO(b"this is not audio at all" * 10))
+    assert str(e.value) == "<stream>: not a readable audio file (Format not recognised)"
