@@ -2,8 +2,9 @@
 
 - `GET /v1/audio/voices`: the voices now in the profiles directory (`/speakers` stays, with its own shape).
 - `POST /v1/audio/voices`: multipart `name`, `audio_sample` (the reference clip), optional `ref_text` (its
-  transcript). The clip goes through the extractor's checks (`qwen_tts.voices.embed_clip`: duration, silence,
-  clipping) and the speaker encoder loaded at startup; the profile is written atomically into the directory and
+  transcript). The clip goes through the extractor's checks (`qwen_tts.voices.embed_clip`: format, channels, rate
+  and duration from the header before any decoding, then decoded in blocks mixed to mono; silence, clipping) and
+  the speaker encoder loaded at startup; the profile is written atomically into the directory and
   loaded, so the voice is usable by the next request. 201 with the voice; 409 if the name is taken.
 - `DELETE /v1/audio/voices/{name}`: removes the profile file.
 
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import Field, File, create_form_parser
 
+from qwen_tts.audio import ACCEPTED_FORMATS, MAX_CHANNELS, MAX_SAMPLE_RATE
 from qwen_tts.voices import (
     ClipRefused,
     InvalidProfileError,
@@ -61,8 +63,9 @@ _UPLOAD_SCHEMA = {
                         "audio_sample": {
                             "type": "string",
                             "format": "binary",
-                            "description": "The reference clip: wav, flac, ogg or mp3, any rate; 5-30 s of one "
-                            "speaker is best",
+                            "description": f"The reference clip: {ACCEPTED_FORMATS}; at most {MAX_CHANNELS} "
+                            f"channels and {MAX_SAMPLE_RATE} Hz; 5-30 s of one speaker is best (AAC/m4a: convert it "
+                            "first, e.g. ffmpeg -i clip.m4a clip.wav)",
                         },
                         "ref_text": {"type": "string", "description": "Transcript of the clip (kept as metadata)"},
                     },
