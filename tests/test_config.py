@@ -135,7 +135,29 @@ def test_inconsistent_chunk_sizes_are_refused(monkeypatch: pytest.MonkeyPatch) -
 def test_connection_limit_must_leave_room_for_admitted_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TTS_MAX_CONCURRENT", "1000")
     monkeypatch.setenv("TTS_MAX_QUEUE", "100")
-    with pytest.raises(SettingsError, match="TTS_MAX_CONNECTIONS must exceed"):
+    with pytest.raises(SettingsError, match=r"TTS_MAX_CONNECTIONS \(1024\) must exceed .* \(1000 \+ 100\)"):
+        load_settings()
+
+
+def test_the_per_client_connection_cap_follows_a_lower_global_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("TTS_MAX_CONCURRENT", "TTS_MAX_QUEUE", "TTS_MAX_CONNECTIONS", "TTS_MAX_CONNECTIONS_PER_CLIENT"):
+        monkeypatch.delenv(name, raising=False)
+    assert load_settings().max_connections_per_client == 64
+    monkeypatch.setenv("TTS_MAX_CONCURRENT", "4")
+    monkeypatch.setenv("TTS_MAX_QUEUE", "4")
+    monkeypatch.setenv("TTS_MAX_CONNECTIONS", "20")  # alone: the per-client cap follows it down
+    assert load_settings().max_connections_per_client == 20
+    monkeypatch.setenv("TTS_MAX_CONNECTIONS_PER_CLIENT", "8")
+    assert load_settings().max_connections_per_client == 8
+    monkeypatch.setenv("TTS_MAX_CONNECTIONS_PER_CLIENT", "21")
+    with pytest.raises(SettingsError, match="TTS_MAX_CONNECTIONS_PER_CLIENT must not exceed"):
+        load_settings()
+
+
+def test_upload_bytes_in_flight_must_hold_one_largest_upload(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TTS_VOICE_UPLOAD_MAX_BYTES", str(8 * 1024 * 1024))
+    monkeypatch.setenv("TTS_VOICE_UPLOAD_INFLIGHT_BYTES", str(4 * 1024 * 1024))
+    with pytest.raises(SettingsError, match="TTS_VOICE_UPLOAD_INFLIGHT_BYTES must be at least"):
         load_settings()
 
 

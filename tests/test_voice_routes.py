@@ -241,9 +241,10 @@ async def test_upload_and_delete_are_off_by_default(tmp_path: Path) -> None:
         assert (tmp_path / "keep.safetensors").exists()
         listed = (await s.client.get("/v1/audio/voices")).json()
         assert "keep" in listed["voices"] and listed["upload_enabled"] is False
-        # A disabled upload route keeps the small JSON body limit: nothing large is buffered.
+        # A disabled upload route refuses before reading any of the body: a real-sized clip gets the same 403, not a
+        # 413 about the size of a body nobody would read.
         r = await s.client.post("/v1/audio/voices", data={"name": "x"}, files={"audio_sample": ("a.wav", b"0" * 70000)})
-        assert r.status_code == 413
+        assert r.status_code == 403 and r.json()["error"]["code"] == "voice_management_disabled"
 
 
 async def test_upload_needs_a_checkpoint_with_a_speaker_encoder(tmp_path: Path) -> None:
@@ -314,7 +315,7 @@ async def test_models_retrieve_answers_for_the_served_model_only(server: InProce
 async def test_a_wrong_method_names_every_method_of_the_path(server: InProcess) -> None:
     # GET and POST /v1/audio/voices are two routes: the 405's Allow lists both (Starlette's names the first only).
     r = await server.client.put("/v1/audio/voices")
-    assert r.status_code == 405 and r.headers["allow"] == "GET, POST"
+    assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD, POST"
     assert r.json()["error"]["code"] == "method_not_allowed"
     assert (await server.client.get("/v1/audio/voices/x")).headers["allow"] == "DELETE"
     assert (await server.client.get("/synthesize")).headers["allow"] == "POST"

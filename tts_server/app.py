@@ -7,13 +7,20 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.routing import WebSocketRoute
 
 from qwen_tts.engine_api import Engine
 
 from . import openapi
-from .errors import install_error_handlers
+from .errors import Forbidden, install_error_handlers
 from .heap import freeze_startup_heap, thaw_and_collect
-from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, JsonCORSMiddleware, RequestContextMiddleware
+from .middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    JsonCORSMiddleware,
+    RequestContextMiddleware,
+    UploadBudget,
+)
 from .routes import PUBLIC_PATHS, ROUTES, router
 from .runtime import Runtime
 from .settings import ServerSettings, load_settings
@@ -21,6 +28,9 @@ from .voice_routes import VOICE_ROUTES, VOICES_PATH
 from .voice_routes import router as voice_router
 from .web import WEB_PATHS
 from .web import router as web_router
+
+# Seconds past a request's own deadlines before the server-wide one cuts it (the route's error goes out first).
+DEADLINE_GRACE_S = 5.0
 
 EXPOSED_HEADERS = [
     "X-Request-Id",
@@ -77,6 +87,9 @@ def create_app(
     app.include_router(router)
     app.include_router(voice_router)  # /v1/audio/voices, /v1/models/{id}
     app.include_router(web_router)  # the page at /
+    # A malformed multipart body is the client's error, answered 400 and logged once by the access line; the parser's
+    # own ERROR lines would let any client write to the error log.
+    logging.getLogger("python_multipart").setLevel(logging.CRITICAL)
     # For the Allow header of a 405 (errors.allowed_methods): every route's path pattern and methods.
     app.state.route_methods = [
         (route.path_regex, set(route.methods))
@@ -91,10 +104,21 @@ def create_app(
             rt.metrics.requests.labels(route, str(status)).inc()
 
     # add_middleware wraps: the last added is the outermost.
-    # An upload's clip may be larger than any JSON body, but only where uploads are on.
+    # An upload's clip may be larger than any JSON body, but only where uploads are on; where they are off, the route's
+    # refusal comes before any of the body is read.
     upload_limit = {VOICES_PATH: settings.voice_upload_max_bytes} if settings.voice_upload else {}
+    uploads_off = Forbidden(
+        "voice upload and delete are disabled on this server (an operator enables them with TTS_VOICE_UPLOAD=true)",
+        code="voice_management_disabled",
+    )
     app.add_middleware(
-        BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout=settings.body_timeout, per_path=upload_limit
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        timeout=settings.body_timeout,
+        per_path=upload_limit,
+        budget=UploadBudget(settings.voice_upload_inflight_bytes),
+        refused={} if settings.voice_upload else {VOICES_PATH: uploads_off},
+        retry_after=settings.retry_after,
     )
     keys = [k.get_secret_value() for k in settings.api_keys]
     app.add_middleware(ApiKeyMiddleware, keys=keys, public=(*PUBLIC_PATHS, *WEB_PATHS))
@@ -107,7 +131,13 @@ def create_app(
             expose_headers=EXPOSED_HEADERS,
             max_age=600,
         )
+    websocket_paths = {route.path for route in app.router.routes if isinstance(route, WebSocketRoute)}
     app.add_middleware(
-        RequestContextMiddleware, on_response=count_response, routes=(*ROUTES, *VOICE_ROUTES, *WEB_PATHS)
+        RequestContextMiddleware,
+        on_response=count_response,
+        routes=(*ROUTES, *VOICE_ROUTES, *WEB_PATHS),
+        # The floor under every route's own deadline: a body may take TTS_BODY_TIMEOUT, the work TTS_REQUEST_TIMEOUT.
+        timeout=settings.body_timeout + settings.request_timeout + DEADLINE_GRACE_S,
+        websocket_paths=websocket_paths,
     )
     return app

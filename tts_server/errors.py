@@ -146,6 +146,8 @@ def allowed_methods(request: Request) -> str:
     for regex, route_methods in getattr(request.app.state, "route_methods", ()):
         if regex.match(path):
             methods |= route_methods
+    if "GET" in methods:
+        methods.add("HEAD")  # answered as GET without the body (RequestContextMiddleware)
     return ", ".join(sorted(methods))
 
 

@@ -11,7 +11,16 @@ reaches the app.
   address. At either cap the oldest *idle* connection (between requests or still sending headers; of the same
   client for its own cap) is closed to make room, so idle sockets can never lock working clients out; only when
   every candidate is busy is the newcomer refused: 429 over the per-client cap, 503 over the global one.
-- every response this layer writes (400, 408, 429, 431, 503) has the API's JSON error shape and an X-Request-Id.
+- over a cap with no idle connection to close, the newcomer is refused at once (429 or 503 written as soon as it
+  connects) and closed within `LINGER_S`; it never waits for its headers, so refused sockets pile up nowhere.
+- a request body nobody reads (an early 401, 408, 413, or any response sent before the client finished sending) ends
+  the connection: the response goes out, then a lingering close reads and discards what the client still sends for at
+  most `LINGER_S` (so the client sees the response, not a reset) and aborts. A trickling body cannot hold a socket.
+- framing the app must never see: Content-Length together with Transfer-Encoding (RFC 9112 6.1, the setup for request
+  smuggling) gets 400, a request line other than HTTP/1.0 or 1.1 gets 505; both close the connection.
+- every response this layer writes (400, 408, 429, 431, 503, 505) has the API's JSON error shape and an X-Request-Id.
+- the app sees the connection as the scope extension `CONNECTION_EXTENSION`, whose `abort()` cuts it (a stream past its
+  deadline whose client stopped reading: closing gracefully would wait for ever on a full socket).
 
 The h11 parser is used (not httptools) because it bounds header size and lets us see the header phase end.
 """
@@ -19,7 +28,10 @@ The h11 parser is used (not httptools) because it bounds header size and lets us
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
+import struct
 import time
 import uuid
 from collections.abc import Callable
@@ -34,6 +46,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .errors import error_body
 
 EVICTION_GRACE_S = 0.05
+# Longest a connection lingers after its last response when its client is still sending (an unread body, a refusal).
+LINGER_S = 2.0
+CONNECTION_EXTENSION = "tts.connection"
 
 
 @dataclass(frozen=True)
@@ -64,23 +79,67 @@ def _error_bytes(status: int, message: str, type_: str, code: str, extra: dict[s
     return head.encode("latin-1") + b"\r\n" + body
 
 
-def _refusal_app(status: int, message: str, type_: str, code: str, retry_after: int):
-    """An ASGI app that answers every request with one JSON error and closes the connection."""
+async def _send_error(send: Send, status: int, message: str, type_: str, code: str) -> None:
+    """One JSON error from an ASGI app, closing the connection after it."""
+    request_id = uuid.uuid4().hex
+    body = json.dumps(error_body(status, message, type_, code, None, request_id)).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+        (b"x-request-id", request_id.encode()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        request_id = uuid.uuid4().hex
-        body = json.dumps(error_body(status, message, type_, code, None, request_id)).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-            (b"retry-after", str(retry_after).encode()),
-            (b"x-request-id", request_id.encode()),
-        ]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
 
-    return app
+def framing_error(scope: Scope) -> tuple[int, str, str] | None:
+    """(status, message, code) when the request's framing must not reach the app, else None."""
+    if scope.get("http_version") not in ("1.0", "1.1"):
+        return 505, f"HTTP/{scope.get('http_version')} is not supported (use HTTP/1.1)", "http_version_not_supported"
+    names = {name.lower() for name, _ in scope.get("headers", [])}
+    if b"transfer-encoding" in names and b"content-length" in names:
+        return 400, "Content-Length and Transfer-Encoding together are refused (RFC 9112 6.1)", "invalid_http"
+    return None
+
+
+class Connection:
+    """What the app may do to its connection (scope["extensions"][CONNECTION_EXTENSION])."""
+
+    def __init__(self, protocol: HygienicH11Protocol):
+        self._protocol = protocol
+
+    def abort(self) -> None:
+        """Drop the connection now with a reset, discarding what is queued here and in the kernel: for a client that
+        stopped reading (a plain close would leave the kernel trying to deliver its buffer for minutes)."""
+        transport = self._protocol.real_transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()
+
+
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it: `close()` while the client is still sending a body lingers
+    (see the module docstring) instead of closing over unread bytes, which the kernel answers with a reset that can
+    destroy the response on its way. Everything else is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: HygienicH11Protocol):
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        if self._protocol.conn.their_state is h11.SEND_BODY:
+            self._protocol.linger()
+        else:
+            self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._protocol.lingering or self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 class HygienicH11Protocol(H11Protocol):
@@ -96,6 +155,9 @@ class HygienicH11Protocol(H11Protocol):
         self._idle_since = time.monotonic()
         self._client_key: str | None = None
         self._evicting = False
+        self.lingering = False
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self.real_transport: asyncio.Transport | None = None
 
     # --- connection accounting -------------------------------------------------------------------------
     def _per_client(self) -> dict[str, int]:
@@ -114,29 +176,61 @@ class HygienicH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.real_transport = transport
+        self.transport = _LingeringTransport(transport, self)  # type: ignore[assignment]
+        self.app = self._guarded(self.app)
         lim = self.limits
         self._client_key = self.client[0] if self.client else "?"
         counts = self._per_client()
         counts[self._client_key] = counts.get(self._client_key, 0) + 1
         self._arm_header_timer()
+        retry = {"retry-after": str(lim.retry_after)}
         if counts[self._client_key] > lim.max_connections_per_client and not self._evict_idle(self._client_key):
             self._count("client_connection_limit")
-            self.app = _refusal_app(
-                429,
-                f"too many connections from this client (limit {lim.max_connections_per_client})",
-                "rate_limit_error",
-                "too_many_connections",
-                lim.retry_after,
-            )
+            message = f"too many connections from this client (limit {lim.max_connections_per_client})"
+            self._refuse(_error_bytes(429, message, "rate_limit_error", "too_many_connections", retry))
         elif len(self.connections) > lim.max_connections and not self._evict_idle():
             self._count("connection_limit")
-            self.app = _refusal_app(
-                503,
-                f"server is at its connection limit ({lim.max_connections}); retry later",
-                "service_unavailable",
-                "too_many_connections",
-                lim.retry_after,
-            )
+            message = f"server is at its connection limit ({lim.max_connections}); retry later"
+            self._refuse(_error_bytes(503, message, "service_unavailable", "too_many_connections", retry))
+
+    def _guarded(self, app: Any) -> Any:
+        """The app behind the framing checks, with the connection handed to it as a scope extension."""
+        connection = Connection(self)
+
+        async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http":
+                refused = framing_error(scope)
+                if refused is not None:
+                    status, message, code = refused
+                    self._count("invalid_http")
+                    await _send_error(send, status, message, "invalid_request_error", code)
+                    return
+            scope.setdefault("extensions", {})[CONNECTION_EXTENSION] = connection
+            await app(scope, receive, send)
+
+        return guarded
+
+    def _refuse(self, response: bytes) -> None:
+        """Answer a connection over a cap at once and let it go: it holds no slot while it lingers."""
+        self._release_client()
+        self.connections.discard(self)
+        self.real_transport.write(response)
+        self.linger()
+
+    def linger(self) -> None:
+        """Stop answering: send what is queued, then FIN; discard what the client still sends; abort after LINGER_S
+        (or close as soon as the client closes its side)."""
+        if self.lingering or self.real_transport.is_closing():
+            return
+        self.lingering = True
+        self._cancel_header_timer()
+        self._unset_keepalive_if_required()
+        transport = self.real_transport
+        transport.resume_reading()
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._linger_timer = self.loop.call_later(LINGER_S, transport.abort)
 
     def _evict_idle(self, client: str | None = None) -> bool:
         """Close the longest-idle other connection (of `client`, if given); False if every candidate is busy."""
@@ -147,6 +241,7 @@ class HygienicH11Protocol(H11Protocol):
             and isinstance(c, HygienicH11Protocol)
             and c._idle()
             and not c._evicting
+            and not c.lingering
             and not c.transport.is_closing()
             and (client is None or c._client_key == client)
         ]
@@ -168,8 +263,7 @@ class HygienicH11Protocol(H11Protocol):
     def _idle_age(self) -> float:
         return time.monotonic() - self._idle_since
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_header_timer()
+    def _release_client(self) -> None:
         counts = self._per_client()
         if self._client_key is not None:
             left = counts.get(self._client_key, 1) - 1
@@ -178,7 +272,20 @@ class HygienicH11Protocol(H11Protocol):
             else:
                 counts.pop(self._client_key, None)
             self._client_key = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        self._release_client()
         super().connection_lost(exc)
+
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        """The WebSocket protocol takes the transport over (and its own connection_lost): release the accounting."""
+        self._cancel_header_timer()
+        self._release_client()
+        self.transport = self.real_transport  # type: ignore[assignment]
+        super().handle_websocket_upgrade(event)
 
     # --- header phase --------------------------------------------------------------------------------------
     def _arm_header_timer(self) -> None:
@@ -205,11 +312,13 @@ class HygienicH11Protocol(H11Protocol):
         self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return  # the rest of a body (or a request) nobody will answer
         if self.conn.their_state is h11.IDLE and self._headers_too_large(data):
             self._cancel_header_timer()
             self._count("headers_too_large")
-            self.transport.write(self._too_large())
-            self.transport.close()
+            self.real_transport.write(self._too_large())
+            self.linger()  # the client is likely still sending its headers: let it read the 431
             return
         super().data_received(data)
         if self._header_timer is not None and self.conn.their_state is not h11.IDLE:
@@ -217,6 +326,8 @@ class HygienicH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         self._idle_since = time.monotonic()
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.linger()  # answered before its body was read: the rest is not wanted, and neither is the connection
         super().on_response_complete()
         if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
             self._arm_header_timer()  # the next request's headers must come in time too
@@ -242,8 +353,8 @@ class HygienicH11Protocol(H11Protocol):
         else:
             self._count("invalid_http")
             data = _error_bytes(400, "malformed HTTP request", "invalid_request_error", "invalid_http")
-        self.transport.write(data)
-        self.transport.close()
+        self.real_transport.write(data)
+        self.linger()
 
 
 def protocol_class(limits: ConnectionLimits) -> type[HygienicH11Protocol]:

@@ -10,7 +10,7 @@ import base64
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import anyio
@@ -25,7 +25,7 @@ from qwen_tts.engine_api import RequestFailedError
 from .audio_encoding import FORMATS, StreamEncoder, encode, get_format
 from .errors import BadRequest, InvalidField, NotReady, RequestTimeout, validation_error
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .middleware import StreamAborted
+from .middleware import StreamAborted, abort_connection
 from .runtime import Runtime
 from .schemas import SpeechRequest, StreamRequest, SynthesizeRequest, allowed_fields
 from .synthesis import ClientDisconnected, Job, Outcome, check_limits, collect, first_chunk, rest, submit
@@ -46,6 +46,8 @@ ROUTES = (
 )
 # nginx's code for "client closed the request": logged and counted, never seen by a client.
 CLIENT_CLOSED = 499
+# Seconds a response may still be sending past its job's deadline before the connection is cut.
+SEND_GRACE_S = 1.0
 
 
 def runtime_of(request: Request) -> Runtime:
@@ -84,9 +86,22 @@ def _audio_headers(job: Job, request: Request, pcm: np.ndarray) -> dict[str, str
     }
 
 
+async def send_by(deadline: float, scope: Scope, respond: Awaitable[None]) -> bool:
+    """Run `respond` (a response being sent) until `deadline` + SEND_GRACE_S; past it, cut the connection (its
+    client has stopped reading, or the engine is late) and return False. The grace lets a route's own timeout
+    message (an SSE error event) go out first where the socket still takes it."""
+    with anyio.move_on_after(max(0.0, deadline + SEND_GRACE_S - time.monotonic())) as cut:
+        await respond
+    if cut.cancelled_caught:
+        abort_connection(scope)
+        return False
+    return True
+
+
 class JobStreamingResponse(StreamingResponse):
-    """A streaming response that owns its job: whatever ends the stream (completion, failure, client gone),
-    the job is closed, which cancels the engine request if it is still running."""
+    """A streaming response that owns its job: whatever ends the stream (completion, failure, deadline, client
+    gone), the job is closed, which cancels the engine request if it is still running. The job's deadline covers
+    every send: a client that stops reading is cut there, not when its socket drains."""
 
     def __init__(self, job: Job, content: AsyncIterator[bytes], **kwargs: Any):
         super().__init__(content, **kwargs)
@@ -95,11 +110,25 @@ class JobStreamingResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            if not await send_by(self.job.deadline, scope, super().__call__(scope, receive, send)):
+                self.job.outcome = Outcome.TIMEOUT
+                raise StreamAborted("request timeout: the client did not take the audio in time", status=504)
         finally:
             if self.job.outcome is Outcome.STREAMING:
                 self.job.outcome = Outcome.DISCONNECTED
             self.job.close()
+
+
+class DeadlineResponse(Response):
+    """A whole file, sent by its job's deadline (a client that does not read it is cut there)."""
+
+    def __init__(self, deadline: float, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.deadline = deadline
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not await send_by(self.deadline, scope, super().__call__(scope, receive, send)):
+            raise StreamAborted("request timeout: the client did not take the file in time", status=504)
 
 
 async def _encoded_stream(job: Job, first: np.ndarray | None, encoder: StreamEncoder) -> AsyncIterator[bytes]:
@@ -119,7 +148,7 @@ async def _encoded_stream(job: Job, first: np.ndarray | None, encoder: StreamEnc
         raise StreamAborted(f"engine failure: {e}") from None
     except RequestTimeout:
         job.outcome = Outcome.TIMEOUT
-        raise StreamAborted("request timeout") from None
+        raise StreamAborted("request timeout", status=504) from None
 
 
 async def _start_stream(request: Request, job: Job) -> np.ndarray | Response | None:
@@ -143,7 +172,8 @@ async def _whole_file(request: Request, job: Job, fmt: str) -> Response:
         job.close()
     audio_format = get_format(fmt)
     data = await anyio.to_thread.run_sync(encode, pcm, audio_format, job.runtime.engine.sample_rate)
-    return Response(data, media_type=audio_format.media_type, headers=_audio_headers(job, request, pcm))
+    headers = _audio_headers(job, request, pcm)
+    return DeadlineResponse(job.deadline, data, media_type=audio_format.media_type, headers=headers)
 
 
 # --- the seed's API ---------------------------------------------------------------------------------

@@ -48,6 +48,8 @@ ENGINE_FIELDS = {
     "small_m_heads": "small_m_heads",
     "fused_deterministic": "fused_deterministic",
 }
+DEFAULT_CONNECTIONS_PER_CLIENT = 64
+DEFAULT_UPLOAD_INFLIGHT_BYTES = 32 * 1024 * 1024
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
 
 
@@ -140,6 +142,10 @@ class ServerSettings(BaseSettings):
     # Largest upload request in bytes (the whole multipart body): 10 MiB, as vLLM-Omni; 60 s of 44.1 kHz 16-bit
     # mono WAV is 5.3 MB.
     voice_upload_max_bytes: int = Field(10 * 1024 * 1024, ge=64 * 1024, le=256 * 1024 * 1024)
+    # Upload bytes being received, decoded and enrolled at once, over all clients (each upload holds its declared size
+    # until it is answered); past it 429 with Retry-After. Enrolment runs one clip at a time anyway. Unset: 32 MiB, or
+    # TTS_VOICE_UPLOAD_MAX_BYTES where that is larger.
+    voice_upload_inflight_bytes: int | None = Field(None, ge=64 * 1024, le=4 * 1024 * 1024 * 1024)
     # Longest reference clip accepted, in seconds (the extractor's limit; 5-30 s of clean speech is best).
     voice_upload_max_seconds: float = Field(MAX_CLIP_SECONDS, ge=MIN_CLIP_SECONDS, le=600)
 
@@ -167,7 +173,8 @@ class ServerSettings(BaseSettings):
     max_connections: int = Field(1024, ge=1, le=1_000_000)
     # --- connection hygiene (enforced by tts_server/http_server.py, see docs/security.md) ------------
     # Open connections from one client address; past it 429. Keeps one client from taking the whole TTS_MAX_CONNECTIONS.
-    max_connections_per_client: int = Field(64, ge=1, le=1_000_000)
+    # Unset: 64, or TTS_MAX_CONNECTIONS where that is lower.
+    max_connections_per_client: int | None = Field(None, ge=1, le=1_000_000)
     # Seconds a connection has to deliver complete request headers (after opening, or after its last response).
     header_timeout: float = Field(10.0, gt=0, le=3600)
     # Seconds an idle kept-alive connection stays open between requests.
@@ -240,9 +247,21 @@ class ServerSettings(BaseSettings):
         if self.first_chunk_frames > self.chunk_frames:
             raise ValueError("TTS_FIRST_CHUNK_FRAMES must not exceed TTS_CHUNK_FRAMES")
         if self.max_connections <= self.max_concurrent + self.max_queue:
-            raise ValueError("TTS_MAX_CONNECTIONS must exceed TTS_MAX_CONCURRENT + TTS_MAX_QUEUE")
+            raise ValueError(
+                f"TTS_MAX_CONNECTIONS ({self.max_connections}) must exceed TTS_MAX_CONCURRENT + TTS_MAX_QUEUE "
+                f"({self.max_concurrent} + {self.max_queue}): every request admitted or queued holds a connection"
+            )
+        if self.max_connections_per_client is None:
+            self.max_connections_per_client = min(DEFAULT_CONNECTIONS_PER_CLIENT, self.max_connections)
         if self.max_connections_per_client > self.max_connections:
             raise ValueError("TTS_MAX_CONNECTIONS_PER_CLIENT must not exceed TTS_MAX_CONNECTIONS")
+        if self.voice_upload_inflight_bytes is None:
+            self.voice_upload_inflight_bytes = max(DEFAULT_UPLOAD_INFLIGHT_BYTES, self.voice_upload_max_bytes)
+        if self.voice_upload_inflight_bytes < self.voice_upload_max_bytes:
+            raise ValueError(
+                "TTS_VOICE_UPLOAD_INFLIGHT_BYTES must be at least TTS_VOICE_UPLOAD_MAX_BYTES (else no upload of the "
+                "largest size could ever be taken)"
+            )
         return self
 
     def public_dict(self) -> dict[str, Any]:
