@@ -16,9 +16,12 @@ file is reloaded.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import math
 import os
 import re
+import stat
 import tempfile
 import threading
 from collections.abc import Callable
@@ -29,8 +32,8 @@ from typing import BinaryIO
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import save_file
 
 from .audio import SAMPLE_RATE
 
@@ -137,6 +140,8 @@ def validate_xvector(x: torch.Tensor, expected_dim: int | None = None) -> torch.
         raise ProfileError(f"x_vector must be 1-D, got shape {tuple(x.shape)}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         raise ProfileError(f"x_vector must be floating point, got {x.dtype}")
+    if x.shape[0] == 0:
+        raise ProfileError("x_vector is empty")
     if expected_dim is not None and x.shape[0] != expected_dim:
         raise ProfileError(f"x_vector has width {x.shape[0]}, the loaded model needs {expected_dim}")
     x = x.to(torch.float32).contiguous()
@@ -157,21 +162,130 @@ def save_profile(path: str | Path, profile: VoiceProfile, *, overwrite: bool = F
     return atomic_write(path, lambda tmp: save_file({TENSOR_NAME: x}, tmp, metadata=profile.metadata()))
 
 
-def load_profile(path: str | Path, expected_dim: int | None = None) -> VoiceProfile:
-    """Read and validate a profile. Raises ProfileError with the reason (never a raw library error)."""
-    path = Path(path)
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _not_regular(mode: int) -> ProfileError:
+    return ProfileError(f"not a regular file ({_kind(mode)})")
+
+
+def read_profile_bytes(path: str | Path, *, follow_symlinks: bool = True) -> tuple[bytes, os.stat_result]:
+    """The bytes of a profile file and the stat of what was read, without ever blocking on or reading from
+    anything but a regular file of at most MAX_PROFILE_BYTES. ProfileError otherwise.
+
+    A FIFO named `x.safetensors` would block `open()` until a writer appears, and a device could stream for ever,
+    so: the path is stat'ed and refused unless it is a regular file; it is then opened with O_NONBLOCK (a FIFO
+    swapped in after the stat does not block the open) and O_NOFOLLOW when `follow_symlinks` is off (the registry
+    passes resolved paths, so a symlink there was swapped in); the descriptor itself is fstat'ed and refused unless
+    regular, and at most MAX_PROFILE_BYTES + 1 bytes are read from it (the file may grow after the fstat).
+    """
+    path = os.fspath(path)
     try:
-        size = path.stat().st_size
+        st = os.stat(path, follow_symlinks=follow_symlinks)
     except OSError as e:
-        raise ProfileError(f"cannot read: {e.strerror}") from None
-    if size > MAX_PROFILE_BYTES:
-        raise ProfileError(f"file is {size} bytes, larger than a profile can be ({MAX_PROFILE_BYTES})")
+        raise ProfileError(f"cannot read: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(st.st_mode)
+    if st.st_size > MAX_PROFILE_BYTES:
+        raise ProfileError(f"file is {st.st_size} bytes, larger than a profile can be ({MAX_PROFILE_BYTES})")
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        tensors = load_file(str(path))
-        with safe_open(str(path), framework="pt") as f:
-            md = f.metadata() or {}
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise ProfileError(f"cannot read: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(st.st_mode)
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_PROFILE_BYTES:
+            block = os.read(fd, MAX_PROFILE_BYTES + 1 - size)
+            if not block:
+                break
+            chunks.append(block)
+            size += len(block)
+    except OSError as e:
+        raise ProfileError(f"cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if size > MAX_PROFILE_BYTES:
+        raise ProfileError(f"file is over {MAX_PROFILE_BYTES} bytes, larger than a profile can be")
+    return b"".join(chunks), st
+
+
+def _parse(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and string metadata of safetensors bytes (ProfileError if they are not valid safetensors)."""
+    try:
+        tensors = load_safetensors_bytes(data)
+        # The header was just validated by safetensors: 8 bytes of length, then JSON whose __metadata__ (if any)
+        # maps strings to strings.
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + n])
+    except Exception as e:  # untrusted bytes: whatever the parser raises means "not a profile"
         raise ProfileError(f"not a readable safetensors file ({type(e).__name__})") from None
+    md = header.get("__metadata__") if isinstance(header, dict) else None
+    if md is None:
+        md = {}
+    if not isinstance(md, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in md.items()):
+        raise ProfileError("metadata is not a map of strings")
+    return tensors, md
+
+
+def _metadata_error(key: str, value: str, expected: str) -> ProfileError:
+    shown = value if len(value) <= 40 else value[:37] + "..."
+    return ProfileError(f"metadata {key} {shown!r} is not {expected}")
+
+
+def _source_seconds(value: str | None) -> float | None:
+    if value is None or value.strip() == "":
+        return None
+    try:
+        secs = float(value)
+    except ValueError:
+        raise _metadata_error("source_seconds", value, "a number of seconds") from None
+    if not math.isfinite(secs) or secs < 0:
+        raise _metadata_error("source_seconds", value, "a finite number of seconds >= 0")
+    return secs
+
+
+def _check_metadata(md: dict[str, str], width: int) -> None:
+    """The fields we interpret must be what the format says, else the file is refused with the reason: our writers
+    never produce such a file, so something else wrote or edited it, and a refused voice (logged, 404 naming the
+    profile as unusable) is easier to find than one served with a field silently dropped. `format` and `dim` are
+    checked here, `source_seconds` where it is read (`_source_seconds`). `model`, `created_at`, `source_sha256`
+    and `ref_text` are only shown, as the strings they are (safetensors guarantees strings), so any string goes."""
+    if md.get("format") not in (None, PROFILE_FORMAT):
+        raise ProfileError(f"unknown profile format {md.get('format')!r}")
+    dim = (md.get("dim") or "").strip()
+    if dim:
+        if not dim.isdecimal():
+            raise _metadata_error("dim", dim, "a whole number")
+        if len(dim) > 9 or int(dim) != width:  # (int() of thousands of digits raises)
+            raise _metadata_error("dim", dim, f"the x_vector's width {width}")
+
+
+def load_profile(path: str | Path, expected_dim: int | None = None, *, follow_symlinks: bool = True) -> VoiceProfile:
+    """Read and validate a profile. Raises ProfileError with the reason (never a raw library error); never opens
+    anything but a regular file (see `read_profile_bytes`)."""
+    return _profile_from_bytes(read_profile_bytes(path, follow_symlinks=follow_symlinks)[0], expected_dim)
+
+
+def _profile_from_bytes(data: bytes, expected_dim: int | None) -> VoiceProfile:
+    tensors, md = _parse(data)
     if TENSOR_NAME not in tensors:
         # Accept a single-tensor file from other tools, but never guess among several.
         if len(tensors) != 1:
@@ -179,16 +293,14 @@ def load_profile(path: str | Path, expected_dim: int | None = None) -> VoiceProf
         (x,) = tensors.values()
     else:
         x = tensors[TENSOR_NAME]
-    if md.get("format") not in (None, PROFILE_FORMAT):
-        raise ProfileError(f"unknown profile format {md.get('format')!r}")
-    x = validate_xvector(x, expected_dim)
-    secs = md.get("source_seconds")
+    x = validate_xvector(x, expected_dim).clone()  # its own memory, not a view of the file's bytes
+    _check_metadata(md, x.shape[0])
     return VoiceProfile(
         x_vector=x,
         model=md.get("model", ""),
         created_at=md.get("created_at", ""),
         source_sha256=md.get("source_sha256", ""),
-        source_seconds=float(secs) if secs else None,
+        source_seconds=_source_seconds(md.get("source_seconds")),
         ref_text=md.get("ref_text", ""),
     )
 
@@ -435,27 +547,36 @@ class VoiceRegistry:
     def _refresh(self, speaker_id: str) -> _Entry:
         path = self.path_for(speaker_id)
         try:
-            st = path.stat()
+            st = os.stat(path)
         except OSError:
             with self._lock:
                 self._entries.pop(speaker_id, None)
             raise UnknownSpeakerError(f"unknown speaker {speaker_id!r}") from None
-        signature = (st.st_mtime_ns, st.st_size, st.st_ino)
         with self._lock:
             entry = self._entries.get(speaker_id)
-            if entry is not None and entry.signature == signature:
+            if entry is not None and entry.signature == _signature(st):
                 return entry
-            entry = self._load(speaker_id, path, signature)
+        # Read outside the lock: a slow file holds up no other voice (nor a request thread waiting on the lock).
+        entry = self._load(speaker_id, path, _signature(st))
+        with self._lock:
             self._entries[speaker_id] = entry
-            return entry
+        return entry
 
     def _load(self, speaker_id: str, path: Path, signature: tuple[int, int, int]) -> _Entry:
+        """Never raises: whatever is wrong with the file becomes an entry with the reason, logged once per
+        version of the file, so one bad file never stops a start-up, a listing or a sync."""
         name = speaker_id + PROFILE_SUFFIX
         try:
-            profile: VoiceProfile = load_profile(path, expected_dim=self.xvector_dim)
+            # The path is resolved (path_for): a link at its last component was swapped in since, so refuse it.
+            data, st = read_profile_bytes(path, follow_symlinks=False)
+            signature = _signature(st)  # what was read, should the file have changed since the stat
+            profile = _profile_from_bytes(data, self.xvector_dim)
         except ProfileError as e:
             logger.warning("skipping voice profile %s: %s", name, e)
             return _Entry(signature, error=str(e))
+        except Exception as e:  # a bug or an odd library error: still one bad file, not a dead server
+            logger.warning("skipping voice profile %s: unreadable (%s)", name, type(e).__name__, exc_info=True)
+            return _Entry(signature, error=f"unreadable ({type(e).__name__})")
         info = SpeakerInfo(
             speaker_id=speaker_id,
             dim=profile.dim,
@@ -468,6 +589,10 @@ class VoiceRegistry:
         )
         logger.debug("loaded voice profile %s (dim %d)", name, profile.dim)
         return _Entry(signature, xvector=profile.x_vector.to(self.device), info=info)
+
+
+def _signature(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 # --- x-vectors from audio -------------------------------------------------------------------------------------
