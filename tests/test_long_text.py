@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+import torch
 from test_server_errors import _call_and_disconnect, _cut_short
 
-from qwen_tts.engine_api import FRAME_SAMPLES, EngineSettings, RequestHandle, SynthesisRequest
+from qwen_tts.engine_api import FRAME_SAMPLES, EngineSettings, FinishReason, RequestHandle, SynthesisRequest
 from qwen_tts.engines.fake import FakeEngine
 from qwen_tts.engines.native import NativeEngine
 from qwen_tts.model_paths import resolve_model_path
 from qwen_tts.voices import ensure_demo_voice
-from server_helpers import in_process, write_voice
-from tts_server.long_text import FADE_SAMPLES, PIECE_BYTES, split_text
+from server_helpers import in_process, server_process, write_voice
+from tts_server.long_text import FADE_SAMPLES, MIN_PIECE_BYTES, PIECE_BYTES, PieceChain, split_text
 
 _EN_SENTENCES = [
     "The lighthouse keeper climbed the stairs at dusk.",
@@ -121,8 +124,9 @@ def _spy_submissions(engine) -> tuple[list[RequestHandle], list[bool]]:
 
 
 # Pieces of one length (8 frames: more than one chunk): each piece then ends after the one before it, so the
-# chain's cap of two pieces in the engine never delays a submission past the end of the piece before.
-_EIGHT = {"min_new_tokens": 8, "max_new_tokens": 8}
+# chain's cap of two pieces in the engine never delays a submission past the end of the piece before. An engine
+# capped at 8 frames a request gives each piece exactly 8 with this (max_new_tokens caps the whole request).
+_EIGHT = {"min_new_tokens": 8}
 
 
 def _expected_fake(engine: FakeEngine, requests: list[SynthesisRequest]) -> np.ndarray:
@@ -141,7 +145,7 @@ def _expected_fake(engine: FakeEngine, requests: list[SynthesisRequest]) -> np.n
 @pytest.mark.parametrize("text_of", [english_text, chinese_text])
 async def test_a_4000_character_text_streams_its_pieces_in_order_with_one_seed(text_of, tmp_path: Path) -> None:
     text = text_of()
-    engine = FakeEngine(frames_per_char=0.05, frame_delay=0.01)
+    engine = FakeEngine(frames_per_char=0.05, frame_delay=0.01, max_frames=8)
     write_voice(tmp_path, "alice", 16)
     handles, overlapped = _spy_submissions(engine)
     async with in_process(engine, profiles_dir=tmp_path) as s:
@@ -211,9 +215,9 @@ async def test_long_text_on_the_native_engine_joins_without_clicks(
     text_of, language: str, demo_model: Path, tmp_path: Path
 ) -> None:
     ensure_demo_voice(tmp_path, demo_model)
-    engine = NativeEngine(EngineSettings(model_path=str(demo_model), max_slots=4, max_frames=64))
+    engine = NativeEngine(EngineSettings(model_path=str(demo_model), max_slots=4, max_frames=8))
     text = text_of()
-    async with in_process(engine, profiles_dir=tmp_path, max_new_tokens=64) as s:
+    async with in_process(engine, profiles_dir=tmp_path) as s:
         handles, overlapped = _spy_submissions(engine)  # after the warm-up request
         body = {"speaker_id": "demo", "text": text, "language": language, "seed": 5, **_EIGHT}
         async with s.client.stream("POST", "/synthesize/stream", json=body) as r:
@@ -234,3 +238,161 @@ async def test_long_text_on_the_native_engine_joins_without_clicks(
     at_joins = np.array([abs(float(got[j]) - float(got[j - 1])) for j in joins])
     assert at_joins.max() <= own
     assert np.abs(got[joins]).max() == 0.0  # each piece starts from silence
+
+
+# --- paragraphs packed into pieces (issue 46, item 5) -----------------------------------------------------------
+def test_many_short_paragraphs_make_few_pieces() -> None:
+    text = "Hi.\n\n" * 819  # 4095 characters: one piece per paragraph made 819 engine requests
+    pieces = split_text(text, "english")
+    assert len(pieces) == 11
+    assert all(len(p.encode()) <= PIECE_BYTES for p in pieces)
+    assert all(len(p.encode()) >= MIN_PIECE_BYTES for p in pieces[:-1])
+    assert sum(p.count("Hi.") for p in pieces) == 819
+    assert split_text("First.\n\nSecond.\n\n\n\nThird.", "english") == ["First.\nSecond.\nThird."]
+
+
+def test_a_paragraph_break_is_the_preferred_cut() -> None:
+    para = [f"Paragraph {i} holds one sentence of exactly sixty bytes in it." for i in range(10)]
+    assert all(len(p) == 60 for p in para)
+    pieces = split_text("\n\n".join(para), "english")
+    # Four whole paragraphs fit in 300 bytes (with the newlines), a fifth does not: every cut is a paragraph break.
+    assert pieces == ["\n".join(para[0:4]), "\n".join(para[4:8]), "\n".join(para[8:10])]
+    # Paragraphs of over 150 bytes: two do not fit in one piece, and each is big enough to stand alone.
+    long = [f"Sentence {i} goes on a while. " * 6 for i in range(3)]
+    assert all(150 < len(p.strip()) < 200 for p in long)
+    assert split_text("\n\n".join(long), "english") == [p.strip() for p in long]
+
+
+def test_a_piece_too_small_to_stand_alone_takes_the_next_paragraphs_first_sentences() -> None:
+    sentences = [f"This is sentence number {i} of the long paragraph. " for i in range(12)]
+    text = "Title.\n\n" + "".join(sentences)
+    pieces = split_text(text, "english")
+    assert pieces[0].startswith("Title.\nThis is sentence number 0")
+    assert 250 < len(pieces[0].encode()) <= PIECE_BYTES and pieces[0].endswith("paragraph.")
+    assert _squash("".join(pieces)) == _squash(text)
+
+
+# --- one frame cap for the whole request (issue 46, item 5) ---------------------------------------------------------
+def _chain_pieces(n: int, chars: int) -> list[str]:
+    return [f"{i:03d}" + "x" * (chars - 3) for i in range(n)]
+
+
+async def _run_chain(engine: FakeEngine, pieces: list[str], max_frames: int | None, **request) -> tuple:
+    await engine.start()
+    req = SynthesisRequest(text=" ".join(pieces), xvector=torch.ones(16), seed=3, max_frames=max_frames, **request)
+    handles, _ = _spy_submissions(engine)
+    chain = PieceChain(engine, req, pieces)
+    audio = await chain.collect()
+    await asyncio.sleep(0.05)  # let cancelled pieces end
+    await engine.stop()
+    return chain, handles, audio
+
+
+def _fake_pieces_audio(engine: FakeEngine, requests: list[SynthesisRequest], frames: list[int]) -> np.ndarray:
+    """What a chain yields when piece i contributes its first frames[i] frames: faded in after the first piece,
+    faded out before every piece that follows and at a cut that is not the chain's last piece."""
+    ramp = np.arange(FADE_SAMPLES, dtype=np.float32) / FADE_SAMPLES
+    parts = []
+    for i, (req, f) in enumerate(zip(requests, frames, strict=True)):
+        x = engine.tone(req, 0, f).copy()
+        if i > 0:
+            x[:FADE_SAMPLES] *= ramp
+        x[-FADE_SAMPLES:] *= ramp[::-1]
+        parts.append(x)
+    return np.concatenate(parts)
+
+
+async def test_max_frames_caps_the_whole_chain_not_each_piece() -> None:
+    # Eight pieces of 400 characters at 0.1 frames a character: 40 frames each, 320 uncapped. The cap is 50.
+    engine = FakeEngine(frames_per_char=0.1, frame_delay=0.002)
+    pieces = _chain_pieces(8, 400)
+    chain, handles, audio = await _run_chain(engine, pieces, max_frames=50)
+    assert audio.shape[0] == 50 * FRAME_SAMPLES  # 4.0 s, not 8 x 40 frames
+    assert chain.stats.finish_reason is FinishReason.BUDGET
+    assert chain.stats.frames == 50 and chain.stats.samples == 50 * FRAME_SAMPLES
+    assert chain.stats.frame_budget == 50
+    # Piece 0 (40 frames) and the first 10 of piece 1 are heard. Piece 1 was submitted with what was left then,
+    # and cancelled once pieces 0 and 1 together reached the cap (it runs beside piece 0, so that was before
+    # piece 0 ended and piece 2 could be submitted): piece 2 never was.
+    assert [h.request.text for h in handles] == pieces[:2]
+    assert handles[0].request.max_frames == 50
+    assert handles[1].request.max_frames == 50 - 3  # submitted once piece 0's first chunk (3 frames) was out
+    assert handles[1].stats.finish_reason is FinishReason.CANCELLED
+    assert 10 <= handles[1].stats.frames < 40
+    np.testing.assert_allclose(audio, _fake_pieces_audio(engine, [h.request for h in handles], [40, 10]), atol=1e-6)
+
+
+async def test_nothing_is_submitted_once_no_frame_is_left() -> None:
+    engine = FakeEngine(frames_per_char=0.1, frame_delay=0.002)  # the first chunk is 3 frames
+    pieces = _chain_pieces(5, 300)
+    chain, handles, audio = await _run_chain(engine, pieces, max_frames=3)
+    assert len(handles) == 1 and audio.shape[0] == 3 * FRAME_SAMPLES
+    assert chain.stats.finish_reason is FinishReason.BUDGET and chain.submitted == 1
+
+
+async def test_min_equal_to_max_fixes_the_length_of_the_whole_request() -> None:
+    engine = FakeEngine(frames_per_char=0.01, frame_delay=0.002)  # 3 frames a piece without min_frames
+    pieces = _chain_pieces(6, 300)
+    chain, handles, audio = await _run_chain(engine, pieces, max_frames=20, min_frames=20)
+    assert audio.shape[0] == 20 * FRAME_SAMPLES
+    assert chain.stats.finish_reason is FinishReason.BUDGET
+    assert len(handles) == 2 and handles[1].request.max_frames == 17  # then cancelled: piece 0 alone made 20
+
+
+async def test_a_chain_under_its_cap_plays_every_piece_whole() -> None:
+    engine = FakeEngine(frames_per_char=0.02, frame_delay=0.002)
+    pieces = _chain_pieces(4, 300)  # 6 frames each, 24 in all
+    chain, handles, audio = await _run_chain(engine, pieces, max_frames=24)
+    assert len(handles) == 4 and audio.shape[0] == 24 * FRAME_SAMPLES
+    assert handles[0].request.max_frames == 24 and all(h.request.max_frames < 24 for h in handles[1:])
+    assert chain.stats.finish_reason is FinishReason.EOS  # the cap was exactly enough: nothing was cut
+
+
+async def test_the_server_caps_a_4096_character_request_at_max_new_tokens(tmp_path: Path) -> None:
+    engine = FakeEngine(frames_per_char=0.1, frame_delay=0.001)
+    write_voice(tmp_path, "alice", 16)
+    text = english_text(4096)
+    async with in_process(engine, profiles_dir=tmp_path) as s:
+        body = {"speaker_id": "alice", "text": text, "max_new_tokens": 50, "response_format": "pcm"}
+        r = await s.client.post("/synthesize", json=body)
+        assert r.status_code == 200, r.text
+        assert len(r.content) == 50 * FRAME_SAMPLES * 2  # int16
+        assert r.headers["x-finish-reason"] == "budget"
+        assert float(r.headers["x-audio-duration"]) == pytest.approx(4.0)
+        # Each later piece got at most the frames the pieces before it had not yet used: the engine made at
+        # most one piece's allowance more than the cap, and 4 of the 20 pieces were ever submitted.
+        pieces = split_text(text)
+        allowances = [r.max_frames for r in engine.submitted]
+        assert len(pieces) == 20 and len(engine.submitted) == len(allowances) <= 4
+        assert allowances[0] == 50 and all(a < 50 for a in allowances[1:])
+
+
+@pytest.mark.slow
+def test_a_real_server_caps_a_long_request_at_max_new_tokens(tmp_path: Path) -> None:
+    """Issue 46, item 5, against `python inference_server.py` on the demo checkpoint: with max_new_tokens=50 a
+    4096-character request gave 64 s of audio (16 pieces of 50 frames), and "Hi.\\n\\n" x 819 made 819 pieces."""
+    env = {
+        "TTS_DEMO_DIR": str(tmp_path / "demo-tiny"),
+        "TTS_PROFILES_DIR": str(tmp_path / "voices"),
+        "TTS_LOG_LEVEL": "debug",  # the chain's summary line: pieces submitted, frames, finish reason
+    }
+    with server_process(env, tmp_path / "server.log") as srv, httpx.Client(base_url=srv.url, timeout=300) as c:
+        for text, pieces in [(english_text(4096), 20), ("Hi.\n\n" * 819, 11)]:
+            assert len(text) >= 4095 and len(split_text(text)) == pieces
+            body = {"speaker_id": "demo", "text": text, "max_new_tokens": 50, "seed": 1, "response_format": "pcm"}
+            r = c.post("/synthesize", json=body)
+            assert r.status_code == 200, r.text
+            samples = len(r.content) // 2
+            assert 0 < samples <= 50 * FRAME_SAMPLES  # at most 4.0 s: 50 frames of 80 ms
+            assert float(r.headers["x-audio-duration"]) <= 4.0
+            assert r.headers["x-finish-reason"] == "budget"
+            summary = re.compile(
+                rf"request {r.headers['x-request-id']}: (\d+) of (\d+) pieces submitted, (\d+) frames \(cap 50\), budget"
+            )
+            deadline = time.monotonic() + 5
+            while not (found := summary.search(srv.log())):
+                assert time.monotonic() < deadline, srv.log()[-3000:]
+                time.sleep(0.05)
+            submitted, total, frames = (int(g) for g in found.groups())
+            assert total == pieces and 1 <= submitted <= 4 and frames * FRAME_SAMPLES == samples
+        assert srv.terminate(timeout=30) == 0
