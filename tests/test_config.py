@@ -143,9 +143,11 @@ def test_the_per_client_connection_cap_follows_a_lower_global_cap(monkeypatch: p
     for name in ("TTS_MAX_CONCURRENT", "TTS_MAX_QUEUE", "TTS_MAX_CONNECTIONS", "TTS_MAX_CONNECTIONS_PER_CLIENT"):
         monkeypatch.delenv(name, raising=False)
     assert load_settings().max_connections_per_client == 64
+    monkeypatch.setenv("TTS_MAX_CONNECTIONS", "20")  # alone: the queue and the per-client cap follow it down
+    alone = load_settings()
+    assert (alone.max_connections_per_client, alone.max_concurrent, alone.max_queue) == (20, 16, 3)
     monkeypatch.setenv("TTS_MAX_CONCURRENT", "4")
     monkeypatch.setenv("TTS_MAX_QUEUE", "4")
-    monkeypatch.setenv("TTS_MAX_CONNECTIONS", "20")  # alone: the per-client cap follows it down
     assert load_settings().max_connections_per_client == 20
     monkeypatch.setenv("TTS_MAX_CONNECTIONS_PER_CLIENT", "8")
     assert load_settings().max_connections_per_client == 8

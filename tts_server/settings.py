@@ -168,7 +168,8 @@ class ServerSettings(BaseSettings):
     # Requests decoding at once in the engine (its batch slots).
     max_concurrent: int = Field(_ENGINE.max_slots, ge=1, le=4096)
     # Requests waiting behind the slots; beyond this the server answers 429 instead of queueing without bound.
-    max_queue: int = Field(_ENGINE.max_queue, ge=0, le=100_000)
+    # Unset: the engine's default, or what a lower TTS_MAX_CONNECTIONS leaves room for.
+    max_queue: int | None = Field(None, ge=0, le=100_000)
     # Open connections in all; at the cap the longest-idle one is closed, and only if all are busy a newcomer gets 503.
     max_connections: int = Field(1024, ge=1, le=1_000_000)
     # --- connection hygiene (enforced by tts_server/http_server.py, see docs/security.md) ------------
@@ -246,6 +247,8 @@ class ServerSettings(BaseSettings):
     def _consistent(self) -> ServerSettings:
         if self.first_chunk_frames > self.chunk_frames:
             raise ValueError("TTS_FIRST_CHUNK_FRAMES must not exceed TTS_CHUNK_FRAMES")
+        if self.max_queue is None:
+            self.max_queue = max(0, min(_ENGINE.max_queue, self.max_connections - self.max_concurrent - 1))
         if self.max_connections <= self.max_concurrent + self.max_queue:
             raise ValueError(
                 f"TTS_MAX_CONNECTIONS ({self.max_connections}) must exceed TTS_MAX_CONCURRENT + TTS_MAX_QUEUE "
