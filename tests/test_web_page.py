@@ -79,22 +79,22 @@ def test_the_page_plays_a_streamed_result_in_headless_chromium(demo_server, tmp_
             requests: list[str] = []
             page.on("request", lambda r: requests.append(r.url.removeprefix(demo_server.url)))
             page.goto(demo_server.url + "/")
-            page.wait_for_function("document.getElementById('status').textContent === 'ready'", timeout=30_000)
+            page.wait_for_function("() => document.getElementById('status').textContent === 'ready'", timeout=30_000)
             assert page.input_value("#voice") == "demo"
             assert page.is_hidden("#upload")  # this server reports no upload
             page.fill("#text", "Hello from the demo voice.")
             page.click("#speak")
             page.wait_for_function(
-                "['played'].includes(document.getElementById('status').textContent)"
+                "() => ['played'].includes(document.getElementById('status').textContent)"
                 " || document.getElementById('status').className === 'error'",
                 timeout=60_000,
             )
             page.screenshot(path=str(OUTPUT / "page-played.png"), full_page=True)
             status = page.text_content("#status")
             assert status == "played", (status, console)
-            samples = int(page.evaluate("document.body.dataset.samples"))
+            samples = int(page.evaluate("() => document.body.dataset.samples"))
             assert 0 < samples <= CAP * FRAME and samples % FRAME == 0
-            played_until = float(page.evaluate("document.body.dataset.played"))
+            played_until = float(page.evaluate("() => document.body.dataset.played"))
             assert played_until >= samples / 24000  # the audio clock ran through the whole result
             ttfa = page.text_content("#ttfa")
             assert ttfa.endswith(" ms") and 0 < int(ttfa.removesuffix(" ms")) < 60_000
@@ -103,6 +103,8 @@ def test_the_page_plays_a_streamed_result_in_headless_chromium(demo_server, tmp_
             api = [u for u in requests if u != "/" and not u.startswith("blob:")]  # blob: the page's own WAV
             assert set(api) <= {"/speakers", "/v1/audio/voices", "/v1/audio/speech"}, api
             assert "/v1/audio/speech" in api
+            # The page's own script and style run under its Content-Security-Policy, and nothing it does is refused.
+            assert not [m for m in console if "Content Security Policy" in m], console
 
             # A server that reports uploads gets the upload control (the feature check, on stubbed answers), and
             # the upload is the voices API's multipart form: name, audio_sample, ref_text.
@@ -117,7 +119,7 @@ def test_the_page_plays_a_streamed_result_in_headless_chromium(demo_server, tmp_
 
             page.route("**/v1/audio/voices", voices_api)
             page.reload()
-            page.wait_for_function("document.getElementById('status').textContent === 'ready'", timeout=30_000)
+            page.wait_for_function("() => document.getElementById('status').textContent === 'ready'", timeout=30_000)
             page.wait_for_selector("#upload", state="visible", timeout=10_000)
             clip = tmp_path / "clip.wav"
             clip.write_bytes(b"RIFF-not-really-a-wav")
@@ -125,7 +127,7 @@ def test_the_page_plays_a_streamed_result_in_headless_chromium(demo_server, tmp_
             page.set_input_files("#upfile", str(clip))
             page.fill("#uptext", "what the clip says")
             page.click("#upsend")
-            page.wait_for_function("document.getElementById('upstatus').textContent === 'added newvoice'")
+            page.wait_for_function("() => document.getElementById('upstatus').textContent === 'added newvoice'")
             assert len(uploads) == 1
             form = uploads[0]
             for part in (b'name="name"', b"newvoice", b'name="audio_sample"; filename="clip.wav"', b'name="ref_text"'):
