@@ -326,7 +326,7 @@ class BodyLimitMiddleware:
             return
         request_id = scope.get("state", {}).get("request_id", "")
         path = scope.get("path", "")
-        if path in self.refused:
+        if scope.get("method") == "POST" and path in self.refused:  # other methods get the route's 405
             await send_error(send, self.refused[path], request_id)
             return
         max_bytes = self.per_path.get(path, self.max_bytes)
