@@ -1,34 +1,26 @@
 """HTTP routes: /synthesize, /synthesize/stream, /v1/audio/speech, /speakers, /health, /ready, /metrics.
 
 Bodies are parsed here (not by FastAPI) so that malformed JSON, wrong types and unknown fields all get the
-same error shape, whatever the content type the client sent.
+same error shape, whatever the content type the client sent; a synthesis route then makes one call into the service
+(tts_server/service.py).
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import anyio
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.types import Receive, Scope, Send
 
-from qwen_tts.engine_api import RequestFailedError
-
-from .audio_encoding import FORMATS, StreamEncoder, encode, get_format
-from .errors import BadRequest, InvalidField, NotReady, RequestTimeout, validation_error
+from . import service
+from .errors import BadRequest, NotReady, validation_error
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .middleware import StreamAborted, abort_connection
 from .runtime import Runtime
 from .schemas import SpeechRequest, StreamRequest, SynthesizeRequest, allowed_fields
-from .synthesis import ClientDisconnected, Job, Outcome, check_limits, collect, first_chunk, rest, submit
 
 logger = logging.getLogger("tts_server")
 
@@ -44,10 +36,6 @@ ROUTES = (
     "/speakers",
     *PUBLIC_PATHS,
 )
-# nginx's code for "client closed the request": logged and counted, never seen by a client.
-CLIENT_CLOSED = 499
-# Seconds a response may still be sending past its job's deadline before the connection is cut.
-SEND_GRACE_S = 1.0
 
 
 def runtime_of(request: Request) -> Runtime:
@@ -55,10 +43,6 @@ def runtime_of(request: Request) -> Runtime:
     if runtime is None:
         raise NotReady("server is starting; retry later", headers={"Retry-After": "1"})
     return runtime
-
-
-def _rid(request: Request) -> str:
-    return request.state.request_id
 
 
 def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -75,122 +59,15 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise validation_error(e, allowed_fields(model)) from None
 
 
-def _audio_headers(job: Job, request: Request, pcm: np.ndarray) -> dict[str, str]:
-    received = request.scope.get("state", {}).get("received_at", job.received_at)
-    rate = job.runtime.engine.sample_rate
-    return {
-        "X-Audio-Duration": f"{pcm.shape[0] / rate:.3f}",
-        "X-Latency": f"{time.monotonic() - received:.3f}",
-        "X-Sample-Rate": str(rate),
-        "X-Finish-Reason": job.handle.stats.finish_reason.value if job.handle.stats.finish_reason else "",
-    }
-
-
-async def send_by(deadline: float, scope: Scope, respond: Awaitable[None]) -> bool:
-    """Run `respond` (a response being sent) until `deadline` + SEND_GRACE_S; past it, cut the connection (its
-    client has stopped reading, or the engine is late) and return False. The grace lets a route's own timeout
-    message (an SSE error event) go out first where the socket still takes it."""
-    with anyio.move_on_after(max(0.0, deadline + SEND_GRACE_S - time.monotonic())) as cut:
-        await respond
-    if cut.cancelled_caught:
-        abort_connection(scope)
-        return False
-    return True
-
-
-class JobStreamingResponse(StreamingResponse):
-    """A streaming response that owns its job: whatever ends the stream (completion, failure, deadline, client
-    gone), the job is closed, which cancels the engine request if it is still running. The job's deadline covers
-    every send: a client that stops reading is cut there, not when its socket drains."""
-
-    def __init__(self, job: Job, content: AsyncIterator[bytes], **kwargs: Any):
-        super().__init__(content, **kwargs)
-        self.job = job
-        job.outcome = Outcome.STREAMING
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            if not await send_by(self.job.deadline, scope, super().__call__(scope, receive, send)):
-                self.job.outcome = Outcome.TIMEOUT
-                raise StreamAborted("request timeout: the client did not take the audio in time", status=504)
-        finally:
-            if self.job.outcome is Outcome.STREAMING:
-                self.job.outcome = Outcome.DISCONNECTED
-            self.job.close()
-
-
-class DeadlineResponse(Response):
-    """A whole file, sent by its job's deadline (a client that does not read it is cut there)."""
-
-    def __init__(self, deadline: float, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.deadline = deadline
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not await send_by(self.deadline, scope, super().__call__(scope, receive, send)):
-            raise StreamAborted("request timeout: the client did not take the file in time", status=504)
-
-
-async def _encoded_stream(job: Job, first: np.ndarray | None, encoder: StreamEncoder) -> AsyncIterator[bytes]:
-    try:
-        if first is not None:
-            yield encoder.feed(first)
-            async for chunk in rest(job):
-                data = encoder.feed(chunk)
-                if data:
-                    yield data
-        tail = encoder.close()
-        if tail:
-            yield tail
-        job.outcome = Outcome.OK
-    except RequestFailedError as e:
-        job.outcome = Outcome.ERROR  # Job.close logs it, with the engine's error
-        raise StreamAborted(f"engine failure: {e}") from None
-    except RequestTimeout:
-        job.outcome = Outcome.TIMEOUT
-        raise StreamAborted("request timeout", status=504) from None
-
-
-async def _start_stream(request: Request, job: Job) -> np.ndarray | Response | None:
-    """Wait for the first chunk; on any failure close the job here (no response owns it yet)."""
-    try:
-        return await first_chunk(job, request.receive)
-    except ClientDisconnected:
-        job.close()
-        return Response(status_code=CLIENT_CLOSED)
-    except BaseException:
-        job.close()
-        raise
-
-
-async def _whole_file(request: Request, job: Job, fmt: str) -> Response:
-    try:
-        pcm = await collect(job, request.receive)
-    except ClientDisconnected:
-        return Response(status_code=CLIENT_CLOSED)
-    finally:
-        job.close()
-    audio_format = get_format(fmt)
-    data = await anyio.to_thread.run_sync(encode, pcm, audio_format, job.runtime.engine.sample_rate)
-    headers = _audio_headers(job, request, pcm)
-    return DeadlineResponse(job.deadline, data, media_type=audio_format.media_type, headers=headers)
-
-
 # --- the seed's API ---------------------------------------------------------------------------------
 @router.post("/synthesize", openapi_extra=_body_schema(SynthesizeRequest), response_class=Response)
 async def synthesize(request: Request) -> Response:
-    """The whole utterance as one file (wav by default)."""
+    """The whole utterance as one file (wav by default); `"stream": true` answers as /synthesize/stream does."""
     runtime = runtime_of(request)
     body = await parse_body(request, SynthesizeRequest)
     if body.stream:
-        return await _stream_response(request, runtime, as_stream_request(body))
-    check_limits(runtime, body)
-    if body.response_format not in FORMATS:
-        raise InvalidField(
-            f"response_format: {body.response_format!r} is not available in this build", param="response_format"
-        )
-    job = submit(runtime, body, _rid(request))
-    return await _whole_file(request, job, body.response_format)
+        return await service.stream(request, runtime, service.as_stream_request(body))
+    return await service.file(request, runtime, body)
 
 
 @router.post("/synthesize/stream", openapi_extra=_body_schema(StreamRequest), response_class=StreamingResponse)
@@ -198,115 +75,16 @@ async def synthesize_stream(request: Request) -> Response:
     """Chunked raw audio as it is decoded: float32 LE mono 24 kHz by default."""
     runtime = runtime_of(request)
     body = await parse_body(request, StreamRequest)
-    return await _stream_response(request, runtime, body)
-
-
-def as_stream_request(body: SynthesizeRequest) -> StreamRequest:
-    """The seed's `"stream": true` on /synthesize: the same fields as a /synthesize/stream body (its default
-    format, f32le, unless pcm or wav was asked for); a format streams cannot carry is a 422 naming the field."""
-    fields = body.model_dump(exclude={"stream"}, exclude_unset=True)
-    try:
-        return StreamRequest.model_validate(fields)
-    except ValidationError as e:
-        error = validation_error(e, allowed_fields(StreamRequest))
-        error.message = f'with "stream": true, {error.message}'
-        raise error from None
-
-
-async def _stream_response(request: Request, runtime: Runtime, body: StreamRequest) -> Response:
-    check_limits(runtime, body)
-    job = submit(runtime, body, _rid(request))
-    first = await _start_stream(request, job)
-    if isinstance(first, Response):
-        return first
-    rate = runtime.engine.sample_rate
-    encoder = StreamEncoder(body.response_format, rate)
-    headers = {
-        "X-Sample-Rate": str(rate),
-        "X-Audio-Format": body.response_format,
-        "X-Time-To-First-Audio": f"{job.handle.stats.time_to_first_audio or 0.0:.3f}",
-        "Cache-Control": "no-store",
-    }
-    return JobStreamingResponse(
-        job, _encoded_stream(job, first, encoder), media_type=encoder.format.media_type, headers=headers
-    )
+    return await service.stream(request, runtime, body)
 
 
 # --- OpenAI-compatible ----------------------------------------------------------------------------------
-def _sse_event(payload: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
-
-
-async def _sse_stream(
-    job: Job, first: np.ndarray | None, encoder: StreamEncoder, whole: bool, text: str
-) -> AsyncIterator[bytes]:
-    """OpenAI speech SSE: `speech.audio.delta` events with base64 audio, then `speech.audio.done`.
-    With `whole` (FLAC) the one delta is the complete file."""
-
-    def delta(data: bytes) -> bytes:
-        return _sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
-
-    async def chunks() -> AsyncIterator[np.ndarray]:
-        if first is not None:
-            yield first
-            async for chunk in rest(job):
-                yield chunk
-
-    try:
-        if whole:
-            parts = [c async for c in chunks()]
-            pcm = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-            rate = job.runtime.engine.sample_rate
-            yield delta(await anyio.to_thread.run_sync(encode, pcm, encoder.format, rate))
-        else:
-            async for chunk in chunks():
-                data = encoder.feed(chunk)
-                if data:
-                    yield delta(data)
-            tail = encoder.close()
-            if tail:
-                yield delta(tail)
-        frames = job.handle.stats.frames
-        # input_tokens counts characters: the text tokenizer's count is the engine's business.
-        usage = {"input_tokens": len(text), "output_tokens": frames, "total_tokens": len(text) + frames}
-        yield _sse_event({"type": "speech.audio.done", "usage": usage})
-        job.outcome = Outcome.OK
-    except (RequestFailedError, RequestTimeout) as e:
-        job.outcome = Outcome.TIMEOUT if isinstance(e, RequestTimeout) else Outcome.ERROR  # Job.close logs it
-        timed_out = job.outcome is Outcome.TIMEOUT
-        message = "request timed out" if timed_out else f"synthesis failed (request id {job.request_id})"
-        yield _sse_event({"type": "error", "error": {"message": message, "code": job.outcome.value}})
-
-
 @router.post("/v1/audio/speech", openapi_extra=_body_schema(SpeechRequest), response_class=StreamingResponse)
 async def openai_speech(request: Request) -> Response:
     """OpenAI `audio.speech.create`: `voice` is a speaker id; audio streams as it is generated."""
     runtime = runtime_of(request)
     body = await parse_body(request, SpeechRequest)
-    check_limits(runtime, body, text_field="input")
-    if body.response_format not in FORMATS:
-        raise InvalidField(
-            f"response_format: {body.response_format!r} is not supported by this server "
-            f"(use one of: {', '.join(f for f in ('mp3', 'opus', 'flac', 'wav', 'pcm') if f in FORMATS)})",
-            param="response_format",
-            code="unsupported_format",
-        )
-    job = submit(runtime, body, _rid(request), speaker_field="voice")
-    # FLAC cannot state its length up front and many decoders refuse a FLAC stream without it: send it whole.
-    whole = body.response_format == "flac"
-    if whole and body.stream_format == "audio":
-        return await _whole_file(request, job, "flac")
-    first = await _start_stream(request, job)
-    if isinstance(first, Response):
-        return first
-    rate = runtime.engine.sample_rate
-    encoder = StreamEncoder(body.response_format, rate)
-    headers = {"X-Sample-Rate": str(rate), "Cache-Control": "no-store"}
-    if body.stream_format == "sse":
-        content = _sse_stream(job, first, encoder, whole, body.input)
-        return JobStreamingResponse(job, content, media_type="text/event-stream", headers=headers)
-    content = _encoded_stream(job, first, encoder)
-    return JobStreamingResponse(job, content, media_type=encoder.format.media_type, headers=headers)
+    return await service.speech(request, runtime, body)
 
 
 @router.get("/v1/models")

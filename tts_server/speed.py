@@ -87,17 +87,17 @@ class StreamStretcher:
         return np.concatenate([out, tail])
 
 
-class StretchedHandle:
-    """A request handle (or a long-text chain) whose audio comes out `speed` times faster, same pitch.
+class StretchedSource:
+    """A chunk source (tts_server.synthesis.ChunkSource: one engine request or a long-text chain) whose audio comes
+    out `speed` times faster, same pitch.
 
     `stats` stays the model's (frames and samples generated); `cancel` reaches the engine work underneath."""
 
-    def __init__(self, inner: Any, engine: Any, speed: float):
-        self.inner, self._engine = inner, engine
-        self.request = inner.request
+    def __init__(self, inner: Any, rate: int, speed: float):
+        self.inner = inner
         self.request_id = inner.request_id
         self.stats = inner.stats
-        self._stretcher = StreamStretcher(engine.sample_rate, speed)
+        self._stretcher = StreamStretcher(rate, speed)
         self._chunks = self._run()
         self._finished = False
 
@@ -106,10 +106,7 @@ class StretchedHandle:
         return self._finished
 
     def cancel(self) -> None:
-        if hasattr(self.inner, "cancel"):
-            self.inner.cancel()
-        else:
-            self._engine.cancel(self.inner)
+        self.inner.cancel()
 
     async def _run(self) -> AsyncIterator[np.ndarray]:
         # Rubber Band runs in a worker thread: a block is milliseconds, but the event loop serves everyone.

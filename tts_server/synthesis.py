@@ -1,10 +1,11 @@
 """From a validated request body to engine work: limits, admission, submission, waiting with a deadline and a
-disconnect watch, and the guaranteed cleanup (cancel the engine request, free the admission slot, record metrics).
+disconnect watch, and the guaranteed cleanup (cancel the engine work, free the admission slot, record metrics).
 
 A route's body (a `schemas.SynthesisOptions`) goes straight to `engine_request`, the one mapping onto the engine's
-`SynthesisRequest`, with the server's defaults filled in. Every engine request is owned by a `Job`; `Job.close()`
-runs exactly once, in a `finally`, whatever happened (success, failure, timeout, client gone), so nothing keeps
-running after the client has left.
+`SynthesisRequest`, with the server's defaults filled in. `check_limits`, then `submit` admits and submits it and
+hands back a `Job`, which reads its audio from one `ChunkSource` whatever is behind it: one engine request, the pieces of a long
+text, or either stretched to another speed. `Job.close()` runs exactly once, in a `finally`, whatever happened
+(success, failure, timeout, client gone), so nothing keeps running after the client has left.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 import unicodedata
 from collections.abc import AsyncIterator, Awaitable
 from enum import Enum
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from qwen_tts.engine_api import (
     QueueFullError,
     RequestFailedError,
     RequestHandle,
+    RequestStats,
     SynthesisRequest,
 )
 from qwen_tts.voices import InvalidProfileError, InvalidSpeakerIdError, UnknownSpeakerError
@@ -41,6 +43,52 @@ from .settings import ServerSettings
 logger = logging.getLogger("tts_server")
 
 T = TypeVar("T")
+
+
+class ChunkSource(Protocol):
+    """Where a job's audio comes from: float32 chunks at the engine's rate, in order, and a way to stop the work
+    behind them. Implemented by `EngineSource` (one engine request), `long_text.PieceChain` (the pieces of a long
+    text) and `speed.StretchedSource` (either, time-stretched)."""
+
+    request_id: str
+    stats: RequestStats
+
+    @property
+    def finished(self) -> bool: ...
+
+    def cancel(self) -> None: ...
+
+    def __aiter__(self) -> AsyncIterator[np.ndarray]: ...
+
+    async def __anext__(self) -> np.ndarray: ...
+
+    async def collect(self) -> np.ndarray: ...
+
+
+class EngineSource:
+    """One engine request as a ChunkSource: the handle's chunks, and `cancel` through its engine."""
+
+    def __init__(self, engine: Engine, handle: RequestHandle):
+        self._engine = engine
+        self.handle = handle
+        self.request_id = handle.request_id
+        self.stats = handle.stats
+
+    @property
+    def finished(self) -> bool:
+        return self.handle.finished
+
+    def cancel(self) -> None:
+        self._engine.cancel(self.handle)
+
+    def __aiter__(self) -> AsyncIterator[np.ndarray]:
+        return self
+
+    async def __anext__(self) -> np.ndarray:
+        return await self.handle.__anext__()
+
+    async def collect(self) -> np.ndarray:
+        return await self.handle.collect()
 
 
 class ClientDisconnected(Exception):
@@ -127,9 +175,9 @@ def _title(names: list[str]) -> list[str]:
 class Job:
     """One admitted engine request and its cleanup."""
 
-    def __init__(self, runtime: Runtime, handle: RequestHandle | PieceChain | speed.StretchedHandle, request_id: str):
+    def __init__(self, runtime: Runtime, source: ChunkSource, request_id: str):
         self.runtime = runtime
-        self.handle = handle
+        self.source = source
         self.request_id = request_id
         self.received_at = time.monotonic()
         self.outcome = Outcome.ERROR  # overwritten on success, timeout or disconnect
@@ -137,19 +185,16 @@ class Job:
 
     @property
     def deadline(self) -> float:
-        return self.handle.stats.submitted_at + self.runtime.settings.request_timeout
+        return self.source.stats.submitted_at + self.runtime.settings.request_timeout
 
     def close(self) -> None:
         """Cancel leftover engine work, free the admission slot, record metrics. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        rt, stats = self.runtime, self.handle.stats
-        if not self.handle.finished:
-            if isinstance(self.handle, RequestHandle):
-                rt.engine.cancel(self.handle)
-            else:  # a long-text chain or a stretched stream cancels the engine work it owns
-                self.handle.cancel()
+        rt, stats = self.runtime, self.source.stats
+        if not self.source.finished:
+            self.source.cancel()
         rt.admission.release()
         m = rt.metrics
         m.syntheses.labels(self.outcome.value).inc()
@@ -197,9 +242,9 @@ def submit(runtime: Runtime, body: SynthesisOptions, request_id: str, speaker_fi
         error = Overloaded(f"server is at capacity ({limit} requests in progress); retry later", headers=retry)
         raise _refused(runtime, "queue_full", error)
     try:
-        handle = _submit_to_engine(runtime.engine, request)
+        source = _submit_to_engine(runtime.engine, request)
         if not speed.is_identity(body.speed):
-            handle = speed.StretchedHandle(handle, runtime.engine, body.speed)
+            source = speed.StretchedSource(source, runtime.engine.sample_rate, body.speed)
     except BaseException as e:
         runtime.admission.release()  # the one release before a Job owns the slot
         if isinstance(e, QueueFullError):
@@ -212,16 +257,16 @@ def submit(runtime: Runtime, body: SynthesisOptions, request_id: str, speaker_fi
             message = str(e)
             raise InvalidField(message, param="text" if message.startswith("text") else None) from None
         raise
-    return Job(runtime, handle, request_id)
+    return Job(runtime, source, request_id)
 
 
-def _submit_to_engine(engine: Engine, request: SynthesisRequest) -> RequestHandle | PieceChain:
+def _submit_to_engine(engine: Engine, request: SynthesisRequest) -> ChunkSource:
     """One engine request, or a `PieceChain` when the text is longer than one comfortable piece."""
     if needs_split(request.text):
         pieces = split_text(request.text, request.language)
         if len(pieces) > 1:
             return PieceChain(engine, request, pieces)
-    return engine.submit(request)
+    return EngineSource(engine, engine.submit(request))
 
 
 def _refused(runtime: Runtime, reason: str, error: ApiError) -> ApiError:
@@ -267,7 +312,7 @@ async def guarded(job: Job, receive: Receive, awaitable: Awaitable[T]) -> T:
 async def collect(job: Job, receive: Receive) -> np.ndarray:
     """The whole utterance; failures become EngineFailure (500 with the request id)."""
     try:
-        pcm = await guarded(job, receive, job.handle.collect())
+        pcm = await guarded(job, receive, job.source.collect())
     except RequestFailedError:  # Job.close logs it, with the engine's error
         raise EngineFailure(f"synthesis failed (request id {job.request_id})") from None
     job.outcome = Outcome.OK
@@ -278,14 +323,14 @@ async def first_chunk(job: Job, receive: Receive) -> np.ndarray | None:
     """The first audio chunk (None if the utterance is empty); sent before the response headers so that
     early failures still get a proper status code."""
     try:
-        return await guarded(job, receive, _next_or_none(job.handle))
+        return await guarded(job, receive, _next_or_none(job.source))
     except RequestFailedError:  # Job.close logs it, with the engine's error
         raise EngineFailure(f"synthesis failed (request id {job.request_id})") from None
 
 
-async def _next_or_none(handle: RequestHandle) -> np.ndarray | None:
+async def _next_or_none(source: ChunkSource) -> np.ndarray | None:
     try:
-        return await handle.__anext__()
+        return await source.__anext__()
     except StopAsyncIteration:
         return None
 
@@ -299,7 +344,7 @@ async def rest(job: Job) -> AsyncIterator[np.ndarray]:
             job.outcome = Outcome.TIMEOUT
             raise RequestTimeout("request timed out")
         try:
-            chunk = await asyncio.wait_for(_next_or_none(job.handle), timeout=remaining)
+            chunk = await asyncio.wait_for(_next_or_none(job.source), timeout=remaining)
         except asyncio.TimeoutError:
             job.outcome = Outcome.TIMEOUT
             raise RequestTimeout("request timed out") from None
