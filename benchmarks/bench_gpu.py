@@ -756,6 +756,9 @@ class Server:
             TTS_FIRST_CHUNK_FRAMES=str(a.first_chunk),
             TTS_CHUNK_FRAMES=str(a.chunk),
             TTS_LOG_LEVEL="warning",
+            # Every client of the benchmark comes from 127.0.0.1, as every client does behind a proxy
+            # (docs/security.md): the per-client cap must not be what an HTTP level measures.
+            TTS_MAX_CONNECTIONS_PER_CLIENT="1024",
         )
         if a.dtype:
             env["TTS_DTYPE"] = a.dtype

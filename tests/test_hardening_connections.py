@@ -7,6 +7,7 @@ Raw sockets where a client library would tidy the attack away. One server with s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -211,6 +212,28 @@ def test_connections_over_the_per_client_cap_are_refused_at_once_and_others_serv
         assert httpx.get(server.url + "/health", timeout=5).status_code == 200
     finally:
         for s in busy:
+            s.close()
+
+
+def test_a_burst_over_the_per_client_cap_gets_429s_not_resets(server: ServerProcess) -> None:
+    """A client that opens many connections before writing on any (as a pool does in a burst) is held to its cap with
+    429s; a new connection that has not written yet is not taken for an idle one and reset."""
+    burst = [connect(server, "127.0.0.7") for _ in range(2 * PER_CLIENT)]
+    try:
+        time.sleep(0.3)  # under http_server.FRESH_GRACE_S: every connection is still new
+        for s in burst:
+            with contextlib.suppress(BrokenPipeError):  # refused at once: its 429 is waiting to be read
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        statuses = []
+        for s in burst:
+            status, headers, body = read_response(s)  # a reset or a bare close fails here
+            if status != 200:
+                doc = assert_error_shape(status, headers, body, 429)
+                assert doc["error"]["code"] == "too_many_connections"
+            statuses.append(status)
+        assert statuses.count(200) == PER_CLIENT and statuses.count(429) == PER_CLIENT, statuses
+    finally:
+        for s in burst:
             s.close()
 
 

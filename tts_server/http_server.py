@@ -40,12 +40,22 @@ from http import HTTPStatus
 from typing import Any
 
 import h11
+
+try:  # FIONREAD: unread bytes on a socket (POSIX)
+    import fcntl
+    import termios
+except ImportError:  # pragma: no cover
+    fcntl = termios = None  # type: ignore[assignment]
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import error_body
 
 EVICTION_GRACE_S = 0.05
+# A new connection that has sent nothing yet is a client still on its way (a burst opens many before writing any):
+# it is closed to make room only after this long. One that sent part of its headers, or sits between requests, may be
+# closed at once.
+FRESH_GRACE_S = 1.0
 # Longest a connection lingers after its last response when its client is still sending (an unread body, a refusal).
 LINGER_S = 2.0
 CONNECTION_EXTENSION = "tts.connection"
@@ -155,6 +165,7 @@ class HygienicH11Protocol(H11Protocol):
         self._idle_since = time.monotonic()
         self._client_key: str | None = None
         self._evicting = False
+        self._bytes_seen = 0
         self.lingering = False
         self._linger_timer: asyncio.TimerHandle | None = None
         self.real_transport: asyncio.Transport | None = None
@@ -173,6 +184,11 @@ class HygienicH11Protocol(H11Protocol):
     def _idle(self) -> bool:
         """Between requests or still sending headers: closing it loses no work."""
         return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+    def _evictable(self) -> bool:
+        """Idle, and not a new connection whose client has simply not written yet (FRESH_GRACE_S)."""
+        fresh = self.cycle is None and self._bytes_seen == 0
+        return self._idle() and (not fresh or self._idle_age() >= FRESH_GRACE_S)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -239,7 +255,7 @@ class HygienicH11Protocol(H11Protocol):
             for c in self.connections
             if c is not self
             and isinstance(c, HygienicH11Protocol)
-            and c._idle()
+            and c._evictable()
             and not c._evicting
             and not c.lingering
             and not c.transport.is_closing()
@@ -256,9 +272,23 @@ class HygienicH11Protocol(H11Protocol):
         return True
 
     def _evict(self) -> None:
-        if self._idle():
+        # Bytes already in the socket's receive queue mean a request on its way that a busy loop has not read yet
+        # (a burst of new connections): that connection is not idle, and closing it would reset a working client.
+        if self._idle() and not self._unread_bytes():
             self._count("idle_evicted")
             self._close("connection closed to make room: no complete request headers arrived")
+        else:
+            self._evicting = False
+
+    def _unread_bytes(self) -> int:
+        """Bytes the kernel holds for this connection that the loop has not read (0 where that cannot be asked)."""
+        sock = self.real_transport.get_extra_info("socket")
+        if sock is None or fcntl is None:
+            return 0
+        try:
+            return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+        except OSError:
+            return 0
 
     def _idle_age(self) -> float:
         return time.monotonic() - self._idle_since
@@ -314,6 +344,7 @@ class HygienicH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self.lingering:
             return  # the rest of a body (or a request) nobody will answer
+        self._bytes_seen += len(data)
         if self.conn.their_state is h11.IDLE and self._headers_too_large(data):
             self._cancel_header_timer()
             self._count("headers_too_large")
