@@ -82,7 +82,6 @@ VARIANTS: dict[str, dict] = {
     "decode-pageable": {"decode_pinned_io": False},  # graphed Code2Wav's copies pageable (before the default)
     "default-stream": {"step_stream_priority": False},  # frame steps on the default stream, not a high-priority one
     "eager-snake": {"fused_decoder": False},  # Code2Wav's SnakeBeta as five eager passes
-    "cudnn-benchmark": {"decoder_cudnn_benchmark": True},  # cuDNN picks Code2Wav's convolution algorithms by timing
     # The kernels measured into the defaults, each way: on (the default now) and off (the engine before them).
     "split-attention": {"split_attention": True},  # attention split over positions (decode_attention.py)
     "no-split-attention": {"split_attention": False},  # one program per (row, kv head)

@@ -404,7 +404,6 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             ("tf32", True, torch.float32, False),
             ("tf32+compiled-snake", True, torch.float32, True),
             ("fp16-decoder", True, "decoder", True),  # the engine's decoder_fp16: the final conv stack in fp16
-            ("fp16+cudnn-benchmark", True, "decoder", True),  # and cuDNN's algorithms chosen by timing
             ("fp16+polyphase-9", True, "decoder", True),  # and its dilation-9 convs over interleaved phases
             ("fp16+polyphase-9-2d", True, "decoder", True),  # those phases as a conv2d's width (no copies)
             ("fp16+polyphase-9+snake-kernel", True, "decoder", True),  # elementwise work in one pass per activation
@@ -417,7 +416,6 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
                 continue
             torch.backends.cudnn.allow_tf32 = tf32
             torch.backends.cuda.matmul.allow_tf32 = tf32
-            torch.backends.cudnn.benchmark = name.endswith("cudnn-benchmark")
             if dtype == "decoder":
                 dec = copy.deepcopy(c2w)
                 dec.set_decoder_dtype(torch.float16)
@@ -465,7 +463,6 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             print(json.dumps(out[-1]), flush=True)
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.benchmark = False
     snake_kernel.set_poly_sin(False)
     return out
 

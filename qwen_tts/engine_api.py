@@ -355,9 +355,6 @@ class EngineSettings:
     # of -62 dBFS (docs/benchmarks.md). With decoder_snake_kernel (the default) the final conv stack takes its
     # SnakeBeta from that kernel instead; this one then runs only with decoder_snake_kernel off. Ignored on CPU.
     fused_decoder: bool = True
-    # cuDNN benchmark mode for Code2Wav's convolutions on CUDA: each (batch bucket, chunk length) shape times the
-    # available algorithms once, at graph capture, and keeps the fastest. A process-wide cuDNN setting.
-    decoder_cudnn_benchmark: bool = False
     # On CUDA, run Code2Wav's final conv stack (50 Hz to the waveform, where its time goes) in float16 instead of
     # float32 with TF32: half the bytes, twice the tensor-core rate, every op accumulating in float32. On an H200
     # the full-size random decoder's audio stays within -50.2 dBFS of the exact float32 decode (TF32: -52.4),

@@ -165,8 +165,6 @@ class NativeEngine(Engine):
             if self.device.index is not None:  # graph capture and replay use the current device's streams
                 torch.cuda.set_device(self.device)
             torch.backends.cudnn.allow_tf32 = self.config.decoder_tf32
-            if self.config.decoder_cudnn_benchmark:
-                torch.backends.cudnn.benchmark = True
             torch.backends.cuda.preferred_blas_library(self.config.step_blas)
         if self._model is None:
             self._model = load_model(self._model_dir, device=self.device, dtype=self.dtype)
