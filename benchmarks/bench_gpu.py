@@ -140,7 +140,6 @@ VARIANTS: dict[str, dict] = {
     "no-stack-exact-rows": {"stack_exact_rows": 0},  # and every pass by its four-row build (one row: the default)
     "stack-split-k": {"stack_split_k": True},  # with stack-threads-512: o's and down's rows in two K slices
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
-    "cublaslt": {"step_blas": "cublaslt"},  # the frame step's matmuls through cuBLASLt (process-wide: run it last)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints
 

@@ -55,8 +55,7 @@ def weight_bytes(talker) -> int:
 # Frame-step variants: the eager kernels; the fused path with neither optional kernel; with attention split over
 # positions, with the few-row Triton matmul, with both (32 x 128 blocks, split K 4), with both but no split K, with
 # both at last round's 16 x 256 blocks unsplit; with both and the code predictor's prompt in one pass and/or the
-# sampler kernel (both of those too: the engine's default); with its matmuls through cuBLASLt (the BLAS library is
-# chosen when a graph is captured).
+# sampler kernel (both of those too: the engine's default).
 _BOTH = {"split_attention": True, "small_m_gemm": True}
 STEP_VARIANTS = {
     "eager": None,
@@ -114,9 +113,7 @@ STEP_VARIANTS = {
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage+mma": _BOTH,
     # and with each residual draw feeding the next pass in its own launch (sample_kernel.sample_feed).
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage+feed": _BOTH,
-    "fused-cublaslt": {},
 }
-STEP_BLAS = {"fused-cublaslt": "cublaslt"}
 # small_m_gemm's split-K maximum and block sizes (process-wide, read at capture); others: the engine's defaults.
 STEP_SPLIT_K = {"fused-split+small-m+no-split-k": 1, "fused-split+small-m-16x256": 1}
 STEP_BLOCKS = {"fused-split+small-m-16x256": (16, 256, 4)}
@@ -125,7 +122,6 @@ DEFAULT_SPLIT_K = EngineSettings().small_m_split_k
 
 
 def build(path: Path, variant: str, max_rows: int, max_len: int):
-    torch.backends.cuda.preferred_blas_library(STEP_BLAS.get(variant, "cublas"))
     small_m_gemm.set_max_split_k(STEP_SPLIT_K.get(variant, DEFAULT_SPLIT_K))
     small_m_gemm.set_blocks(*STEP_BLOCKS.get(variant, DEFAULT_BLOCKS))
     small_m_gemm.set_pdl(variant.endswith("+pdl"))
@@ -532,7 +528,6 @@ def main() -> None:
                     "logits_scale": round(le.abs().max().item(), 2),
                     "codes_equal_fraction": round((ce == cf).float().mean().item(), 4),
                 }
-        torch.backends.cuda.preferred_blas_library("cublas")  # Code2Wav below as the engine runs it
         results["agreement"] = agree
         results["steps"] = rows
         codec_batches = [int(x) for x in a.codec_batches.split(",") if x]

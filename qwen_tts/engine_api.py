@@ -139,11 +139,6 @@ class EngineSettings:
     # batch 1 and 9.38 -> 7.75 ms at batch 64 (docs/benchmarks.md; bench_gpu.py --engine-variants
     # no-split-attention for the A/B). Ignored on CPU.
     split_attention: bool = True
-    # The BLAS library for the frame step's matmuls on CUDA (process-wide, as decoder_tf32): cublas, or cublaslt,
-    # whose heuristics may split K for the 2-16-row GEMMs that cuBLAS runs on 16-96 of an H200's 132 SMs
-    # (docs/benchmarks.md). Measured on an H200: no change (7.67 vs 7.66 ms a step at batch 1), so cublas stays the
-    # default (bench_gpu.py --engine-variants cublaslt). Ignored on CPU.
-    step_blas: str = "cublas"
     # On the fast path, the decoder layers' matmuls of up to 16 rows through our Triton kernel
     # (qwen_tts/small_m_gemm.py: more thread blocks than SMs for every weight) instead of cuBLAS's 64x8 tiles. On
     # an H200 with split attention: one 1.7B stream 10.5x -> 11.7x real time (step 7.4 -> 6.7 ms); more rows go to
@@ -494,8 +489,6 @@ class EngineSettings:
             raise EngineSettingsError(
                 "talker_stack_kernel", f"talker_stack_kernel must be off or cuda, not {self.talker_stack_kernel!r}"
             )
-        if self.step_blas not in ("cublas", "cublaslt"):
-            raise EngineSettingsError("step_blas", f"step_blas must be cublas or cublaslt, not {self.step_blas!r}")
         if self.frame_step not in ("auto", "eager", "padded", "graphs"):
             raise EngineSettingsError(
                 "frame_step", f"frame_step must be auto, eager, padded or graphs, not {self.frame_step!r}"

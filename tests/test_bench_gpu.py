@@ -247,11 +247,11 @@ def test_the_wave_driver_streams_a_second_wave_over_the_same_kept_alive_connecti
 def test_engine_variants_combine_with_plus_and_unknown_names_are_refused_up_front():
     assert bench.variant_settings("") == {}
     assert bench.variant_settings("split-attention+fp16-decoder") == {"split_attention": True, "decoder_fp16": True}
-    assert bench.engine_variants("small-m-gemm,cublaslt") == ["small-m-gemm", "cublaslt"]
+    assert bench.engine_variants("small-m-gemm,no-split-k") == ["small-m-gemm", "no-split-k"]
     with pytest.raises(ValueError, match="unknown engine variant 'fast'"):
         bench.variant_settings("split-attention+fast")
     with pytest.raises(bench.argparse.ArgumentTypeError, match="unknown engine variant 'fast'"):
-        bench.engine_variants("cublaslt,fast")
+        bench.engine_variants("no-split-k,fast")
     # Every variant is a set of real EngineSettings fields.
     from qwen_tts.engine_api import EngineSettings
 

@@ -198,12 +198,8 @@ def test_fast_path_is_the_cuda_path_only(tiny_checkpoint):
 
 
 def test_engine_settings_name_the_field_and_its_choices():
-    with pytest.raises(EngineSettingsError, match="step_blas must be cublas or cublaslt, not 'mkl'") as e:
-        EngineSettings(step_blas="mkl")
-    assert e.value.setting == "step_blas"
     with pytest.raises(EngineSettingsError, match="frame_step must be auto, eager, padded or graphs"):
         EngineSettings(frame_step="fast")
-    assert EngineSettings(step_blas="cublaslt").step_blas == "cublaslt"
     for bad in (0, 9):
         with pytest.raises(EngineSettingsError, match=f"small_m_split_k must be 1 to 8, not {bad}") as e:
             EngineSettings(small_m_split_k=bad)
@@ -625,7 +621,6 @@ async def test_a_stopped_engine_leaves_a_cublas_workspace_per_stream_not_per_gra
         {"cp_prompt_one_pass": False},
         {"kernel_sampler": False},
         {"cp_fused_feed": False},
-        {"step_blas": "cublaslt"},
         {"small_m_fusion": True},
         {"small_m_fusion": True, "small_m_pdl": True},
         {"small_m_heads": True},
@@ -639,7 +634,6 @@ async def test_a_stopped_engine_leaves_a_cublas_workspace_per_stream_not_per_gra
         "cp-two-passes",
         "compiled-sampler",
         "cp-unfused-feed",
-        "cublaslt",
         "small-m-fusion",
         "small-m-fusion-pdl",
         "small-m-heads",
@@ -661,7 +655,6 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
         )
     finally:
         await eng.stop()
-        torch.backends.cuda.preferred_blas_library("cublas")  # process-wide: leave it as other tests expect
         small_m_gemm.set_max_split_k(1)
         small_m_gemm.set_pdl(False)
     assert eng._runner is not None and eng._runner.num_graphs > 1

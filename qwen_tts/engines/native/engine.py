@@ -165,7 +165,7 @@ class NativeEngine(Engine):
             if self.device.index is not None:  # graph capture and replay use the current device's streams
                 torch.cuda.set_device(self.device)
             torch.backends.cudnn.allow_tf32 = self.config.decoder_tf32
-            torch.backends.cuda.preferred_blas_library(self.config.step_blas)
+            torch.backends.cuda.preferred_blas_library("cublas")  # the frame step's matmuls (process-wide)
         if self._model is None:
             self._model = load_model(self._model_dir, device=self.device, dtype=self.dtype)
         m = self._model
@@ -812,7 +812,7 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
         small_m_gemm=config.small_m_gemm,
         small_m_fusion=config.small_m_fusion,
     )
-    # Process-wide, read when each graph is captured (as step_blas); its counters exist before capture.
+    # Process-wide, read when each graph is captured; its counters exist before capture.
     small_m_gemm.set_max_split_k(config.small_m_split_k)
     small_m_gemm.set_pdl(config.small_m_gemm and config.small_m_pdl)
     small_m_gemm.prepare(device)
