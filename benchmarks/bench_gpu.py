@@ -92,7 +92,6 @@ VARIANTS: dict[str, dict] = {
     "polyphase-9": {"decoder_polyphase_dilation": 9},  # Code2Wav's dilation-9 convs over interleaved phases
     "polyphase-3": {"decoder_polyphase_dilation": 3},  # and its dilation-3 ones
     "no-polyphase": {"decoder_polyphase_dilation": 0},  # every dilated conv as cuDNN runs it (before the default)
-    "polyphase-2d": {"decoder_polyphase_2d": True},  # the phases as a conv2d's width: no copies in and out
     "no-snake-kernel": {"decoder_snake_kernel": False},  # Code2Wav's bias, residual, SnakeBeta, padding: 4 passes
     "channels-last": {"decoder_channels_last": True},  # Code2Wav's conv stack in the (B, T, C) layout
     "no-overlap": {"overlap_steps": False},  # each step's codes read before the next step is launched

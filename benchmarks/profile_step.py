@@ -401,9 +401,7 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             ("tf32+compiled-snake", True, torch.float32, True),
             ("fp16-decoder", True, "decoder", True),  # the engine's decoder_fp16: the final conv stack in fp16
             ("fp16+polyphase-9", True, "decoder", True),  # and its dilation-9 convs over interleaved phases
-            ("fp16+polyphase-9-2d", True, "decoder", True),  # those phases as a conv2d's width (no copies)
             ("fp16+polyphase-9+snake-kernel", True, "decoder", True),  # elementwise work in one pass per activation
-            ("fp16+polyphase-9-2d+snake-kernel", True, "decoder", True),  # both
             ("fp16+polyphase-9+snake-kernel+poly-sin", True, "decoder", True),  # its sin as a polynomial
             ("fp16+polyphase-9+snake-kernel+channels-last", True, "decoder", True),  # the (B, T, C) layout
             ("bf16", False, torch.bfloat16, False),
@@ -415,7 +413,7 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             if dtype == "decoder":
                 dec = copy.deepcopy(c2w)
                 dec.set_decoder_dtype(torch.float16)
-                dec.set_polyphase_dilation(9 if "+polyphase-9" in name else 0, as_2d="-2d" in name)
+                dec.set_polyphase_dilation(9 if "+polyphase-9" in name else 0)
                 dec.set_snake_kernel(
                     snake_kernel.snake if "+snake-kernel" in name else None, channels_last="+channels-last" in name
                 )

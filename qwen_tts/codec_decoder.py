@@ -100,7 +100,6 @@ class CausalConv1d(nn.Module):
         self.context = (kernel_size - 1) * dilation
         self.slot = -1  # index into Code2WavStream.conv_history, assigned by Code2Wav
         self.polyphase = False  # `Code2Wav.set_polyphase_dilation`
-        self.polyphase_2d = False  # the phases as a conv2d's width instead of in the batch
 
     def forward(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
         return self.run(self.pad(x, stream))
@@ -183,14 +182,6 @@ class CausalConv1d(nn.Module):
         B, C, L = x.shape
         n = L - self.context  # outputs
         per = -(-L // d)  # samples per phase
-        if self.polyphase_2d:
-            # (B, C, per, d) is a free view of the padded input: sample m*d + r at row m, column r. A (k, 1) kernel
-            # convolves each column (phase) undilated, and the (B, C_out, m, d) output is the waveform's order
-            # again, so neither the phase split nor the merge is a copy.
-            if per * d != L:
-                x = F.pad(x, (0, per * d - L))
-            y = F.conv2d(x.view(B, C, per, d), c.weight[..., None], bias, groups=c.groups)
-            return y.view(B, y.shape[1], -1)[..., :n]
         x = F.pad(x, (0, per * d - L)).view(B, C, per, d).permute(0, 3, 1, 2).reshape(B * d, C, per)
         y = F.conv1d(x, c.weight, bias, groups=c.groups)  # (B*d, C_out, per - (k-1))
         c_out, m = y.shape[1], y.shape[2]
@@ -585,15 +576,13 @@ class Code2Wav(nn.Module):
         new streams afterwards: their state takes each layer's dtype."""
         self.decoder.to(dtype)
 
-    def set_polyphase_dilation(self, dilation: int, as_2d: bool = False) -> None:
+    def set_polyphase_dilation(self, dilation: int) -> None:
         """Run every conv of the final conv stack with a dilation >= `dilation` as an undilated conv over the
         input's interleaved phases (`CausalConv1d._polyphase_conv`; 0: none). The same function; streams stay
-        valid. as_2d: the phases as the width of a conv2d with a (k, 1) kernel (no copies in and out) instead of
-        in the batch of a conv1d."""
+        valid."""
         for m in self.decoder.modules():
             if isinstance(m, CausalConv1d):
                 m.polyphase = dilation > 0 and m.conv.dilation[0] >= max(dilation, 2)
-                m.polyphase_2d = as_2d
 
     def new_stream(self, batch: int = 1) -> Code2WavStream:
         """Fresh state for `batch` rows at frame 0 (zero histories == the causal zero padding), each state tensor

@@ -364,13 +364,6 @@ class EngineSettings:
     # (-50.4 dBFS, joins -58.5); 256 streams 561 -> 605 audio-s/s (docs/benchmarks.md; bench_gpu.py
     # --engine-variants no-polyphase). Ignored on CPU.
     decoder_polyphase_dilation: int = 9
-    # With decoder_polyphase_dilation, lay the phases out as the width of a conv2d with a (k, 1) kernel over a
-    # free (batch, channels, samples / d, d) view of the input, instead of moving them into the batch of a conv1d:
-    # the same function without the phase split's and merge's copies. Measured on an H200 with the snake kernel:
-    # a 64-row chunk 32.5 -> 31.0 ms (copies 3.0 -> 1.5 ms, its convs 9.8 -> 10.4), but through the engine 64
-    # streams 480.8 against 480.5 audio-s/s and 256 streams 780 against 778, inside the spread between runs, with
-    # 0.5 GiB more reserved; off (bench_gpu.py --engine-variants polyphase-2d).
-    decoder_polyphase_2d: bool = False
     # On CUDA, run the final conv stack's elementwise work as one Triton kernel per activation
     # (Code2Wav.set_snake_kernel, qwen_tts/snake_kernel.py): each conv without its bias, then one pass that adds
     # the bias and the residual, applies SnakeBeta and writes the next conv's input with its left context in front,

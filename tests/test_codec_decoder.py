@@ -272,11 +272,10 @@ def test_fp16_decoder_on_the_full_size_random_decoder_stays_within_minus_45_dbfs
     assert 20 * math.log10((got - ref).abs().max().item()) < -45
 
 
-@pytest.mark.parametrize("as_2d", [False, True], ids=["phases-in-batch", "phases-as-width"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_polyphase_dilated_convs_decode_and_stream_like_the_dilated_convolutions(model, dtype, as_2d):
+def test_polyphase_dilated_convs_decode_and_stream_like_the_dilated_convolutions(model, dtype):
     """set_polyphase_dilation: dilated convs as undilated convs over the input's interleaved phases, the phases
-    in the batch of a conv1d or (as_2d) the width of a conv2d. The same function: one layer at lengths that do and
+    in the batch of a conv1d. The same function: one layer at lengths that do and
     do not divide into whole phases against a float64 dilated conv, then whole and streamed decodes (chunks
     shorter and longer than a phase) against the dilated convolutions."""
     import copy
@@ -284,11 +283,10 @@ def test_polyphase_dilated_convs_decode_and_stream_like_the_dilated_convolutions
     ref = copy.deepcopy(model)
     ref.set_decoder_dtype(dtype)
     poly = copy.deepcopy(ref)
-    poly.set_polyphase_dilation(9, as_2d=as_2d)
+    poly.set_polyphase_dilation(9)
     convs = [m for m in poly.decoder.modules() if isinstance(m, CausalConv1d)]
     assert {m.conv.dilation[0] for m in convs if m.polyphase} == {9}
-    assert all(m.polyphase_2d == as_2d for m in convs)
-    poly.set_polyphase_dilation(3, as_2d=as_2d)
+    poly.set_polyphase_dilation(3)
     assert {m.conv.dilation[0] for m in convs if m.polyphase} == {3, 9}
     layer = next(m for m in convs if m.conv.dilation[0] == 9)
     g = torch.Generator().manual_seed(4)

@@ -260,27 +260,25 @@ def test_a_failing_chunk_ends_only_its_request(tiny_model, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    ("fp16", "polyphase", "as_2d", "snake"),
+    ("fp16", "polyphase", "snake"),
     [
-        (False, 0, False, False),
-        (True, 0, False, False),
-        (True, 3, False, False),
-        (True, 3, True, False),
-        (False, 3, True, True),
-        (True, 3, True, True),
-        (True, 3, False, "channels-last"),
+        (False, 0, False),
+        (True, 0, False),
+        (True, 3, False),
+        (False, 3, True),
+        (True, 3, True),
+        (True, 3, "channels-last"),
     ],
     ids=[
         "fp32",
         "fp16-decoder",
         "fp16-polyphase",
-        "fp16-polyphase-2d",
         "fp32-snake-kernel",
         "fp16-snake-kernel",
         "fp16-channels-last",
     ],
 )
-def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, polyphase, as_2d, snake):
+def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, polyphase, snake):
     import copy
 
     from qwen_tts import snake_kernel
@@ -289,7 +287,7 @@ def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, polyph
     model = copy.deepcopy(c2w).to("cuda")
     if fp16:
         model.set_decoder_dtype(torch.float16)
-    model.set_polyphase_dilation(polyphase, as_2d=as_2d)
+    model.set_polyphase_dilation(polyphase)
     model.set_snake_kernel(snake_kernel.snake if snake else None, channels_last=snake == "channels-last")
     try:
         torch.backends.cudnn.allow_tf32 = False

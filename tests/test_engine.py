@@ -81,7 +81,6 @@ async def test_stream_equals_whole_decode(tiny_model):
     # The CUDA-only defaults report what runs here: none of them.
     info = eng.model_info
     assert (info["decoder_polyphase_dilation"], info["kernel_sampler"], info["cp_prompt_one_pass"]) == (0, False, False)
-    assert info["decoder_polyphase_2d"] is False
     assert not any(getattr(m, "polyphase", False) for m in eng._code2wav.modules())
     assert info["decoder_snake_kernel"] is False and eng._code2wav.snake_kernel is None
     assert info["decoder_channels_last"] is False

@@ -177,9 +177,8 @@ class NativeEngine(Engine):
         if self.device.type == "cuda" and self.config.decoder_fp16:
             self._code2wav.set_decoder_dtype(torch.float16)
         polyphase = self.config.decoder_polyphase_dilation if self.device.type == "cuda" else 0  # CUDA only
-        self._code2wav.set_polyphase_dilation(polyphase, as_2d=self.config.decoder_polyphase_2d)
+        self._code2wav.set_polyphase_dilation(polyphase)
         self._model_info["decoder_polyphase_dilation"] = polyphase  # what runs, as kernel_sampler and the rest
-        self._model_info["decoder_polyphase_2d"] = bool(polyphase) and self.config.decoder_polyphase_2d
         self._model_info["decoder_dtype"] = str(self._code2wav.decoder_dtype).removeprefix("torch.")
         self._tokenizer = m.tokenizer
         self._role_ids = self._tokenizer.chat_ids("")[:3]
