@@ -3,12 +3,11 @@ warp sizes against the compiled `sampling.sample` it replaces, at the code predi
 (3072) vocab, graphed as the frame step runs them (16 draws a frame).
 
 For each vocab, batch and variant it captures 16 calls into a CUDA graph, replays it back to back (CUDA events)
-and reports microseconds per draw (with `--shortcut on,off`, with and without the top-k shortcut of
-`sample_kernel._draw`; `--scales`, flatter or more peaked rows); it checks that every variant draws what
-`sampling.sample` draws (top-k rows, the Qwen3-TTS default top_p 1). Prints a table last, writes JSON.
+and reports microseconds per draw (`--scales`: flatter or more peaked rows); it checks that every variant draws
+what `sampling.sample` draws (top-k rows, the Qwen3-TTS default top_p 1). Prints a table last, writes JSON.
 
     python3 benchmarks/bench_sampler.py --batches 2,64,256 --warp-elements 256,512,1024,2048 --out sampler.json
-    python3 benchmarks/bench_sampler.py --batches 1,64 --warp-elements 512 --scales 1,3 --shortcut on,off
+    python3 benchmarks/bench_sampler.py --batches 1,64 --warp-elements 512 --scales 1,3
 """
 
 from __future__ import annotations
@@ -48,9 +47,6 @@ def main() -> None:
     ap.add_argument(
         "--scales", default="3", help="the logits' standard deviations (flatter rows: more draws outside top-k)"
     )
-    ap.add_argument(
-        "--shortcut", default="off", help="top-k shortcut settings of the kernel to time: on, off or on,off"
-    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -74,18 +70,16 @@ def main() -> None:
         base = {"vocab": vocab, "batch": batch, "scale": scale}
         rows.append({**base, "sampler": "compiled", "us_per_draw": round(us, 2)})
         print(json.dumps(rows[-1]), flush=True)
-        for we, shortcut in itertools.product(map(int, args.warp_elements.split(",")), args.shortcut.split(",")):
+        for we in map(int, args.warp_elements.split(",")):
             sample_kernel.set_warp_elements(we)
-            sample_kernel.set_topk_shortcut(shortcut == "on")
             got = sample_kernel.sample(logits, *settings)
             same = bool(torch.equal(got, want))
             us = graph_us(draws(sample_kernel.sample, logits, *settings), args.iters)
-            name = f"kernel/{we}" + ("/shortcut" if shortcut == "on" else "")
+            name = f"kernel/{we}"
             rows.append({**base, "sampler": name, "warps": sample_kernel.num_warps(vocab),
                          "us_per_draw": round(us, 2), "same_draws": same})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     sample_kernel.set_warp_elements(sample_kernel.WARP_ELEMENTS)
-    sample_kernel.set_topk_shortcut(sample_kernel.TOPK_SHORTCUT)
     print("| vocab | batch | logit sd | sampler | warps | us/draw | same draws |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['vocab']} | {r['batch']} | {r['scale']} | {r['sampler']} | {r.get('warps', '')} | "

@@ -335,15 +335,6 @@ class EngineSettings:
     # of two, 32-4096): 512 runs the code predictor's 2048 logits on 4 warps. On an H200 512 was the fastest or
     # within 1 us of it at every batch (bench_sampler.py): 2048 (one warp) took 42 us a draw. Process-wide.
     kernel_sampler_warp_elements: int = 512
-    # With kernel_sampler, a sampled row without top-p takes the draw over every id when top-k keeps that id (one
-    # count over the row), and finds top-k's cut (32 counts) only when it does not: the same ids
-    # (sample_kernel._draw). Measured on an H100 (bench_sampler.py, one row): a draw 9.7 -> 3.7 us where the rows
-    # are peaked enough that the draw falls inside the top k (logits of sd 3-6), 9.7 -> 10.2 where they are flat
-    # (sd 1); at 64-256 rows a draw waits for its slowest row (+5-8% unless every row is peaked). Through the
-    # engine on random weights (flat rows), one sampled 0.6B stream was unchanged (25.13x against 25.15x). So off
-    # until measured on a real checkpoint's rows: bench_gpu.py --sampling --engine-variants topk-shortcut.
-    # Process-wide.
-    kernel_sampler_topk_shortcut: bool = False
     # On CUDA, run Code2Wav's SnakeBeta activations (its largest tensors) as one compiled kernel each instead of
     # five eager passes: a 64-row 12-frame chunk 79 -> 65 ms on an H200, 64 streams 277 -> 313 audio-s/s, 256
     # streams 448 -> 525; the audio stays within -52 dBFS of the exact decode as without it, chunk joins -59 instead

@@ -112,33 +112,16 @@ if HAVE_TRITON:
         return tl.argmax(scores, axis=0)
 
     @triton.jit
-    def _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V, SHORTCUT: tl.constexpr):
-        """The sampled id of one row: y (the logits over the temperature) through top-k, top-p and the noise.
-
-        SHORTCUT (`set_topk_shortcut`): without top-p, the draw over every id first. Its id a is the filtered
-        draw's too whenever top-k keeps it, and top-k keeps it exactly when fewer than k ids have y > y[a]: then
-        the filtered ids' scores are a subset holding the largest, and no kept id before a ties it (argmax takes
-        the first). One count instead of top-k's 32; else the filters run as without it."""
-        neg_inf = float("-inf")
+    def _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V):
+        """The sampled id of one row: y (the logits over the temperature) through top-k, top-p and the noise."""
         noise = _noise(idx, b, Seeds, Counters, counter_offset)
         top_k = tl.load(TopK + b)
         top_p = tl.load(TopP + b).to(tl.float32)
-        if SHORTCUT:
-            a = tl.argmax(tl.where(y > neg_inf, y + noise, neg_inf), axis=0)
-            y_a = tl.max(tl.where(idx == a, y, neg_inf), axis=0)
-            above = tl.sum((valid & (y > y_a)).to(tl.int32), axis=0)
-            k = tl.minimum(tl.maximum(top_k, 1), V).to(tl.int32)
-            if (top_p >= 1.0) & ((top_k <= 0) | (above < k)):
-                out = a
-            else:
-                out = _filtered_draw(y, noise, valid, top_k, top_p, V)
-        else:
-            out = _filtered_draw(y, noise, valid, top_k, top_p, V)
-        return out
+        return _filtered_draw(y, noise, valid, top_k, top_p, V)
 
     @triton.jit
     def _pick(Logits, Temperature, TopK, TopP, Greedy, Seeds, Counters, b, stride_row, counter_offset, V,
-              BLOCK: tl.constexpr, GREEDY_BRANCH: tl.constexpr, SHORTCUT: tl.constexpr):  # fmt: skip
+              BLOCK: tl.constexpr, GREEDY_BRANCH: tl.constexpr):  # fmt: skip
         """Row b's id (int64): the greedy argmax, or the draw through the row's filters and noise."""
         idx = tl.arange(0, BLOCK)
         valid = idx < V
@@ -150,10 +133,10 @@ if HAVE_TRITON:
                 out = tl.argmax(x, axis=0).to(tl.int64)
             else:
                 y = tl.math.div_rn(x, temperature)  # IEEE division, as torch's `logits / temperature`
-                out = _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V, SHORTCUT).to(tl.int64)
+                out = _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V).to(tl.int64)
         else:
             y = tl.math.div_rn(x, tl.where(greedy, 1.0, temperature))
-            drawn = _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V, SHORTCUT)
+            drawn = _draw(y, idx, valid, b, TopK, TopP, Seeds, Counters, counter_offset, V)
             out = tl.where(greedy, tl.argmax(x, axis=0), drawn).to(tl.int64)
         return out
 
@@ -172,11 +155,10 @@ if HAVE_TRITON:
         V,
         BLOCK: tl.constexpr,
         GREEDY_BRANCH: tl.constexpr,  # a greedy row skips the filters and the noise (else computes and drops them)
-        SHORTCUT: tl.constexpr,  # `_draw`'s: the unfiltered draw first, top-k's cut only where it falls outside
     ):
         b = tl.program_id(0)
         out = _pick(Logits, Temperature, TopK, TopP, Greedy, Seeds, Counters, b, stride_row, counter_offset, V,
-                    BLOCK, GREEDY_BRANCH, SHORTCUT)  # fmt: skip
+                    BLOCK, GREEDY_BRANCH)  # fmt: skip
         tl.store(Out + b, out)
 
     @triton.jit
@@ -188,12 +170,12 @@ if HAVE_TRITON:
         Table,  # (V, HN): the next pass's input rows (the embedding table itself, or its projection)
         Next,  # (B, HN): the next pass's input, written when FEED
         stride_row, stride_codes, stride_emb, stride_sum, stride_table, stride_next, counter_offset, V, HS, HN,
-        BLOCK: tl.constexpr, GREEDY_BRANCH: tl.constexpr, SHORTCUT: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK: tl.constexpr, GREEDY_BRANCH: tl.constexpr, BLOCK_H: tl.constexpr,
         FEED: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         out = _pick(Logits, Temperature, TopK, TopP, Greedy, Seeds, Counters, b, stride_row, counter_offset, V,
-                    BLOCK, GREEDY_BRANCH, SHORTCUT)  # fmt: skip
+                    BLOCK, GREEDY_BRANCH)  # fmt: skip
         tl.store(Codes + b * stride_codes, out)
         cols = tl.arange(0, BLOCK_H)
         for h0 in range(0, HS, BLOCK_H):
@@ -218,11 +200,6 @@ _warp_elements = WARP_ELEMENTS
 # Greedy rows branch around the filters and the noise (one argmax) instead of computing a draw they drop: the same
 # ids either way. `set_greedy_branch` switches it process-wide (A/B runs), read at launch (so at graph capture).
 _greedy_branch = True
-# Sampled rows without top-p take the draw over every id when top-k keeps it (`_draw`), instead of finding top-k's
-# cut first: the same ids. `set_topk_shortcut` switches it process-wide (EngineSettings.kernel_sampler_topk_shortcut,
-# off: docs/benchmarks.md), read at launch.
-TOPK_SHORTCUT = False
-_topk_shortcut = TOPK_SHORTCUT
 
 
 def warp_elements_error(n: object) -> str | None:
@@ -246,12 +223,6 @@ def set_greedy_branch(on: bool) -> None:
     _greedy_branch = bool(on)
 
 
-def set_topk_shortcut(on: bool) -> None:
-    """Whether sampled rows without top-p try the unfiltered draw before top-k's cut (the same ids; A/B runs)."""
-    global _topk_shortcut
-    _topk_shortcut = bool(on)
-
-
 def num_warps(vocab: int) -> int:
     """The warps a row of `vocab` logits gets (at most 16)."""
     return min(16, max(1, triton.next_power_of_2(vocab) // _warp_elements))
@@ -264,9 +235,7 @@ def _row_draw(logits: Tensor, settings: tuple[Tensor, ...]) -> tuple[Tensor, tup
         logits = logits.contiguous()
     temperature, top_k, top_p, greedy, seeds, counters = settings
     V = logits.shape[1]
-    meta = dict(
-        BLOCK=triton.next_power_of_2(V), GREEDY_BRANCH=_greedy_branch, SHORTCUT=_topk_shortcut, num_warps=num_warps(V)
-    )
+    meta = dict(BLOCK=triton.next_power_of_2(V), GREEDY_BRANCH=_greedy_branch, num_warps=num_warps(V))
     return logits, (temperature.float(), top_k, top_p.float(), greedy, seeds, counters), meta
 
 

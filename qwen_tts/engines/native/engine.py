@@ -856,5 +856,4 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
     talker.kernel_sampler = config.kernel_sampler
     talker.cp_fused_feed = config.kernel_sampler and config.cp_fused_feed
     sample_kernel.set_warp_elements(config.kernel_sampler_warp_elements)  # read at capture
-    sample_kernel.set_topk_shortcut(config.kernel_sampler_topk_shortcut)  # read at capture
     return True
