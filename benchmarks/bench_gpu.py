@@ -111,7 +111,6 @@ VARIANTS: dict[str, dict] = {
     "emulate-casts": {"fused_emulate_casts": True},  # the compiled regions round bf16 where the eager ops round
     "deterministic": {"fused_deterministic": True},  # the compiled regions' reduction configs by rule, not timing
     "no-deterministic": {"fused_deterministic": False},
-    "small-m-pdl": {"small_m_pdl": True},  # the few-row matmuls as programmatic dependents (Hopper)
     "small-m-heads": {"small_m_heads": True},  # the talker's and code predictor's heads by the few-row kernel
     "cp-input-tables": {"cp_input_tables": True},  # the code predictor's pass inputs from projected tables
     "no-cp-input-tables": {"cp_input_tables": False},  # and through the projection every pass (before the default)

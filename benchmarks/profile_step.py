@@ -68,11 +68,8 @@ STEP_VARIANTS = {
     "fused-split+small-m+cp-one-pass": _BOTH,  # and the code predictor's two prompt tokens in one pass
     "fused-split+small-m+kernel-sampler": _BOTH,  # and each draw by one Triton kernel, no sort
     "fused-split+small-m+cp-one-pass+kernel-sampler": _BOTH,
-    # The engine's default and the few-row matmul's fusions (small_m_fusion), launched as programmatic dependents
-    # (small_m_pdl), both.
+    # The engine's default and the few-row matmul's fusions (small_m_fusion).
     "fused-split+small-m+cp-one-pass+kernel-sampler+fusion": {**_BOTH, "small_m_fusion": True},
-    "fused-split+small-m+cp-one-pass+kernel-sampler+pdl": _BOTH,
-    "fused-split+small-m+cp-one-pass+kernel-sampler+fusion+pdl": {**_BOTH, "small_m_fusion": True},
     # The engine's default with the heads by the few-row kernel (small_m_heads), the code predictor's inputs from
     # projected tables (cp_input_tables), both; and with greedy rows through the sampler's whole draw.
     "fused-split+small-m+cp-one-pass+kernel-sampler+heads": _BOTH,
@@ -124,7 +121,6 @@ DEFAULT_SPLIT_K = EngineSettings().small_m_split_k
 def build(path: Path, variant: str, max_rows: int, max_len: int):
     small_m_gemm.set_max_split_k(STEP_SPLIT_K.get(variant, DEFAULT_SPLIT_K))
     small_m_gemm.set_blocks(*STEP_BLOCKS.get(variant, DEFAULT_BLOCKS))
-    small_m_gemm.set_pdl(variant.endswith("+pdl"))
     sample_kernel.set_greedy_branch("+no-greedy-branch" not in variant)
     small_m_gemm.prepare("cuda")
     fused.set_emulate_casts("+emulate-casts" in variant)  # read when the regions compile

@@ -133,10 +133,7 @@ if HAVE_TRITON:
         D: tl.constexpr,
         BLOCK_T: tl.constexpr,
         PRECISION: tl.constexpr,  # "ieee" for float32 inputs, else "tf32" (what P.V runs in)
-        TRIGGER: tl.constexpr = False,  # let a programmatic dependent (the next matmul) start loading its weights
     ):
-        if TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0)
         hkv = tl.program_id(1)
         part = tl.program_id(2)
@@ -205,10 +202,7 @@ if HAVE_TRITON:
         NP: tl.constexpr,
         D: tl.constexpr,
         BLOCK_T: tl.constexpr,
-        TRIGGER: tl.constexpr = False,
     ):
-        if TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0)
         h = tl.program_id(1)
         pos = tl.load(Positions + b * stride_pos)
@@ -231,15 +225,6 @@ if HAVE_TRITON:
 # predictor's 16 positions) is one partition and needs no combine pass.
 SPLIT_PARTS = 16
 SPLIT_BLOCK = 32
-# The split kernel's last pass lets the next kernel start early (Hopper's programmatic dependent launch): set by
-# `small_m_gemm.set_pdl`, whose matmul (the o projection, next) then loads its first weight tile while attention
-# drains. Read at launch; CUDA graphs keep what they were captured with.
-_trigger_dependents = False
-
-
-def set_trigger_dependents(on: bool) -> None:
-    global _trigger_dependents
-    _trigger_dependents = bool(on)
 
 
 def decode_attention(
@@ -335,7 +320,6 @@ def split_decode_attention(
     block_t = min(SPLIT_BLOCK, max(16, triton.next_power_of_2(L)))
     n_parts = min(SPLIT_PARTS, triton.next_power_of_2(triton.cdiv(L, block_t)))
     out = torch.empty_like(q)
-    trigger = _trigger_dependents and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
     if n_parts > 1:
         part_acc = torch.empty((B, Hq, n_parts, D), device=q.device, dtype=torch.float32)
         part_max = torch.empty((B, Hq, n_parts), device=q.device, dtype=torch.float32)
@@ -362,7 +346,6 @@ def split_decode_attention(
         D=D,
         BLOCK_T=block_t,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        TRIGGER=trigger and n_parts == 1,
         num_warps=4,
     )
     if n_parts > 1:
@@ -378,7 +361,6 @@ def split_decode_attention(
             NP=n_parts,
             D=D,
             BLOCK_T=block_t,
-            TRIGGER=trigger,
             num_warps=4,
         )
     return out

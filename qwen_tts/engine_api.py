@@ -174,12 +174,6 @@ class EngineSettings:
     # 6.245 at batch 64 (profile_step.py, graph replays); one stream 15.47x real time with it. Process-wide. Ignored
     # on CPU and where torch has no such mode (bench_gpu.py --engine-variants no-deterministic).
     fused_deterministic: bool = True
-    # With small_m_gemm on Hopper, launch the few-row matmuls as programmatic dependents (small_m_gemm.set_pdl):
-    # each loads its first weight tile while the kernel before it drains, then waits for it; attention lets the o
-    # projection start early. Measured on an H200: slower (1.7B step at batch 1 with small_m_fusion 7.10 -> 8.21
-    # ms; without it 5.24 -> 5.37). Off (bench_gpu.py --engine-variants small-m-pdl). Process-wide. Ignored on CPU
-    # and before compute capability 9.0.
-    small_m_pdl: bool = False
     # With small_m_gemm, the talker's codec head and the code predictor's 15 heads (16 matmuls of 4-12 MB a frame
     # step, cuBLAS's by default) through the few-row kernel as well (fused.set_small_m_heads). Measured on an H200
     # (profile_step.py, graph replays): the 0.6B step 3.97 -> 3.99 ms at batch 1, 5.65 -> 5.65 at batch 64; cuBLAS

@@ -24,11 +24,10 @@ row's bits still do not depend on the other rows (S is chosen from N, K and the 
 in one buffer per device (`prepare`, before any graph capture), so the kernel runs on one stream at a time, as the
 engine's frame steps and prefill do.
 
-Fusions and programmatic dependent launch (`EngineSettings.small_m_fusion`, `small_m_pdl`; both off, measured
-slower on an H200: docs/benchmarks.md). A second kernel, `_small_m_fused_kernel`, takes the RMSNorm before a
-matmul (`norm_linear`), SiLU * up after gate|up (`norm_linear_silu`) and the residual add after it (`linear_add`),
-and may be launched as a programmatic dependent (`set_pdl`). The plain matmul keeps the first kernel, unchanged
-from the one measured into the defaults.
+Fusions (`EngineSettings.small_m_fusion`; off, measured slower on an H200: docs/benchmarks.md). A second kernel,
+`_small_m_fused_kernel`, takes the RMSNorm before a matmul (`norm_linear`), SiLU * up after gate|up
+(`norm_linear_silu`) and the residual add after it (`linear_add`). The plain matmul keeps the first kernel,
+unchanged from the one measured into the defaults.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qwen_tts.decode_attention import HAVE_TRITON, set_trigger_dependents
+from qwen_tts.decode_attention import HAVE_TRITON
 
 if HAVE_TRITON:
     import triton
@@ -186,7 +185,6 @@ if HAVE_TRITON:
         NORM: tl.constexpr,  # x RMS-normalised first (over all K; eps, LNW); unsplit
         SILU: tl.constexpr,  # gate|up weights: write SiLU(x @ gate.T) * (x @ up.T)
         RESIDUAL: tl.constexpr,  # add R to the product
-        PDL: tl.constexpr,  # launched as a programmatic dependent: load the first weight tile, then wait
     ):
         pid = tl.program_id(0)
         m = tl.arange(0, BLOCK_M)
@@ -205,9 +203,6 @@ if HAVE_TRITON:
         w = _load_w(W, n, kk, k_start, K, nmask, stride_wn)
         if SILU:
             wu = _load_w(W + N * stride_wn, n, kk, k_start, K, nmask, stride_wn)
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # the kernel before has finished and its writes are visible
-            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start loading its weights
         # The residual tile now, while the weights stream in, not after the last K tile.
         r = tl.zeros((BLOCK_M, BLOCK_N), Y.dtype.element_ty)
         if RESIDUAL:
@@ -310,32 +305,6 @@ def prepare(device: torch.device | str, blocks: int = COUNTERS) -> Tensor:
     return c
 
 
-def set_pdl(on: bool) -> None:
-    """Launch the kernel as a programmatic dependent (Hopper and later; `EngineSettings.small_m_pdl`): each program
-    loads its first weight tile, waits for the kernel before it to finish, and lets the next kernel start; so one
-    matmul's weights stream in while the kernel before it drains. Process-wide; CUDA graphs keep what they were
-    captured with. Ignored where the GPU cannot (before compute capability 9.0) and in Triton's interpreter."""
-    global _pdl
-    _pdl = bool(on)
-    set_trigger_dependents(_pdl)  # attention, before the o projection, lets it start too
-
-
-_pdl = False
-
-
-@functools.cache
-def _pdl_capable(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def pdl_active(device: torch.device | str | None = None) -> bool:
-    """Whether the kernel launches as a programmatic dependent on `device` (None: the current CUDA device)."""
-    if not _pdl or not torch.cuda.is_available():
-        return False
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    return _pdl_capable(device)
-
-
 def small_m_matmul(
     x: Tensor,
     w: Tensor,
@@ -397,8 +366,7 @@ def small_m_matmul(
         norm_weight = norm_weight.contiguous()
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
-    pdl = _pdl and _pdl_capable(x.device)
-    if norm_weight is None and not silu and residual is None and not pdl:
+    if norm_weight is None and not silu and residual is None:
         _small_m_kernel[(blocks, split)](
             x,
             w,
@@ -446,10 +414,8 @@ def small_m_matmul(
         NORM=norm_weight is not None,
         SILU=silu,
         RESIDUAL=residual is not None,
-        PDL=pdl,
         num_warps=4,
         num_stages=num_stages,
-        launch_pdl=pdl,
     )
     return y
 

@@ -197,7 +197,6 @@ class NativeEngine(Engine):
         self._model_info["small_m_fusion"] = bool(fused_on and self.config.small_m_fusion)
         self._model_info["fused_emulate_casts"] = bool(self._model_info["fused_kernels"] and fused.emulate_casts())
         self._model_info["fused_deterministic"] = bool(self._model_info["fused_kernels"] and fused.deterministic())
-        self._model_info["small_m_pdl"] = bool(fused_on and self.config.small_m_pdl and small_m_gemm.pdl_active())
         self._model_info["kernel_sampler"] = self._talker.kernel_sampler
         feeds = self._talker.code_predictor.next_input_is_a_row()
         self._model_info["cp_fused_feed"] = self._model_info["fused_kernels"] and self._talker.cp_fused_feed and feeds
@@ -813,7 +812,6 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
     )
     # Process-wide, read when each graph is captured; its counters exist before capture.
     small_m_gemm.set_max_split_k(config.small_m_split_k)
-    small_m_gemm.set_pdl(config.small_m_gemm and config.small_m_pdl)
     small_m_gemm.prepare(device)
     talker.code_predictor.prompt_one_pass = config.cp_prompt_one_pass
     fused.set_small_m_heads(talker, config.small_m_gemm and config.small_m_heads)
