@@ -107,7 +107,6 @@ VARIANTS: dict[str, dict] = {
     "cp-unfused-feed": {"cp_fused_feed": False},  # and the draw, gathers and add as four launches (before it)
     "sampler-w1k": {"kernel_sampler_warp_elements": 1024},  # with kernel-sampler: 2 warps for 2048 logits
     "sampler-w2k": {"kernel_sampler_warp_elements": 2048},  # and 1 warp
-    "small-m-fusion": {"small_m_fusion": True},  # RMSNorm, SiLU * up, residual adds inside the few-row matmul
     "emulate-casts": {"fused_emulate_casts": True},  # the compiled regions round bf16 where the eager ops round
     "deterministic": {"fused_deterministic": True},  # the compiled regions' reduction configs by rule, not timing
     "no-deterministic": {"fused_deterministic": False},

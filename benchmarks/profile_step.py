@@ -68,8 +68,6 @@ STEP_VARIANTS = {
     "fused-split+small-m+cp-one-pass": _BOTH,  # and the code predictor's two prompt tokens in one pass
     "fused-split+small-m+kernel-sampler": _BOTH,  # and each draw by one Triton kernel, no sort
     "fused-split+small-m+cp-one-pass+kernel-sampler": _BOTH,
-    # The engine's default and the few-row matmul's fusions (small_m_fusion).
-    "fused-split+small-m+cp-one-pass+kernel-sampler+fusion": {**_BOTH, "small_m_fusion": True},
     # The engine's default with the heads by the few-row kernel (small_m_heads), the code predictor's inputs from
     # projected tables (cp_input_tables), both; and with greedy rows through the sampler's whole draw.
     "fused-split+small-m+cp-one-pass+kernel-sampler+heads": _BOTH,
@@ -205,7 +203,7 @@ def time_replays(runner: FrameStepRunner, B: int, args, iters: int) -> dict:
 
 # Kernel families by name (first match wins): where a step's kernels and device time go.
 CATEGORIES = (
-    ("few-row matmul", ("_small_m_kernel", "_small_m_fused_kernel")),  # not inductor's kernels named after the op
+    ("few-row matmul", ("_small_m_kernel",)),  # not inductor's kernels named after the op
     ("sampler kernel", ("_sample_kernel",)),
     ("gemm", ("gemm", "gemv", "cutlass", "cublas", "sm90_", "sm80_", "xmma", "splitk")),
     ("attention", ("attention", "_attn", "combine_partitions")),

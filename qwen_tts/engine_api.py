@@ -150,13 +150,6 @@ class EngineSettings:
     # On an H200 the 1.7B step's matmuls at 2 rows: 3.40 ms unsplit, 2.97 with split 4 (bench_gemm.py
     # --max-splits; bench_gpu.py --engine-variants no-split-k). Process-wide. Ignored on CPU.
     small_m_split_k: int = 4
-    # With small_m_gemm, the RMSNorms before the q|k|v and gate|up matmuls, SiLU * up after gate|up and the residual
-    # adds after the o and down projections inside the few-row matmul kernel (small_m_gemm.norm_linear,
-    # norm_linear_silu, linear_add): a decoder layer of one to 16 rows in seven launches instead of ten. Measured
-    # on an H200 (profile_step.py, 1.7B, batch 1): 1,631 -> 1,322 kernels but the graphed step 5.22 -> 7.10 ms;
-    # our matmul kernel's 412 launches took 2.93 -> 5.29 ms while the compiled kernels it replaced saved 0.36 ms
-    # (docs/benchmarks.md). Off (bench_gpu.py --engine-variants small-m-fusion). Ignored on CPU.
-    small_m_fusion: bool = False
     # On the fast path, compile its regions with inductor's emulate_precision_casts (fused.set_emulate_casts): each
     # bf16 intermediate rounded where the eager layers round it (the RMSNorm's cast, RoPE's products, the residual
     # adds, SiLU * up) instead of kept in float32 inside a fused kernel. Same function, rounded as the official

@@ -7,8 +7,7 @@ Eager, one decoder layer at T = 1 is ~60 small kernels (RMSNorm alone is five, R
   1. `pre_attention` (compiled): input RMSNorm, one q|k|v matmul over fused weights, q/k RMSNorm, RoPE;
   2. `decode_attention` (Triton): the K/V write and attention over the slot's positions, read in place;
   3. `post_attention` (compiled): o_proj + residual, RMSNorm, one gate|up matmul, SiLU * up, down_proj + residual;
-about ten kernels (seven with `small_m_fusion`: the RMSNorms, SiLU * up and the residual adds inside the few-row
-matmul kernel); a layer's step 3 and the next layer's step 1 are one compiled region (`stack_step`). The compiled functions take weights as arguments, so one compilation serves every layer of
+about ten kernels; a layer's step 3 and the next layer's step 1 are one compiled region (`stack_step`). The compiled functions take weights as arguments, so one compilation serves every layer of
 every model of a width (torch.compile with dynamic shapes: one artifact for all batch buckets). Nothing in them
 mutates an input (the KV cache is written by the Triton kernel only), so the cache update stays in place and
 the whole step still captures into one CUDA graph. CPU runs keep the eager modules.
@@ -29,7 +28,6 @@ from torch import Tensor, nn
 from qwen_tts import stack_kernel
 from qwen_tts.decode_attention import HAVE_TRITON, decode_attention
 from qwen_tts.sampling import apply_repetition_penalty, mask_eos, sample, suppress
-from qwen_tts.small_m_gemm import SMALL_M_MAX, linear_add, norm_linear, norm_linear_silu
 from qwen_tts.small_m_gemm import linear as small_m_linear
 
 log = logging.getLogger("qwen_tts.fused")
@@ -60,16 +58,13 @@ def _pre_attention(
     n_q: int,
     n_kv: int,
     small_m: bool = False,
-    fuse: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """x (B, H), cos/sin (B, D) -> q (B, Hq, D), k and v (B, Hkv, D), each contiguous in its last dim.
 
-    small_m: matmuls through `small_m_gemm.linear` (the few-row Triton kernel) instead of F.linear. fuse (with
-    small_m): the input RMSNorm inside that kernel (`small_m_gemm.norm_linear`)."""
+    small_m: matmuls through `small_m_gemm.linear` (the few-row Triton kernel) instead of F.linear."""
     B = x.shape[0]
     D = cos.shape[-1]
-    fused_norm = small_m and fuse and x.shape[0] <= SMALL_M_MAX  # more rows: F.linear, the norm as inductor fuses it
-    qkv = norm_linear(x, ln_w, eps, w_qkv) if fused_norm else _linear(small_m)(rms_norm(x, ln_w, eps), w_qkv)
+    qkv = _linear(small_m)(rms_norm(x, ln_w, eps), w_qkv)
     q, k, v = qkv.split([n_q * D, n_kv * D, n_kv * D], dim=-1)
     c, s = cos[:, None], sin[:, None]
     q = _rope(rms_norm(q.reshape(B, n_q, D), q_norm_w, eps), c, s)
@@ -91,14 +86,8 @@ def _post_attention(
     w_down: Tensor,
     eps: float,
     small_m: bool = False,
-    fuse: bool = False,
 ) -> Tensor:
-    """x (B, H), attn (B, Hq, D) -> the layer output (B, H).
-
-    fuse (with small_m): three launches, the RMSNorm, SiLU * up and both residual adds inside the matmul kernel."""
-    if small_m and fuse and x.shape[0] <= SMALL_M_MAX:  # more rows: F.linear, the rest as inductor fuses it
-        x = linear_add(attn.reshape(attn.shape[0], -1), w_o, x)
-        return linear_add(norm_linear_silu(x, ln_w, eps, w_gate_up), w_down, x)
+    """x (B, H), attn (B, Hq, D) -> the layer output (B, H)."""
     linear = _linear(small_m)
     x = x + linear(attn.reshape(attn.shape[0], -1), w_o)
     gate, up = linear(rms_norm(x, ln_w, eps), w_gate_up).chunk(2, dim=-1)
@@ -123,23 +112,20 @@ def _post_then_pre(
     n_q: int,
     n_kv: int,
     small_m: bool = False,
-    fuse: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One layer's post-attention block and the next layer's pre-attention block in one compiled region, so the
     residual add and the next RMSNorm share a kernel: (x, q, k, v) for the next layer's attention."""
-    x = _post_attention(x, attn, w_o, ln_w, w_gate_up, w_down, eps, small_m, fuse)
-    nxt = _pre_attention(
-        x, next_ln_w, next_w_qkv, next_q_norm_w, next_k_norm_w, cos, sin, next_eps, n_q, n_kv, small_m, fuse
-    )
+    x = _post_attention(x, attn, w_o, ln_w, w_gate_up, w_down, eps, small_m)
+    nxt = _pre_attention(x, next_ln_w, next_w_qkv, next_q_norm_w, next_k_norm_w, cos, sin, next_eps, n_q, n_kv, small_m)
     return (x, *nxt)
 
 
 def _post_then_norm(
     x: Tensor, attn: Tensor, w_o: Tensor, ln_w: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float,
-    norm_w: Tensor, norm_eps: float, small_m: bool = False, fuse: bool = False,
+    norm_w: Tensor, norm_eps: float, small_m: bool = False,
 ) -> Tensor:  # fmt: skip
     """The last layer's post-attention block and the stack's final RMSNorm."""
-    return rms_norm(_post_attention(x, attn, w_o, ln_w, w_gate_up, w_down, eps, small_m, fuse), norm_w, norm_eps)
+    return rms_norm(_post_attention(x, attn, w_o, ln_w, w_gate_up, w_down, eps, small_m), norm_w, norm_eps)
 
 
 def _rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -324,15 +310,11 @@ def _fuse_linear_weights(linears: list[nn.Linear]) -> Tensor:
     return fused
 
 
-def enable(
-    module: nn.Module, split_attention: bool = False, small_m_gemm: bool = False, small_m_fusion: bool = False
-) -> int:
+def enable(module: nn.Module, split_attention: bool = False, small_m_gemm: bool = False) -> int:
     """Turn the fast path on for every decoder layer under `module`; returns how many layers it took.
 
     split_attention: attend with `split_decode_attention` (split over positions, tensor-core dot products).
-    small_m_gemm: the layers' matmuls through `small_m_gemm.linear` (a Triton kernel up to 16 rows).
-    small_m_fusion: with small_m_gemm, the RMSNorms before the q|k|v and gate|up matmuls, SiLU * up and the
-    residual adds run inside that kernel (`small_m_gemm.norm_linear`, `norm_linear_silu`, `linear_add`)."""
+    small_m_gemm: the layers' matmuls through `small_m_gemm.linear` (a Triton kernel up to 16 rows)."""
     from qwen_tts.layers import DecoderLayer
 
     n = 0
@@ -346,19 +328,19 @@ def enable(
                 n_kv=a.k_proj.weight.shape[0] // a.head_dim,
             )
             n += 1
-    set_variants(module, split_attention, small_m_gemm, small_m_fusion)
+    set_variants(module, split_attention, small_m_gemm)
     log.info("fused decode path on for %d decoder layers", n)
     return n
 
 
-def set_variants(module: nn.Module, split_attention: bool, small_m_gemm: bool, small_m_fusion: bool = False) -> int:
+def set_variants(module: nn.Module, split_attention: bool, small_m_gemm: bool) -> int:
     """Switch the kernels of every decoder layer `enable` already took (for A/B runs on one model); returns how many."""
     from qwen_tts.layers import DecoderLayer
 
     layers = [m for m in module.modules() if isinstance(m, DecoderLayer) and m.fused is not None]
     for layer in layers:
         f = layer.fused
-        f.split_attention, f.small_m_gemm, f.small_m_fusion = split_attention, small_m_gemm, small_m_fusion
+        f.split_attention, f.small_m_gemm = split_attention, small_m_gemm
     return len(layers)
 
 
@@ -377,7 +359,7 @@ class FusedWeights:
     def __init__(self, w_qkv: Tensor, w_gate_up: Tensor, n_q: int, n_kv: int) -> None:
         self.w_qkv, self.w_gate_up, self.n_q, self.n_kv = w_qkv, w_gate_up, n_q, n_kv
         # The optional kernels (`set_variants`; the engine turns both on by default).
-        self.split_attention = self.small_m_gemm = self.small_m_fusion = False
+        self.split_attention = self.small_m_gemm = False
 
 
 def _pre_args(layer) -> tuple:
@@ -408,7 +390,7 @@ def stack_step(stack, x: Tensor, positions: Tensor, cache, slots: Tensor, shared
     first = layers[0]
     q, k, v = compiled("pre")(
         x, *_pre_args(first), cos, sin, first.input_layernorm.eps, first.fused.n_q, first.fused.n_kv,
-        first.fused.small_m_gemm, first.fused.small_m_fusion,
+        first.fused.small_m_gemm,
     )  # fmt: skip
     for i, layer in enumerate(layers):
         if shared_slots:
@@ -419,12 +401,11 @@ def stack_step(stack, x: Tensor, positions: Tensor, cache, slots: Tensor, shared
             nxt = layers[i + 1]
             x, q, k, v = compiled("post_pre")(
                 x, attn, *_post_args(layer), *_pre_args(nxt), cos, sin, nxt.input_layernorm.eps,
-                nxt.fused.n_q, nxt.fused.n_kv, layer.fused.small_m_gemm, layer.fused.small_m_fusion,
+                nxt.fused.n_q, nxt.fused.n_kv, layer.fused.small_m_gemm,
             )  # fmt: skip
         else:
             x = compiled("post_norm")(
                 x, attn, *_post_args(layer), stack.norm.weight, stack.norm.eps, layer.fused.small_m_gemm,
-                layer.fused.small_m_fusion,
             )  # fmt: skip
     return x
 

@@ -23,11 +23,6 @@ on the data, and the sum's order is fixed whichever program finishes last: the r
 row's bits still do not depend on the other rows (S is chosen from N, K and the SM count only). The counters live
 in one buffer per device (`prepare`, before any graph capture), so the kernel runs on one stream at a time, as the
 engine's frame steps and prefill do.
-
-Fusions (`EngineSettings.small_m_fusion`; off, measured slower on an H200: docs/benchmarks.md). A second kernel,
-`_small_m_fused_kernel`, takes the RMSNorm before a matmul (`norm_linear`), SiLU * up after gate|up
-(`norm_linear_silu`) and the residual add after it (`linear_add`). The plain matmul keeps the first kernel,
-unchanged from the one measured into the defaults.
 """
 
 from __future__ import annotations
@@ -125,125 +120,6 @@ if HAVE_TRITON:
                 tl.atomic_xchg(C + pid, 0)  # ready for the next launch
 
 
-if HAVE_TRITON:
-
-    @triton.jit
-    def _load_w(W, n, kk, k0, K, nmask, stride_wn):
-        kmask = (k0 + kk) < K
-        return tl.load(W + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-
-    @triton.jit
-    def _load_x(X, LNW, m, kk, k0, K, mmask, stride_xm, ss, NORM: tl.constexpr):
-        """(x[:, k0:k0+BLOCK_K] for the dot, ss), the tails masked. NORM: the dot's operand is x times the norm's
-        weight, rounded to x's dtype, and ss accumulates the rows' sums of squares (float32) for the 1/rms that
-        scales the product afterwards: the norm costs no pass of its own."""
-        kmask = (k0 + kk) < K
-        x = tl.load(X + m[:, None] * stride_xm + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        if NORM:
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=1)
-            g = tl.load(LNW + k0 + kk, mask=kmask, other=0.0)
-            x = (xf * g.to(tl.float32)[None, :]).to(x.dtype)
-        return x, ss
-
-    @triton.jit
-    def _epilogue(acc, acc_up, r, dtype, SILU: tl.constexpr, RESIDUAL: tl.constexpr):
-        """The tile's output in `dtype`: SILU: SiLU(gate) * up, each rounded as the eager ops round; RESIDUAL: plus the
-        residual tile r (the product rounded first, as `r + F.linear(x, w)` is)."""
-        y = acc.to(dtype)
-        if SILU:
-            g = y.to(tl.float32)
-            s = (g / (1.0 + tl.exp(-g))).to(dtype)  # F.silu's x * sigmoid(x), in float32
-            y = (s.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
-        if RESIDUAL:
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
-        return y
-
-    @triton.jit
-    def _small_m_fused_kernel(
-        X,  # (M, K)
-        W,  # (N, K); SILU: (2N, K), the gate's rows then the up projection's
-        Y,  # (M, N)
-        P,  # split K: (SPLIT, M, N) float32 partial sums (else unused)
-        C,  # split K: (>= column blocks,) int32 counters, zero on entry and on exit (else unused)
-        LNW,  # NORM: (K,) the RMSNorm's weight (else unused)
-        R,  # RESIDUAL: (M, N) added to the product (else unused)
-        M,
-        N,
-        K,
-        stride_xm,
-        stride_wn,
-        stride_ym,
-        stride_rm,
-        eps,
-        SPLIT: tl.constexpr,  # programs per column block (grid axis 1)
-        TILES_PER_SPLIT: tl.constexpr,  # split K: K tiles of BLOCK_K per program
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32), else ignored
-        NORM: tl.constexpr,  # x RMS-normalised first (over all K; eps, LNW); unsplit
-        SILU: tl.constexpr,  # gate|up weights: write SiLU(x @ gate.T) * (x @ up.T)
-        RESIDUAL: tl.constexpr,  # add R to the product
-    ):
-        pid = tl.program_id(0)
-        m = tl.arange(0, BLOCK_M)
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        kk = tl.arange(0, BLOCK_K)
-        mmask = m < M
-        nmask = n < N
-        tile_mask = mmask[:, None] & nmask[None, :]
-        if SPLIT == 1:
-            k_start = 0
-            k_end = K
-        else:
-            k_start = tl.program_id(1) * TILES_PER_SPLIT * BLOCK_K
-            k_end = tl.minimum(k_start + TILES_PER_SPLIT * BLOCK_K, K)
-        # The weights are never written by the kernel before this one: their first tile is read before the wait.
-        w = _load_w(W, n, kk, k_start, K, nmask, stride_wn)
-        if SILU:
-            wu = _load_w(W + N * stride_wn, n, kk, k_start, K, nmask, stride_wn)
-        # The residual tile now, while the weights stream in, not after the last K tile.
-        r = tl.zeros((BLOCK_M, BLOCK_N), Y.dtype.element_ty)
-        if RESIDUAL:
-            r = tl.load(R + m[:, None] * stride_rm + n[None, :], mask=tile_mask, other=0.0)
-        ss = tl.zeros((BLOCK_M,), tl.float32)  # NORM: the rows' sums of squares, the same order for every row
-        x, ss = _load_x(X, LNW, m, kk, k_start, K, mmask, stride_xm, ss, NORM)
-        acc = tl.dot(x, tl.trans(w), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), input_precision=PRECISION)
-        acc_up = acc
-        if SILU:
-            acc_up = tl.dot(x, tl.trans(wu), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), input_precision=PRECISION)
-        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-            x, ss = _load_x(X, LNW, m, kk, k0, K, mmask, stride_xm, ss, NORM)
-            acc = tl.dot(x, tl.trans(_load_w(W, n, kk, k0, K, nmask, stride_wn)), acc, input_precision=PRECISION)
-            if SILU:
-                wu = _load_w(W + N * stride_wn, n, kk, k0, K, nmask, stride_wn)
-                acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision=PRECISION)
-        if NORM:  # rms_norm(x) @ w.T = (x * weight) @ w.T / rms(x), row by row
-            inv_rms = tl.math.rsqrt(ss / K + eps)
-            acc = acc * inv_rms[:, None]
-            acc_up = acc_up * inv_rms[:, None]
-        if SPLIT == 1:
-            y = _epilogue(acc, acc_up, r, Y.dtype.element_ty, SILU, RESIDUAL)
-            tl.store(Y + m[:, None] * stride_ym + n[None, :], y, mask=tile_mask)
-        else:
-            split = tl.program_id(1)
-            tile = m[:, None] * N + n[None, :]
-            tl.store(P + split * M * N + tile, acc, mask=tile_mask)
-            # Every thread's partials before the one thread's release (a CTA barrier; release is cumulative), then
-            # learn whether every other split of this block has released its own.
-            tl.debug_barrier()
-            done = tl.atomic_add(C + pid, 1, sem="acq_rel")
-            if done == SPLIT - 1:
-                tl.debug_barrier()  # every thread's loads after the acquire
-                total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                for s in tl.static_range(SPLIT):  # split order, whichever program came last
-                    total += tl.load(P + s * M * N + tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
-                y = _epilogue(total, total, r, Y.dtype.element_ty, False, RESIDUAL)
-                tl.store(Y + m[:, None] * stride_ym + n[None, :], y, mask=tile_mask)
-                tl.atomic_xchg(C + pid, 0)  # ready for the next launch
-
-
 def set_blocks(block_n: int, block_k: int, num_stages: int) -> None:
     """The kernel's default block sizes, process-wide (CUDA graphs keep those they were captured with)."""
     global BLOCK_N, BLOCK_K, NUM_STAGES
@@ -312,49 +188,25 @@ def small_m_matmul(
     block_k: int | None = None,
     num_stages: int | None = None,
     split_k: int | None = None,
-    norm_weight: Tensor | None = None,
-    eps: float = 0.0,
-    silu: bool = False,
-    residual: Tensor | None = None,
 ) -> Tensor:
     """x (M <= SMALL_M_MAX, K) @ w (N, K).T -> (M, N) in x's dtype, by the Triton kernel (block sizes for sweeps,
-    None: the defaults; split_k None: `split_k_for` the shape).
-
-    With the fusions the kernel computes, in one launch, what the eager ops compute: norm_weight:
-    `fused.rms_norm(x, norm_weight, eps)` in place of x, as (x * norm_weight) @ w.T / rms(x) row by row (the sum of
-    squares taken from the same loads as the product; one bf16 rounding of the normalised input instead of the eager
-    two, so not its bits); silu: w is gate|up (2N, K) and the result SiLU(gate) * up, rounded where the eager ops
-    round (N columns; half the column block, so as many programs as without it); residual (M, N): `residual +
-    product`, the product rounded first. With norm_weight or silu the kernel runs unsplit over K."""
+    None: the defaults; split_k None: `split_k_for` the shape)."""
     block_n, block_k, num_stages = block_n or BLOCK_N, block_k or BLOCK_K, num_stages or NUM_STAGES
     M, K = x.shape
-    N = w.shape[0] // 2 if silu else w.shape[0]
+    N = w.shape[0]
     if M > SMALL_M_MAX:
         raise ValueError(f"{M} rows > SMALL_M_MAX ({SMALL_M_MAX})")
     if w.shape[1] != K:
         raise ValueError(f"x has {K} columns, w {w.shape[1]}")
     if x.dtype != w.dtype:
         raise ValueError(f"x is {x.dtype}, w {w.dtype}")
-    if silu and w.shape[0] % 2:
-        raise ValueError(f"silu needs gate|up weights (an even row count), not {w.shape[0]}")
-    if norm_weight is not None and norm_weight.shape != (K,):
-        raise ValueError(f"norm_weight must be ({K},), not {tuple(norm_weight.shape)}")
-    if residual is not None and residual.shape != (M, N):
-        raise ValueError(f"residual must be ({M}, {N}), not {tuple(residual.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     block_k = _k_step(K, block_k)
-    if silu:
-        block_n = max(16, block_n // 2)  # two weight tiles a program: the same programs, the same bytes each
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     blocks, tiles = _cdiv(N, block_n), _cdiv(K, block_k)
-    if silu or norm_weight is not None:  # the epilogue needs every K tile's part: one program per block
-        split = 1
-        if split_k not in (None, 1):
-            raise ValueError("silu and norm_weight run unsplit (split_k 1)")
-    else:
-        split = split_k_for(N, K, x.device, block_n, block_k) if split_k is None else split_k
+    split = split_k_for(N, K, x.device, block_n, block_k) if split_k is None else split_k
     if not 1 <= split <= tiles:
         raise ValueError(f"split_k {split} outside 1..{tiles} (K tiles of {block_k})")
     per_split = _cdiv(tiles, split)
@@ -362,58 +214,24 @@ def small_m_matmul(
     # Split K: the partial sums and the counters (without it the kernel never touches them: y stands in).
     partial = torch.empty((split, M, N), device=x.device, dtype=torch.float32) if split > 1 else y
     counters = prepare(x.device, blocks) if split > 1 else y
-    if norm_weight is not None:
-        norm_weight = norm_weight.contiguous()
-    if residual is not None and residual.stride(-1) != 1:
-        residual = residual.contiguous()
-    if norm_weight is None and not silu and residual is None:
-        _small_m_kernel[(blocks, split)](
-            x,
-            w,
-            y,
-            partial,
-            counters,
-            M,
-            N,
-            K,
-            x.stride(0),
-            w.stride(0),
-            y.stride(0),
-            SPLIT=split,
-            TILES_PER_SPLIT=per_split if split > 1 else 0,
-            BLOCK_M=SMALL_M_MAX,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            PRECISION=precision,
-            num_warps=4,
-            num_stages=num_stages,
-        )
-        return y
-    _small_m_fused_kernel[(blocks, split)](
+    _small_m_kernel[(blocks, split)](
         x,
         w,
         y,
         partial,
         counters,
-        norm_weight if norm_weight is not None else y,
-        residual if residual is not None else y,
         M,
         N,
         K,
         x.stride(0),
         w.stride(0),
         y.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        float(eps),
         SPLIT=split,
         TILES_PER_SPLIT=per_split if split > 1 else 0,
         BLOCK_M=SMALL_M_MAX,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PRECISION=precision,
-        NORM=norm_weight is not None,
-        SILU=silu,
-        RESIDUAL=residual is not None,
         num_warps=4,
         num_stages=num_stages,
     )
@@ -430,51 +248,4 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 
 @linear.register_fake
 def _(x: Tensor, w: Tensor) -> Tensor:
-    return x.new_empty((x.shape[0], w.shape[0]))
-
-
-def _eager_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    from qwen_tts.fused import rms_norm  # here, not at the top: fused imports this module
-
-    return rms_norm(x, weight, eps)
-
-
-@torch.library.custom_op("qwen_tts::small_m_norm_linear", mutates_args=())
-def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor) -> Tensor:
-    """F.linear(rms_norm(x, norm_weight, eps), w): one launch up to SMALL_M_MAX rows, the eager ops beyond."""
-    if x.shape[0] > SMALL_M_MAX or not HAVE_TRITON:
-        return F.linear(_eager_rms_norm(x, norm_weight, eps), w)
-    return small_m_matmul(x, w, norm_weight=norm_weight, eps=eps)
-
-
-@norm_linear.register_fake
-def _(x: Tensor, norm_weight: Tensor, eps: float, w: Tensor) -> Tensor:
-    return x.new_empty((x.shape[0], w.shape[0]))
-
-
-@torch.library.custom_op("qwen_tts::small_m_norm_linear_silu", mutates_args=())
-def norm_linear_silu(x: Tensor, norm_weight: Tensor, eps: float, w_gate_up: Tensor) -> Tensor:
-    """SiLU(gate) * up of F.linear(rms_norm(x, norm_weight, eps), w_gate_up).chunk(2): one launch up to
-    SMALL_M_MAX rows, the eager ops beyond."""
-    if x.shape[0] > SMALL_M_MAX or not HAVE_TRITON:
-        gate, up = F.linear(_eager_rms_norm(x, norm_weight, eps), w_gate_up).chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return small_m_matmul(x, w_gate_up, norm_weight=norm_weight, eps=eps, silu=True)
-
-
-@norm_linear_silu.register_fake
-def _(x: Tensor, norm_weight: Tensor, eps: float, w_gate_up: Tensor) -> Tensor:
-    return x.new_empty((x.shape[0], w_gate_up.shape[0] // 2))
-
-
-@torch.library.custom_op("qwen_tts::small_m_linear_add", mutates_args=())
-def linear_add(x: Tensor, w: Tensor, residual: Tensor) -> Tensor:
-    """residual + F.linear(x, w): one launch up to SMALL_M_MAX rows, the eager ops beyond."""
-    if x.shape[0] > SMALL_M_MAX or not HAVE_TRITON:
-        return residual + F.linear(x, w)
-    return small_m_matmul(x, w, residual=residual)
-
-
-@linear_add.register_fake
-def _(x: Tensor, w: Tensor, residual: Tensor) -> Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))

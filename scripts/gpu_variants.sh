@@ -26,7 +26,7 @@ SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
 VARIANTS=${VARIANTS:-channels-last,no-snake-kernel}
 DEFAULT_STEP=fused-split+small-m+cp-one-pass+kernel-sampler
-STEP_VARIANTS=${STEP_VARIANTS:-$DEFAULT_STEP,$DEFAULT_STEP+fusion}
+STEP_VARIANTS=${STEP_VARIANTS:-$DEFAULT_STEP}
 STEP_SIZES=${STEP_SIZES:-1.7b 0.6b}
 CODEC_VARIANTS=${CODEC_VARIANTS:-fp16+polyphase-9,fp16+polyphase-9+snake-kernel,fp16+polyphase-9+snake-kernel+channels-last}
 

@@ -333,7 +333,6 @@ def test_profile_step_files_the_step_kernels_by_family() -> None:
     mod = _profile_step()
     want = {
         "_small_m_kernel": "few-row matmul",
-        "_small_m_fused_kernel": "few-row matmul",
         "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_small_m_lin": "compiled",
         "triton_poi_fused_mul_silu_small_m_linear_split_1": "compiled",
         "_sample_kernel": "sampler kernel",

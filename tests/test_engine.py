@@ -84,7 +84,6 @@ async def test_stream_equals_whole_decode(tiny_model):
     assert not any(getattr(m, "polyphase", False) for m in eng._code2wav.modules())
     assert info["decoder_snake_kernel"] is False and eng._code2wav.snake_kernel is None
     assert info["decoder_channels_last"] is False
-    assert info["small_m_fusion"] is False
     assert info["cp_input_tables"] is False and info["small_m_heads"] is False
     assert info["cp_fused_feed"] is False and info["stack_exact_rows"] == 0
     try:
@@ -620,7 +619,6 @@ async def test_a_stopped_engine_leaves_a_cublas_workspace_per_stream_not_per_gra
         {"cp_prompt_one_pass": False},
         {"kernel_sampler": False},
         {"cp_fused_feed": False},
-        {"small_m_fusion": True},
         {"small_m_heads": True},
     ],
     ids=[
@@ -632,7 +630,6 @@ async def test_a_stopped_engine_leaves_a_cublas_workspace_per_stream_not_per_gra
         "cp-two-passes",
         "compiled-sampler",
         "cp-unfused-feed",
-        "small-m-fusion",
         "small-m-heads",
     ],
 )
@@ -655,8 +652,7 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
         small_m_gemm.set_max_split_k(1)
     assert eng._runner is not None and eng._runner.num_graphs > 1
     assert torch.equal(codes_of(alone), codes_of(handles[3]))
-    assert eng.model_info["small_m_fusion"] == variant.get("small_m_fusion", EngineSettings.small_m_fusion)
-    for name in ("split_attention", "small_m_gemm", "small_m_fusion"):
+    for name in ("split_attention", "small_m_gemm"):
         want = variant.get(name, getattr(EngineSettings, name))  # the default is both kernels on
         assert all(getattr(layer.fused, name) == want for layer in model.talker.model.layers)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from qwen_tts import fused, sample_kernel, small_m_gemm
 from qwen_tts.decode_attention import (
@@ -123,12 +122,11 @@ def test_decode_attention_takes_one_position_expanded_over_the_batch(split) -> N
         {},
         {"split_attention": True},
         {"small_m_gemm": True},
-        {"small_m_gemm": True, "small_m_fusion": True},
         {"cp_one_pass": True},
         {"kernel_sampler": True},
         {"cp_one_pass": True, "cp_stack_kernel": "phases"},
     ],
-    ids=["default", "split", "small-m-gemm", "small-m-fusion", "cp-one-pass", "kernel-sampler", "cp-stack-kernel"],
+    ids=["default", "split", "small-m-gemm", "cp-one-pass", "kernel-sampler", "cp-stack-kernel"],
 )
 async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, variant, monkeypatch) -> None:
     """The fused path, and each optional kernel on it (enabled with `enable`, then switched by `set_variants` on the
@@ -146,16 +144,13 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
     from qwen_tts import decode_attention as attention_mod
     from qwen_tts import stack_kernel
 
-    calls = {"split": 0, "small_m": 0, "fusion": 0, "stack": 0, "sampler": 0, "stack_pass": 0}
-    FUSIONS = ("norm_weight", "silu", "residual")
+    calls = {"split": 0, "small_m": 0, "stack": 0, "sampler": 0, "stack_pass": 0}
     real_split, real_small_m = attention_mod.split_decode_attention, small_m_gemm.small_m_matmul
     real_stack = fused.stack_step
 
     def counted(name, fn):
         def run(*args, **kwargs):
             calls[name] += 1
-            # The fusions (small_m_fusion) reach the kernel as keywords: the norm's weight, silu, the residual.
-            calls["fusion"] += any(kwargs.get(k) is not None and kwargs.get(k) is not False for k in FUSIONS)
             return fn(*args, **kwargs)
 
         return run
@@ -176,7 +171,7 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
         n_layers = len(model.talker.model.layers) + len(model.talker.code_predictor.model.layers)
         assert fused.enable(model.talker) == n_layers
         assert fused.is_enabled(model.talker)
-        kernels = {"split_attention": False, "small_m_gemm": False, "small_m_fusion": False, **variant}
+        kernels = {"split_attention": False, "small_m_gemm": False, **variant}
         assert fused.set_variants(model.talker, **kernels) == n_layers
         model.talker.code_predictor.prompt_one_pass = one_pass
         model.talker.kernel_sampler = kernel_sampler
@@ -195,8 +190,6 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
     assert len({e.shape[0] for e in expected}) >= 3  # EOS at different frames: the boundary rules are in play
     assert (calls["split"] > 0) == bool(variant.get("split_attention"))
     assert (calls["small_m"] > 0) == bool(variant.get("small_m_gemm"))
-    # With the fusions every matmul of a decoder layer is fused (o, gate|up, down, q|k|v): none runs bare.
-    assert calls["fusion"] == (calls["small_m"] if variant.get("small_m_fusion") else 0)
     # Every batched frame step: the talker's one pass and the code predictor's 16 (15, its prompt in one pass).
     assert calls["stack"] == eng.timings["steps"] * (16 if one_pass else 17) > 0
     assert calls["sampler"] == (eng.timings["steps"] * 16 if kernel_sampler else 0)
@@ -295,85 +288,6 @@ def test_split_k_gives_a_row_the_same_bits_alone_and_in_a_batch() -> None:
     for i in (0, 7, 15):
         assert torch.equal(small_m_gemm.small_m_matmul(x[i : i + 1], w, block_k=128, split_k=3), full[i : i + 1])
     assert torch.equal(small_m_gemm.small_m_matmul(x[2:11], w, block_k=128, split_k=3), full[2:11])
-
-
-def _fusion_inputs(M: int, K: int, N: int, dtype, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g).to(DEVICE, dtype)
-    w = (torch.randn(N, K, generator=g) / K**0.5).to(DEVICE, dtype)
-    norm_w = (1 + 0.2 * torch.randn(K, generator=g)).to(DEVICE, dtype)
-    return x, w, norm_w
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("M", "K", "N"), [(2, 1024, 96), (5, 300, 64), (16, 256, 48), (1, 2048, 32)])
-def test_fused_matmuls_compute_the_eager_ops(M, K, N, dtype) -> None:
-    """norm_linear, norm_linear_silu and linear_add (small_m_fusion) against the eager ops in float64: K off the
-    block (masked tails), one to sixteen rows, linear_add split over K and not."""
-    x, w, norm_w = _fusion_inputs(M, K, N, dtype, M * K + N)
-    eps = 1e-6
-    xn = fused.rms_norm(x.double(), norm_w.double(), eps)
-    residual = torch.randn(M, N, generator=torch.Generator().manual_seed(N)).to(DEVICE, dtype)
-    gate, up = F.linear(xn, w.double()).chunk(2, dim=-1)
-    cases = {
-        "norm_linear": (small_m_gemm.norm_linear(x, norm_w, eps, w), F.linear(xn, w.double())),
-        "norm_linear_silu": (small_m_gemm.norm_linear_silu(x, norm_w, eps, w), F.silu(gate) * up),
-        "linear_add": (small_m_gemm.linear_add(x, w, residual), residual.double() + x.double() @ w.double().T),
-    }
-    for name, (got, want) in cases.items():
-        assert got.shape == want.shape and got.dtype == dtype, name
-        # float32: IEEE products (SiLU: the GPU's approximate exp2, a few ulp); bf16: the intermediate roundings
-        # (the normalised input, SiLU, the product).
-        tol = (5e-6 if name == "norm_linear_silu" else 1e-6) if dtype == torch.float32 else 6e-3
-        assert ((got.double() - want).norm() / want.norm()).item() < tol, name
-    if K >= 512:  # several K tiles: the residual added once, after the partial sums
-        split = small_m_gemm.small_m_matmul(x, w, block_k=128, split_k=3, residual=residual)
-        want = residual.double() + x.double() @ w.double().T
-        assert ((split.double() - want).norm() / want.norm()).item() < (1e-6 if dtype == torch.float32 else 6e-3)
-        assert int(small_m_gemm.prepare(DEVICE).abs().sum()) == 0
-
-
-@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's arithmetic is torch's CPU ops'")
-def test_fused_matmuls_round_where_the_eager_ops_round() -> None:
-    """In Triton's interpreter (numpy, as torch's CPU kernels) the SiLU and residual epilogues give the bits of
-    the unfused kernel followed by the eager ops: each intermediate is rounded where the eager expression rounds it.
-    (The norm is not bit for bit: it scales the product by 1/rms instead of rounding the normalised input twice.)"""
-    x, w, _ = _fusion_inputs(3, 1024, 256, torch.bfloat16, 11)
-    residual = torch.randn(3, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    gate, up = small_m_gemm.small_m_matmul(x, w, block_n=16).chunk(2, dim=-1)  # the fused call's column block
-    assert torch.equal(small_m_gemm.small_m_matmul(x, w, silu=True), F.silu(gate) * up)
-    assert torch.equal(small_m_gemm.linear_add(x, w, residual), residual + small_m_gemm.small_m_matmul(x, w))
-
-
-def test_fused_matmuls_give_a_row_the_same_bits_alone_and_in_a_batch() -> None:
-    x, w, norm_w = _fusion_inputs(16, 768, 64, torch.bfloat16, 7)
-    residual = torch.randn(16, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
-    calls = {
-        "norm": lambda r: small_m_gemm.norm_linear(x[r], norm_w, 1e-6, w),
-        "silu": lambda r: small_m_gemm.norm_linear_silu(x[r], norm_w, 1e-6, w),
-        "add": lambda r: small_m_gemm.small_m_matmul(x[r], w, block_k=128, split_k=3, residual=residual[r]),
-    }
-    for name, call in calls.items():
-        full = call(slice(0, 16))
-        for i in (0, 9, 15):
-            assert torch.equal(call(slice(i, i + 1)), full[i : i + 1]), (name, i)
-        assert torch.equal(call(slice(2, 11)), full[2:11]), name
-
-
-def test_fused_matmuls_beyond_sixteen_rows_are_the_eager_ops() -> None:
-    x, w, norm_w = _fusion_inputs(17, 128, 32, torch.float32, 3)
-    residual = torch.randn(17, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    xn = fused.rms_norm(x, norm_w, 1e-5)
-    assert torch.equal(small_m_gemm.norm_linear(x, norm_w, 1e-5, w), F.linear(xn, w))
-    gate, up = F.linear(xn, w).chunk(2, dim=-1)
-    assert torch.equal(small_m_gemm.norm_linear_silu(x, norm_w, 1e-5, w), F.silu(gate) * up)
-    assert torch.equal(small_m_gemm.linear_add(x, w, residual), residual + F.linear(x, w))
-    with pytest.raises(ValueError, match="silu and norm_weight run unsplit"):
-        small_m_gemm.small_m_matmul(x[:4], w, silu=True, split_k=2)
-    with pytest.raises(ValueError, match="silu and norm_weight run unsplit"):
-        small_m_gemm.small_m_matmul(x[:4], w, norm_weight=norm_w, split_k=2)
-    with pytest.raises(ValueError, match=r"residual must be \(4, 32\)"):
-        small_m_gemm.small_m_matmul(x[:4], w, residual=residual)
 
 
 def test_split_k_is_chosen_from_the_shape_and_the_sm_count(max_split_k) -> None:

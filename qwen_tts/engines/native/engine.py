@@ -193,8 +193,6 @@ class NativeEngine(Engine):
         self._codebook_size = t.codebook_size
         enable_fast_path(self._talker, self.config, self.device)
         self._model_info["fused_kernels"] = fused.is_enabled(self._talker)
-        fused_on = self._model_info["fused_kernels"] and self.config.small_m_gemm
-        self._model_info["small_m_fusion"] = bool(fused_on and self.config.small_m_fusion)
         self._model_info["fused_emulate_casts"] = bool(self._model_info["fused_kernels"] and fused.emulate_casts())
         self._model_info["fused_deterministic"] = bool(self._model_info["fused_kernels"] and fused.deterministic())
         self._model_info["kernel_sampler"] = self._talker.kernel_sampler
@@ -804,12 +802,7 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
         return False
     fused.set_emulate_casts(config.fused_emulate_casts)  # read when the regions compile: before the first step
     fused.set_deterministic(config.fused_deterministic)
-    fused.enable(
-        talker,
-        split_attention=config.split_attention,
-        small_m_gemm=config.small_m_gemm,
-        small_m_fusion=config.small_m_fusion,
-    )
+    fused.enable(talker, split_attention=config.split_attention, small_m_gemm=config.small_m_gemm)
     # Process-wide, read when each graph is captured; its counters exist before capture.
     small_m_gemm.set_max_split_k(config.small_m_split_k)
     small_m_gemm.prepare(device)
