@@ -134,7 +134,6 @@ VARIANTS: dict[str, dict] = {
     "talker-stack-mma": {"talker_stack_mma": True},  # the talker's only
     "stack-exact-rows-3": {"stack_exact_rows": 3},  # a pass of M < 4 rows by the kernel's M-row build (same bits)
     "no-stack-exact-rows": {"stack_exact_rows": 0},  # and every pass by its four-row build (one row: the default)
-    "stack-split-k": {"stack_split_k": True},  # with stack-threads-512: o's and down's rows in two K slices
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints

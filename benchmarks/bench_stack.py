@@ -136,8 +136,7 @@ def main() -> None:
                     "2-byte loads), +chunkN (a long cache's chunks of at least N positions), +splitN (past the chunk, chunks of at "
                     "least N positions), +noevict (the weight copies "
                     "without the L2 evict-first policy), +tags (no grid barriers: tagged activations, polled), +tN (blocks of "
-                    "N threads), +splitk (with +t512: o's and "
-                    "down's rows in two K slices), +stage (a long cache's cached keys and values copied into the free "
+                    "N threads), +stage (a long cache's cached keys and values copied into the free "
                     "weight slot before attention's wait), +exact (a pass of M rows by the kernel's M-row build)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
     ap.add_argument(
@@ -195,7 +194,7 @@ def main() -> None:
                                lean_grid="fullgrid" not in parts, norm_prefetch="nonormpf" not in parts,
                                vector_attention="scalaratt" not in parts, tags="tags" in parts,
                                evict_first="noevict" not in parts,
-                               split_k="splitk" in parts, stage="stage" in parts,
+                               stage="stage" in parts,
                                exact_rows=3 if "exact" in parts else 0)  # fmt: skip
         for p in parts:
             if p.startswith("t") and p[1:].isdigit():  # t512: blocks of 512 threads

@@ -253,11 +253,6 @@ class EngineSettings:
     # tested on the CPU, not yet on a GPU (bench_gpu.py --engine-variants stack-exact-rows-3; no-stack-exact-rows
     # for 0). Not with stack_tags.
     stack_exact_rows: int = 1
-    # With a stack's threads 512: a phase whose block has at most half as many weight rows as warps (o and down: 8 rows,
-    # 16 warps) takes each row's K in two slices, a warp each, the two sums added (stack_cuda's `split_k`). Other
-    # sums than the default's (a fixed order, batch invariant). On an H100 a code-predictor pass 2-6 us faster, but
-    # one stream no faster (0.6B 23.79x -> 23.60x, 1.7B 17.83x -> 17.86x; twenty-second round). So off.
-    stack_split_k: bool = False
     # With the talker's stack kernel on "cuda": at the start of each layer's attention phase, before its grid wait, a
     # block's attention unit has the copy engine bring its chunk's cached keys and values (up to 192 positions for
     # the 0.6B's talker) into the weight slot that phase leaves free, and reads them from shared memory instead of

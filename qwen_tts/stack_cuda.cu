@@ -525,22 +525,6 @@ __device__ void block_matmul(const bf16* w, int R, int K, const bf16* act, int M
             for (int wp = 0; wp < NWARPS; ++wp) v += pa[(wp * RES_ROWS + r) * MAXM + m];
             res[r * MAXM + m] = v;
         }
-    } else if (SPLITK && R > 0 && 2 * R <= NWARPS && 3 * R <= RES_ROWS) {
-        // Half the warps or fewer have a row (o and down at sixteen warps): each row's K in two slices of whole
-        // 256-column steps, a warp a slice, the slices' sums added in order (an order fixed by K: batch invariant).
-        const int steps = (K + 255) / 256, r = warp % R, sl = warp / R;
-        float acc[MAXM];
-        if (sl < 2) {
-            row_dot_span(w + r * K, act, M, K, sl * (steps / 2) * 256, sl ? K : (steps / 2) * 256, acc);
-#pragma unroll
-            for (int m = 0; m < MAXM; ++m)
-                if (m == lane && m < M) res[(R + sl * R + r) * MAXM + m] = acc[m];
-        }
-        __syncthreads();
-        for (int i = threadIdx.x; i < R * M; i += NTHREADS) {
-            const int rr = i / M, m = i - rr * M;
-            res[rr * MAXM + m] = res[(R + rr) * MAXM + m] + res[(2 * R + rr) * MAXM + m];
-        }
     } else if (TWO_ROWS) {
         float a0[MAXM], a1[MAXM];
         int r = warp;

@@ -84,7 +84,6 @@ class Layout:
     tags: bool = False  # a pass without grid barriers: the activations as tagged words, polled (`workspace`)
     evict_first: bool = True  # the weight copies marked first to leave L2, so caches and activations stay there
     threads: int = NTHREADS  # a block's threads (a multiple of 32, at most 1024): more warps share a phase's rows
-    split_k: bool = False  # a phase with at most half as many rows as warps (o, down at 512 threads): K in two
     stage: bool = False  # a long cache: a unit's cached keys and values copied into the free slot before the wait
     rows: int = MAX_ROWS  # the most rows a pass of this build takes (`exact_rows`; shared memory as MAX_ROWS')
 
@@ -188,7 +187,7 @@ class Layout:
                       TWO_ROWS=int(self.two_rows), NORMPF=int(self.norm_prefetch),
                       VECATT=int(self.vector_attention), TAGS=int(self.tags),
                       EVICT_FIRST=int(self.evict_first), NTHREADS=self.threads, ATTW=self.att_warps,
-                      SPLITK=int(self.split_k), STAGE=int(self.staged),
+                      STAGE=int(self.staged),
                       STAGE_POS=max(1, self.stage_positions))  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
         return prelude + _SOURCE.read_text()
@@ -209,7 +208,7 @@ _options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "lig
             "split_barrier": False, "two_rows": True, "lean_grid": True,
             "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK, "split": 0,
             "tags": False, "long_tags": False, "evict_first": True, "threads": NTHREADS, "long_threads": 0,
-            "split_k": False, "stage": False, "long_mma": False, "exact_rows": 0}  # fmt: skip
+            "stage": False, "long_mma": False, "exact_rows": 0}  # fmt: skip
 _DEFAULTS = dict(_options)
 
 
@@ -227,7 +226,7 @@ def set_options(
     norm_prefetch: bool | None = None, vector_attention: bool | None = None, chunk: int | None = None,
     split: int | None = None, tags: bool | None = None, long_tags: bool | None = None,
     evict_first: bool | None = None, threads: int | None = None, long_threads: int | None = None,
-    split_k: bool | None = None, stage: bool | None = None, long_mma: bool | None = None,
+    stage: bool | None = None, long_mma: bool | None = None,
     exact_rows: int | None = None,
 ) -> dict:  # fmt: skip
     """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
@@ -251,8 +250,7 @@ def set_options(
     L2 by the weight stream (the same bits; on an H200 one stream 4% faster for the 0.6B, 2% for the 1.7B: on);
     threads: a block's threads (256 or 512 tested; a long cache's positions stay on 8 warps, so the same bits);
     long_threads: a long cache's stack's (the talker's) block threads, whatever `threads` says of the others (0: as
-    `threads`); split_k: with half the warps or fewer having a row, each row's K in two slices over two warps (other
-    sums, batch invariant); stage: a long cache's attention unit has the copy engine bring its chunk's cached keys
+    `threads`); stage: a long cache's attention unit has the copy engine bring its chunk's cached keys
     and values (as many positions as a weight slot holds, 192 at the 0.6B talker's shape) into the weight slot the
     attention phase leaves free, before the phase's grid wait, and reads them from shared memory (the same bits;
     needs `bulk`; with `chunk` 192 a row's positions up to 192 are one chunk, no combine); exact_rows (0 to
@@ -263,7 +261,7 @@ def set_options(
     given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
                  split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
                  vector_attention=vector_attention, tags=tags, long_tags=long_tags,
-                 evict_first=evict_first, split_k=split_k, stage=stage, long_mma=long_mma)  # fmt: skip
+                 evict_first=evict_first, stage=stage, long_mma=long_mma)  # fmt: skip
     for k, v in given.items():
         if v is not None:
             _options[k] = bool(v)

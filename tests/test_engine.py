@@ -717,8 +717,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
     graphed and eager alike, and the talker's passes all went through the kernel. With the heads on the few-row
     kernel too (small_m_heads), a lone stream's graphed steps are one row, not two padded (one_row_steps), and still
     give the codes it gets beside another stream. tags: both stacks' passes without grid barriers (stack_tags).
-    wide: the talker's blocks of 512 threads too, and both stacks' o and down rows in two K slices
-    (talker_stack_threads, stack_split_k). staged: the talker's cached keys and values staged in shared memory (the
+    wide: the talker's blocks of 512 threads too (talker_stack_threads). staged: the talker's cached keys and values staged in shared memory (the
     default, talker_stack_stage), else read from the cache. mma: both stacks' matmuls on the tensor cores
     (cp_stack_mma, talker_stack_mma). exact: one-row passes by the kernel's one-row build (stack_exact_rows 1,
     the default; True), passes of up to three rows each by its own build (3), else every pass by the four-row build
@@ -726,7 +725,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
     attention over three chunks, then four."""
     from qwen_tts import stack_cuda
 
-    widen = dict(talker_stack_threads=512, stack_split_k=True) if wide else {}
+    widen = dict(talker_stack_threads=512) if wide else {}
     if not staged:
         widen.update(talker_stack_stage=False)
 
@@ -750,7 +749,6 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
             opts = stack_cuda.set_options()
             # the code predictor's blocks of 512 threads (the default), the talker's of 256 unless wide
             assert opts["tags"] is tags and opts["threads"] == 512 and opts["long_threads"] == (512 if wide else 256)
-            assert opts["split_k"] is wide
             assert opts["stage"] is staged and opts["chunk"] == 64 and opts["mma"] is opts["long_mma"] is mma
             assert opts["split"] == 32 and opts["exact_rows"] == int(exact)
             for sw, n in (

@@ -320,10 +320,9 @@ def assert_builds_for_hopper_without_spills(lay, tmp_path) -> None:
         {"tags": True},
         {"evict_first": False},
         {"threads": 512},
-        {"threads": 512, "split_k": True},
         {"threads": 512, "mma": True},
     ],
-    ids=["default", "cpasync", "mma", "tags", "noevict", "t512", "splitk", "t512mma"],
+    ids=["default", "cpasync", "mma", "tags", "noevict", "t512", "t512mma"],
 )
 @pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
 def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
@@ -401,7 +400,6 @@ OPTION_CASES = {
     "noevict": {"evict_first": False},
     "longtags": {"long_tags": True},
     "t512": {"threads": 512},
-    "splitk": {"split_k": True, "threads": 512},
     "t512mma": {"threads": 512, "mma": True, "long_mma": True},
 }
 # And a long cache's: chunks of at least 128 positions; its cached keys staged, with chunks of 64 (the default), 192
@@ -551,7 +549,6 @@ LONG_CASES = [(shape, rows, "default") for shape in ("talker", "split", "tiny-mt
 LONG_CASES += [("talker", 4, "chunk128"), ("split", 2, "chunk128")]  # chunks of 128 positions at least: 1-4 a row
 LONG_CASES += [("talker", 4, "tags"), ("split", 2, "tags")]  # no grid barriers: tagged activations, polled
 LONG_CASES += [("talker", 2, "t512")]  # blocks of 512 threads (attention's positions still over 8 warps)
-LONG_CASES += [("talker", 2, "splitk")]  # 512 threads, o's and down's rows in two K slices
 LONG_CASES += [("talker", 4, "stage"), ("split", 2, "stage"), ("tiny-mtp", 3, "stage")]  # cached keys staged
 LONG_CASES += [("talker", 4, "stage192"), ("talker", 4, "stage256")]  # staged whole, and past a slot's 192
 LONG_CASES += [("talker", 4, "mma"), ("split", 2, "mma"), ("tiny-mtp", 3, "mma")]  # the tensor cores

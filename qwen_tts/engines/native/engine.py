@@ -820,7 +820,6 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
         evict_first=config.stack_evict_first,
         threads=config.cp_stack_threads,
         long_threads=config.talker_stack_threads,
-        split_k=config.stack_split_k,
         stage=config.talker_stack_stage,
         chunk=config.talker_stack_chunk,
         split=config.talker_stack_split,
