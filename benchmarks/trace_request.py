@@ -10,7 +10,7 @@ torch.profiler (CPU and CUDA activity) and writes the Chrome trace (gzipped; chr
 - per host thread the longest stretch between two CUDA runtime calls (a thread held up, say, by another's lock).
 It prints the median frame, the slowest frames and the longest host stretches as JSON lines. This is how the
 twenty-seventh round found the engine loop standing still ~3.3 ms every 12 frames behind the decoder's blocking
-copy (docs/benchmarks.md).
+copy (docs/history/benchmarks-diary.md).
 
     V=cp-stack-cuda+talker-stack-cuda+small-m-heads
     python3 benchmarks/trace_request.py --size 0.6b --variant $V --out trace_0.6b.json.gz     # on the GPU machine

@@ -124,7 +124,7 @@ class EngineSettings:
     admission_step_budget_ms: float = 0.0
     # TF32 cuDNN convolutions in the float32 Code2Wav on CUDA: 3.5x faster at batch 64 on an H200 and no 52 GiB
     # cuDNN workspace spike; the audio moves by at most -52 dBFS from the exact decode (chunk joins -62 dBFS,
-    # docs/benchmarks.md). False: exact streaming (stream == whole decode to ~1e-5). No effect on CPU.
+    # docs/history/benchmarks-diary.md). False: exact streaming (stream == whole decode to ~1e-5). No effect on CPU.
     decoder_tf32: bool = True
     # How the native engine runs its batched frame step: auto = CUDA graphs on CUDA (one per batch and kv-length
     # bucket, captured at start when warmup is on, else on first use; ~10x fewer launches), eager at exact shapes
@@ -136,7 +136,7 @@ class EngineSettings:
     # On the fast path, attend with the kernel split over positions (decode_attention.split_decode_attention:
     # ten programs per row and kv head at 300 positions instead of one, q.k and P.V on the tensor cores) instead
     # of one program per row and kv head. Same function. On an H200 the graphed 1.7B step went 7.66 -> 6.73 ms at
-    # batch 1 and 9.38 -> 7.75 ms at batch 64 (docs/benchmarks.md; bench_gpu.py --engine-variants
+    # batch 1 and 9.38 -> 7.75 ms at batch 64 (docs/history/benchmarks-diary.md; bench_gpu.py --engine-variants
     # no-split-attention for the A/B). Ignored on CPU.
     split_attention: bool = True
     # On the fast path, the decoder layers' matmuls of up to 16 rows through our Triton kernel
@@ -172,7 +172,7 @@ class EngineSettings:
     # (profile_step.py, graph replays): the 0.6B step 3.97 -> 3.99 ms at batch 1, 5.65 -> 5.65 at batch 64; cuBLAS
     # already takes ~4.4 us a head there. A row's logits then do not depend on the rows beside it, which with both
     # stack kernels on "cuda" lets a lone stream's steps run one row instead of two (frame_step.one_row_steps): one
-    # 0.6B stream 17.2x -> 24.7x real time on an H200 with the three settings (docs/benchmarks.md, sixteenth round;
+    # 0.6B stream 17.2x -> 24.7x real time on an H200 with the three settings (docs/history/benchmarks-diary.md, sixteenth round;
     # the 1.7B's talker does not fit the kernel, so its steps stay two rows). Off (bench_gpu.py --engine-variants
     # small-m-heads). Ignored on CPU.
     small_m_heads: bool = False
@@ -196,7 +196,7 @@ class EngineSettings:
     # 16.41x (fourteenth round: the engine runs a lone row as two unless one_row_steps), first audio +2 ms (its
     # blocks hold every SM, so Code2Wav waits). Its rows are batch invariant among themselves, not against the fused
     # path's: a request's codes match alone and beside one other stream, not beside more. So off by default
-    # (docs/benchmarks.md; bench_gpu.py --engine-variants cp-stack-phases,cp-stack-persistent,cp-stack-cuda). Ignored
+    # (docs/history/benchmarks-diary.md; bench_gpu.py --engine-variants cp-stack-phases,cp-stack-persistent,cp-stack-cuda). Ignored
     # on CPU.
     cp_stack_kernel: str = "off"
     # On the fast path, the talker's passes of at most four bf16 rows by the same CUDA kernel ("cuda"; "off": the
@@ -204,20 +204,20 @@ class EngineSettings:
     # softmax sums the last chunk to finish combines. The kernel holds two of a layer's weight shares per block in
     # shared memory: the 0.6B's talker layer (the code predictor's shape) fits an H200's SMs, the 1.7B's does not, and
     # there a warning says so and the fused path runs. The same batch invariance as cp_stack_kernel: among passes of
-    # up to four rows. Off by default (docs/benchmarks.md; bench_gpu.py --engine-variants talker-stack-cuda). Ignored
+    # up to four rows. Off by default (docs/history/benchmarks-diary.md; bench_gpu.py --engine-variants talker-stack-cuda). Ignored
     # on CPU.
     talker_stack_kernel: str = "off"
     # With either stack kernel on "cuda": launch it on only as many SMs as keep each block's largest share of every
     # phase (stack_cuda.lean_blocks: 128 of an H200's 132 for the code predictor and the 0.6B's talker), so Code2Wav's
     # kernels on the decoder's stream have SMs of their own while a pass holds the rest. The same bits (a row's sums
     # do not depend on the grid). On an H200 one 0.6B stream 22.1x -> 23.1x real time, one 1.7B stream 17.4x ->
-    # 17.7x, in one device call (sixteenth round, docs/benchmarks.md; bench_gpu.py --engine-variants full-grid for
+    # 17.7x, in one device call (sixteenth round, docs/history/benchmarks-diary.md; bench_gpu.py --engine-variants full-grid for
     # every SM). Ignored unless a stack runs on the kernel.
     stack_lean_grid: bool = True
     # With either stack kernel on "cuda": its passes without grid barriers: each activation word carries the tag of
     # the phase that wrote it and the blocks that read it poll their words (stack_cuda's `tags` option, in a
     # workspace of each stack's own). The same sums, the same bits. It drops the fence and the counter's round trip
-    # from each of a layer's five barriers. Measured on an H200 (nineteenth round, docs/benchmarks.md): the same bits;
+    # from each of a layer's five barriers. Measured on an H200 (nineteenth round, docs/history/benchmarks-diary.md): the same bits;
     # alone, 0.5 us off a code-predictor layer and 1.0 off a talker layer at one row, 2 us more a layer at four rows;
     # one stream 0.6B 24.72x -> 24.98x, 1.7B 17.36x -> 17.17x. So off (bench_gpu.py --engine-variants stack-tags).
     stack_tags: bool = False
@@ -228,13 +228,13 @@ class EngineSettings:
     talker_stack_tags: bool = False
     # With either stack kernel on "cuda": the weight copies marked first to leave L2 (stack_cuda's `evict_first`), so
     # the weight stream does not push the caches' keys and values and the activations out of it. The same bits. On an
-    # H200 one 0.6B stream 24.13x -> 25.11x, one 1.7B stream 18.30x -> 18.62x (nineteenth round, docs/benchmarks.md),
+    # H200 one 0.6B stream 24.13x -> 25.11x, one 1.7B stream 18.30x -> 18.62x (nineteenth round, docs/history/benchmarks-diary.md),
     # so on (bench_gpu.py --engine-variants no-stack-evict-first for the plain copies).
     stack_evict_first: bool = True
     # With the code predictor's stack kernel on "cuda": a block's threads (stack_cuda's `threads`; 256 or 512). With
     # 512 each warp of a block has half the weight rows of q|k|v and gate|up, and attention's vectors and scores are
     # spread over sixteen warps: the same sums, the same bits. Measured on an H100 (twenty-second round,
-    # docs/benchmarks.md): a pass 120.9 -> 113.4 us at one row, 137.0 -> 126.8 at two, 173.5 -> 160.5 at four; one
+    # docs/history/benchmarks-diary.md): a pass 120.9 -> 113.4 us at one row, 137.0 -> 126.8 at two, 173.5 -> 160.5 at four; one
     # 0.6B stream 23.81x -> 24.32x real time, one 1.7B stream 17.46x -> 17.87x. So 512 (bench_gpu.py
     # --engine-variants cp-stack-threads-256 for 256).
     cp_stack_threads: int = 512
@@ -247,7 +247,7 @@ class EngineSettings:
     # launches a build of the kernel compiled for M rows (stack_cuda's `exact_rows`), not the one for four: the same
     # sums in the same order, so the same bits, with the rows' loops and registers for M rows only and less code
     # (sm_90, one row: the code predictor's 141 -> 105 KB, the 0.6B talker's 171 -> 132 KB; two rows 116 and 144 KB).
-    # Measured on an H100 (twenty-ninth round, docs/benchmarks.md) with the one-row build: a code-predictor pass
+    # Measured on an H100 (twenty-ninth round, docs/history/benchmarks-diary.md) with the one-row build: a code-predictor pass
     # 112.5 -> 100.2 us at one row, the 0.6B talker's 712.4 -> 606.4 us (position 100); one 0.6B stream 26.54x ->
     # 29.57x real time, one 1.7B stream 18.50x -> 19.38x. So 1. The two- and three-row builds (2, 3) are built and
     # tested on the CPU, not yet on a GPU (bench_gpu.py --engine-variants stack-exact-rows-3; no-stack-exact-rows
@@ -257,7 +257,7 @@ class EngineSettings:
     # block's attention unit has the copy engine bring its chunk's cached keys and values (up to 192 positions for
     # the 0.6B's talker) into the weight slot that phase leaves free, and reads them from shared memory instead of
     # waiting on L2 or HBM after this pass's queries (stack_cuda's `stage`). The same bits. On an H100 (twenty-third
-    # round, docs/benchmarks.md) the 0.6B's talker pass 735.9 -> 709.2 us at one row and position 100, 767.3 -> 755.8
+    # round, docs/history/benchmarks-diary.md) the 0.6B's talker pass 735.9 -> 709.2 us at one row and position 100, 767.3 -> 755.8
     # at position 300, 825.7 -> 815.4 at two rows; one 0.6B stream 25.03x -> 25.13x real time (call 3). So on
     # (bench_gpu.py --engine-variants no-talker-stack-stage for off). Staging the code predictor's cache too was
     # slower (113.1 -> 114.1 us a pass; one 0.6B stream 24.76x -> 24.40x, call 2) and was removed.
@@ -275,7 +275,7 @@ class EngineSettings:
     # (stack_cuda's `split`: 0, as talker_stack_chunk; else a multiple of 32 up to it). A row's positions up to the
     # chunk stay one chunk (no combine); past it they spread over more, shorter chunks (at 32: 3 chunks at 65-96
     # positions, 4 from 97, against 2 and 2-3 at 64). Other sums than 0's (a fixed order, batch invariant). On an
-    # H100 (twenty-sixth round, docs/benchmarks.md), one 0.6B stream with 32 against 0, median of three requests
+    # H100 (twenty-sixth round, docs/history/benchmarks-diary.md), one 0.6B stream with 32 against 0, median of three requests
     # each: 24.75 / 24.91 against 24.54 / 24.68 (call 3, in the order 0, 32, 32, 0), 24.67 / 24.78 against
     # 24.55 / 24.65 (call 5, 32, 0, 0, 32), 25.40 against 25.30 (call 6): +0.4-0.9% in each pair. So 32
     # (bench_gpu.py --engine-variants talker-stack-split-0 for 0).
@@ -304,7 +304,7 @@ class EngineSettings:
     # cut) by bisection instead of sorting the row (qwen_tts/sample_kernel.py): the same draws for top-k, one
     # launch instead of the compiled sampler's sort and ~4 kernels around it, 16 times a frame. On an H200: a
     # draw 10-16 us instead of 45-83 (bench_sampler.py); the graphed step at batch 1 5.66 -> 5.19 ms; one 1.7B
-    # stream 13.2x -> 14.6x real time, 64 streams 356 -> 399 audio-s/s (docs/benchmarks.md; bench_gpu.py
+    # stream 13.2x -> 14.6x real time, 64 streams 356 -> 399 audio-s/s (docs/history/benchmarks-diary.md; bench_gpu.py
     # --engine-variants no-kernel-sampler). False: the compiled sampling.sample. Ignored on CPU.
     kernel_sampler: bool = True
     # With kernel_sampler, each code-predictor pass's draw also writes its code, adds the code's embedding row into
@@ -320,21 +320,21 @@ class EngineSettings:
     # On CUDA, run Code2Wav's SnakeBeta activations (its largest tensors) as one compiled kernel each instead of
     # five eager passes: a 64-row 12-frame chunk 79 -> 65 ms on an H200, 64 streams 277 -> 313 audio-s/s, 256
     # streams 448 -> 525; the audio stays within -52 dBFS of the exact decode as without it, chunk joins -59 instead
-    # of -62 dBFS (docs/benchmarks.md). With decoder_snake_kernel (the default) the final conv stack takes its
+    # of -62 dBFS (docs/history/benchmarks-diary.md). With decoder_snake_kernel (the default) the final conv stack takes its
     # SnakeBeta from that kernel instead; this one then runs only with decoder_snake_kernel off. Ignored on CPU.
     fused_decoder: bool = True
     # On CUDA, run Code2Wav's final conv stack (50 Hz to the waveform, where its time goes) in float16 instead of
     # float32 with TF32: half the bytes, twice the tensor-core rate, every op accumulating in float32. On an H200
     # the full-size random decoder's audio stays within -50.2 dBFS of the exact float32 decode (TF32: -52.4),
     # chunk joins -58.5 (TF32: -59.3); a 64-row 12-frame chunk 60.8 -> 55.6 ms, 1.7 instead of 3.3 GiB of
-    # scratch; 64 streams 307 -> 358 audio-s/s, 256 streams 524 -> 604 (docs/benchmarks.md; bench_gpu.py
+    # scratch; 64 streams 307 -> 358 audio-s/s, 256 streams 524 -> 604 (docs/history/benchmarks-diary.md; bench_gpu.py
     # --engine-variants fp32-decoder, profile_step.py --codec-variants fp16-decoder). Ignored on CPU.
     decoder_fp16: bool = True
     # On CUDA, run the final conv stack's convs with a dilation >= this as undilated convs over the input's
     # interleaved phases (Code2Wav.set_polyphase_dilation; 0: off). On an H200 cuDNN ran one of them (384
     # channels, dilation 9) in 8.8 ms of a 64-row 12-frame float16 chunk's 45, even with cudnn.benchmark; as
     # undilated convs it takes 1.3 ms, the chunk's kernels 45.2 -> 38.8 ms, the audio as close to the exact decode
-    # (-50.4 dBFS, joins -58.5); 256 streams 561 -> 605 audio-s/s (docs/benchmarks.md; bench_gpu.py
+    # (-50.4 dBFS, joins -58.5); 256 streams 561 -> 605 audio-s/s (docs/history/benchmarks-diary.md; bench_gpu.py
     # --engine-variants no-polyphase). Ignored on CPU.
     decoder_polyphase_dilation: int = 9
     # On CUDA, run the final conv stack's elementwise work as one Triton kernel per activation
@@ -343,7 +343,7 @@ class EngineSettings:
     # instead of cuDNN's bias pass, the residual add, the compiled SnakeBeta and the history concatenation. The
     # same function, rounded once per activation instead of once per op. On an H200 a 64-row 12-frame float16
     # chunk 47.2 -> 30.8 ms (kernels 38.8 -> 24.3 ms), the audio as close to the exact decode (-50.5 dBFS, joins
-    # -57.7); 64 streams 411 -> 481 audio-s/s, 256 streams 665 -> 778 (docs/benchmarks.md; bench_gpu.py
+    # -57.7); 64 streams 411 -> 481 audio-s/s, 256 streams 665 -> 778 (docs/history/benchmarks-diary.md; bench_gpu.py
     # --engine-variants no-snake-kernel). Takes the place of fused_decoder's compiled SnakeBeta. Ignored on CPU.
     decoder_snake_kernel: bool = True
     # With decoder_snake_kernel, lay the final conv stack's activations out (batch, samples, channels) in memory
@@ -369,7 +369,7 @@ class EngineSettings:
     decode_graphs: bool = True
     # Graphed Code2Wav moves its inputs and audio through pinned host buffers and waits on an event. False: pageable
     # copies, whose blocking copy of the audio held the engine loop up for as long as the chunk ran on the GPU (one
-    # 0.6B stream 24.7x -> 25.6x in the benchmark on an H100 with pinned buffers; docs/benchmarks.md, 27th round).
+    # 0.6B stream 24.7x -> 25.6x in the benchmark on an H100 with pinned buffers; docs/history/benchmarks-diary.md, 27th round).
     decode_pinned_io: bool = True
     # On CUDA, run the engine loop's work (prefill, frame steps) on a high-priority CUDA stream: Code2Wav's long
     # convolution kernels on the decoder's stream then fill the SMs the frame step leaves idle instead of making

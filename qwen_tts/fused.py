@@ -195,7 +195,7 @@ def set_emulate_casts(on: bool) -> None:
     """Compile the regions with inductor's `emulate_precision_casts`: a bf16 value is rounded to bf16 wherever the
     eager ops round it (after the RMSNorm's cast, each RoPE product, the residual adds, SiLU * up), where by default
     a fused kernel keeps it in float32 until its store. The compiled function is the same, but rounded as
-    `layers.py` rounds, so closer to the official package's bf16 logits (docs/benchmarks.md). Drops the regions
+    `layers.py` rounds, so closer to the official package's bf16 logits (docs/history/benchmarks-diary.md). Drops the regions
     compiled so far when the setting changes; CUDA graphs keep the kernels they were captured with."""
     global _emulate_casts
     if bool(on) != _emulate_casts:
@@ -211,7 +211,7 @@ def set_deterministic(on: bool) -> None:
     """Compile the regions in inductor's deterministic mode: no on-device benchmarking where it would change the
     numbers. By default inductor times several configurations of each reduction kernel (the RMSNorms' sums) on
     first use and keeps the fastest, so two processes can sum a row in different orders and give bf16 outputs a
-    few bits apart (seen on an H200: teacher-forced logits of two runs on the same weights; docs/benchmarks.md).
+    few bits apart (seen on an H200: teacher-forced logits of two runs on the same weights; docs/history/benchmarks-diary.md).
     Deterministic mode picks one configuration by a fixed rule. Drops the regions compiled so far when the setting
     changes. A no-op where this torch has no such mode."""
     global _deterministic

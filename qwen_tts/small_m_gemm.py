@@ -2,14 +2,14 @@
 
 Our own kernel (no official counterpart). At one to a few streams the fused step multiplies 2-16 rows by each
 weight matrix. cuBLAS runs those GEMMs on 64x8 tiles, which for a 2048-wide output is 32 thread blocks on an
-H200's 132 SMs, and reads the weights at ~1.6 TB/s, a third of the bandwidth (docs/benchmarks.md). Here one program
+H200's 132 SMs, and reads the weights at ~1.6 TB/s, a third of the bandwidth (docs/history/benchmarks-diary.md). Here one program
 owns BLOCK_N output columns for every row (the rows padded to 16 for `tl.dot`) and streams its slice of the weight
 over K in BLOCK_K steps; narrow column blocks give more programs than SMs for every weight of the step.
 
 A row's result does not depend on how many rows came with it: every row sees the same K order and the same tiles,
 so a row gets the same bits alone as in a batch of up to SMALL_M_MAX rows. Larger batches go to `F.linear` (whose
 reduction order differs), so the switch at SMALL_M_MAX is a boundary of batch invariance (the CUDA batch-invariance
-test crosses it). On by default (`EngineSettings.small_m_gemm`), as measured on an H200 (docs/benchmarks.md).
+test crosses it). On by default (`EngineSettings.small_m_gemm`), as measured on an H200 (docs/history/benchmarks-diary.md).
 
 `linear(x, w)` is `F.linear(x, w)` for 2-D x: under torch.compile it is one opaque call (a custom op with a fake
 implementation), so the compiled blocks keep their fusions around it and the step still captures into a graph.
@@ -44,7 +44,7 @@ SMALL_M_MAX = 16
 # Output columns per program, the K step and the pipeline depth. Measured on an H200 (benchmarks/bench_gemm.py over
 # the 1.7B step's eight weight shapes at 2-16 rows): 32 x 128 x 4 stages with split K 4 takes the step's matmuls
 # 2.97 ms at 2 rows, against 3.46 for 16 x 256 x 4 unsplit (the first choice, from the shapes alone), 3.40 for
-# 32 x 128 x 4 unsplit, 2.86 for the best block per shape, and cuBLAS's 3.62 (docs/benchmarks.md).
+# 32 x 128 x 4 unsplit, 2.86 for the best block per shape, and cuBLAS's 3.62 (docs/history/benchmarks-diary.md).
 # `set_blocks` changes them process-wide (A/B runs).
 BLOCK_N = 32
 BLOCK_K = 128

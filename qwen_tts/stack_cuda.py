@@ -4,7 +4,7 @@ CUDA kernel whose weights stream into shared memory ahead of the grid barriers (
 Our own kernel (no official counterpart), beside the Triton one (stack_kernel.py), whose persistent mode measured
 ~33 us a layer on an H200 where the layer's 31.5 MB take 6.6 us at the memory's bandwidth: each of its five
 phases a layer waited at the grid barrier and only then loaded its weights, so each phase cost a round trip to
-memory plus the barrier (docs/benchmarks.md, tenth and eleventh rounds). Triton gives no control over
+memory plus the barrier (docs/history/benchmarks-diary.md, tenth and eleventh rounds). Triton gives no control over
 asynchronous copies into shared memory, so that kernel could not start the next phase's loads before the wait.
 
 Here each block owns the same slice of output rows of every matmul (with the whole K), so its share of a weight
@@ -28,7 +28,7 @@ one block per SM and every block must be resident: the barrier would otherwise w
 The `tags` option (opt-in; on an H200 a little faster at one row, slower at four) drops the grid barriers: every
 activation the kernel writes is a 32-bit word holding the bf16 and the tag of the phase and launch that wrote it, in
 a workspace of the stack's own (`workspace`), and each block polls the words it reads until they carry the tag it
-waits for. Each phase reads the whole of the one before, so one copy of each buffer suffices (docs/benchmarks.md,
+waits for. Each phase reads the whole of the one before, so one copy of each buffer suffices (docs/history/benchmarks-diary.md,
 seventeenth and nineteenth rounds).
 """
 

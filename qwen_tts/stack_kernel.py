@@ -6,7 +6,7 @@ positions, o_proj and residual, RMSNorm, gate|up, SiLU * up, down_proj and resid
 
 On the fused path (fused.py) one code-predictor pass is ~50 launches: four matmuls, an attention kernel and
 compiled pointwise kernels per layer, each reading a few MB of weights in a few microseconds, so the launches and
-the gaps between them cost more than the bytes (docs/benchmarks.md). Here a pass is a sequence of phases, five
+the gaps between them cost more than the bytes (docs/history/benchmarks-diary.md). Here a pass is a sequence of phases, five
 per layer and the final norm:
   1. q|k|v = rms_norm(x) @ w_qkv.T, split over K; the last program of each head's column block adds the partial
      sums, applies the head's RMSNorm and RoPE, and writes q to scratch, k and v into the cache;
@@ -546,7 +546,7 @@ if HAVE_TRITON:
 
 # The kernel's choices, process-wide (`set_options`; CUDA graphs keep those they were captured with). K steps up to
 # 512 on eight warps: on an H200 at the 1.7B's code predictor dims a persistent pass took 171.5-184.5 us at 1-16 rows
-# against 194.8-246.3 with steps of 128 on four warps (benchmarks/bench_stack.py, docs/benchmarks.md).
+# against 194.8-246.3 with steps of 128 on four warps (benchmarks/bench_stack.py, docs/history/benchmarks-diary.md).
 _options = {
     "prefetch": False,
     "preload": False,

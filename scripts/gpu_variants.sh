@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine: measure the engine's kernel variants against its defaults (docs/benchmarks.md) in as few
+# On the GPU machine: measure the engine's kernel variants against its defaults (docs/history/benchmarks-diary.md) in as few
 # device calls as possible. Installs the carried wheels (.whl/server, .whl/test; scripts/gpu_wheels.sh) like
 # gpu_bench.sh, then runs the stages named on the command line, in order, each under its own time limit so that one
 # device call (600 s at most) can hold several. Logs and JSON go to $OUT (else bench_out/variants).

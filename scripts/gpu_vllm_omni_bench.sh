@@ -2,7 +2,7 @@
 # On the GPU machine (Python 3.12, torch 2.11 + CUDA 13, no package index): the vllm-omni backend beside the native
 # engine in one device call (benchmarks/bench_vllm_omni.py: 1.7B random weights, 100 frames, 1/16/64 streams).
 #
-# What it needs there (docs/benchmarks.md, "vLLM-Omni on the GPU machine", gives the exact `run` calls):
+# What it needs there (docs/history/benchmarks-diary.md, "vLLM-Omni on the GPU machine", gives the exact `run` calls):
 #   ~/parts/vllm.partNN   the vllm 0.26.0 wheel in parts (scripts/gpu_vllm_omni_wheels.sh cut it), moved there by
 #                         the calls before this one, one call each, back to back;
 #   .whl/vllm/small/      the other wheels of the vllm + vllm-omni 0.26 set, our vllm-omni-myfi plugin and

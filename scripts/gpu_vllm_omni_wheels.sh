@@ -13,7 +13,7 @@
 #
 #   VLLM_OMNI_WHEELS=path/wheels.txt bash scripts/gpu_vllm_omni_wheels.sh
 #
-# Prints each part's size and what the last part's call carries. docs/benchmarks.md (vLLM-Omni on the GPU) lists
+# Prints each part's size and what the last part's call carries. docs/history/benchmarks-diary.md (vLLM-Omni on the GPU) lists
 # the device calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -664,7 +664,7 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
 ):
     """cp_stack_kernel="cuda" (bf16 code-predictor passes of at most four rows by stack_cuda.cu): a request gives the
     same codes alone and beside another (passes of 2 and 4 rows, all by the kernel), graphed and eager alike. Past four
-    rows the fused path's kernels take the passes, so this invariance holds up to two streams (docs/benchmarks.md).
+    rows the fused path's kernels take the passes, so this invariance holds up to two streams (docs/history/benchmarks-diary.md).
     tags: the passes without grid barriers (stack_tags), graphed and eager, the row counts changing between them."""
     from qwen_tts import stack_cuda
 

@@ -104,20 +104,20 @@ class ServerSettings(BaseSettings):
     # On CUDA, each code-predictor pass through one kernel for its whole stack: "cuda" (stack_cuda.cu, passes of at
     # most four bf16 rows; on an H200 one 1.7B stream 15.4x -> 15.8x real time, first audio +2 ms, and a request's
     # codes then match alone and beside one other, not beside more), "phases"/"persistent" (the Triton kernel, no
-    # faster), "off" (the fused path's kernels; the default). See docs/benchmarks.md. Ignored on CPU.
+    # faster), "off" (the fused path's kernels; the default). See docs/history/benchmarks-diary.md. Ignored on CPU.
     cp_stack_kernel: Literal["off", "phases", "persistent", "cuda"] = _ENGINE.cp_stack_kernel  # type: ignore[assignment]
     # On CUDA, the talker's passes of at most four bf16 rows by the same CUDA kernel, "cuda", where its layer fits
     # the kernel (the 0.6B's; the 1.7B's falls back to the default kernels with a warning), or "off" (the default).
-    # The same batch invariance as cp_stack_kernel. See docs/benchmarks.md. Ignored on CPU.
+    # The same batch invariance as cp_stack_kernel. See docs/history/benchmarks-diary.md. Ignored on CPU.
     talker_stack_kernel: Literal["off", "cuda"] = _ENGINE.talker_stack_kernel  # type: ignore[assignment]
     # On CUDA, the output heads (the talker's and the code predictor's 15) on the few-row kernel instead of cuBLAS,
     # so a row's logits do not depend on the rows beside it. With both stack kernels on "cuda", a lone stream's steps
     # then run one row instead of two: on an H200 one 0.6B stream 17.2x -> 24.7x real time with the three settings
-    # (the 1.7B's talker does not fit the kernel: its steps stay two rows; docs/benchmarks.md). Ignored on CPU.
+    # (the 1.7B's talker does not fit the kernel: its steps stay two rows; docs/history/benchmarks-diary.md). Ignored on CPU.
     small_m_heads: bool = _ENGINE.small_m_heads
     # On CUDA, the compiled blocks in inductor's deterministic mode: the same request and seed give the same codes
     # from a fresh process (a replica, a restart); off, inductor times its reduction configurations per process
-    # (+1.2% per frame step on an H200, docs/benchmarks.md). Ignored on CPU.
+    # (+1.2% per frame step on an H200, docs/history/benchmarks-diary.md). Ignored on CPU.
     fused_deterministic: bool = _ENGINE.fused_deterministic
     # Streaming granularity: a small first chunk for fast first audio, then larger ones for throughput.
     first_chunk_frames: int = Field(_ENGINE.first_chunk_frames, ge=1, le=256)

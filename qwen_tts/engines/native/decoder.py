@@ -154,7 +154,7 @@ class SlotDecoder:
         done = torch.cuda.Event()
         done.record()
         # Waiting on an event lets the engine thread run meanwhile; a blocking copy to pageable memory held it up
-        # for as long as the chunk took on the GPU (docs/benchmarks.md, twenty-seventh round).
+        # for as long as the chunk took on the GPU (docs/history/benchmarks-diary.md, twenty-seventh round).
         done.synchronize()
         return out.clone()  # the pinned buffer is the next call's
 

@@ -189,7 +189,7 @@ class EagerFrameStep:
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The one stream a runner warms up and captures all its graphs on. cuBLAS keeps a workspace (32 MiB on
     Hopper) for every stream it ran on, for the life of the process: a new side stream for each capture left one
-    behind per graph, 0.82 GiB of the 0.6B engine's 3.08 GiB on an H100 (docs/benchmarks.md, twenty-sixth round).
+    behind per graph, 0.82 GiB of the 0.6B engine's 3.08 GiB on an H100 (docs/history/benchmarks-diary.md, twenty-sixth round).
     The warm-up and the capture on the same stream also give the capture the workspace made outside it."""
     return torch.cuda.Stream(device)
 
