@@ -159,6 +159,8 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
     monkeypatch.setattr(small_m_gemm, "small_m_matmul", counted("small_m", real_small_m))
     monkeypatch.setattr(fused, "stack_step", counted("stack", real_stack))
     monkeypatch.setattr(sample_kernel, "sample", counted("sampler", sample_kernel.sample))
+    # A code predictor draw that feeds the next pass goes through sample_feed (cp_fused_feed, on by default): a draw too.
+    monkeypatch.setattr(sample_kernel, "sample_feed", counted("sampler", sample_kernel.sample_feed))
     monkeypatch.setattr(stack_kernel, "stack_pass", counted("stack_pass", stack_kernel.stack_pass))
     # A private copy (enable() re-lays its weights), in float32 on CUDA too: bf16 kernels that differ from eager
     # ones in rounding would flip near-tied codes.
