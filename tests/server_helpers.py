@@ -63,6 +63,25 @@ async def in_process(engine: Engine, **overrides: Any) -> AsyncIterator[InProces
         await runtime.stop()
 
 
+def http_scope(path: str, headers: list[tuple[bytes, bytes]], method: str = "POST", **extra: Any) -> dict[str, Any]:
+    """An ASGI HTTP scope, as a server hands one to the app (for driving the app without a socket)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 1234),
+        "server": ("testserver", 80),
+        **extra,
+    }
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

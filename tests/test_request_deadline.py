@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from qwen_tts.engines.fake import FakeEngine
-from server_helpers import in_process, write_voice
+from server_helpers import http_scope, in_process, write_voice
 from tts_server.http_server import CONNECTION_EXTENSION
 from tts_server.middleware import RequestContextMiddleware
 
@@ -33,21 +33,7 @@ class BlockedClient:
 
     def scope(self, path: str) -> dict[str, Any]:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(self.body)).encode())]
-        return {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": headers,
-            "client": ("127.0.0.1", 5000),
-            "server": ("127.0.0.1", 8090),
-            "extensions": {CONNECTION_EXTENSION: self},
-        }
+        return http_scope(path, headers, extensions={CONNECTION_EXTENSION: self})
 
     def abort(self) -> None:
         self.aborted.set()

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from qwen_tts.engines.fake import FakeEngine
-from server_helpers import in_process, write_voice
+from server_helpers import http_scope, in_process, write_voice
 
 DIM = 16
 
@@ -289,20 +289,8 @@ async def _call_and_disconnect(app, path: str, body: dict, disconnect_after: flo
     async def send(message):
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"host", b"testserver"), (b"content-type", b"application/json"), (b"x-request-id", b"gone-1")],
-        "client": ("127.0.0.1", 1234),
-        "server": ("testserver", 80),
-    }
+    headers = [(b"host", b"testserver"), (b"content-type", b"application/json"), (b"x-request-id", b"gone-1")]
+    scope = http_scope(path, headers)
     call = asyncio.create_task(app(scope, receive, send))
     if disconnect_after is not None:
         await asyncio.sleep(disconnect_after)
