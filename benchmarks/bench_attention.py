@@ -1,5 +1,5 @@
 """The one-token attention kernels alone, on CUDA: the one-program-per-(row, kv head) kernel against the one split
-over positions (qwen_tts/decode_attention.py), at the talker's shape, graphed as the frame step runs them.
+over positions (qwen_tts/fastpath/decode_attention.py), at the talker's shape, graphed as the frame step runs them.
 
 For each batch size and cache position it builds a talker-sized KV cache (one slice per layer, so the reads come
 from memory, not from L2), captures `--layers` calls of each kernel into a CUDA graph, replays it back to back
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from qwen_tts.decode_attention import decode_attention, reference_decode_attention
+from qwen_tts.fastpath.decode_attention import decode_attention, reference_decode_attention
 
 KERNELS = {"one-program": False, "split": True}
 

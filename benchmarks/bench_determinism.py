@@ -26,7 +26,7 @@ import torch
 
 from qwen_tts.engine_api import EngineSettings, SynthesisRequest
 from qwen_tts.engines.native import NativeEngine
-from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
 TEXTS = [
     "The same request, alone and in company.",

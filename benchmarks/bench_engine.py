@@ -31,7 +31,7 @@ import torch
 
 from qwen_tts.engine_api import Engine, EngineSettings, SynthesisRequest
 from qwen_tts.engines import create_engine
-from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Hello world, this is a test of speech synthesis for "

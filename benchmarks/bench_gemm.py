@@ -1,4 +1,4 @@
-"""The frame step's few-row matmuls alone, on CUDA: cuBLAS, cuBLASLt and our Triton kernel (qwen_tts/small_m_gemm.py)
+"""The frame step's few-row matmuls alone, on CUDA: cuBLAS, cuBLASLt and our Triton kernel (qwen_tts/fastpath/small_m_gemm.py)
 over a sweep of its block sizes, at the decoder layers' real shapes.
 
 For each weight shape of the talker's and the code predictor's layers (q|k|v, o, gate|up, down) and each row
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from bench_attention import time_calls  # graph replays on CUDA, the clock elsewhere
 
-from qwen_tts import small_m_gemm
-from qwen_tts.random_checkpoint import model_config
+from qwen_tts.fastpath import small_m_gemm
+from qwen_tts.model.random_checkpoint import model_config
 
 # One-token passes of the code predictor per frame on the fast path: its two prompt tokens, then 14 codes fed back.
 CODE_PREDICTOR_PASSES = 16

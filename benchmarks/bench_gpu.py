@@ -59,7 +59,7 @@ import torch
 # --- The engine's public pieces: the one place to update when the package moves. -------------------------------
 from qwen_tts.engine_api import SAMPLE_RATE, EngineSettings, QueueFullError, SynthesisRequest
 from qwen_tts.engines import create_engine, release_device_memory
-from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
 from qwen_tts.voices import VoiceProfile, save_profile
 from tts_server.heap import freeze_startup_heap, thaw_and_collect
 

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from qwen_tts.engine_api import EngineSettings
-from qwen_tts.random_checkpoint import write_random_checkpoint
-from qwen_tts.reference_loop import teacher_forced_logits
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
+from qwen_tts.model.reference_loop import teacher_forced_logits
 
 # Variant name -> EngineSettings fields over the defaults.
 VARIANTS = {
@@ -46,7 +46,7 @@ VARIANTS = {
 def child(ckpt: Path, device: str, variant: str, prompt_len: int, frames: int, out: Path) -> None:
     """One run: the teacher-forced logits of the engine's path, saved to `out`."""
     from qwen_tts.engines.native.engine import enable_fast_path
-    from qwen_tts.loading import load_model
+    from qwen_tts.model.loading import load_model
 
     dev = torch.device(device)
     m = load_model(ckpt, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)

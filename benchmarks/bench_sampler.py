@@ -1,4 +1,4 @@
-"""The frame step's sampler alone, on CUDA: the sort-free Triton kernel (qwen_tts/sample_kernel.py) at several
+"""The frame step's sampler alone, on CUDA: the sort-free Triton kernel (qwen_tts/fastpath/sample_kernel.py) at several
 warp sizes against the compiled `sampling.sample` it replaces, at the code predictor's (2048) and the talker's
 (3072) vocab, graphed as the frame step runs them (16 draws a frame).
 
@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from bench_attention import time_calls  # this script's directory is on sys.path when run
 
-from qwen_tts import fused, sample_kernel, sampling
+from qwen_tts.fastpath import fused, sample_kernel
+from qwen_tts.model import sampling
 
 DRAWS = 16  # one frame: codebook 0 and 15 residual codes
 

@@ -1,6 +1,6 @@
 """The code predictor's 15 passes a frame alone, on CUDA: the fused path's kernels (fused.stack_step: compiled
 blocks, the few-row matmul split over K, split attention; the engine's defaults) against the one-kernel stack
-(qwen_tts/stack_kernel.py), one launch per phase and persistent, and the CUDA kernel (qwen_tts/stack_cuda.cu, mode
+(qwen_tts/fastpath/stack/stack_kernel.py), one launch per phase and persistent, and the CUDA kernel (qwen_tts/fastpath/stack/stack_cuda.cu, mode
 "cuda", at most four rows: more fall back to the fused path).
 
 Full-size code-predictor weights (random, bf16; the 1.7B's and the 0.6B's are the same shape), built on the GPU,
@@ -26,10 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from bench_attention import time_calls  # this script's directory is on sys.path when run
 
-from qwen_tts import fused, small_m_gemm, stack_cuda, stack_kernel
-from qwen_tts.config import DecoderLayersConfig
 from qwen_tts.engine_api import EngineSettings
-from qwen_tts.layers import DecoderStack
+from qwen_tts.fastpath import fused, small_m_gemm
+from qwen_tts.fastpath.stack import stack_cuda, stack_kernel
+from qwen_tts.model.config import DecoderLayersConfig
+from qwen_tts.model.layers import DecoderStack
 
 PASSES = 15  # positions 1..15 of a frame
 CACHE_LEN = 16

@@ -2,7 +2,7 @@
 kernel uses between its phases, the same barrier over a group of blocks, and a thread-block cluster's barrier
 (Hopper), each with and without a handoff of data; and how many clusters of each size fit at once.
 
-The stack kernel (qwen_tts/stack_cuda.cu) meets at a grid barrier five times a layer. Whether a layer's phases
+The stack kernel (qwen_tts/fastpath/stack/stack_cuda.cu) meets at a grid barrier five times a layer. Whether a layer's phases
 could instead meet inside a cluster (16 blocks of one GPC, a hardware barrier, shared memory across the cluster)
 depends on two figures this measures: the barriers' latencies, and whether 8 clusters of 16 blocks (one block an
 SM, the kernel's shared memory) can be resident together.
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from qwen_tts import cuda_rtc
+from qwen_tts.fastpath import cuda_rtc
 
 SOURCE = r"""
 typedef unsigned int u32;

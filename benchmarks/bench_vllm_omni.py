@@ -39,7 +39,7 @@ from bench_engine import TEXT, pct  # the same text and percentile as the native
 
 from qwen_tts.engine_api import FRAME_SAMPLES, Engine, EngineSettings, SynthesisRequest
 from qwen_tts.engines import create_engine
-from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
 # Per-stage keys of vLLM-Omni's request metrics (`output.metrics["stage_metrics"][stage]`), the same in 0.26 and
 # 0.30, and our short names: each stage's time from its submit to its finish, its mean time per output token

@@ -32,7 +32,7 @@ from bench_gpu import variant_settings
 
 from qwen_tts.engine_api import EngineSettings, SynthesisRequest
 from qwen_tts.engines import create_engine, release_device_memory
-from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
 GIB = 1024**3
 TEXT = "The quick brown fox jumps over the lazy dog."

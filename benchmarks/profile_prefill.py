@@ -23,8 +23,8 @@ from bench_engine import TEXT
 
 from qwen_tts.engine_api import EngineSettings, SynthesisRequest
 from qwen_tts.engines import create_engine
-from qwen_tts.prompt import build_prompt
-from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.model.prompt import build_prompt
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
 
 def sync(engine) -> None:

@@ -26,12 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from qwen_tts import fused, sample_kernel, small_m_gemm, snake_kernel, stack_cuda, stack_kernel
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.native.frame_step import FrameStepRunner, SlotState, bucket
-from qwen_tts.loading import load_model
-from qwen_tts.random_checkpoint import write_random_checkpoint
-from qwen_tts.sampling import suppress_mask
+from qwen_tts.fastpath import fused, sample_kernel, small_m_gemm, snake_kernel
+from qwen_tts.fastpath.stack import stack_cuda, stack_kernel
+from qwen_tts.model.loading import load_model
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
+from qwen_tts.model.sampling import suppress_mask
 
 
 def dbfs(x: float) -> float:
@@ -344,7 +345,7 @@ def conv_times(dec, codes, stream) -> list:
     The events wrap the modules' conv entry points (`run`, `run_cl`, `run_unbiased`), which the modules' forward
     and the snake kernel's conv stack both call, so every decoder path is timed (the convs alone, not the
     padding around them)."""
-    from qwen_tts.codec_decoder import CausalConv1d, CausalTransConv1d
+    from qwen_tts.model.codec_decoder import CausalConv1d, CausalTransConv1d
 
     events, wrapped = [], []
 

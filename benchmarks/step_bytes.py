@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qwen_tts.random_checkpoint import model_config, talker_spec
+from qwen_tts.model.random_checkpoint import model_config, talker_spec
 
 BF16 = 2  # bytes per weight, the engine's dtype on the GPU
 

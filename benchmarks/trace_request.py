@@ -40,7 +40,7 @@ from bench_gpu import TEXT, variant_settings
 
 from qwen_tts.engine_api import EngineSettings, SynthesisRequest
 from qwen_tts.engines import create_engine
-from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
 CODES_COPY = "Memcpy DtoH (Device -> Pinned)"  # each frame step's codes on their way to the host
 

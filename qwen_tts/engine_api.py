@@ -130,7 +130,7 @@ class EngineSettings:
     # bucket, captured at start when warmup is on, else on first use; ~10x fewer launches), eager at exact shapes
     # on CPU; eager; graphs; padded = the graphs' padded, bucketed step run eagerly (tests its logic on CPU).
     frame_step: FrameStepMode = "auto"
-    # On CUDA, run one-token decoder steps on the fast path (qwen_tts/fused.py: fused weights, compiled blocks,
+    # On CUDA, run one-token decoder steps on the fast path (qwen_tts/fastpath/fused.py: fused weights, compiled blocks,
     # in-place Triton attention, the sampler kernel): the same function in far fewer kernels. Ignored on CPU.
     fused_kernels: bool = True
     # On the fast path, attend with the kernel split over positions (decode_attention.split_decode_attention:
@@ -140,7 +140,7 @@ class EngineSettings:
     # no-split-attention for the A/B). Ignored on CPU.
     split_attention: bool = True
     # On the fast path, the decoder layers' matmuls of up to 16 rows through our Triton kernel
-    # (qwen_tts/small_m_gemm.py: more thread blocks than SMs for every weight) instead of cuBLAS's 64x8 tiles. On
+    # (qwen_tts/fastpath/small_m_gemm.py: more thread blocks than SMs for every weight) instead of cuBLAS's 64x8 tiles. On
     # an H200 with split attention: one 1.7B stream 10.5x -> 11.7x real time (step 7.4 -> 6.7 ms); more rows go to
     # cuBLAS, so batches of 64+ are unchanged (bench_gpu.py --engine-variants no-small-m-gemm). Ignored on CPU.
     small_m_gemm: bool = True
@@ -184,12 +184,12 @@ class EngineSettings:
     # kernels took 0.16 ms a step at batch 1 (bench_gpu.py --engine-variants no-cp-input-tables). Ignored on CPU.
     cp_input_tables: bool = True
     # On the fast path, each code-predictor pass of up to 16 rows through one Triton kernel for the whole stack
-    # (qwen_tts/stack_kernel.py): "phases", one launch per phase (five a layer and the final norm, 26 for the 1.7B's
+    # (qwen_tts/fastpath/stack/stack_kernel.py): "phases", one launch per phase (five a layer and the final norm, 26 for the 1.7B's
     # five layers, instead of ~50); "persistent", one launch a pass, its programs waiting at a grid-wide barrier
     # between phases; "off", the fused path's kernels. Same function, rounded where the eager layers round. On an
     # H200 (1.7B, batch 1, graph replays) "persistent" cut the step's kernels 1,204 -> 443 but not its time: 4.57 ->
     # 4.69 ms (profile_step.py variant +stack-persistent); each of the 26 phases waits on latency, not bytes.
-    # "cuda": passes of at most four bf16 rows by our CUDA kernel (qwen_tts/stack_cuda.cu, compiled by NVRTC when the
+    # "cuda": passes of at most four bf16 rows by our CUDA kernel (qwen_tts/fastpath/stack/stack_cuda.cu, compiled by NVRTC when the
     # engine starts; if it cannot compile there, a warning and the fused path), whose weights reach shared memory a
     # phase ahead of each grid wait: 131.5 us a pass at one row against 213 (fused), 150 against 174 at two rows,
     # but 191 against 176 at four (fifteenth round); one 1.7B stream 15.37x -> 15.84x real time and two 15.99x ->
@@ -301,7 +301,7 @@ class EngineSettings:
     # --engine-variants cp-two-passes; the CUDA tests check it against the reference loop. Ignored on CPU.
     cp_prompt_one_pass: bool = True
     # On the fast path, draw each code with one Triton kernel that finds top-k's k-th largest logit (and top-p's
-    # cut) by bisection instead of sorting the row (qwen_tts/sample_kernel.py): the same draws for top-k, one
+    # cut) by bisection instead of sorting the row (qwen_tts/fastpath/sample_kernel.py): the same draws for top-k, one
     # launch instead of the compiled sampler's sort and ~4 kernels around it, 16 times a frame. On an H200: a
     # draw 10-16 us instead of 45-83 (bench_sampler.py); the graphed step at batch 1 5.66 -> 5.19 ms; one 1.7B
     # stream 13.2x -> 14.6x real time, 64 streams 356 -> 399 audio-s/s (docs/history/benchmarks-diary.md; bench_gpu.py
@@ -338,7 +338,7 @@ class EngineSettings:
     # --engine-variants no-polyphase). Ignored on CPU.
     decoder_polyphase_dilation: int = 9
     # On CUDA, run the final conv stack's elementwise work as one Triton kernel per activation
-    # (Code2Wav.set_snake_kernel, qwen_tts/snake_kernel.py): each conv without its bias, then one pass that adds
+    # (Code2Wav.set_snake_kernel, qwen_tts/fastpath/snake_kernel.py): each conv without its bias, then one pass that adds
     # the bias and the residual, applies SnakeBeta and writes the next conv's input with its left context in front,
     # instead of cuDNN's bias pass, the residual add, the compiled SnakeBeta and the history concatenation. The
     # same function, rounded once per activation instead of once per op. On an H200 a 64-row 12-frame float16
@@ -437,7 +437,7 @@ class EngineSettings:
         for name in ("cp_stack_threads", "talker_stack_threads"):
             if getattr(self, name) not in (256, 512):
                 raise EngineSettingsError(name, f"{name} must be 256 or 512, not {getattr(self, name)!r}")
-        from .sample_kernel import warp_elements_error  # the kernel's own rule; imported here, not at load
+        from .fastpath.sample_kernel import warp_elements_error  # the kernel's own rule; imported here, not at load
 
         if err := warp_elements_error(self.kernel_sampler_warp_elements):
             raise EngineSettingsError("kernel_sampler_warp_elements", f"kernel_sampler_warp_elements {err}")

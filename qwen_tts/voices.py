@@ -601,7 +601,7 @@ class VoiceEncoder:
     voice both use it."""
 
     def __init__(self, model_path: str | Path, device: str | torch.device = "cpu"):
-        from .loading import load_speaker_encoder
+        from .model.loading import load_speaker_encoder
 
         self.device = torch.device(device)
         self.encoder, self.config = load_speaker_encoder(Path(model_path), device=self.device)
@@ -798,7 +798,7 @@ def ensure_demo_voice(profiles_dir: str | Path, model_path: str | Path | None, d
         x = torch.randn(dim, generator=torch.Generator().manual_seed(DEMO_SEED))
         return save_profile(path, VoiceProfile(x_vector=x, model="fake"), overwrite=True)
 
-    from .model_paths import DEMO
+    from .model.model_paths import DEMO
 
     clip = synthetic_clip()
     encoder = VoiceEncoder(model_path)

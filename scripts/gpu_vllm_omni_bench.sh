@@ -99,7 +99,7 @@ if [ ! -f "$CKPT/.complete" ]; then
 import sys
 from pathlib import Path
 
-from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
 path = Path(sys.argv[1])
 write_random_checkpoint(path, size="1.7b", seed=0, tokenizer_dir=sys.argv[2] or None)

@@ -1,4 +1,4 @@
-"""Shared fixtures: one tiny random checkpoint per test session (written by qwen_tts.random_checkpoint, seed 0).
+"""Shared fixtures: one tiny random checkpoint per test session (written by qwen_tts.model.random_checkpoint, seed 0).
 
 Also pins torch to one intra-op thread for the test run (see below)."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-# Without a GPU, Triton kernels (qwen_tts/decode_attention.py) run in Triton's CPU interpreter. It must be chosen
+# Without a GPU, Triton kernels (qwen_tts/fastpath/decode_attention.py) run in Triton's CPU interpreter. It must be chosen
 # before any kernel is defined, so before qwen_tts is imported. Processes the tests start do not inherit it
 # (server_helpers.ServerProcess drops it): another environment's Triton must not be forced into the interpreter.
 if not torch.cuda.is_available():
@@ -68,7 +68,7 @@ if not torch.cuda.is_available():
         _builder.cast_impl = _cast_rtne
         _builder.create_fp_trunc = lambda self, src, dst_type: self.cast_impl(src, dst_type)
 
-from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
 TINY_SEED = 0
 
@@ -94,7 +94,7 @@ def tiny_copy(tiny_checkpoint: Path, tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3tts(tiny_checkpoint: Path):
     """The tiny checkpoint loaded on CPU in float32, with the speaker encoder."""
-    from qwen_tts.loading import load_model
+    from qwen_tts.model.loading import load_model
 
     return load_model(tiny_checkpoint, device="cpu", speaker_encoder=True)
 
@@ -104,5 +104,5 @@ def _stack_cuda_options_reset():
     """stack_cuda's options are process-wide and an engine sets its own (its code predictor's blocks of 512
     threads): after each test they go back to the module's defaults, so no test sees another's."""
     yield
-    if (mod := sys.modules.get("qwen_tts.stack_cuda")) is not None:
+    if (mod := sys.modules.get("qwen_tts.fastpath.stack.stack_cuda")) is not None:
         mod.reset_options()

@@ -290,7 +290,7 @@ def test_step_bytes_counts_each_sizes_weights_and_the_overhead_a_speed_ratio_all
     spec = importlib.util.spec_from_file_location("step_bytes", ROOT / "benchmarks" / "step_bytes.py")
     sb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sb)
-    from qwen_tts.random_checkpoint import model_config
+    from qwen_tts.model.random_checkpoint import model_config
 
     out = tmp_path / "bytes.json"
     monkeypatch.setattr(sys, "argv", ["step_bytes.py", "--bandwidth-tb-s", "4.0", "--ratio", "1.4", "--out", str(out)])

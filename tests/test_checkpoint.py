@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from qwen_tts.config import ModelConfig
-from qwen_tts.random_checkpoint import (
+from qwen_tts.model.config import ModelConfig
+from qwen_tts.model.random_checkpoint import (
     CODEC_IDS,
     OFFICIAL_SPECIAL_IDS,
     checkpoint_spec,
@@ -20,7 +20,7 @@ from qwen_tts.random_checkpoint import (
     write_random_checkpoint,
     write_text_tokenizer,
 )
-from qwen_tts.tokenizer import TextTokenizer
+from qwen_tts.model.tokenizer import TextTokenizer
 
 LAYOUT = [
     "config.json",
@@ -166,7 +166,7 @@ def test_full_size_tokenizer_puts_specials_at_official_ids(tmp_path):
 
 
 def _greedy(model, text: str, language: str, xvector: torch.Tensor) -> torch.Tensor:
-    from qwen_tts.reference_loop import generate_codes
+    from qwen_tts.model.reference_loop import generate_codes
 
     return generate_codes(
         model.talker, model.config, model.tokenizer, text, xvector, language, max_frames=12, min_new_tokens=12

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qwen_tts.codec_decoder import CausalConv1d, Code2Wav, Code2WavStream
-from qwen_tts.config import Code2WavConfig
+from qwen_tts.model.codec_decoder import CausalConv1d, Code2Wav, Code2WavStream
+from qwen_tts.model.config import Code2WavConfig
 
 
 def tiny_config(**overrides) -> Code2WavConfig:
@@ -257,7 +257,7 @@ def test_fp16_decoder_on_the_full_size_random_decoder_stays_within_minus_45_dbfs
     (0.96 s of audio) against the float32 decode. Measured -51.8 dBFS here (float16 convolutions on the CPU)."""
     import copy
 
-    from qwen_tts.random_checkpoint import _prefixed, code2wav_spec, model_config, random_state
+    from qwen_tts.model.random_checkpoint import _prefixed, code2wav_spec, model_config, random_state
 
     cfg = model_config("1.7b").speech_tokenizer.decoder
     exact = Code2Wav(cfg).eval()

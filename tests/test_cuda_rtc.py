@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_tts import cuda_rtc
+from qwen_tts.fastpath import cuda_rtc
 
 ROOT = Path(__file__).resolve().parents[1]
 

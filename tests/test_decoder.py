@@ -14,13 +14,13 @@ import pytest
 import torch
 from test_codec_decoder import random_codes, tiny_config, variance_preserving_init
 
-from qwen_tts.codec_decoder import Code2Wav
 from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest
 from qwen_tts.engines.native import decoder as decoder_mod
 from qwen_tts.engines.native.decoder import DecodeJob, DecodeWorker, SlotDecoder
 from qwen_tts.engines.native.engine import NativeEngine
-from qwen_tts.loading import load_model
-from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.model.codec_decoder import Code2Wav
+from qwen_tts.model.loading import load_model
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +281,7 @@ def test_a_failing_chunk_ends_only_its_request(tiny_model, monkeypatch):
 def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, polyphase, snake):
     import copy
 
-    from qwen_tts import snake_kernel
+    from qwen_tts.fastpath import snake_kernel
 
     cfg = c2w.cfg
     model = copy.deepcopy(c2w).to("cuda")
@@ -375,8 +375,8 @@ def test_compiled_snake_beta_equals_eager_and_code2wav_still_streams_exactly(c2w
 
     from test_codec_decoder import stream_decode
 
-    from qwen_tts import fused
-    from qwen_tts.codec_decoder import SnakeBeta
+    from qwen_tts.fastpath import fused
+    from qwen_tts.model.codec_decoder import SnakeBeta
 
     snakes = [m for m in c2w.modules() if isinstance(m, SnakeBeta)]
     m = snakes[1]

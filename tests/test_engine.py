@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from qwen_tts import fused, small_m_gemm
 from qwen_tts.engine_api import (
     EngineSettings,
     EngineSettingsError,
@@ -24,9 +23,10 @@ from qwen_tts.engines.native import engine as engine_mod
 from qwen_tts.engines.native import frame_step as cuda_graph
 from qwen_tts.engines.native import scheduler as scheduler_mod
 from qwen_tts.engines.native.engine import NativeEngine
-from qwen_tts.loading import load_model
-from qwen_tts.random_checkpoint import write_random_checkpoint
-from qwen_tts.sampling import suppress_mask
+from qwen_tts.fastpath import fused, small_m_gemm
+from qwen_tts.model.loading import load_model
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
+from qwen_tts.model.sampling import suppress_mask
 
 TEXTS = [
     "Hello world.",
@@ -666,7 +666,7 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
     same codes alone and beside another (passes of 2 and 4 rows, all by the kernel), graphed and eager alike. Past four
     rows the fused path's kernels take the passes, so this invariance holds up to two streams (docs/history/benchmarks-diary.md).
     tags: the passes without grid barriers (stack_tags), graphed and eager, the row counts changing between them."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     model = load_model(tiny_model.path, device="cuda")
     calls = []
@@ -723,7 +723,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
     the default; True), passes of up to three rows each by its own build (3), else every pass by the four-row build
     (False). The request runs past 64 positions, where the default talker_stack_split of 32 spreads its
     attention over three chunks, then four."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     widen = dict(talker_stack_threads=512) if wide else {}
     if not staged:
@@ -816,7 +816,7 @@ async def test_batched_prefill_matches_prefill_alone(tiny_model, monkeypatch):
     ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
 )
 def test_upload_gives_the_values_in_the_dtype_on_the_device(device):
-    from qwen_tts.layers import upload
+    from qwen_tts.model.layers import upload
 
     ids = upload([3, 1, 2], torch.long, torch.device(device))
     assert ids.device.type == device and ids.dtype == torch.long and ids.tolist() == [3, 1, 2]

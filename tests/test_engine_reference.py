@@ -17,7 +17,7 @@ import torch
 from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest
 from qwen_tts.engines.native import NativeEngine
 from qwen_tts.engines.native.frame_step import StepCodes
-from qwen_tts.reference_loop import generate_codes
+from qwen_tts.model.reference_loop import generate_codes
 
 # (text, options): each row exercises a different part of the loop.
 CASES = [
@@ -175,8 +175,8 @@ async def test_engine_codes_equal_the_reference_loop_on_cuda_in_float32(
     path (fused kernels, CUDA-graph frame steps and prefill, the decoder thread). tiny-mtp has a code predictor
     behind small_to_mtp_projection, as the 1.7B: there the engine gathers the predictor's inputs from projected
     tables (cp_input_tables) and runs the heads on the few-row kernel (small_m_heads)."""
-    from qwen_tts.loading import load_model
-    from qwen_tts.random_checkpoint import write_random_checkpoint
+    from qwen_tts.model.loading import load_model
+    from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
     path = tiny_checkpoint if size == "tiny" else write_random_checkpoint(tmp_path / size, size=size, seed=0)
     model = load_model(path, device="cuda", dtype=torch.float32)

@@ -45,7 +45,7 @@ def tiny_model(tiny_checkpoint: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def model_dim(tiny_model: Path) -> int:
-    from qwen_tts.config import ModelConfig
+    from qwen_tts.model.config import ModelConfig
 
     return ModelConfig.from_pretrained(tiny_model).xvector_dim
 

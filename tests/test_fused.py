@@ -1,4 +1,4 @@
-"""The CUDA fast path (qwen_tts/fused.py, decode_attention.py) computes what the eager modules compute.
+"""The CUDA fast path (qwen_tts/fastpath/fused.py, decode_attention.py) computes what the eager modules compute.
 
 On a machine without a GPU the Triton kernel runs in Triton's interpreter and the compiled blocks through
 inductor's CPU backend: slow, but the same code paths and the same arithmetic as on the GPU.
@@ -9,15 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_tts import fused, sample_kernel, small_m_gemm
-from qwen_tts.decode_attention import (
+from qwen_tts.fastpath import fused, sample_kernel, small_m_gemm
+from qwen_tts.fastpath.decode_attention import (
     HAVE_TRITON,
     SPLIT_BLOCK,
     SPLIT_PARTS,
     decode_attention,
     reference_decode_attention,
 )
-from qwen_tts.loading import load_model
+from qwen_tts.model.loading import load_model
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -141,8 +141,8 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
     stack_mode = variant.pop("cp_stack_kernel", "off")
     import test_engine_reference as ref_tests
 
-    from qwen_tts import decode_attention as attention_mod
-    from qwen_tts import stack_kernel
+    from qwen_tts.fastpath import decode_attention as attention_mod
+    from qwen_tts.fastpath.stack import stack_kernel
 
     calls = {"split": 0, "small_m": 0, "stack": 0, "sampler": 0, "stack_pass": 0}
     real_split, real_small_m = attention_mod.split_decode_attention, small_m_gemm.small_m_matmul

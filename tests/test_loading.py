@@ -10,17 +10,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qwen_tts.codec_decoder import Code2Wav
-from qwen_tts.loading import (
+from qwen_tts.model.codec_decoder import Code2Wav
+from qwen_tts.model.loading import (
     CheckpointError,
     check_rope,
     check_text_projection_bias,
     load_model,
     load_speaker_encoder,
 )
-from qwen_tts.random_checkpoint import code2wav_spec, model_config, speaker_encoder_spec, talker_spec
-from qwen_tts.speaker_encoder import SpeakerEncoder
-from qwen_tts.talker import Talker
+from qwen_tts.model.random_checkpoint import code2wav_spec, model_config, speaker_encoder_spec, talker_spec
+from qwen_tts.model.speaker_encoder import SpeakerEncoder
+from qwen_tts.model.talker import Talker
 
 
 def _read(file: Path) -> dict[str, torch.Tensor]:

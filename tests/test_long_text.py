@@ -18,7 +18,7 @@ from test_server_errors import _call_and_disconnect, _cut_short
 from qwen_tts.engine_api import FRAME_SAMPLES, EngineSettings, FinishReason, RequestHandle, SynthesisRequest
 from qwen_tts.engines.fake import FakeEngine
 from qwen_tts.engines.native import NativeEngine
-from qwen_tts.model_paths import resolve_model_path
+from qwen_tts.model.model_paths import resolve_model_path
 from qwen_tts.voices import ensure_demo_voice
 from server_helpers import in_process, server_process, write_voice
 from tts_server.long_text import FADE_SAMPLES, MIN_PIECE_BYTES, PIECE_BYTES, PieceChain, split_text

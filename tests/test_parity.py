@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from qwen_tts.loading import load_model
-from qwen_tts.mel import mel_spectrogram
-from qwen_tts.prompt import build_prompt
-from qwen_tts.random_checkpoint import weights_digest, write_random_checkpoint
-from qwen_tts.reference_loop import generate_codes, teacher_forced_logits
-from qwen_tts.tokenizer import ROLE_LEN, TAIL_LEN
+from qwen_tts.model.loading import load_model
+from qwen_tts.model.mel import mel_spectrogram
+from qwen_tts.model.prompt import build_prompt
+from qwen_tts.model.random_checkpoint import weights_digest, write_random_checkpoint
+from qwen_tts.model.reference_loop import generate_codes, teacher_forced_logits
+from qwen_tts.model.tokenizer import ROLE_LEN, TAIL_LEN
 
 FIXTURE = Path(__file__).parent / "reference" / "fixture_tiny.pt"
 REGENERATE = ".venv-ref/bin/python tests/reference/make_fixture.py --out tests/reference/fixture_tiny.pt"

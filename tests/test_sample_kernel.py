@@ -1,4 +1,4 @@
-"""The sort-free sampler kernel (qwen_tts/sample_kernel.py) against `sampling.sample`, the sampler it replaces.
+"""The sort-free sampler kernel (qwen_tts/fastpath/sample_kernel.py) against `sampling.sample`, the sampler it replaces.
 
 Without a GPU the kernel runs in Triton's interpreter (conftest.py); on CUDA, on the device.
 """
@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_tts import sampling
-from qwen_tts.decode_attention import HAVE_TRITON
+from qwen_tts.fastpath.decode_attention import HAVE_TRITON
+from qwen_tts.model import sampling
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (the interpreter on CPU)")
 
 if HAVE_TRITON:
-    from qwen_tts import sample_kernel
+    from qwen_tts.fastpath import sample_kernel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from qwen_tts.sampling import (
+from qwen_tts.model.sampling import (
     UNIT_MAX,
     apply_repetition_penalty,
     filter_logits,
@@ -313,7 +313,7 @@ def test_noise_on_cuda_eager_graphed_and_compiled_equals_the_cpu_noise() -> None
 
 
 def test_infinite_noise_cannot_make_a_filtered_id_win(monkeypatch) -> None:
-    import qwen_tts.sampling as sampling
+    import qwen_tts.model.sampling as sampling
 
     def inf_at_3(seeds, counters, vocab):
         g = torch.zeros(seeds.shape[0], vocab)

@@ -14,7 +14,7 @@ import soundfile as sf
 
 from qwen_tts.engine_api import EngineSettings, SynthesisRequest
 from qwen_tts.engines.native import NativeEngine
-from qwen_tts.model_paths import resolve_model_path
+from qwen_tts.model.model_paths import resolve_model_path
 from qwen_tts.voices import ensure_demo_voice
 from server_helpers import InProcess, in_process
 from tts_server.audio_encoding import to_int16

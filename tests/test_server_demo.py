@@ -1,4 +1,4 @@
-"""qwen_tts.model_paths and qwen_tts.voices: model path resolution (demo, directory, hub cache) and the deterministic demo voice."""
+"""qwen_tts.model.model_paths and qwen_tts.voices: model path resolution (demo, directory, hub cache) and the deterministic demo voice."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_tts.config import ModelConfig
-from qwen_tts.model_paths import ModelPathError as DemoError
-from qwen_tts.model_paths import ensure_demo_checkpoint, resolve_model_path
+from qwen_tts.model.config import ModelConfig
+from qwen_tts.model.model_paths import ModelPathError as DemoError
+from qwen_tts.model.model_paths import ensure_demo_checkpoint, resolve_model_path
 from qwen_tts.voices import VoiceProfile, ensure_demo_voice, load_profile, save_profile
 
 

@@ -1,4 +1,4 @@
-"""Code2Wav's elementwise kernel (qwen_tts/snake_kernel.py) and the conv stack that runs on it
+"""Code2Wav's elementwise kernel (qwen_tts/fastpath/snake_kernel.py) and the conv stack that runs on it
 (`Code2Wav.set_snake_kernel`), against the eager modules.
 
 Without a GPU the kernel runs in Triton's interpreter (conftest.py); on CUDA, on the device.
@@ -11,14 +11,14 @@ import copy
 import pytest
 import torch
 
-from qwen_tts.codec_decoder import CausalConv1d, Code2Wav, SnakeBeta
-from qwen_tts.decode_attention import HAVE_TRITON
+from qwen_tts.fastpath.decode_attention import HAVE_TRITON
+from qwen_tts.model.codec_decoder import CausalConv1d, Code2Wav, SnakeBeta
 from tests.test_codec_decoder import random_codes, stream_decode, tiny_config, variance_preserving_init
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton (the interpreter on CPU)")
 
 if HAVE_TRITON:
-    from qwen_tts import snake_kernel
+    from qwen_tts.fastpath import snake_kernel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from qwen_tts.config import SpeakerEncoderConfig
-from qwen_tts.mel import mel_filterbank, mel_frames, mel_spectrogram, min_samples_for_frames
-from qwen_tts.speaker_encoder import SpeakerEncoder
+from qwen_tts.model.config import SpeakerEncoderConfig
+from qwen_tts.model.mel import mel_filterbank, mel_frames, mel_spectrogram, min_samples_for_frames
+from qwen_tts.model.speaker_encoder import SpeakerEncoder
 
 
 def test_filterbank_shape_and_non_negative():

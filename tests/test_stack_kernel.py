@@ -1,4 +1,4 @@
-"""The one-kernel decoder stack (qwen_tts/stack_kernel.py) computes what the eager `DecoderStack` computes.
+"""The one-kernel decoder stack (qwen_tts/fastpath/stack/stack_kernel.py) computes what the eager `DecoderStack` computes.
 
 Without a GPU the kernel runs in Triton's interpreter, one launch per phase ("phases"); on CUDA the persistent mode
 (one launch a pass, grid-wide barriers) must give the phases' bits.
@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_tts import fused, stack_kernel
-from qwen_tts.config import DecoderLayersConfig
-from qwen_tts.decode_attention import HAVE_TRITON
-from qwen_tts.layers import DecoderStack
+from qwen_tts.fastpath import fused
+from qwen_tts.fastpath.decode_attention import HAVE_TRITON
+from qwen_tts.fastpath.stack import stack_kernel
+from qwen_tts.model.config import DecoderLayersConfig
+from qwen_tts.model.layers import DecoderStack
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -260,7 +261,7 @@ def test_cuda_kernel_layout_fits_an_h200_with_the_code_predictor() -> None:
     """The 1.7B/0.6B code predictor on 132 SMs: a block's largest weight share is 48 gate|up rows of 1024 (96 KiB),
     two slots of it and four rows of activations fit the H200's 227 KiB a block; a longer cache takes the chunked
     attention; a width that 16-byte copies cannot take or a smaller shared memory are refused with the reason."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = FULL
     lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=CACHE_LEN, nblk=132)
@@ -328,7 +329,7 @@ def assert_builds_for_hopper_without_spills(lay, tmp_path) -> None:
 def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
     """The source the engine hands NVRTC, for the code predictor's shape and a tiny one and each option, builds for
     sm_90 with nvcc (the same front end) and its registers do not spill."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = FULL if shape == "full" else SHAPES[shape]
     lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=CACHE_LEN, nblk=132, **opts)
@@ -380,7 +381,7 @@ def make_cuda_stack(dims, seed=0):
 @pytest.fixture
 def cuda_options():
     """stack_cuda.set_options, for a test that sets them (conftest puts them back to the defaults after it)."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     return stack_cuda.set_options
 
@@ -434,7 +435,7 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     code; the barrier's release by __threadfence; four arrival counters; one weight row a warp (the default: two);
     every SM (the default: the lean grid); the norm weights from L2 (the default: staged in shared memory); the
     short cache's keys by 2-byte loads (the default: 16-byte); no grid barriers, the activations tagged and polled."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     cuda_options(**OPTION_CASES.get(opts, {}))
     dims = FULL if shape == "full" else SHAPES[shape]
@@ -506,7 +507,7 @@ def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
     """The 0.6B's talker with the engine's cache (3,088 positions at the defaults) fits an H200's SMs: the same weight
     slots as the code predictor, attention's scratch within the activations' bytes, 4 chunks' partials a (row, kv
     head); the 1.7B's talker layer (a gate|up share of 2 x 47 rows of 2048) does not, and the reason says why."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B
     lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=132)
@@ -535,7 +536,7 @@ def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape,
     """The long-cache source (attention_long) for the 0.6B talker's shape and two small head widths (16 and 64:
     lanes without an element, two elements a lane) builds for sm_90 without spills; with the tags option, without
     evict_first, with the cached keys staged (and staged with tags)."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B if shape == "talker" else SHAPES[shape]
     extra = {k: v for o in opts.split("+") if o for k, v in LONG_OPTION_CASES[o].items() if k != "long_mma"}
@@ -586,7 +587,7 @@ def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows, opts,
     (the chunks' counts run on over the layers); stage: each unit's cached keys and values staged in shared memory;
     stage192: so, in chunks of 192 (1, 1, 1 and 4 chunks, each staged whole); stage256: in chunks of 256 (the last
     row's 3 chunks of 231 positions: 39 a chunk past the 192 staged)."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     cuda_options(**LONG_OPTION_CASES.get(opts, {}))
     dims = LONG_SHAPE if shape == "talker" else SHAPES[shape]
@@ -660,7 +661,7 @@ def test_the_lean_grid_keeps_every_blocks_largest_share() -> None:
     q|k|v, 1,024 o and down, 3,072 gate and 3,072 up rows) keep 32, 8, 24 and 24 rows a block and 4 attention chunks
     on 128 blocks, and one block fewer would give some block more; the 1.7B talker's layer (6,144 gate rows: 47 a
     block) needs 131; a device with fewer SMs than that keeps them all."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     def lay(dims, T, n):
         H, inter, L, nq, nkv, D = dims
@@ -682,7 +683,7 @@ def test_cuda_kernel_on_the_lean_grid_gives_the_full_grids_bits(long, cuda_optio
     """Four rows over three passes on every SM and on the lean grid (fewer blocks where that keeps each block's
     largest share): the same output and K/V bits, each row's sums being one warp's whatever the grid; the short
     cache (the code predictor's) and the long one (the talker's: chunked attention)."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     dims = LONG_SHAPE if long else FULL
     _, kern = make_cuda_stack(dims)
@@ -793,7 +794,7 @@ def test_the_stage_option_stages_a_long_caches_keys_in_a_free_weight_slot(cuda_o
     layout adds the staged keys' mbarrier and count (16 bytes) and still fits an H200's shared memory; a short cache
     (the code predictor's, measured slower staged) is not staged and its layout is the default's; the copies need the
     copy engine."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B
     plain = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=128)
@@ -814,7 +815,7 @@ def test_the_stage_option_stages_a_long_caches_keys_in_a_free_weight_slot(cuda_o
 def test_the_long_tags_option_tags_only_a_long_caches_layout(cuda_options) -> None:
     """long_tags: the talker's stack (a long cache) gets the tags and their workspace, the code predictor's (a short
     cache) keeps its grid barriers; `tags` still tags both."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B
     talker = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=1, nblk=1)
@@ -833,7 +834,7 @@ def test_the_long_tags_option_tags_only_a_long_caches_layout(cuda_options) -> No
 def test_the_mma_options_take_the_tensor_cores_for_one_kind_of_stack_each(cuda_options) -> None:
     """mma: the code predictor's stack (a short cache) on the tensor cores, with its slots' padded rows; long_mma: the
     talker's (a long cache); each leaves the other kind of stack on the CUDA cores."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B
     talker = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=1, nblk=1)
@@ -852,7 +853,7 @@ def test_the_mma_options_take_the_tensor_cores_for_one_kind_of_stack_each(cuda_o
 def test_the_long_threads_option_sizes_only_a_long_caches_blocks(cuda_options) -> None:
     """long_threads: the talker's stack (a long cache) gets its own block size, the code predictor's keeps `threads`;
     0 gives both `threads`; a size that is not a multiple of 32 up to 1024 is refused with the reason."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B
     talker = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=1, nblk=1)
@@ -905,7 +906,7 @@ def test_bench_stack_reads_the_long_attentions_inside_from_the_timeline() -> Non
 def test_the_timeline_reserves_attention_longs_stamps_in_its_scratch() -> None:
     """With the timeline a long cache's attention scratch holds two 8-byte stamps after its flag, at an 8-byte
     aligned offset (the source's att_stamps); without it the scratch is the flag's, so the default layout is unchanged."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = SHAPES["tiny-mtp"]  # a scratch larger than the rows' activations
     lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=132)
@@ -925,7 +926,7 @@ def test_the_timeline_reserves_attention_longs_stamps_in_its_scratch() -> None:
 def test_the_cuda_kernels_chunk_option_takes_multiples_of_32_positions(cuda_options) -> None:
     """A long cache's chunk size (positions at least) is a multiple of a warp's 32: 128 is taken, 100 and 16 are
     refused with the reason, and the layout's source carries the chosen size."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     assert cuda_options(chunk=128)["chunk"] == 128
     H, inter, L, nq, nkv, D = TALKER_06B
@@ -945,7 +946,7 @@ def test_the_cuda_kernels_split_option_takes_multiples_of_32_up_to_the_chunk(cud
     """Past the chunk, a long cache's chunks take at least `split` positions: 0 (as the chunk: the source's SPLIT is
     the chunk) or a multiple of 32 up to the chunk; a larger one, or one not a multiple of 32, is refused with the
     reason and leaves the options as they were."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B
 
@@ -977,7 +978,7 @@ def test_the_tags_option_takes_a_short_cache_and_a_workspace_of_the_stacks_own()
     the talker's long one. The workspace: the epoch's 128-byte line, then four rows of the residual stream, q|k|v,
     attention's output and the gated activation as int32 words (each buffer on 16 bytes, as the kernel's 16-byte
     loads need), zeros when made, made once per stack and device."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = FULL
     lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=CACHE_LEN, nblk=128, tags=True)
@@ -1008,7 +1009,7 @@ def test_tags_never_repeat_within_a_launch_nor_against_the_launch_before() -> No
     wrap and every 97th) have distinct tags from 1 to 65535 (a zeroed word never passes), none of them one of the
     launch before's. Every word is written every launch, so no word is older than that. The formulas are the
     kernel's."""
-    src = (Path(__file__).resolve().parents[1] / "qwen_tts" / "stack_cuda.cu").read_text()
+    src = (Path(__file__).resolve().parents[1] / "qwen_tts" / "fastpath" / "stack" / "stack_cuda.cu").read_text()
     assert "return 1u + (epoch * (u32)(5 * L + 1) + (u32)phase) % 65535u;" in src
     assert "atomicExch(epoch_p, (epoch + 1u) % 65535u)" in src
     every = torch.arange(65535, dtype=torch.int64)
@@ -1030,7 +1031,7 @@ def test_cuda_kernel_with_tags_keeps_the_defaults_bits_as_rows_change_and_the_ep
     default kernel's output and cache bits; the epoch advances by one a launch and wraps to 0. The short cache (the
     code predictor's) and the long one (the talker's: chunked attention, whose counts run on over the layers and end
     at zero)."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     dims = LONG_SHAPE if long else FULL
     _, kern = make_cuda_stack(dims)
@@ -1074,7 +1075,7 @@ def test_the_exact_rows_option_takes_a_build_for_each_row_count(cuda_options) ->
     chunks a (row, kv head) as the four-row build, so the same sums; a pass of more rows, every pass at 0 (the
     module's default) and every pass with the tags option take the four-row build; N past 3 is refused, and so is a
     build for 0 or 5 rows, or one for fewer rows with tags."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B
     sw = dataclasses.make_dataclass("SW", ["H", "I", "D", "NQ", "NKV", "L"])(H, inter, D, nq, nkv, L)
@@ -1110,7 +1111,7 @@ def test_the_fewer_rows_builds_compile_for_hopper_without_spills_and_with_less_c
     """The one- and two-row builds of the code predictor's layout (512 threads, as the engine runs it), the 0.6B
     talker's (staged, chunks of 32 past 64 positions) and a tiny one build for sm_90 without spills, in less code
     than the four-row build (the code predictor's and the talker's one-row builds by a fifth at least)."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     if shape == "talker":
         H, inter, L, nq, nkv, D = TALKER_06B
@@ -1138,7 +1139,7 @@ def test_each_rows_build_gives_the_four_row_builds_bits(shape, opts, cuda_option
     (the full and a split layer; two rows sharing a slot at consecutive positions, as its prompt pass has them) and
     the talker's long one (a row whose position moves from one chunk to four, 5 -> 690 positions, with its cached
     keys staged, in chunks of 32, at 512 threads)."""
-    from qwen_tts import stack_cuda
+    from qwen_tts.fastpath.stack import stack_cuda
 
     long = shape == "talker"
     if long != (opts in ("stage", "split32", "t512-long")) and opts != "default":

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qwen_tts.config import ModelConfig
-from qwen_tts.layers import DecoderStack, apply_rope
-from qwen_tts.prompt import build_prompt, normalize_language
-from qwen_tts.reference_loop import generate_codes
-from qwen_tts.talker import Talker
+from qwen_tts.model.config import ModelConfig
+from qwen_tts.model.layers import DecoderStack, apply_rope
+from qwen_tts.model.prompt import build_prompt, normalize_language
+from qwen_tts.model.reference_loop import generate_codes
+from qwen_tts.model.talker import Talker
 
 LANGS = {"english": 2050, "german": 2053, "chinese": 2055, "sichuan_dialect": 2062}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen_tts.tokenizer import TextTokenizer
+from qwen_tts.model.tokenizer import TextTokenizer
 
 TOKENIZER_DIR = Path(
     os.environ.get("QWEN_TTS_FULL_TOKENIZER_DIR")

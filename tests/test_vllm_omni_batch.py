@@ -11,7 +11,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
 from server_helpers import REPO_ROOT, write_voice
 
 VO_PYTHON = REPO_ROOT / ".venv-vllm-omni" / "bin" / "python"

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qwen_tts.random_checkpoint import write_random_checkpoint
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
 from qwen_tts.voices import TENSOR_NAME
 from server_helpers import REPO_ROOT, ServerProcess, write_voice
 

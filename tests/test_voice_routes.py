@@ -20,7 +20,7 @@ import torch
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.fake import FakeEngine
 from qwen_tts.engines.native import NativeEngine
-from qwen_tts.model_paths import resolve_model_path
+from qwen_tts.model.model_paths import resolve_model_path
 from qwen_tts.voices import VoiceEncoder, embed_clip, ensure_demo_voice, file_mode, load_profile
 from server_helpers import InProcess, clean_settings, in_process, write_voice
 from tts_server.runtime import Runtime, StartupError

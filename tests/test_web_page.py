@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from qwen_tts.model_paths import resolve_model_path
+from qwen_tts.model.model_paths import resolve_model_path
 from server_helpers import REPO_ROOT, in_process, server_process, write_voice
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)

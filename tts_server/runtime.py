@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from qwen_tts.engine_api import Engine, EngineSettingsError
 from qwen_tts.engines import create_engine
-from qwen_tts.model_paths import DEMO
+from qwen_tts.model.model_paths import DEMO
 from qwen_tts.voices import DEMO_VOICE_ID, VoiceEncoder, VoiceRegistry, ensure_demo_voice
 
 from .metrics import Metrics

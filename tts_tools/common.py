@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from qwen_tts.loading import resolve_device as _resolve_device
-from qwen_tts.model_paths import resolve_model_path
+from qwen_tts.model.loading import resolve_device as _resolve_device
+from qwen_tts.model.model_paths import resolve_model_path
 
 
 class CliError(Exception):

@@ -1,7 +1,7 @@
 """Voice enrollment: reference clips -> speaker x-vector profiles (`voice_profiles/<name>.safetensors`).
 
 Runs only the ECAPA-TDNN speaker encoder (qwen-tts 0.1.1 `extract_speaker_embedding`, reimplemented in
-`qwen_tts.speaker_encoder`), loaded alone from the checkpoint. Profiles use the shared format and directory rules
+`qwen_tts.model.speaker_encoder`), loaded alone from the checkpoint. Profiles use the shared format and directory rules
 of `qwen_tts.voices`, which the server's voice registry reads; that format records the model and the x-vector
 width, so a profile made with one model size is refused by a server running the other.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qwen_tts.model_paths import DEMO
+from qwen_tts.model.model_paths import DEMO
 from qwen_tts.voices import (
     DEFAULT_PROFILES_DIR,
     ClipLevels,

@@ -89,7 +89,7 @@ def import_ours(names: list[str]) -> types.SimpleNamespace:
 
 @contextlib.contextmanager
 def ours_active():
-    """Our modules back in sys.modules for code of ours that imports lazily (e.g. qwen_tts.fused)."""
+    """Our modules back in sys.modules for code of ours that imports lazily (e.g. qwen_tts.fastpath.fused)."""
     theirs = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "qwen_tts" or k.startswith("qwen_tts.")}
     sys.modules.update(_OURS)
     try:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qwen_tts.codec_decoder import Code2Wav, Code2WavStream
+from qwen_tts.model.codec_decoder import Code2Wav, Code2WavStream
 
 from .frame_step import batch_buckets, bucket, capture_stream
 

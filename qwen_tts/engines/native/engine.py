@@ -41,8 +41,6 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from qwen_tts import fused, sample_kernel, small_m_gemm, snake_kernel, stack_cuda, stack_kernel
-from qwen_tts.config import ConfigError, ModelConfig
 from qwen_tts.engine_api import (
     Engine,
     EngineNotReadyError,
@@ -53,11 +51,14 @@ from qwen_tts.engine_api import (
     SynthesisRequest,
     chunk_schedule,
 )
-from qwen_tts.layers import upload
-from qwen_tts.loading import Qwen3TTS, load_model, resolve_device, resolve_dtype
-from qwen_tts.model_paths import DEMO, ModelPathError, resolve_model_path
-from qwen_tts.prompt import Prompt, build_prompt, normalize_language
-from qwen_tts.sampling import suppress_mask
+from qwen_tts.fastpath import fused, sample_kernel, small_m_gemm, snake_kernel
+from qwen_tts.fastpath.stack import stack_cuda, stack_kernel
+from qwen_tts.model.config import ConfigError, ModelConfig
+from qwen_tts.model.layers import upload
+from qwen_tts.model.loading import Qwen3TTS, load_model, resolve_device, resolve_dtype
+from qwen_tts.model.model_paths import DEMO, ModelPathError, resolve_model_path
+from qwen_tts.model.prompt import Prompt, build_prompt, normalize_language
+from qwen_tts.model.sampling import suppress_mask
 
 from .decoder import DecodeJob, DecodeWorker, SlotDecoder
 from .frame_step import EagerFrameStep, FrameStepRunner, SlotState, StepCodes, one_row_steps
@@ -795,7 +796,7 @@ def stack_blocks(talker, config: EngineSettings, device: torch.device) -> dict[s
 
 
 def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bool:
-    """Turn on the CUDA fast path (qwen_tts/fused.py and the kernels around it) for a talker and its code
+    """Turn on the CUDA fast path (qwen_tts/fastpath/fused.py and the kernels around it) for a talker and its code
     predictor as `config` asks; returns whether it is on. The engine's own set-up, a function of its own so that a
     check outside the engine (tests/reference/make_fixture.py's teacher-forced agreement) runs the same path."""
     if not (device.type == "cuda" and config.fused_kernels and fused.supported(talker)):

@@ -33,10 +33,10 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from qwen_tts import fused, sample_kernel
-from qwen_tts.layers import KVCache
-from qwen_tts.sampling import apply_repetition_penalty, mask_eos, sample, suppress
-from qwen_tts.talker import Talker
+from qwen_tts.fastpath import fused, sample_kernel
+from qwen_tts.model.layers import KVCache
+from qwen_tts.model.sampling import apply_repetition_penalty, mask_eos, sample, suppress
+from qwen_tts.model.talker import Talker
 
 log = logging.getLogger("qwen_tts.frame_step")
 

@@ -22,8 +22,8 @@ import time
 import torch
 from torch import Tensor
 
-from qwen_tts.layers import KVCache, upload
-from qwen_tts.talker import Talker
+from qwen_tts.model.layers import KVCache, upload
+from qwen_tts.model.talker import Talker
 
 from .frame_step import batch_buckets, bucket, capture_stream, kv_buckets
 

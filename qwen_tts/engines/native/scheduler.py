@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qwen_tts.engine_api import FinishReason, QueueFullError, RequestHandle, SynthesisRequest
-from qwen_tts.prompt import Prompt
+from qwen_tts.model.prompt import Prompt
 
 # Frame budget from the text length: ~3 frames per text token is normal speech; allow well over twice that.
 BUDGET_BASE_FRAMES = 25

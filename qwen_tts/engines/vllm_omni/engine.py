@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from qwen_tts.config import ConfigError, ModelConfig
 from qwen_tts.engine_api import (
     Engine,
     EngineNotReadyError,
@@ -33,9 +32,10 @@ from qwen_tts.engine_api import (
     RequestHandle,
     SynthesisRequest,
 )
-from qwen_tts.model_paths import DEMO, ModelPathError, resolve_model_path
-from qwen_tts.prompt import normalize_language
-from qwen_tts.tokenizer import TextTokenizer
+from qwen_tts.model.config import ConfigError, ModelConfig
+from qwen_tts.model.model_paths import DEMO, ModelPathError, resolve_model_path
+from qwen_tts.model.prompt import normalize_language
+from qwen_tts.model.tokenizer import TextTokenizer
 
 from .requests import (
     AudioTail,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qwen_tts.decode_attention import HAVE_TRITON
+from qwen_tts.fastpath.decode_attention import HAVE_TRITON
 
 if HAVE_TRITON:
     import triton

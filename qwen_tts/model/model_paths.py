@@ -1,6 +1,6 @@
 """Model path resolution: 'demo', a checkpoint directory, or a hub id in the local Hugging Face cache.
 
-`demo` is the built-in tiny random checkpoint (`qwen_tts.random_checkpoint.write_random_checkpoint`), written once
+`demo` is the built-in tiny random checkpoint (`qwen_tts.model.random_checkpoint.write_random_checkpoint`), written once
 into a cache directory: built in a temporary sibling directory and renamed into place, so two processes
 starting together never see a half-written checkpoint. Nothing here touches the network.
 """
@@ -16,7 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-log = logging.getLogger("qwen_tts.model_paths")
+log = logging.getLogger("qwen_tts.model.model_paths")
 
 DEMO = "demo"
 DEMO_SEED = 0

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import LongTensor, Tensor, nn
 
-from qwen_tts.code_predictor import CodePredictor
-from qwen_tts.config import TalkerConfig
-from qwen_tts.layers import DecoderStack, KVCache
+from qwen_tts.model.code_predictor import CodePredictor
+from qwen_tts.model.config import TalkerConfig
+from qwen_tts.model.layers import DecoderStack, KVCache
 
 __all__ = ["KVCache", "Talker", "TalkerModel", "TextProjection"]
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qwen_tts.decode_attention import HAVE_TRITON
+from qwen_tts.fastpath.decode_attention import HAVE_TRITON
 
 if HAVE_TRITON:
     import triton

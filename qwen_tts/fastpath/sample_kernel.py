@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qwen_tts import sampling
-from qwen_tts.decode_attention import HAVE_TRITON
+from qwen_tts.fastpath.decode_attention import HAVE_TRITON
+from qwen_tts.model import sampling
 
 if HAVE_TRITON:
     import triton

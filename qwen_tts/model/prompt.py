@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qwen_tts.config import ModelConfig
-from qwen_tts.layers import upload
-from qwen_tts.talker import Talker
+from qwen_tts.model.config import ModelConfig
+from qwen_tts.model.layers import upload
+from qwen_tts.model.talker import Talker
 
 
 @dataclass

@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 from torch import LongTensor, Tensor
 
-from qwen_tts.config import ModelConfig
-from qwen_tts.prompt import build_prompt
-from qwen_tts.sampling import apply_repetition_penalty, mark_seen, mask_eos, sample, suppress, suppress_mask
-from qwen_tts.talker import Talker
-from qwen_tts.tokenizer import ROLE_LEN, TAIL_LEN, TextTokenizer
+from qwen_tts.model.config import ModelConfig
+from qwen_tts.model.prompt import build_prompt
+from qwen_tts.model.sampling import apply_repetition_penalty, mark_seen, mask_eos, sample, suppress, suppress_mask
+from qwen_tts.model.talker import Talker
+from qwen_tts.model.tokenizer import ROLE_LEN, TAIL_LEN, TextTokenizer
 
 
 @torch.inference_mode()

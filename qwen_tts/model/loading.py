@@ -20,11 +20,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from qwen_tts.codec_decoder import Code2Wav
-from qwen_tts.config import ConfigError, ModelConfig
-from qwen_tts.speaker_encoder import SpeakerEncoder
-from qwen_tts.talker import Talker
-from qwen_tts.tokenizer import TextTokenizer
+from qwen_tts.model.codec_decoder import Code2Wav
+from qwen_tts.model.config import ConfigError, ModelConfig
+from qwen_tts.model.speaker_encoder import SpeakerEncoder
+from qwen_tts.model.talker import Talker
+from qwen_tts.model.tokenizer import TextTokenizer
 
 MAIN_FILE = "model.safetensors"
 SPEECH_TOKENIZER_FILE = "speech_tokenizer/model.safetensors"

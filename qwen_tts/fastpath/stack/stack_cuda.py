@@ -400,7 +400,7 @@ def workspace(sw, lay: Layout, device: torch.device) -> Tensor:
 
 @functools.cache
 def _kernel(device: torch.device, lay: Layout):
-    from qwen_tts import cuda_rtc
+    from qwen_tts.fastpath import cuda_rtc
 
     k = cuda_rtc.compile_kernel(lay.source(), "cp_stack_pass", device)
     k.set_max_shared(lay.shared_bytes)

@@ -14,9 +14,9 @@ from collections.abc import Callable
 import torch
 from torch import LongTensor, Tensor, nn
 
-from qwen_tts import fused
-from qwen_tts.config import CodePredictorConfig
-from qwen_tts.layers import DecoderStack, KVCache
+from qwen_tts.fastpath import fused
+from qwen_tts.model.config import CodePredictorConfig
+from qwen_tts.model.layers import DecoderStack, KVCache
 
 # feed(j, logits_j, codes_j, table_e, codec_sum, table_x, x): a pass's draw and what follows it (`forward`).
 Feed = Callable[[int, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None], None]

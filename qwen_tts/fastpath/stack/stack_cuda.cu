@@ -1,5 +1,5 @@
 // One pass of a decoder stack (the code predictor's, or the 0.6B talker's: one token per row, at most MAXM rows) as
-// one persistent CUDA kernel: our own (qwen_tts/stack_cuda.py compiles it with NVRTC and documents the design).
+// one persistent CUDA kernel: our own (qwen_tts/fastpath/stack/stack_cuda.py compiles it with NVRTC and documents the design).
 // What it computes is `layers.DecoderStack.forward` for T = 1 in bf16, rounded where the eager layers round.
 //
 // Each block owns a fixed slice of output rows of every matmul, with the whole K: its slice of a weight is one or

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qwen_tts.config import Code2WavConfig
-from qwen_tts.layers import MLP, RMSNorm
+from qwen_tts.model.config import Code2WavConfig
+from qwen_tts.model.layers import MLP, RMSNorm
 
 # Queries per attention call: bounds the (queries x keys) score matrix for long sequences.
 _ATTN_BLOCK = 128

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qwen_tts import fused
-from qwen_tts.config import DecoderLayersConfig
+from qwen_tts.fastpath import fused
+from qwen_tts.model.config import DecoderLayersConfig
 
 
 def upload(values: list | Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:

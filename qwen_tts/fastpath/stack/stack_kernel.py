@@ -39,8 +39,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from qwen_tts import stack_cuda
-from qwen_tts.decode_attention import HAVE_TRITON
+from qwen_tts.fastpath.decode_attention import HAVE_TRITON
+from qwen_tts.fastpath.stack import stack_cuda
 
 if HAVE_TRITON:
     import triton

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from qwen_tts.config import Code2WavConfig, DecoderLayersConfig, ModelConfig, SpeakerEncoderConfig, TalkerConfig
+from qwen_tts.model.config import Code2WavConfig, DecoderLayersConfig, ModelConfig, SpeakerEncoderConfig, TalkerConfig
 
 Spec = dict[str, tuple[int, ...]]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from qwen_tts.config import SpeakerEncoderConfig
-from qwen_tts.mel import mel_spectrogram, min_samples_for_frames
+from qwen_tts.model.config import SpeakerEncoderConfig
+from qwen_tts.model.mel import mel_spectrogram, min_samples_for_frames
 
 
 def _conv(c_in: int, c_out: int, kernel_size: int = 1, dilation: int = 1) -> nn.Conv1d:

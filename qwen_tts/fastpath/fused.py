@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qwen_tts import stack_kernel
-from qwen_tts.decode_attention import HAVE_TRITON, decode_attention
-from qwen_tts.sampling import apply_repetition_penalty, mask_eos, sample, suppress
-from qwen_tts.small_m_gemm import linear as small_m_linear
+from qwen_tts.fastpath.decode_attention import HAVE_TRITON, decode_attention
+from qwen_tts.fastpath.small_m_gemm import linear as small_m_linear
+from qwen_tts.fastpath.stack import stack_kernel
+from qwen_tts.model.sampling import apply_repetition_penalty, mask_eos, sample, suppress
 
-log = logging.getLogger("qwen_tts.fused")
+log = logging.getLogger("qwen_tts.fastpath.fused")
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -276,7 +276,7 @@ def snake_beta(x: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
 
 def enable_decoder(code2wav: nn.Module) -> int:
     """Run every SnakeBeta of a Code2Wav as one compiled kernel; returns how many it took."""
-    from qwen_tts.codec_decoder import SnakeBeta
+    from qwen_tts.model.codec_decoder import SnakeBeta
 
     n = 0
     for m in code2wav.modules():
@@ -292,7 +292,7 @@ def supported(module: nn.Module) -> bool:
         p = next(module.parameters())
     except StopIteration:
         return False
-    from qwen_tts.layers import Attention
+    from qwen_tts.model.layers import Attention
 
     # The kernel's head dimension is one power-of-two block.
     dims_ok = all(m.head_dim & (m.head_dim - 1) == 0 for m in module.modules() if isinstance(m, Attention))
@@ -315,7 +315,7 @@ def enable(module: nn.Module, split_attention: bool = False, small_m_gemm: bool 
 
     split_attention: attend with `split_decode_attention` (split over positions, tensor-core dot products).
     small_m_gemm: the layers' matmuls through `small_m_gemm.linear` (a Triton kernel up to 16 rows)."""
-    from qwen_tts.layers import DecoderLayer
+    from qwen_tts.model.layers import DecoderLayer
 
     n = 0
     for layer in module.modules():
@@ -335,7 +335,7 @@ def enable(module: nn.Module, split_attention: bool = False, small_m_gemm: bool 
 
 def set_variants(module: nn.Module, split_attention: bool, small_m_gemm: bool) -> int:
     """Switch the kernels of every decoder layer `enable` already took (for A/B runs on one model); returns how many."""
-    from qwen_tts.layers import DecoderLayer
+    from qwen_tts.model.layers import DecoderLayer
 
     layers = [m for m in module.modules() if isinstance(m, DecoderLayer) and m.fused is not None]
     for layer in layers:
@@ -412,6 +412,6 @@ def stack_step(stack, x: Tensor, positions: Tensor, cache, slots: Tensor, shared
 
 def is_enabled(module: nn.Module) -> bool:
     """Whether `enable` ran on this module's decoder layers."""
-    from qwen_tts.layers import DecoderLayer
+    from qwen_tts.model.layers import DecoderLayer
 
     return any(isinstance(m, DecoderLayer) and m.fused is not None for m in module.modules())
