@@ -161,7 +161,7 @@ class EngineSettings:
     # On the fast path, compile its regions in inductor's deterministic mode (fused.set_deterministic): each
     # reduction kernel's configuration picked by a fixed rule instead of timed on first use, so a restarted server
     # or another replica sums the RMSNorms in the same order and gives the same bits for the same request and seed.
-    # Measured on an H200 (benchmarks/bench_reproducible.py, 0.6B, two fresh processes each, empty caches): without
+    # Measured on an H200 (tests/test_reproducible.py, 0.6B, two fresh processes each, empty caches): without
     # it 39% of the talker's and 53% of the code predictor's bf16 logits differed between the two processes, and a
     # top-1 flipped; with it both runs were bit-identical. Cost: the 1.7B step 4.543 -> 4.597 ms at batch 1, 6.237 ->
     # 6.245 at batch 64 (profile_step.py, graph replays); one stream 15.47x real time with it. Process-wide. Ignored

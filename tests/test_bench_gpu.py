@@ -1,4 +1,4 @@
-"""benchmarks/bench_gpu.py: the continuity replay, the trace attribution, the baseline plumbing, a tiny run."""
+"""benchmarks/e2e/bench_gpu.py: the continuity replay, the trace attribution, the baseline plumbing, a tiny run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "benchmarks" / "bench_gpu.py")
+_spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "benchmarks" / "e2e" / "bench_gpu.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
@@ -219,7 +219,9 @@ def test_a_level_that_never_ends_is_reported_and_the_run_goes_on(tmp_path, monke
 
 
 def _waves(argv: list[str]) -> list[dict]:
-    spec = importlib.util.spec_from_file_location("bench_http_waves", ROOT / "benchmarks" / "bench_http_waves.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_http_waves", ROOT / "benchmarks" / "e2e" / "bench_http_waves.py"
+    )
     waves = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(waves)
     return waves.main(["--clients", "3", "--frames", "5", "--waves", "2", "--pause", "0", *argv])
@@ -262,19 +264,20 @@ def test_engine_variants_combine_with_plus_and_unknown_names_are_refused_up_fron
 def test_gpu_variants_script_names_its_stages_and_refuses_unknown_ones_before_installing(tmp_path):
     import subprocess
 
-    script = ROOT / "scripts" / "gpu_variants.sh"
+    script = ROOT / "benchmarks" / "gpu" / "gpu_variants.sh"
     env = {"PATH": "/usr/bin:/bin", "WHEEL_DIR": str(tmp_path / "none"), "OUT": str(tmp_path),
            "SITE_PREFIX": str(tmp_path / "site")}  # fmt: skip
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
     words = " ".join(usage.stderr.replace("#", " ").split())  # the header's lines joined
     stages = (
-        "Stages: tests, tests-engine (the engine's CUDA tests), pytest (the tests PYTEST_ARGS names), stack (the "
-        "one-kernel code predictor stack: its passes alone, STACK_MODES naming bench_stack.py's modes, then its "
-        "tests), sampler (the sampler kernel alone), attention, gemm, profile, step (the frame step alone, per STEP_SIZES), codec "
-        "(Code2Wav alone), engine, teacher-forced (tests/reference/make_fixture.py --teacher-forced per TF_SIZES, with "
-        "the official package from .whl/reference; scripts/gpu_wheels.sh with REFERENCE_WHEELS). VARIANTS overrides "
-        "the engine stage's variant list, CODEC_VARIANTS the Code2Wav variants of the profile and codec stages, "
-        "STEP_VARIANTS the step stage's."
+        "Stages: tests, tests-engine (the engine's CUDA tests), checks (the CUDA cases of tests/test_determinism.py and "
+        "tests/test_reproducible.py), pytest (the tests PYTEST_ARGS names), stack (the one-kernel code predictor "
+        "stack: its passes alone, STACK_MODES naming bench_stack.py's modes, then its tests), sampler (the sampler "
+        "kernel alone), attention, gemm, profile, step (the frame step alone, per STEP_SIZES), codec (Code2Wav "
+        "alone), engine, teacher-forced (tests/reference/make_fixture.py --teacher-forced per TF_SIZES, with the "
+        "official package from .whl/reference; benchmarks/gpu/gpu_wheels.sh with REFERENCE_WHEELS). VARIANTS "
+        "overrides the engine stage's variant list, CODEC_VARIANTS the Code2Wav variants of the profile and codec "
+        "stages, STEP_VARIANTS the step stage's."
     )
     assert usage.returncode == 2 and stages in words
     bad = subprocess.run(["bash", str(script), "tests", "speed"], capture_output=True, text=True, env=env)
@@ -285,9 +288,9 @@ def test_gpu_variants_script_names_its_stages_and_refuses_unknown_ones_before_in
 
 
 def test_step_bytes_counts_each_sizes_weights_and_the_overhead_a_speed_ratio_allows(tmp_path, monkeypatch):
-    """benchmarks/step_bytes.py from the checkpoint layout: every weight matrix of a frame step counted once per read,
+    """benchmarks/profiles/step_bytes.py from the checkpoint layout: every weight matrix of a frame step counted once per read,
     the code predictor's the same in both sizes, and the overhead budget the exact one at which the ratio holds."""
-    spec = importlib.util.spec_from_file_location("step_bytes", ROOT / "benchmarks" / "step_bytes.py")
+    spec = importlib.util.spec_from_file_location("step_bytes", ROOT / "benchmarks" / "profiles" / "step_bytes.py")
     sb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sb)
     from qwen_tts.model.random_checkpoint import model_config
@@ -321,14 +324,14 @@ def test_step_bytes_counts_each_sizes_weights_and_the_overhead_a_speed_ratio_all
 
 
 def _profile_step():
-    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "benchmarks" / "profile_step.py")
+    spec = importlib.util.spec_from_file_location("profile_step", ROOT / "benchmarks" / "profiles" / "profile_step.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 def test_profile_step_files_the_step_kernels_by_family() -> None:
-    """benchmarks/profile_step.py's kernel families, on kernel names an H200 replay of the frame step showed: our
+    """benchmarks/profiles/profile_step.py's kernel families, on kernel names an H200 replay of the frame step showed: our
     matmul kernels apart from inductor's kernels that are named after the op around them."""
     mod = _profile_step()
     want = {
@@ -395,7 +398,7 @@ def _fake_official_site(root: Path) -> Path:
 
 def test_reference_wrapper_pads_rows_cut_at_end_of_speech_back_to_the_generated_length(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location(
-        "reference_full_length", ROOT / "benchmarks" / "reference_full_length.py"
+        "reference_full_length", ROOT / "benchmarks" / "baselines" / "reference_full_length.py"
     )
     wrapper = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(wrapper)
@@ -460,32 +463,11 @@ def test_baselines_run_in_the_same_run_through_the_full_length_wrapper(tmp_path,
 def test_the_wrapper_runs_a_script_unwrapped_where_the_official_module_is_missing(tmp_path):
     script = tmp_path / "peer_baseline.py"
     script.write_text("import json, sys\nprint(json.dumps({'batch': 1, 'argv': sys.argv[1:]}))\n")
-    wrapper = str(ROOT / "benchmarks" / "reference_full_length.py")
+    wrapper = str(ROOT / "benchmarks" / "baselines" / "reference_full_length.py")
     res = bench.run_baseline("peer", [sys.executable, wrapper, str(script), "--x", "1"], str(tmp_path), {}, 60)
     note, row = res["rows"]
     assert note["full_length_wrapper"].startswith("not installed: ModuleNotFoundError")
     assert row == {"batch": 1, "argv": ["--x", "1"]} and res["rc"] == 0
-
-
-def test_reproducibility_benchmark_compares_fresh_processes(tmp_path) -> None:
-    """benchmarks/bench_reproducible.py on the CPU: two child processes with empty compile caches teacher-force the
-    same sequence the engine's way; the report compares their logits bit for bit (equal on the CPU's eager path)."""
-    import subprocess
-
-    out = tmp_path / "rep.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_reproducible.py"), "--size", "tiny", "--device", "cpu"]
-    cmd += ["--runs", "2", "--variants", "default,deterministic", "--frames", "4", "--prompt-len", "8"]
-    cmd += ["--workdir", str(tmp_path), "--out", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
-    rep = json.loads(out.read_text())
-    assert rep["size"] == "tiny" and rep["runs"] == 2 and sorted(rep["variants"]) == ["default", "deterministic"]
-    for variant in rep["variants"].values():
-        assert variant["fast_path"] is False  # no CUDA: the eager layers
-        (pair,) = variant["against_run_0"]
-        assert pair["talker"] == {
-            "equal": True, "elements_differing": 0, "max_abs_diff": 0.0, "top1_agreement": 1.0, "positions": 4
-        }  # fmt: skip
-        assert pair["code_predictor"]["equal"] and pair["code_predictor"]["positions"] == 4 * 15
 
 
 def test_stream_times_find_the_steps_streams_idle_time_in_the_window() -> None:
@@ -526,9 +508,9 @@ def test_profile_lines_show_a_variants_profile_and_its_streams() -> None:
 
 
 def test_engine_memory_builds_and_frees_engines_one_after_another(capsys):
-    """benchmarks/engine_memory.py on the CPU: two tiny engines, each started, run and stopped; each engine object is
+    """benchmarks/e2e/engine_memory.py on the CPU: two tiny engines, each started, run and stopped; each engine object is
     collected once stopped (nothing keeps it), and the memory fields are null off CUDA."""
-    spec = importlib.util.spec_from_file_location("engine_memory", ROOT / "benchmarks" / "engine_memory.py")
+    spec = importlib.util.spec_from_file_location("engine_memory", ROOT / "benchmarks" / "e2e" / "engine_memory.py")
     mem = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mem)
     records = mem.main(["--size", "tiny", "--device", "cpu", "--engines", "2", "--frames", "6"])
@@ -540,14 +522,16 @@ def test_engine_memory_builds_and_frees_engines_one_after_another(capsys):
 
 
 def _trace_request():
-    spec = importlib.util.spec_from_file_location("trace_request", ROOT / "benchmarks" / "trace_request.py")
+    spec = importlib.util.spec_from_file_location(
+        "trace_request", ROOT / "benchmarks" / "profiles" / "trace_request.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 def test_trace_analysis_finds_a_frame_held_up_and_the_thread_that_made_no_call():
-    """benchmarks/trace_request.py's analysis on a synthetic trace: three frames of 100 us on stream 7 (each ending in
+    """benchmarks/profiles/trace_request.py's analysis on a synthetic trace: three frames of 100 us on stream 7 (each ending in
     its codes copy), the second with a 300 us hole of which the decoder's kernel on stream 9 covers 200 us, and the
     engine thread (most graph launches) silent for 350 us."""
     tr = _trace_request()

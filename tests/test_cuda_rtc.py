@@ -1,5 +1,5 @@
 """cuda_rtc's cluster launch: its driver structs laid out as cuda.h lays them out, and (on a GPU) a cluster launch
-whose blocks meet at the cluster barrier and see each other's stores (benchmarks/bench_sync.py's kernel)."""
+whose blocks meet at the cluster barrier and see each other's stores (benchmarks/kernels/bench_sync.py's kernel)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_launch_structs_have_the_drivers_layout() -> None:
 
 
 def load_bench_sync():
-    spec = importlib.util.spec_from_file_location("bench_sync", ROOT / "benchmarks" / "bench_sync.py")
+    spec = importlib.util.spec_from_file_location("bench_sync", ROOT / "benchmarks" / "kernels" / "bench_sync.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["bench_sync"] = mod
     spec.loader.exec_module(mod)

@@ -202,14 +202,16 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
 
 
 def test_attention_benchmark_times_both_kernels_and_checks_them_against_float64(tmp_path) -> None:
-    """benchmarks/bench_attention.py end to end on this machine (on CPU: the interpreter, timed by the clock)."""
+    """benchmarks/kernels/bench_attention.py end to end on this machine (on CPU: the interpreter, timed by the clock)."""
     import importlib.util
     import json
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("bench_attention", root / "benchmarks" / "bench_attention.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_attention", root / "benchmarks" / "kernels" / "bench_attention.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "attention.json"
@@ -395,14 +397,14 @@ def test_small_m_linear_compiles_as_one_op_and_hands_large_batches_to_f_linear(m
 
 
 def test_gemm_benchmark_sweeps_configs_and_totals_the_step(tmp_path) -> None:
-    """benchmarks/bench_gemm.py end to end on this machine, on the tiny model's shapes."""
+    """benchmarks/kernels/bench_gemm.py end to end on this machine, on the tiny model's shapes."""
     import importlib.util
     import json
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("bench_gemm", root / "benchmarks" / "bench_gemm.py")
+    spec = importlib.util.spec_from_file_location("bench_gemm", root / "benchmarks" / "kernels" / "bench_gemm.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     shapes = bench.layer_shapes("tiny")

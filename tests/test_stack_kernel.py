@@ -882,7 +882,7 @@ def test_bench_stack_reads_the_long_attentions_inside_from_the_timeline() -> Non
     import sys
     from pathlib import Path
 
-    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels"
     sys.path.insert(0, str(bench_dir))  # bench_stack imports its sibling bench_attention
     try:
         spec = importlib.util.spec_from_file_location("bench_stack", bench_dir / "bench_stack.py")

@@ -41,7 +41,7 @@ if HAVE_TRITON:
 
 # Rows up to which `linear` runs the Triton kernel (one 16-row tile); more go to F.linear.
 SMALL_M_MAX = 16
-# Output columns per program, the K step and the pipeline depth. Measured on an H200 (benchmarks/bench_gemm.py over
+# Output columns per program, the K step and the pipeline depth. Measured on an H200 (benchmarks/kernels/bench_gemm.py over
 # the 1.7B step's eight weight shapes at 2-16 rows): 32 x 128 x 4 stages with split K 4 takes the step's matmuls
 # 2.97 ms at 2 rows, against 3.46 for 16 x 256 x 4 unsplit (the first choice, from the shapes alone), 3.40 for
 # 32 x 128 x 4 unsplit, 2.86 for the best block per shape, and cuBLAS's 3.62 (docs/history/benchmarks-diary.md).

@@ -115,7 +115,7 @@ def teacher_forced_logits(
     """The talker and code predictor over fixed inputs, the engine's way: the prompt as one prefill, then a talker
     token a step on the KV cache; the code predictor through `CodePredictor.forward` with its sampler replaced by the
     given codes, `frames_per_call` frames a call (1: one stream; all: a batch of streams). For agreement checks
-    against the official package and across processes (make_fixture.py, bench_reproducible.py, test_parity.py).
+    against the official package and across processes (make_fixture.py, test_reproducible.py, test_parity.py).
 
     seq (L + F - 1, H): the prompt's L rows, then each frame's input; codes (F, 16). pad_to: the prefill padded with
     zero rows to this length, as the engine's CUDA prefill pads a prompt to its length bucket (the decode steps

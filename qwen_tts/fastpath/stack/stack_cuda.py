@@ -463,7 +463,7 @@ def stack_pass(
     """One token per row through the whole stack and its final norm: x (M, H) -> (M, H); each row's K/V written into
     its slot at its position (rows may share a slot at different positions). barrier: BARRIER_INTS int32 zeros on
     the device (the grid barrier's counters, then attention_long's; the kernel leaves them zero). stop: run only
-    the first `stop` phases (five a layer, then the final norm; profiling, benchmarks/bench_stack.py: the output is
+    the first `stop` phases (five a layer, then the final norm; profiling, benchmarks/kernels/bench_stack.py: the output is
     then partial). timeline: with the `timeline` option, an int64 tensor of timeline_stamps(sw) that the pass fills
     with SM clock stamps (profiling)."""
     M, H = x.shape

@@ -546,7 +546,7 @@ if HAVE_TRITON:
 
 # The kernel's choices, process-wide (`set_options`; CUDA graphs keep those they were captured with). K steps up to
 # 512 on eight warps: on an H200 at the 1.7B's code predictor dims a persistent pass took 171.5-184.5 us at 1-16 rows
-# against 194.8-246.3 with steps of 128 on four warps (benchmarks/bench_stack.py, docs/history/benchmarks-diary.md).
+# against 194.8-246.3 with steps of 128 on four warps (benchmarks/kernels/bench_stack.py, docs/history/benchmarks-diary.md).
 _options = {
     "prefetch": False,
     "preload": False,
@@ -733,7 +733,7 @@ def stack_pass(
 ) -> Tensor:  # fmt: skip
     """One token per row through the whole stack and its final norm: x (M, H) -> (M, H); each row's K/V written
     into its slot at its position (rows may share a slot at different positions). mode None: the stack's.
-    phase_range (start, end): run only those phases (profiling, benchmarks/bench_stack.py; the output is then
+    phase_range (start, end): run only those phases (profiling, benchmarks/kernels/bench_stack.py; the output is then
     partial)."""
     sw: StackWeights = stack.stack_weights
     mode = mode or stack.stack_kernel

@@ -26,8 +26,8 @@ p95 of the per-stream total stall and the share of streams with no stall at all.
 
 Prints one compact table last (JSON lines of each measurement before it) and writes everything to --out.
 
-    python benchmarks/bench_gpu.py --sizes tiny --concurrency 1,4 --poisson-count 6 --http-clients 1,2 --profile
-    bash scripts/gpu_bench.sh          # on the GPU machine: installs the carried wheels, runs everything
+    python benchmarks/e2e/bench_gpu.py --sizes tiny --concurrency 1,4 --poisson-count 6 --http-clients 1,2 --profile
+    bash benchmarks/gpu/gpu_bench.sh          # on the GPU machine: installs the carried wheels, runs everything
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 import torch
@@ -65,7 +65,7 @@ from tts_server.heap import freeze_startup_heap, thaw_and_collect
 
 # ----------------------------------------------------------------------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Hello world, this is a test of speech synthesis for "
     "many voices. The quick brown fox jumps over the lazy dog."
@@ -799,7 +799,7 @@ async def http_level(url: str, n: int, frames: int, greedy: bool) -> dict:
     # clients (fake engine on 2 cores: TTFA p50 697 -> 104 ms with the client shared). A new client per level,
     # never one reused from an earlier wave: httpcore 1.0's pool hands a burst of requests the same kept-alive
     # connection, and all but one retry (ConnectionNotAvailable) pass after pass, so a second wave over kept-alive
-    # connections waits 300-460 ms in the pool before its headers go out (benchmarks/bench_http_waves.py).
+    # connections waits 300-460 ms in the pool before its headers go out (benchmarks/e2e/bench_http_waves.py).
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=n, max_keepalive_connections=n)
     )
@@ -1252,7 +1252,7 @@ class Run:
         if "reference" in a.parts and a.reference_script and self.time_left("reference"):
             batches = ",".join(map(str, a.reference_batches))
             # Through our wrapper: rows cut at a sampled end-of-speech padded back to the length generated.
-            cmd = [sys.executable, str(REPO / "benchmarks" / "reference_full_length.py")]
+            cmd = [sys.executable, str(REPO / "benchmarks" / "baselines" / "reference_full_length.py")]
             cmd += [str(Path(a.reference_script).resolve()), "--size", a.reference_size]
             cmd += ["--frames", str(a.frames), "--batches", batches, "--text-tokens", "40"]
             log("bench: reference baseline:", " ".join(cmd))
@@ -1265,7 +1265,7 @@ class Run:
         if "peer" in a.parts and a.peer_script and self.time_left("peer"):
             # Its official (transformers-5 build) rows come from the same generate, so through the same wrapper;
             # faster-qwen3-tts's own generation does not call it.
-            cmd = [sys.executable, str(REPO / "benchmarks" / "reference_full_length.py")]
+            cmd = [sys.executable, str(REPO / "benchmarks" / "baselines" / "reference_full_length.py")]
             cmd += [str(Path(a.peer_script).resolve())]
             log("bench: peer baseline:", " ".join(cmd))
             env = {**env, "FRAMES": str(a.frames)}

@@ -7,7 +7,7 @@ the variants agree (talker logits, teacher-forced top-1). Then it times a 12-fra
 float32, TF32 and bf16 and measures each against the float64-free exact reference: max |stream - whole| and the
 largest extra jump at a chunk join, in dB below full scale. Prints a table last, writes JSON.
 
-    python3 benchmarks/profile_step.py --size 1.7b --batches 1,64 --out profile.json
+    python3 benchmarks/profiles/profile_step.py --size 1.7b --batches 1,64 --out profile.json
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 

@@ -17,7 +17,7 @@ out: microseconds a round.
   cluster+data  a word written to global memory, the cluster barrier, then another block's word read
   cluster+dsmem a word stored into the next block's shared memory, the cluster barrier, then the own word read
 
-    python3 benchmarks/bench_sync.py --blocks 128 --cluster 16 --out bench_out/sync.json
+    python3 benchmarks/kernels/bench_sync.py --blocks 128 --cluster 16 --out bench_out/sync.json
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 

@@ -9,8 +9,8 @@ replays it back to back (CUDA events) and reports microseconds per pass and the 
 it checks each mode's output against the fused path's and that the persistent mode gives the phases' bits. Prints
 a table last, writes JSON.
 
-    python3 benchmarks/bench_stack.py --rows 1,2,4,8,16 --out stack.json
-    python3 benchmarks/bench_stack.py --dims 1024,3072,28,16,8,128 --cache-len 3088 --position 300 --modes fused,cuda
+    python3 benchmarks/kernels/bench_stack.py --rows 1,2,4,8,16 --out stack.json
+    python3 benchmarks/kernels/bench_stack.py --dims 1024,3072,28,16,8,128 --cache-len 3088 --position 300 --modes fused,cuda
         # the 0.6B's talker (the code predictor's layer shape, 28 layers, a long cache): 15 of its passes
 """
 
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 from bench_attention import time_calls  # this script's directory is on sys.path when run

@@ -13,7 +13,7 @@ twenty-seventh round found the engine loop standing still ~3.3 ms every 12 frame
 copy (docs/history/benchmarks-diary.md).
 
     V=cp-stack-cuda+talker-stack-cuda+small-m-heads
-    python3 benchmarks/trace_request.py --size 0.6b --variant $V --out trace_0.6b.json.gz     # on the GPU machine
+    python3 benchmarks/profiles/trace_request.py --size 0.6b --variant $V --out trace_0.6b.json.gz     # on the GPU machine
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # bench_gpu
 
 from bench_gpu import TEXT, variant_settings
 

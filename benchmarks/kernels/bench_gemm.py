@@ -10,7 +10,7 @@ the best single kernel configuration: the figure that decides `EngineSettings.sm
 `--max-splits` adds split K (`EngineSettings.small_m_split_k`): a configuration "16x256x4k4" splits each narrow
 weight over up to 4 programs per column block, as `small_m_gemm.split_k_for` chooses on this GPU.
 
-    python3 benchmarks/bench_gemm.py --size 1.7b --rows 2,4,8,16 --max-splits 1,2,4 --out gemm.json
+    python3 benchmarks/kernels/bench_gemm.py --size 1.7b --rows 2,4,8,16 --max-splits 1,2,4 --out gemm.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch

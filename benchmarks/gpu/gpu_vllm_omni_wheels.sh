@@ -6,21 +6,21 @@
 #   .whl/vllm/parts/vllm.partNN  the vllm wheel (~300 MB) cut into 50 MiB parts, one device call each;
 #   .whl/vllm/small/             every other wheel (the small dependencies, vllm_omni, the plugin) and
 #                                order.txt: the wheel file names in install order, the vllm wheel's name and
-#                                sha256 last (scripts/gpu_vllm_omni_bench.sh joins the parts and checks them).
+#                                sha256 last (benchmarks/gpu/gpu_vllm_omni_bench.sh joins the parts and checks them).
 # The list is one NAME==VERSION a line, in install order, vllm last (comments and blank lines ignored); packages
 # published only as an sdist (antlr4-python3-runtime) are built into a wheel here with `pip wheel --no-deps`.
 # Platform tags up to manylinux_2_31 (llguidance 1.7.6 has no older build; the machine's glibc takes it).
 #
-#   VLLM_OMNI_WHEELS=path/wheels.txt bash scripts/gpu_vllm_omni_wheels.sh
+#   VLLM_OMNI_WHEELS=path/wheels.txt bash benchmarks/gpu/gpu_vllm_omni_wheels.sh
 #
 # Prints each part's size and what the last part's call carries. docs/history/benchmarks-diary.md (vLLM-Omni on the GPU) lists
 # the device calls.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 LIST=${VLLM_OMNI_WHEELS:-${1:-}}
 if [ -z "$LIST" ] || [ ! -f "$LIST" ]; then
-  echo "usage: VLLM_OMNI_WHEELS=path/wheels.txt bash scripts/gpu_vllm_omni_wheels.sh" >&2
+  echo "usage: VLLM_OMNI_WHEELS=path/wheels.txt bash benchmarks/gpu/gpu_vllm_omni_wheels.sh" >&2
   exit 2
 fi
 PY=${PYTHON:-python3}

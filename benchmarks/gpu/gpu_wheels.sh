@@ -11,9 +11,9 @@
 # The two baseline lists are optional: a folder is skipped when its list is not given or not found.
 # Prints each folder's size and the total (one device call carries at most 64 MiB with the tree).
 #
-#   REFERENCE_WHEELS=path/reference_wheels.txt PEER_WHEELS=path/peer_wheels.txt bash scripts/gpu_wheels.sh
+#   REFERENCE_WHEELS=path/reference_wheels.txt PEER_WHEELS=path/peer_wheels.txt bash benchmarks/gpu/gpu_wheels.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PY=.venv/bin/python

@@ -6,7 +6,7 @@ from memory, not from L2), captures `--layers` calls of each kernel into a CUDA 
 (CUDA events) and reports microseconds per call and the K/V bytes read per second; it also checks each kernel
 against float64 gather + SDPA on the same inputs. Prints a table last, writes JSON.
 
-    python3 benchmarks/bench_attention.py --batches 1,8,64,256 --positions 100,300,1000 --out attention.json
+    python3 benchmarks/kernels/bench_attention.py --batches 1,8,64,256 --positions 100,300,1000 --out attention.json
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 

@@ -12,7 +12,7 @@ steps of bytes/bandwidth + a fixed overhead o (launch gaps, sampling, everything
 `overhead_budget_ms`. The code predictor is the same network in both sizes (hidden 1024, 5 layers, 15 passes a
 frame), so its bytes are common to both, and the ratio of the bytes alone is the best any engine can do.
 
-    python3 benchmarks/step_bytes.py --bandwidth-tb-s 4.8 --ratio 1.5 --out step_bytes.json
+    python3 benchmarks/profiles/step_bytes.py --bandwidth-tb-s 4.8 --ratio 1.5 --out step_bytes.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from qwen_tts.model.random_checkpoint import model_config, talker_spec
 

@@ -10,11 +10,11 @@ well below 1, audio kept coming after the talker had finished (Code2Wav behind).
 ends and a table last; the JSON (--json) is rewritten after every level, so a run cut short keeps what it measured.
 Run it in the vLLM-Omni environment:
 
-    python benchmarks/bench_vllm_omni.py --size tiny --stage-config stage_config_cpu.yaml --concurrency 1,4 --frames 50
-    python benchmarks/bench_vllm_omni.py --size 1.7b --stage-config stage_config_optimized.yaml \\
+    python benchmarks/e2e/bench_vllm_omni.py --size tiny --stage-config stage_config_cpu.yaml --concurrency 1,4 --frames 50
+    python benchmarks/e2e/bench_vllm_omni.py --size 1.7b --stage-config stage_config_optimized.yaml \\
         --concurrency 1,16,64 --frames 100 --json bench_out/vllm_omni.json     # on the GPU machine
 
-On the GPU machine scripts/gpu_vllm_omni_bench.sh installs the carried wheels and runs it within one device call
+On the GPU machine benchmarks/gpu/gpu_vllm_omni_bench.sh installs the carried wheels and runs it within one device call
 (--time-budget-s: no level or backend is started once too little time is left).
 """
 
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 from bench_engine import TEXT, pct  # the same text and percentile as the native engine's bench

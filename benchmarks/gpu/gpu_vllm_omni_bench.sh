@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # On the GPU machine (Python 3.12, torch 2.11 + CUDA 13, no package index): the vllm-omni backend beside the native
-# engine in one device call (benchmarks/bench_vllm_omni.py: 1.7B random weights, 100 frames, 1/16/64 streams).
+# engine in one device call (benchmarks/e2e/bench_vllm_omni.py: 1.7B random weights, 100 frames, 1/16/64 streams).
 #
 # What it needs there (docs/history/benchmarks-diary.md, "vLLM-Omni on the GPU machine", gives the exact `run` calls):
-#   ~/parts/vllm.partNN   the vllm 0.26.0 wheel in parts (scripts/gpu_vllm_omni_wheels.sh cut it), moved there by
+#   ~/parts/vllm.partNN   the vllm 0.26.0 wheel in parts (benchmarks/gpu/gpu_vllm_omni_wheels.sh cut it), moved there by
 #                         the calls before this one, one call each, back to back;
 #   .whl/vllm/small/      the other wheels of the vllm + vllm-omni 0.26 set, our vllm-omni-myfi plugin and
 #                         order.txt (install order, the vllm wheel's name and sha256), carried by this call;
-#   .whl/server/          our server's wheels (scripts/gpu_wheels.sh), carried by this call; only those the
-#                         machine and the vllm set lack are installed (soxr...), apart from scripts/gpu_bench.sh's
+#   .whl/server/          our server's wheels (benchmarks/gpu/gpu_wheels.sh), carried by this call; only those the
+#                         machine and the vllm set lack are installed (soxr...), apart from benchmarks/gpu/gpu_bench.sh's
 #                         folder, so transformers keeps the machine's tokenizers;
 #   .whl/tools/full_size_tokenizer/  the real Qwen2 tokenizer for the random checkpoint (as the native benchmark),
 #                         carried by this call too.
@@ -23,7 +23,7 @@
 # Override: LIMIT_S, STAGE_CONFIG (default stage_config_optimized.yaml), CONCURRENCY (1,16,64), FRAMES (100),
 # BACKENDS (vllm-omni,native), PARTS_DIR (~/parts), SITE_PREFIX (/tmp/site), PYTHON (python3).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 
 PY=${PYTHON:-python3}
@@ -44,10 +44,10 @@ say() { echo "gpu_vllm_omni_bench: [$(($(date +%s) - T0)) s] $*" | tee -a "$SETU
 die() { say "$*"; exit 2; }
 PIP=("$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir)
 
-for p in "$SMALL/order.txt" "$STAGE_CONFIG" benchmarks/bench_vllm_omni.py; do
+for p in "$SMALL/order.txt" "$STAGE_CONFIG" benchmarks/e2e/bench_vllm_omni.py; do
   [ -f "$p" ] || die "$p is missing (carry .whl/vllm/small; run from the repository root)"
 done
-compgen -G "$SERVER/*.whl" >/dev/null || die "no wheels in $SERVER (carry .whl/server: scripts/gpu_wheels.sh)"
+compgen -G "$SERVER/*.whl" >/dev/null || die "no wheels in $SERVER (carry .whl/server: benchmarks/gpu/gpu_wheels.sh)"
 read -r _ vllm_name vllm_sha < <(grep '^vllm ' "$SMALL/order.txt") || die "no vllm line in $SMALL/order.txt"
 
 # 1. The vllm wheel from its parts.
@@ -142,7 +142,7 @@ left=$((LIMIT_S - ($(date +%s) - T0)))
 [ "$left" -ge 120 ] || die "only $left s of $LIMIT_S left after the set-up: not starting the benchmark"
 say "starting the benchmark with $left s left; GPU: $(nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader)"
 rc=0
-timeout --kill-after=5 $((left - 5)) "$PY" benchmarks/bench_vllm_omni.py --model "$CKPT" --size 1.7b \
+timeout --kill-after=5 $((left - 5)) "$PY" benchmarks/e2e/bench_vllm_omni.py --model "$CKPT" --size 1.7b \
   --stage-config "$STAGE_CONFIG" --concurrency "${CONCURRENCY:-1,16,64}" --frames "${FRAMES:-100}" \
   --backends "${BACKENDS:-vllm-omni,native}" --time-budget-s $((left - 40)) --json "$OUT_DIR/vllm_omni.json" \
   >"$OUT_DIR/bench.log" 2>&1 || rc=$?

@@ -4,8 +4,8 @@ Writes a random checkpoint of the chosen size (or uses --model), then for each c
 requests at once and reports time to first audio (p50/p95), per-request xRT, aggregate audio-s/s and the
 talker step time. Prints a table last and writes JSON.
 
-    python benchmarks/bench_engine.py --size tiny --concurrency 1,8 --frames 50
-    python benchmarks/bench_engine.py --size 1.7b --device cuda --concurrency 1,8,32 --frames 100 --json out.json
+    python benchmarks/e2e/bench_engine.py --size tiny --concurrency 1,8 --frames 50
+    python benchmarks/e2e/bench_engine.py --size 1.7b --device cuda --concurrency 1,8,32 --frames 100 --json out.json
 
 On CUDA the engine replays CUDA graphs of the frame step (--no-cuda-graphs: eager). --verify first checks on these
 weights that graphs and the eager path give identical codes; --eager-frames N then also times the eager path at N
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 

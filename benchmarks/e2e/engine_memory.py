@@ -8,8 +8,8 @@ workspaces handed back). One JSON line per engine, then a summary line. On a CPU
 collection check still runs.
 
     V=cp-stack-cuda+talker-stack-cuda+small-m-heads
-    python3 benchmarks/engine_memory.py --size 0.6b --variant $V     # on the GPU machine (random full-size weights)
-    python3 benchmarks/engine_memory.py --size tiny --device cpu     # anywhere
+    python3 benchmarks/e2e/engine_memory.py --size 0.6b --variant $V     # on the GPU machine (random full-size weights)
+    python3 benchmarks/e2e/engine_memory.py --size tiny --device cpu     # anywhere
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import variant_settings

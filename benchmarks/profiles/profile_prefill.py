@@ -4,7 +4,7 @@ Starts the native engine on a random full-size checkpoint; with the engine idle,
 group of requests (device work included, best of --repeats) for each group size, then profiles one round and
 prints the top operators by host time and by device time.
 
-    python benchmarks/profile_prefill.py --size 1.7b --groups 1,8 --tokenizer-dir PATH
+    python benchmarks/profiles/profile_prefill.py --size 1.7b --groups 1,8 --tokenizer-dir PATH
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # bench_engine
 
 import torch
 from bench_engine import TEXT

@@ -7,10 +7,10 @@ from the call to the request's headers going onto the wire (httpx: its connectio
 h11: connecting, in the first wave), `server` the engine's submit-to-first-audio that the server reports
 (X-Time-To-First-Audio), plus the CPU seconds the client and the server spent in the wave.
 
-    python benchmarks/bench_http_waves.py                         # httpx, one client shared by both waves
-    python benchmarks/bench_http_waves.py --client httpx-fresh    # a new httpx client per wave
-    python benchmarks/bench_http_waves.py --client h11            # plain h11 over asyncio, connections kept alive
-    python benchmarks/bench_http_waves.py --client bench-gpu      # bench_gpu.py's HTTP level, once per wave
+    python benchmarks/e2e/bench_http_waves.py                         # httpx, one client shared by both waves
+    python benchmarks/e2e/bench_http_waves.py --client httpx-fresh    # a new httpx client per wave
+    python benchmarks/e2e/bench_http_waves.py --client h11            # plain h11 over asyncio, connections kept alive
+    python benchmarks/e2e/bench_http_waves.py --client bench-gpu      # bench_gpu.py's HTTP level, once per wave
 
 What it showed (2 cores, 64 clients of 100 frames): a second wave over one httpx client's kept-alive connections
 waits ~300 ms in httpcore 1.0's pool (a burst of requests is handed the same idle connection and all but one retry,
@@ -34,9 +34,9 @@ from pathlib import Path
 import h11
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
 from bench_gpu import free_port, http_level, pct  # noqa: E402  (the GPU benchmark's helpers and its HTTP level)
 
 SAMPLE_RATE = 24000

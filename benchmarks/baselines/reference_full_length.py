@@ -1,7 +1,7 @@
 """Run a baseline script with every row of the official generate kept at the length it was generated to.
 
-    python benchmarks/reference_full_length.py reference_baseline.py --size full --frames 100 --batches 1,32
-    FRAMES=100 python benchmarks/reference_full_length.py peer_baseline.py   # its official (tf5 build) rows
+    python benchmarks/baselines/reference_full_length.py reference_baseline.py --size full --frames 100 --batches 1,32
+    FRAMES=100 python benchmarks/baselines/reference_full_length.py peer_baseline.py   # its official (tf5 build) rows
 
 The official `Qwen3TTSForConditionalGeneration.generate` runs every row of a batch for the same number of steps
 (the baseline script passes an end-of-speech id the sampler suppresses), then cuts each row's codes at its first

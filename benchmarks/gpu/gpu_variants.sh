@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
-# On the GPU machine: measure the engine's kernel variants against its defaults (docs/history/benchmarks-diary.md) in as few
-# device calls as possible. Installs the carried wheels (.whl/server, .whl/test; scripts/gpu_wheels.sh) like
+# On the GPU machine: measure the engine's kernel variants against its defaults (docs/performance.md) in as few
+# device calls as possible. Installs the carried wheels (.whl/server, .whl/test; benchmarks/gpu/gpu_wheels.sh) like
 # gpu_bench.sh, then runs the stages named on the command line, in order, each under its own time limit so that one
 # device call (600 s at most) can hold several. Logs and JSON go to $OUT (else bench_out/variants).
 #
-#   bash scripts/gpu_variants.sh tests gemm              # <= 10 min: the CUDA tests but the engine's, the matmuls
-#   bash scripts/gpu_variants.sh tests-engine            # <= 8 min: the engine's CUDA tests
-#   bash scripts/gpu_variants.sh profile engine          # <= 9.5 min: the step and Code2Wav; the engine per variant
-#   bash scripts/gpu_variants.sh attention               # <= 2 min: the attention kernels alone
-#   bash scripts/gpu_variants.sh teacher-forced          # <= 4 min a size: top-1 agreement with the official package
+#   bash benchmarks/gpu/gpu_variants.sh tests gemm      # <= 10 min: the CUDA tests but the engine's, the matmuls
+#   bash benchmarks/gpu/gpu_variants.sh tests-engine    # <= 8 min: the engine's CUDA tests
+#   bash benchmarks/gpu/gpu_variants.sh checks          # <= 7 min: determinism across requests and processes
+#   bash benchmarks/gpu/gpu_variants.sh profile engine  # <= 9.5 min: the step and Code2Wav; the engine per variant
+#   bash benchmarks/gpu/gpu_variants.sh attention       # <= 2 min: the attention kernels alone
+#   bash benchmarks/gpu/gpu_variants.sh teacher-forced  # <= 4 min a size: top-1 agreement with the official package
 #
-# Stages: tests, tests-engine (the engine's CUDA tests), pytest (the tests PYTEST_ARGS names), stack (the
-# one-kernel code predictor stack: its passes alone, STACK_MODES naming bench_stack.py's modes, then its tests),
-# sampler (the sampler kernel alone), attention, gemm, profile, step (the frame step alone, per STEP_SIZES), codec
-# (Code2Wav alone), engine, teacher-forced (tests/reference/make_fixture.py --teacher-forced per TF_SIZES, with the
-# official package from .whl/reference; scripts/gpu_wheels.sh with REFERENCE_WHEELS). VARIANTS overrides the engine
-# stage's variant list, CODEC_VARIANTS the Code2Wav variants of the profile and codec stages, STEP_VARIANTS the step
-# stage's.
+# Stages: tests, tests-engine (the engine's CUDA tests), checks (the CUDA cases of tests/test_determinism.py and
+# tests/test_reproducible.py), pytest (the tests PYTEST_ARGS names), stack (the one-kernel code predictor stack: its
+# passes alone, STACK_MODES naming bench_stack.py's modes, then its tests), sampler (the sampler kernel alone),
+# attention, gemm, profile, step (the frame step alone, per STEP_SIZES), codec (Code2Wav alone), engine,
+# teacher-forced (tests/reference/make_fixture.py --teacher-forced per TF_SIZES, with the official package from
+# .whl/reference; benchmarks/gpu/gpu_wheels.sh with REFERENCE_WHEELS). VARIANTS overrides the engine stage's variant
+# list, CODEC_VARIANTS the Code2Wav variants of the profile and codec stages, STEP_VARIANTS the step stage's.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 PY=${PYTHON:-python3}
 WHL=${WHEEL_DIR:-.whl}
@@ -32,7 +33,7 @@ CODEC_VARIANTS=${CODEC_VARIANTS:-fp16+polyphase-9,fp16+polyphase-9+snake-kernel,
 
 [ $# -gt 0 ] || { sed -n '2,/^set -euo/p' "$0" | sed '$d' >&2; exit 2; }
 for stage in "$@"; do
-  case $stage in tests | tests-engine | pytest | stack | sampler | attention | gemm | profile | step | codec | engine | teacher-forced) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
+  case $stage in tests | tests-engine | checks | pytest | stack | sampler | attention | gemm | profile | step | codec | engine | teacher-forced) ;; *) echo "gpu_variants: unknown stage $stage" >&2; exit 2 ;; esac
 done
 
 # The same folder as gpu_bench.sh's, which installs the server's wheels only: the test wheels (pytest-asyncio)
@@ -71,12 +72,16 @@ for stage in "$@"; do
       run tests-engine 480 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf -o log_level=WARNING \
         tests/test_engine.py -k "cuda or attention or small_m or split_k or fp16 or fused"
       ;;
+    checks)  # a request alone and batched, bit for bit; two fresh processes, bit for bit (0.6B random weights)
+      run checks 420 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf -o log_level=WARNING \
+        tests/test_determinism.py tests/test_reproducible.py -k cuda
+      ;;
     stack)  # the code predictor's passes alone (the fused path's kernels against the one-kernel stack), then its tests; STACK_PROFILE_MODE: the phase profile's options
-      run stack 240 "$PY" benchmarks/bench_stack.py --rows 1,2,4,8,16 ${STACK_MODES:+--modes "$STACK_MODES"} ${STACK_PROFILE_MODE:+--profile-mode "$STACK_PROFILE_MODE"} --out "$OUT_DIR/stack.json"
+      run stack 240 "$PY" benchmarks/kernels/bench_stack.py --rows 1,2,4,8,16 ${STACK_MODES:+--modes "$STACK_MODES"} ${STACK_PROFILE_MODE:+--profile-mode "$STACK_PROFILE_MODE"} --out "$OUT_DIR/stack.json"
       run stack-tests 300 "$PY" -m pytest -q -p no:cacheprovider -W ignore --tb=short -rf tests/test_stack_kernel.py
       ;;
     sampler)
-      run sampler 120 "$PY" benchmarks/bench_sampler.py --batches 2,64,256 --warp-elements 256,512,1024,2048 \
+      run sampler 120 "$PY" benchmarks/kernels/bench_sampler.py --batches 2,64,256 --warp-elements 256,512,1024,2048 \
         --out "$OUT_DIR/sampler.json"
       ;;
     pytest)  # the tests PYTEST_ARGS names (e.g. one failing case with --tb=long)
@@ -84,26 +89,26 @@ for stage in "$@"; do
       run pytest 300 "$PY" -m pytest -q -p no:cacheprovider -W ignore -rf --durations=15 ${PYTEST_ARGS:?set PYTEST_ARGS}
       ;;
     attention)
-      run attention 120 "$PY" benchmarks/bench_attention.py --batches 1,8,64,256 --positions 100,300,1000 \
+      run attention 120 "$PY" benchmarks/kernels/bench_attention.py --batches 1,8,64,256 --positions 100,300,1000 \
         --out "$OUT_DIR/attention.json"
       ;;
     gemm)
-      run gemm 180 "$PY" benchmarks/bench_gemm.py --size 1.7b --rows 2,4,8,16 --configs 16,32x128,256x3,4 \
+      run gemm 180 "$PY" benchmarks/kernels/bench_gemm.py --size 1.7b --rows 2,4,8,16 --configs 16,32x128,256x3,4 \
         --max-splits 1,2,4 --out "$OUT_DIR/gemm.json"
       ;;
     profile)
-      run profile 240 "$PY" benchmarks/profile_step.py --size 1.7b --batches 1,64 \
+      run profile 240 "$PY" benchmarks/profiles/profile_step.py --size 1.7b --batches 1,64 \
         --variants fused-split+small-m+cp-one-pass+kernel-sampler,fused-split+small-m,fused-split+small-m+kernel-sampler \
         --codec-batches 64 --codec-variants "$CODEC_VARIANTS" --out "$OUT_DIR/profile.json"
       ;;
     step)
       for size in $STEP_SIZES; do
-        run "step-$size" 240 "$PY" benchmarks/profile_step.py --size "$size" --batches 1,64 --variants "$STEP_VARIANTS" \
+        run "step-$size" 240 "$PY" benchmarks/profiles/profile_step.py --size "$size" --batches 1,64 --variants "$STEP_VARIANTS" \
           --codec-batches "" --out "$OUT_DIR/step-$size.json"
       done
       ;;
     codec)
-      run codec 120 "$PY" benchmarks/profile_step.py --size 1.7b --variants "" --codec-batches 64 \
+      run codec 120 "$PY" benchmarks/profiles/profile_step.py --size 1.7b --variants "" --codec-batches 64 \
         --codec-variants "$CODEC_VARIANTS" --out "$OUT_DIR/codec.json"
       ;;
     teacher-forced)  # ours (float32, bf16, the engine's path and its variants) against the official package in bf16
@@ -119,7 +124,7 @@ for stage in "$@"; do
       done
       ;;
     engine)
-      run engine 330 "$PY" benchmarks/bench_gpu.py --time-budget-s 280 --level-timeout-s 90 --sizes 1.7b --parts engine \
+      run engine 330 "$PY" benchmarks/e2e/bench_gpu.py --time-budget-s 280 --level-timeout-s 90 --sizes 1.7b --parts engine \
         --concurrency 1,64,256 --engine-variants "$VARIANTS" --variant-concurrency 1,64,256 \
         "${tokenizer[@]}" --out "$OUT_DIR/engine.json"
       ;;

@@ -6,8 +6,8 @@ For each vocab, batch and variant it captures 16 calls into a CUDA graph, replay
 and reports microseconds per draw (`--scales`: flatter or more peaked rows); it checks that every variant draws
 what `sampling.sample` draws (top-k rows, the Qwen3-TTS default top_p 1). Prints a table last, writes JSON.
 
-    python3 benchmarks/bench_sampler.py --batches 2,64,256 --warp-elements 256,512,1024,2048 --out sampler.json
-    python3 benchmarks/bench_sampler.py --batches 1,64 --warp-elements 512 --scales 1,3
+    python3 benchmarks/kernels/bench_sampler.py --batches 2,64,256 --warp-elements 256,512,1024,2048 --out sampler.json
+    python3 benchmarks/kernels/bench_sampler.py --batches 1,64 --warp-elements 512 --scales 1,3
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 from bench_attention import time_calls  # this script's directory is on sys.path when run
