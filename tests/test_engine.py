@@ -50,9 +50,9 @@ def tiny_model(tmp_path_factory):
 OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
 
 
-def make_engine(model, **kw) -> NativeEngine:
+def make_engine(model, fault_hook=None, **kw) -> NativeEngine:
     cfg = EngineSettings(model_path=str(model.path), device="cpu", warmup=False, **kw)
-    return NativeEngine(cfg, model=model)
+    return NativeEngine(cfg, model=model, fault_hook=fault_hook)
 
 
 def xvec(model, seed: int) -> torch.Tensor:
@@ -117,8 +117,11 @@ async def test_chunks_small_first_then_growing(tiny_model, growth, expected):
 async def test_admission_budget_keeps_new_requests_queued_while_frames_come_slowly(tiny_model, budget_ms):
     """Every frame step takes >= 30 ms (a slow GPU): with a 10 ms budget the second request waits until the first
     is over, instead of joining it and slowing it further; without one it joins at once."""
-    eng = make_engine(tiny_model, max_slots=4, admission_step_budget_ms=budget_ms)
-    eng.fault_hook = lambda: time.sleep(0.03)  # before every frame step
+
+    def slow() -> None:  # the fault hook: runs before every frame step
+        time.sleep(0.03)
+
+    eng = make_engine(tiny_model, fault_hook=slow, max_slots=4, admission_step_budget_ms=budget_ms)
     await eng.start()
     try:
         a = eng.submit(req(tiny_model, TEXTS[0], greedy=True, max_frames=15, min_frames=15))

@@ -70,10 +70,18 @@ class NativeEngine(Engine):
 
     The checkpoint's config is read at construction (model path resolved, the demo checkpoint written if asked),
     so the model's facts are known before `start` loads the weights. `model` (tests, benchmarks) is an already
-    loaded model to serve instead of loading `settings.model_path`.
+    loaded model to serve instead of loading `settings.model_path`. `fault_hook` (fault injection, tests only:
+    tts_server/faults.py) is called at the top of every busy loop turn and may raise, as a CUDA error or an
+    out-of-memory inside the step would.
     """
 
-    def __init__(self, settings: EngineSettings, model: Qwen3TTS | None = None):
+    def __init__(
+        self,
+        settings: EngineSettings,
+        model: Qwen3TTS | None = None,
+        *,
+        fault_hook: Callable[[], None] | None = None,
+    ):
         self.config = settings
         try:
             self._device = resolve_device(settings.device)
@@ -119,9 +127,7 @@ class NativeEngine(Engine):
         self._ready = False
         self._dead: str | None = None
         self.fault: BaseException | None = None  # what killed the loop, for the server's supervisor
-        # Fault injection (tests only): called at the top of every busy loop iteration; may raise, as a CUDA
-        # error or an out-of-memory inside the step would. None in normal operation.
-        self.fault_hook: Callable[[], None] | None = None
+        self._fault_hook = fault_hook
         name = DEMO if settings.model_path == DEMO else self._model_dir.name
         self._model_info: dict[str, Any] = {
             "name": name,
@@ -289,8 +295,8 @@ class NativeEngine(Engine):
                         self._wait_for_decoder()
                     continue
                 if self._live:
-                    if self.fault_hook is not None:  # fault injection (tests only)
-                        self.fault_hook()
+                    if self._fault_hook is not None:  # fault injection (tests only)
+                        self._fault_hook()
                     with torch.inference_mode():
                         self._step()
         except Exception as e:  # a bug in the loop itself: fail everything, mark the engine dead
