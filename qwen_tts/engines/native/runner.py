@@ -205,13 +205,13 @@ class ModelRunner:
         self._model_info["decode_thread"] = self.config.decode_thread
         # Without warm-up, graphs are captured on first use, by the engine loop and by the decoder thread. A
         # capture must not overlap the other thread's CUDA calls (torch.cuda.graph synchronises the device and
-        # empties the allocator's cache on entry; seen on an H200: "capturing stream has unjoined work"), so the
+        # empties the allocator's cache on entry; seen on a GPU: "capturing stream has unjoined work"), so the
         # two threads then take turns around their GPU work. With warm-up every graph exists before either thread
         # starts and they run side by side.
         # Without graphs on CUDA both threads call torch.compile'd functions (the fused kernels, SnakeBeta) on every
         # step, and may compile them: while one thread traces, torch.fx patches nn.Module.__call__ process-wide and
         # the other thread's compiled call fails ("using FX to symbolically trace a dynamo-optimized function",
-        # seen on an H200). They take turns then too; the eager CUDA path is for debugging, not throughput.
+        # seen on a GPU). They take turns then too; the eager CUDA path is for debugging, not throughput.
         lazy = graphs and not self.config.warmup  # graphed prefill and Code2Wav come only with graphed steps
         compiles = not graphs and (self._model_info["fused_kernels"] or self._model_info["fused_decoder"])
         self._capture_guard = threading.Lock() if lazy or compiles else contextlib.nullcontext()
