@@ -19,8 +19,8 @@ from qwen_tts.engine_api import (
     SynthesisRequest,
     chunk_schedule,
 )
-from qwen_tts.engines.native import engine as engine_mod
 from qwen_tts.engines.native import frame_step as cuda_graph
+from qwen_tts.engines.native import runner as runner_mod
 from qwen_tts.engines.native import scheduler as scheduler_mod
 from qwen_tts.engines.native.engine import NativeEngine
 from qwen_tts.fastpath import fused, small_m_gemm
@@ -50,9 +50,9 @@ def tiny_model(tmp_path_factory):
 OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
 
 
-def make_engine(model, **kw) -> NativeEngine:
+def make_engine(model, fault_hook=None, **kw) -> NativeEngine:
     cfg = EngineSettings(model_path=str(model.path), device="cpu", warmup=False, **kw)
-    return NativeEngine(cfg, model=model)
+    return NativeEngine(cfg, model=model, fault_hook=fault_hook)
 
 
 def xvec(model, seed: int) -> torch.Tensor:
@@ -81,8 +81,8 @@ async def test_stream_equals_whole_decode(tiny_model):
     # The CUDA-only defaults report what runs here: none of them.
     info = eng.model_info
     assert (info["decoder_polyphase_dilation"], info["kernel_sampler"], info["cp_prompt_one_pass"]) == (0, False, False)
-    assert not any(getattr(m, "polyphase", False) for m in eng._code2wav.modules())
-    assert info["decoder_snake_kernel"] is False and eng._code2wav.snake_kernel is None
+    assert not any(getattr(m, "polyphase", False) for m in eng._runner._code2wav.modules())
+    assert info["decoder_snake_kernel"] is False and eng._runner._code2wav.snake_kernel is None
     assert info["decoder_channels_last"] is False
     assert info["cp_input_tables"] is False and info["small_m_heads"] is False
     assert info["cp_fused_feed"] is False and info["stack_exact_rows"] == 0
@@ -117,8 +117,11 @@ async def test_chunks_small_first_then_growing(tiny_model, growth, expected):
 async def test_admission_budget_keeps_new_requests_queued_while_frames_come_slowly(tiny_model, budget_ms):
     """Every frame step takes >= 30 ms (a slow GPU): with a 10 ms budget the second request waits until the first
     is over, instead of joining it and slowing it further; without one it joins at once."""
-    eng = make_engine(tiny_model, max_slots=4, admission_step_budget_ms=budget_ms)
-    eng.fault_hook = lambda: time.sleep(0.03)  # before every frame step
+
+    def slow() -> None:  # the fault hook: runs before every frame step
+        time.sleep(0.03)
+
+    eng = make_engine(tiny_model, fault_hook=slow, max_slots=4, admission_step_budget_ms=budget_ms)
     await eng.start()
     try:
         a = eng.submit(req(tiny_model, TEXTS[0], greedy=True, max_frames=15, min_frames=15))
@@ -144,7 +147,7 @@ async def test_the_loop_times_its_waits_for_a_slow_decoder(tiny_model):
     eng = make_engine(tiny_model, first_chunk_frames=1, chunk_frames=1, decode_lookahead=1)
     await eng.start()
     try:
-        dec = eng._decoder.decoder
+        dec = eng._runner.decoder.decoder
         real = dec.decode
         dec.decode = lambda *a, **k: (time.sleep(0.04), real(*a, **k))[1]
         (h,), _ = await run(eng, [req(tiny_model, TEXTS[0], greedy=True, max_frames=6, min_frames=6)])
@@ -331,14 +334,14 @@ async def test_many_concurrent_requests_through_few_slots(tiny_model, overlap):
 async def test_failure_in_one_request_leaves_others_intact(tiny_model, overlap, monkeypatch):
     eng = make_engine(tiny_model, overlap_steps=overlap, max_slots=4)
     await eng.start()
-    real = eng._launch
+    real = eng._runner._launch
 
     def flaky(rows, stepping):
         if any(lv.handle.request.text == "boom" for lv in rows):
             raise RuntimeError("injected")
         return real(rows, stepping)
 
-    monkeypatch.setattr(eng, "_launch", flaky)
+    monkeypatch.setattr(eng._runner, "_launch", flaky)
     try:
         good = [req(tiny_model, t, seed=i, greedy=True, max_frames=10) for i, t in enumerate(TEXTS[:3])]
         hs = [eng.submit(r) for r in [good[0], req(tiny_model, "boom", max_frames=10), *good[1:]]]
@@ -355,14 +358,14 @@ async def test_failure_in_one_request_leaves_others_intact(tiny_model, overlap, 
 async def test_prefill_failure_is_isolated(tiny_model, monkeypatch):
     eng = make_engine(tiny_model, max_slots=2)
     await eng.start()
-    real = engine_mod.build_prompt
+    real = runner_mod.build_prompt
 
     def bad_prompt(cfg, talker, text_ids, *a, **k):
         if len(text_ids) == len(tiny_model.tokenizer.text_ids("boom boom boom")):
             raise RuntimeError("injected")
         return real(cfg, talker, text_ids, *a, **k)
 
-    monkeypatch.setattr(engine_mod, "build_prompt", bad_prompt)
+    monkeypatch.setattr(runner_mod, "build_prompt", bad_prompt)
     try:
         hs = [
             eng.submit(req(tiny_model, "boom boom boom", max_frames=5)),
@@ -491,7 +494,7 @@ async def test_static_step_equals_eager_step(eos_prone_path, monkeypatch):
     eager, audio_eager = await run_codes(make_engine(model, max_slots=4), mixed_requests(model))
     eng = make_engine(model, max_slots=4, frame_step="padded")
     static, audio_static = await run_codes(eng, mixed_requests(model))
-    assert eng._runner is not None and eng._runner.kv_buckets[:3] == [16, 32, 64]
+    assert eng._runner._frame_step is not None and eng._runner._frame_step.kv_buckets[:3] == [16, 32, 64]
     reasons = [r for r, _ in eager]
     assert FinishReason.EOS in reasons and FinishReason.BUDGET in reasons
     for (r_e, c_e), (r_s, c_s), a_e, a_s in zip(eager, static, audio_eager, audio_static, strict=True):
@@ -547,8 +550,8 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
     graphed, audio_graphed = await run_codes(eng, mixed_requests(model))
     # The fused path needs no kv buckets, and a lone row runs in the 2-row graph: buckets 2 and 4.
     assert eng.model_info["cuda_graphs"] and eng.model_info["fused_kernels"]
-    assert eng._runner.batch_buckets == [2, 4] and len(eng._runner.kv_buckets) == 1
-    assert eng._runner.num_graphs == 2
+    assert eng._runner._frame_step.batch_buckets == [2, 4] and len(eng._runner._frame_step.kv_buckets) == 1
+    assert eng._runner._frame_step.num_graphs == 2
     for i, ((r_e, c_e), (r_g, c_g)) in enumerate(zip(eager, graphed, strict=True)):
         assert r_e is r_g, f"request {i}"
         assert torch.equal(c_e, c_g), f"request {i}: first differing frame {(c_e != c_g).any(1).nonzero()[:1]}"
@@ -597,8 +600,9 @@ async def test_a_stopped_engine_leaves_a_cublas_workspace_per_stream_not_per_gra
         await run(eng, [req(model, TEXTS[1], seed=5, max_frames=20)])
     finally:
         await eng.stop()
-    graphs = eng._runner.num_graphs + eng._prefiller.num_graphs + eng._decoder.decoder.num_graphs
-    del eng, model
+    r = eng._runner
+    graphs = r._frame_step.num_graphs + r._prefiller.num_graphs + r.decoder.decoder.num_graphs
+    del eng, model, r
     gc.collect()
     left = torch.cuda.memory_allocated() - base
     assert graphs >= 16  # each on a new stream, these left at least 16 workspaces
@@ -650,7 +654,7 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
     finally:
         await eng.stop()
         small_m_gemm.set_max_split_k(1)
-    assert eng._runner is not None and eng._runner.num_graphs > 1
+    assert eng._runner._frame_step is not None and eng._runner._frame_step.num_graphs > 1
     assert torch.equal(codes_of(alone), codes_of(handles[3]))
     for name in ("split_attention", "small_m_gemm"):
         want = variant.get(name, getattr(EngineSettings, name))  # the default is both kernels on
@@ -752,7 +756,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
             assert opts["stage"] is staged and opts["chunk"] == 64 and opts["mma"] is opts["long_mma"] is mma
             assert opts["split"] == 32 and opts["exact_rows"] == int(exact)
             for sw, n in (
-                (model.talker.model.stack_weights, eng._cache.max_len),
+                (model.talker.model.stack_weights, eng._runner._cache.max_len),
                 (model.talker.code_predictor.model.stack_weights, model.talker.code_predictor.num_residual + 1),
             ):
                 lay = stack_cuda.device_layout(sw, n, torch.device("cuda", torch.cuda.current_device()), 1)[0]
@@ -799,8 +803,8 @@ async def test_batched_prefill_matches_prefill_alone(tiny_model, monkeypatch):
             (h,), _ = await run(eng, [req(tiny_model, t, seed=i, greedy=True, max_frames=12)])
             alone.append(codes_of(h))
         sizes = []
-        real = eng._admit
-        monkeypatch.setattr(eng, "_admit", lambda adm: (sizes.append(len(adm)), real(adm)))
+        real = eng._runner.admit
+        monkeypatch.setattr(eng._runner, "admit", lambda adm: (sizes.append(len(adm)), real(adm)))
         with eng._cv:  # the worker sees all three at once
             hs = [eng.submit(req(tiny_model, t, seed=i, greedy=True, max_frames=12)) for i, t in enumerate(texts)]
         await asyncio.gather(*(h.collect() for h in hs))
@@ -841,11 +845,11 @@ async def test_a_prefill_group_gives_each_slot_its_own_request_settings(tiny_mod
     eng = make_engine(tiny_model, max_slots=4)
     await eng.start()
     written = []
-    real = eng._set_slot_params
+    real = eng._runner._set_slot_params
 
     def spy(slots, reqs):
         real(slots, reqs)
-        st = eng._state
+        st = eng._runner._state
         written.append(
             {
                 int(slot): (float(st.temp[slot]), int(st.top_k[slot]), float(st.top_p[slot]), float(st.rep[slot]),
@@ -860,7 +864,7 @@ async def test_a_prefill_group_gives_each_slot_its_own_request_settings(tiny_mod
         for i, (t, kw) in enumerate(zip(texts, settings, strict=True)):
             (h,), _ = await run(eng, [req(tiny_model, t, seed=100 + i, max_frames=10, **kw)])
             alone.append(codes_of(h))
-        monkeypatch.setattr(eng, "_set_slot_params", spy)
+        monkeypatch.setattr(eng._runner, "_set_slot_params", spy)
         with eng._cv:  # the worker sees all three at once: one group
             rs = [
                 req(tiny_model, t, seed=100 + i, max_frames=10, **kw)
@@ -909,8 +913,8 @@ async def test_burst_arriving_at_an_idle_engine_shares_one_prefill(tiny_model, m
     eng = make_engine(tiny_model, max_slots=4, admission_window_s=0.2)
     await eng.start()
     sizes = []
-    real = eng._admit
-    monkeypatch.setattr(eng, "_admit", lambda adm: (sizes.append(len(adm)), real(adm)))
+    real = eng._runner.admit
+    monkeypatch.setattr(eng._runner, "admit", lambda adm: (sizes.append(len(adm)), real(adm)))
     try:
         hs = [eng.submit(req(tiny_model, t, seed=i, max_frames=4)) for i, t in enumerate(TEXTS[:4])]
         await asyncio.gather(*(h.collect() for h in hs))

@@ -100,7 +100,7 @@ async def run_engine(model, requests: list[SynthesisRequest], **settings) -> tup
 async def engine_codes(model, requests: list[SynthesisRequest], padded: bool, **settings) -> list:
     # "padded": the graph runner's padded, bucketed step, run eagerly
     eng, handles = await run_engine(model, requests, frame_step="padded" if padded else "eager", **settings)
-    assert type(eng._runner).__name__ == ("FrameStepRunner" if padded else "EagerFrameStep")
+    assert type(eng._runner._frame_step).__name__ == ("FrameStepRunner" if padded else "EagerFrameStep")
     return handles
 
 
@@ -143,8 +143,8 @@ async def test_a_code_outside_the_codebook_ends_only_its_request(tiny_qwen3tts, 
         return StepCodes(codes, None)
 
     await eng.start()
-    real = eng._runner.launch
-    eng._runner.launch = corrupting
+    real = eng._runner._frame_step.launch
+    eng._runner._frame_step.launch = corrupting
     try:
         handles = [eng.submit(r) for r in reqs]
         results = await asyncio.gather(*(h.collect() for h in handles), return_exceptions=True)

@@ -1,5 +1,6 @@
 """Fault injection for tests (TTS_FAULT_FILE): write a fault kind into that file and the engine loop raises it at
-its next busy step, as a real failure would. Off unless the setting names a file; no HTTP route can reach it.
+its next busy step, as a real failure would. Off unless the setting names a file; no HTTP route can reach it. The
+hook is handed to each engine the server builds (`Runtime.start(fault_hook=...)`, the native engine's constructor).
 
 Kinds: `loop` (an exception in the engine loop), `oom` (torch.OutOfMemoryError, as CUDA raises it), `cuda`
 (torch.AcceleratorError: a sticky CUDA error, after which only a new process helps).
@@ -12,8 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-from qwen_tts.engine_api import Engine
 
 logger = logging.getLogger("tts_server")
 
@@ -41,15 +40,9 @@ def file_trigger(path: Path) -> Callable[[], None]:
     return hook
 
 
-def installer(path: Path | None) -> Callable[[Engine], None] | None:
-    """Installs the file trigger on each engine the server runs (the first and every restarted one)."""
+def hook(path: Path | None) -> Callable[[], None] | None:
+    """The fault hook for every engine the server builds (the first and each restarted one), or None when off."""
     if path is None:
         return None
     logger.warning("fault injection is on (TTS_FAULT_FILE=%s): for tests only", path)
-    hook = file_trigger(Path(path))
-
-    def install(engine: Engine) -> None:
-        if hasattr(engine, "fault_hook"):
-            engine.fault_hook = hook
-
-    return install
+    return file_trigger(Path(path))

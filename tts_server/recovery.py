@@ -107,19 +107,15 @@ class EngineSupervisor:
         *,
         restart_delay: float,
         max_restarts: int,
-        on_engine: Callable[[Engine], None] | None = None,
     ):
         self.runtime = runtime
         self.on_fatal = on_fatal
         self.restart_delay = restart_delay
         self.max_restarts = max_restarts
-        self.on_engine = on_engine
         self._restarts: list[float] = []
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
-        if self.on_engine is not None:
-            self.on_engine(self.runtime.engine)
         self.runtime.supervised = True
         self._task = asyncio.get_running_loop().create_task(self._watch(), name="engine-supervisor")
 
@@ -172,8 +168,6 @@ class EngineSupervisor:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
             engine = rt.engine_factory()
-            if self.on_engine is not None:
-                self.on_engine(engine)
             await start_engine(engine, rt.settings)
         except (StartupError, Exception) as e:
             rt.restarting = False

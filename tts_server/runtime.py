@@ -105,15 +105,18 @@ class Runtime:
 
     # --- lifecycle --------------------------------------------------------------------------------
     @classmethod
-    async def start(cls, settings: ServerSettings, engine: Engine | None = None) -> Runtime:
+    async def start(
+        cls, settings: ServerSettings, engine: Engine | None = None, *, fault_hook: Callable[[], None] | None = None
+    ) -> Runtime:
         """Build the engine (resolving the model), load voices, start the engine (bounded by
-        TTS_STAGE_INIT_TIMEOUT). `engine` (tests) replaces the one the settings describe."""
+        TTS_STAGE_INIT_TIMEOUT). `engine` (tests) replaces the one the settings describe. `fault_hook` (tests:
+        tts_server/faults.py) goes to each engine built here, the first and every rebuilt one."""
         for name in unknown_env_vars():
             logger.warning("ignoring unknown setting %s (see tts_server/settings.py for the names)", name)
         logger.debug("settings: %s", settings.public_dict())
         built = engine is None
         if engine is None:
-            engine = await asyncio.to_thread(_create_engine, settings)
+            engine = await asyncio.to_thread(_create_engine, settings, fault_hook)
         if settings.model_path == DEMO:
             await asyncio.to_thread(_ensure_demo_voice, settings, engine)
         voices = VoiceRegistry(settings.profiles_dir, xvector_dim=engine.xvector_dim, device=engine.device)
@@ -125,7 +128,7 @@ class Runtime:
         runtime.profile_watcher = ProfileWatcher(voices)
         runtime.profile_watcher.start()
         if built:
-            runtime.engine_factory = lambda: _create_engine(settings)
+            runtime.engine_factory = lambda: _create_engine(settings, fault_hook)
         logger.info("Ready with %d speakers", len(voices))
         return runtime
 
@@ -183,10 +186,10 @@ async def _start_engine(engine: Engine, settings: ServerSettings) -> None:
     )
 
 
-def _create_engine(settings: ServerSettings) -> Engine:
+def _create_engine(settings: ServerSettings, fault_hook: Callable[[], None] | None = None) -> Engine:
     """The engine the settings describe; a setting it cannot use is one StartupError line naming the variable."""
     try:
-        return create_engine(settings.engine_settings())
+        return create_engine(settings.engine_settings(), fault_hook=fault_hook)
     except EngineSettingsError as e:
         raise StartupError(f"{settings.describe_engine_setting(e.setting)}: {e}") from None
     except ImportError as e:  # a backend whose optional dependencies are not installed

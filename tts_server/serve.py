@@ -83,7 +83,7 @@ async def serve(settings: ServerSettings) -> int:
     torch.set_num_threads(torch_threads(settings))
     logger.info("torch intra-op threads: %d", torch.get_num_threads())
     try:
-        runtime = await Runtime.start(settings)
+        runtime = await Runtime.start(settings, fault_hook=faults.hook(settings.fault_file))
     except StartupError as e:
         logger.error("startup failed: %s", e)
         return 1
@@ -121,7 +121,6 @@ async def serve(settings: ServerSettings) -> int:
         on_fatal,
         restart_delay=settings.engine_restart_delay,
         max_restarts=settings.engine_max_restarts,
-        on_engine=faults.installer(settings.fault_file),
     )
     supervisor.start()
     config.load()  # uvicorn's own imports and app wrapping, so that they are part of the frozen startup heap

@@ -47,13 +47,14 @@ def timed(engine, fn, repeats: int) -> tuple[float, object]:
 
 def parts(engine, n: int, repeats: int) -> dict[str, float]:
     """The admission of n requests at once, piece by piece, run from this thread while the engine is idle (the
-    pieces the engine's _admit/_prefill run, on slots 0..n-1, which the next real prefill overwrites)."""
-    text_ids = engine._tokenizer.text_ids(TEXT)
+    pieces the model runner's admit/_prefill run, on slots 0..n-1, which the next real prefill overwrites)."""
+    r = engine._runner
+    text_ids = r._tokenizer.text_ids(TEXT)
     xs = [torch.randn(engine.xvector_dim, generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
     def prompts():
         return [
-            build_prompt(engine._cfg, engine._talker, text_ids, engine._role_ids, x.to(engine.device, engine.dtype),
+            build_prompt(r._cfg, r._talker, text_ids, r._role_ids, x.to(engine.device, engine.dtype),
                          "auto", True)
             for x in xs
         ]  # fmt: skip
@@ -67,9 +68,9 @@ def parts(engine, n: int, repeats: int) -> dict[str, float]:
             embeds[i, : p.prefill.shape[0]] = p.prefill
         pos = torch.arange(T, device=engine.device).expand(n, T)
         slots = torch.arange(n, device=engine.device)
-        out["talker_ms"], _ = timed(engine, lambda: engine._talker(embeds, pos, engine._cache, slots, T), repeats)
+        out["talker_ms"], _ = timed(engine, lambda: r._talker(embeds, pos, r._cache, slots, T), repeats)
         req = SynthesisRequest(text=TEXT, xvector=xs[0], seed=1)
-        out["slots_ms"], _ = timed(engine, lambda: engine._set_slot_params(slots, [req] * n), repeats)
+        out["slots_ms"], _ = timed(engine, lambda: r._set_slot_params(slots, [req] * n), repeats)
         out["tokens"] = T
     return out
 

@@ -6,6 +6,8 @@ Each backend is a package or module here (native/, vllm_omni/, fake.py) that imp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from qwen_tts.engine_api import Engine, EngineSettings, EngineSettingsError
@@ -15,13 +17,15 @@ BACKENDS = ("native", "vllm-omni", "fake")
 AVAILABLE_BACKENDS = ("native", "vllm-omni", "fake")  # vllm-omni: where vllm and vllm-omni are installed
 
 
-def create_engine(settings: EngineSettings) -> Engine:
+def create_engine(settings: EngineSettings, *, fault_hook: Callable[[], None] | None = None) -> Engine:
     """The engine `settings.backend` names, not yet started (`xvector_dim`, `languages` and `model_info` are
-    already known). Raises EngineSettingsError naming the setting at fault (backend, model_path, device...)."""
+    already known). Raises EngineSettingsError naming the setting at fault (backend, model_path, device...).
+    `fault_hook` (fault injection, tests only) runs at each busy turn of the native engine's loop; the other
+    backends have no loop of ours and ignore it."""
     if settings.backend == "native":
         from .native import NativeEngine
 
-        return NativeEngine(settings)
+        return NativeEngine(settings, fault_hook=fault_hook)
     if settings.backend == "vllm-omni":
         from .vllm_omni import VllmOmniEngine
 

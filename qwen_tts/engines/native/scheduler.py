@@ -1,5 +1,11 @@
-"""The native engine's scheduler: the wait queue, the KV-cache slots, frame budgets, admission and cancellation,
-and the typed state the engine keeps for each request.
+"""The native engine's scheduler: the wait queue, the KV-cache slots, frame budgets and the typed state the
+engine keeps for each request, and every decision of a loop turn, returned as plain plans:
+  - `admit`: whether admission is held (steps slower than admission_step_budget_ms) and which waiting requests
+    get a slot (`Admission`);
+  - `schedule`: which live rows step this turn (cancellations, decoder errors and spent budgets end first; a row
+    `decode_lookahead` chunks ahead of its audio waits) and whether the loop waits for the decoder (`StepPlan`);
+  - `retire`: which ended rows leave, and why (`Retire`), once their audio is out.
+The runner executes the plans; the loop delivers the outcome. Pure Python: no tensor work, no device.
 
 Thread-safe through `cv`: the event loop submits and cancels, the engine's worker thread admits and releases.
 A request's state belongs to the engine; the caller's `RequestHandle` carries none of it.
@@ -10,6 +16,7 @@ from __future__ import annotations
 import collections
 import threading
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -56,17 +63,61 @@ class RequestState:
         return self.handle.request
 
 
-class Scheduler:
-    """Admission to `max_slots` KV-cache slots with at most `max_queue` requests waiting beyond the free ones."""
+class DecoderProgress(Protocol):
+    """What the scheduler reads of the decoder (decoder.py's DecodeWorker)."""
 
-    def __init__(self, max_slots: int, max_queue: int):
+    def inflight(self, row: RequestState) -> int:
+        """The row's chunks handed to the decoder and not yet decoded."""
+
+    @property
+    def busy(self) -> bool:
+        """Some chunk is in the decoder."""
+
+
+@dataclass
+class Admission:
+    """The admission decision of one loop turn."""
+
+    admitted: list[RequestState]  # popped from the queue, each with its slot: the runner prefills them
+    held: bool  # a waiting request stays queued: the running ones step slower than admission_step_budget_ms
+
+
+@dataclass
+class StepPlan:
+    """The frame step of one loop turn."""
+
+    rows: list[RequestState]  # live rows that step (each at its next frame)
+    stepping: set[int]  # ids of rows in the step launched before and not read yet: this step is their next frame
+    wait_for_decoder: bool  # no row can step and nothing is in flight: wait until the decoder catches up
+
+
+@dataclass
+class Retire:
+    """A row that leaves: its audio is out (or dropped) and its slot is freed."""
+
+    state: RequestState
+    reason: FinishReason
+    error: str | None
+
+
+class Scheduler:
+    """Admission to `max_slots` KV-cache slots with at most `max_queue` requests waiting beyond the free ones, and
+    the decisions of each loop turn (see the module docstring). `decode_lookahead`: chunks a row may have in the
+    decoder and still step; `step_budget_ms`: admission_step_budget_ms (0: admit whenever a slot is free)."""
+
+    def __init__(self, max_slots: int, max_queue: int, *, decode_lookahead: int = 2, step_budget_ms: float = 0.0):
         self.max_slots = max_slots
         self.max_queue = max_queue
+        self.decode_lookahead = decode_lookahead
+        self.step_budget_ms = step_budget_ms
         self.cv = threading.Condition()
         self.waiting: collections.deque[RequestState] = collections.deque()
         self.running: dict[int, RequestState] = {}  # slot -> state; touched by the worker thread only
         self._free_slots: list[int] = list(range(max_slots))[::-1]
         self._states: dict[RequestHandle, RequestState] = {}  # every request not yet finished
+        # Seconds between frame steps while requests run: a moving average (admission_step_budget_ms).
+        self._step_interval: float | None = None
+        self._last_step_at: float | None = None
 
     @property
     def has_work(self) -> bool:
@@ -136,3 +187,80 @@ class Scheduler:
                 self._free_slots.append(state.slot)
                 state.slot = -1
             self._states.pop(state.handle, None)
+
+    def start(self, state: RequestState) -> None:
+        """A prefilled request runs in its slot (worker thread)."""
+        self.running[state.slot] = state
+
+    # ------------------------------------------------------------------ decisions (worker thread)
+    def idle(self) -> None:
+        """No request runs: the pause before the next one is no frame step; the step interval is measured afresh."""
+        self._last_step_at = self._step_interval = None
+
+    def note_step(self, now: float) -> None:
+        """A frame step starts: fold the time since the last one into the moving average (worker thread)."""
+        if self._last_step_at is not None:
+            dt = now - self._last_step_at
+            self._step_interval = (
+                dt if self._step_interval is None else self._step_interval + 0.25 * (dt - self._step_interval)
+            )
+        self._last_step_at = now
+
+    def admission_held(self) -> bool:
+        """Whether waiting requests stay queued: requests run and get their frames slower than the budget."""
+        budget = self.step_budget_ms
+        if not budget or not self.running:
+            return False
+        return self._step_interval is not None and self._step_interval * 1e3 > budget
+
+    def admit(self) -> Admission:
+        """Which waiting requests enter free slots this turn (none while admission is held)."""
+        with self.cv:
+            held = self.admission_held()
+            admitted = [] if held else self.take_admissions()
+            return Admission(admitted, held and bool(self.waiting))
+
+    def schedule(self, ahead: list[RequestState] | None, decoder: DecoderProgress) -> StepPlan:
+        """The rows that step this turn. `ahead`: the rows of the step launched before and not read yet (or None).
+
+        Requests that were cancelled, failed in the decoder or ran out of budget end here, before any work is done.
+        """
+        for lv in self.running.values():
+            if lv.cancelled:
+                lv.done = FinishReason.CANCELLED
+            elif lv.decode_error is not None:
+                lv.done, lv.error = FinishReason.ERROR, lv.decode_error
+                lv.pending.clear()
+            elif lv.done is None and lv.frames >= lv.budget:
+                lv.done = FinishReason.BUDGET
+        lookahead = self.decode_lookahead
+        stepping = {id(lv) for lv in ahead} if ahead is not None else set()  # one frame more once read
+        rows = [
+            lv
+            for lv in self.running.values()
+            if lv.done is None and decoder.inflight(lv) < lookahead and lv.frames + (id(lv) in stepping) < lv.budget
+        ]
+        wait = not rows and ahead is None and decoder.busy  # nothing to step until the decoder catches up
+        return StepPlan(rows, stepping, wait)
+
+    def cancel_running(self) -> None:
+        """The engine stops: every running request ends cancelled."""
+        for lv in self.running.values():
+            lv.done = FinishReason.CANCELLED
+
+    def retire(self, decoder: DecoderProgress) -> list[Retire]:
+        """The ended rows that leave now: a decoder error ends a row; an ended row leaves once its frames are
+        handed to the decoder (EOS, budget) and its audio is out."""
+        out = []
+        for lv in list(self.running.values()):
+            if lv.decode_error is not None and lv.done not in (FinishReason.CANCELLED, FinishReason.ERROR):
+                lv.done, lv.error = FinishReason.ERROR, lv.decode_error
+                lv.pending.clear()
+            if lv.done is None:
+                continue
+            if lv.done in (FinishReason.EOS, FinishReason.BUDGET) and lv.pending:
+                continue  # flushed by the next decode_due
+            if decoder.inflight(lv):
+                continue  # its audio is still in the decoder
+            out.append(Retire(lv, lv.done, lv.error))
+        return out
