@@ -235,7 +235,7 @@ class DecodeWorker:
         gpu_guard: AbstractContextManager | None = None,
     ):
         self.decoder = decoder
-        # Held around each decode call: the engine's lock while graphs are captured lazily (engine.py), else none.
+        # Held around each decode call: the engine's lock while graphs are captured lazily (runner.py), else none.
         self._gpu_guard = gpu_guard if gpu_guard is not None else contextlib.nullcontext()
         self._deliver, self._fail, self._cv = deliver, fail, cv
         self.threaded = threaded
