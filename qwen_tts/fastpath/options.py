@@ -10,8 +10,9 @@ Standard library only: the server's settings import this module, and must not im
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["PRESETS", "FastPath", "FastPathError", "FrameStepMode", "warp_elements_error"]
 
@@ -187,5 +188,9 @@ class FastPath:
         raise FastPathError("fast_path", f"fast_path must be {', '.join(PRESETS)}, not {name!r}")
 
     @classmethod
-    def field_names(cls) -> frozenset[str]:
-        return frozenset(f.name for f in dataclasses.fields(cls))
+    def split(cls, fields: Mapping[str, Any], base: FastPath | None = None) -> tuple[FastPath, dict[str, Any]]:
+        """A variant's `fields` (benchmarks, tests) as (a FastPath: its fields over `base`, else the default preset;
+        the other fields, for EngineSettings)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        fast = dataclasses.replace(base or cls(), **{k: v for k, v in fields.items() if k in names})
+        return fast, {k: v for k, v in fields.items() if k not in names}
