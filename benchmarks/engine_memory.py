@@ -50,13 +50,13 @@ def allocated(device: str) -> float | None:
 async def one_engine(settings: tuple[EngineSettings, FastPath], frames: int) -> tuple[dict, weakref.ref]:
     engine = create_engine(*settings)
     await engine.start()
-    out = {"started_gib": allocated(settings.device)}
+    out = {"started_gib": allocated(settings[0].device)}
     try:
         handle = engine.submit(
             SynthesisRequest(text=TEXT, xvector=torch.randn(engine.xvector_dim), seed=1, greedy=True, max_frames=frames)
         )
         await handle.collect()
-        out["after_request_gib"] = allocated(settings.device)
+        out["after_request_gib"] = allocated(settings[0].device)
     finally:
         await engine.stop()
     return out, weakref.ref(engine)
