@@ -248,17 +248,26 @@ def test_the_wave_driver_streams_a_second_wave_over_the_same_kept_alive_connecti
 
 def test_engine_variants_combine_with_plus_and_unknown_names_are_refused_up_front():
     assert bench.variant_settings("") == {}
-    assert bench.variant_settings("split-attention+fp16-decoder") == {"split_attention": True, "decoder_fp16": True}
-    assert bench.engine_variants("small-m-gemm,no-split-k") == ["small-m-gemm", "no-split-k"]
+    assert bench.variant_settings("channels-last+fp32-decoder") == {
+        "decoder_channels_last": True,
+        "decoder_fp16": False,
+    }
+    assert bench.engine_variants("one-stream,chunk-24") == ["one-stream", "chunk-24"]
     with pytest.raises(ValueError, match="unknown engine variant 'fast'"):
-        bench.variant_settings("split-attention+fast")
+        bench.variant_settings("channels-last+fast")
     with pytest.raises(bench.argparse.ArgumentTypeError, match="unknown engine variant 'fast'"):
-        bench.engine_variants("no-split-k,fast")
-    # Every variant is a set of real EngineSettings fields.
-    from qwen_tts.engine_api import EngineSettings
+        bench.engine_variants("chunk-24,fast")
+    # At most ten, and every variant is real EngineSettings and FastPath fields: a preset and its changes combine.
+    from qwen_tts.fastpath.options import FastPath
 
+    assert len(bench.VARIANTS) <= 10
     for name in bench.VARIANTS:
-        EngineSettings(**bench.variant_settings(name))
+        bench.variant_engine(name)
+    settings, fast = bench.variant_engine("one-stream+channels-last", max_slots=2)
+    assert (settings.fast_path, settings.max_slots) == ("one-stream", 2)
+    assert fast == FastPath(
+        cp_stack_kernel="cuda", talker_stack_kernel="cuda", small_m_heads=True, decoder_channels_last=True
+    )
 
 
 def test_gpu_variants_script_names_its_stages_and_refuses_unknown_ones_before_installing(tmp_path):

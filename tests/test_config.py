@@ -38,9 +38,7 @@ def test_defaults_match_the_seed_and_serve_the_demo() -> None:
         ("chunk_growth", 2, "4", 4, "1"),
         ("admission_step_budget_ms", 0.0, "64", 64.0, "-5"),  # 0: off
         ("decoder_fp16", True, "false", False, "maybe"),  # on CUDA only
-        ("cp_stack_kernel", "off", "cuda", "cuda", "fast"),  # on CUDA only
-        ("talker_stack_kernel", "off", "cuda", "cuda", "persistent"),  # on CUDA only
-        ("small_m_heads", False, "true", True, "often"),  # on CUDA only
+        ("fast_path", "default", "one-stream", "one-stream", "fast"),  # on CUDA only
         ("fused_deterministic", True, "false", False, "sometimes"),  # on CUDA only
     ],
 )
@@ -77,6 +75,21 @@ def test_environment_overrides_every_seed_variable(monkeypatch: pytest.MonkeyPat
     assert s.device == "cuda:1"
     assert (s.host, s.port, s.max_concurrent, s.stage_init_timeout) == ("127.0.0.1", 9000, 4, 30.0)
     assert (s.temperature, s.top_k, s.max_new_tokens) == (0.5, 20, 300)
+    # The vllm-omni backend's own options reach the engine as its backend options.
+    assert s.engine_settings().backend_options == {
+        "stage_config": Path("other.yaml"),
+        "stage_init_timeout": 30.0,
+        "speaker_transport": "auto",
+    }
+
+
+@pytest.mark.parametrize("var", ["TTS_CP_STACK_KERNEL", "TTS_TALKER_STACK_KERNEL", "TTS_SMALL_M_HEADS"])
+def test_variables_replaced_by_fast_path_stop_the_server_naming_it(monkeypatch: pytest.MonkeyPatch, var: str) -> None:
+    monkeypatch.setenv(var, "cuda")
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"invalid configuration: {var}: replaced by TTS_FAST_PATH")
 
 
 def test_lists_accept_commas_or_json(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,3 +179,18 @@ def test_upload_bytes_in_flight_must_hold_one_largest_upload(monkeypatch: pytest
 def test_unknown_tts_variables_are_reported() -> None:
     env = {"TTS_MAX_CONCURENT": "4", "TTS_PORT": "1", "HOME": "/root"}
     assert unknown_env_vars(env) == ["TTS_MAX_CONCURENT"]
+
+
+def test_the_settings_import_no_kernel() -> None:
+    """The server's settings (and the interface and FastPath under them) import neither Triton nor a kernel module."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tts_server.settings; "
+        "mods = [m for m in sys.modules if m == 'triton' or m.startswith('triton.') or "
+        "(m.startswith('qwen_tts.fastpath.') and m != 'qwen_tts.fastpath.options')]; print(mods)"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

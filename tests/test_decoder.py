@@ -18,6 +18,7 @@ from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest
 from qwen_tts.engines.native import decoder as decoder_mod
 from qwen_tts.engines.native.decoder import DecodeJob, DecodeWorker, SlotDecoder
 from qwen_tts.engines.native.engine import NativeEngine
+from qwen_tts.fastpath.options import FastPath
 from qwen_tts.model.codec_decoder import Code2Wav
 from qwen_tts.model.loading import load_model
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
@@ -192,8 +193,9 @@ def _requests(model, n):
 
 
 async def _serve(model, requests, **kw):
+    fast, kw = FastPath.split(kw)
     cfg = EngineSettings(model_path=str(model.path), device="cpu", warmup=False, **kw)
-    engine = NativeEngine(cfg, model=model)
+    engine = NativeEngine(cfg, model=model, fast_path=fast)
     await engine.start()
     try:
         handles = [engine.submit(r) for r in requests]

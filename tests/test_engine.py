@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import time
 
@@ -24,6 +25,7 @@ from qwen_tts.engines.native import runner as runner_mod
 from qwen_tts.engines.native import scheduler as scheduler_mod
 from qwen_tts.engines.native.engine import NativeEngine
 from qwen_tts.fastpath import fused, small_m_gemm
+from qwen_tts.fastpath.options import FastPath, FastPathError
 from qwen_tts.model.loading import load_model
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
 from qwen_tts.model.sampling import suppress_mask
@@ -51,8 +53,9 @@ OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "ove
 
 
 def make_engine(model, fault_hook=None, **kw) -> NativeEngine:
+    fast, kw = FastPath.split(kw)
     cfg = EngineSettings(model_path=str(model.path), device="cpu", warmup=False, **kw)
-    return NativeEngine(cfg, model=model, fault_hook=fault_hook)
+    return NativeEngine(cfg, model=model, fast_path=fast, fault_hook=fault_hook)
 
 
 def xvec(model, seed: int) -> torch.Tensor:
@@ -198,52 +201,68 @@ def test_fast_path_is_the_cuda_path_only(tiny_checkpoint):
     assert m.talker.code_predictor.input_tables is None and m.talker.code_predictor.prompt_one_pass is False
 
 
-def test_engine_settings_name_the_field_and_its_choices():
-    with pytest.raises(EngineSettingsError, match="frame_step must be auto, eager, padded or graphs"):
-        EngineSettings(frame_step="fast")
+def test_fast_path_options_name_the_field_and_its_choices():
+    with pytest.raises(FastPathError, match="frame_step must be auto, eager, padded or graphs"):
+        FastPath(frame_step="fast")
     for bad in (0, 9):
-        with pytest.raises(EngineSettingsError, match=f"small_m_split_k must be 1 to 8, not {bad}") as e:
-            EngineSettings(small_m_split_k=bad)
+        with pytest.raises(FastPathError, match=f"small_m_split_k must be 1 to 8, not {bad}") as e:
+            FastPath(small_m_split_k=bad)
         assert e.value.setting == "small_m_split_k"
     for bad in (-1, 4):
-        with pytest.raises(EngineSettingsError, match=f"^stack_exact_rows must be 0 to 3 rows, not {bad}$") as e:
-            EngineSettings(stack_exact_rows=bad)
+        with pytest.raises(FastPathError, match=f"^stack_exact_rows must be 0 to 3 rows, not {bad}$") as e:
+            FastPath(stack_exact_rows=bad)
         assert e.value.setting == "stack_exact_rows"
-    assert [EngineSettings(stack_exact_rows=n).stack_exact_rows for n in (0, 3)] == [0, 3]
+    assert [FastPath(stack_exact_rows=n).stack_exact_rows for n in (0, 3)] == [0, 3]
     for bad in (0, 100, 8192):
-        with pytest.raises(EngineSettingsError, match=f"must be a power of two from 32 to 4096, not {bad}") as e:
-            EngineSettings(kernel_sampler_warp_elements=bad)
+        with pytest.raises(FastPathError, match=f"must be a power of two from 32 to 4096, not {bad}") as e:
+            FastPath(kernel_sampler_warp_elements=bad)
         assert e.value.setting == "kernel_sampler_warp_elements"
-    assert EngineSettings(kernel_sampler_warp_elements=2048).kernel_sampler_warp_elements == 2048
+    assert FastPath(kernel_sampler_warp_elements=2048).kernel_sampler_warp_elements == 2048
     for name in ("cp_stack_threads", "talker_stack_threads"):
         for bad in (128, 384, 1024):
-            with pytest.raises(EngineSettingsError, match=f"^{name} must be 256 or 512, not {bad}$") as e:
-                EngineSettings(**{name: bad})
+            with pytest.raises(FastPathError, match=f"^{name} must be 256 or 512, not {bad}$") as e:
+                FastPath(**{name: bad})
             assert e.value.setting == name
     for bad in (0, 16, 100):
         with pytest.raises(
-            EngineSettingsError, match=f"^talker_stack_chunk must be a multiple of 32 positions, not {bad}$"
+            FastPathError, match=f"^talker_stack_chunk must be a multiple of 32 positions, not {bad}$"
         ) as e:
-            EngineSettings(talker_stack_chunk=bad)
+            FastPath(talker_stack_chunk=bad)
         assert e.value.setting == "talker_stack_chunk"
-    s = EngineSettings()
+    s = FastPath()
     assert (s.cp_stack_threads, s.talker_stack_threads) == (512, 256) and s.stack_exact_rows == 1
     assert (s.talker_stack_stage, s.talker_stack_chunk) == (True, 64)
-    assert EngineSettings(talker_stack_chunk=192).talker_stack_chunk == 192
-    assert s.talker_stack_split == 32 and EngineSettings(talker_stack_split=0).talker_stack_split == 0
+    assert FastPath(talker_stack_chunk=192).talker_stack_chunk == 192
+    assert s.talker_stack_split == 32 and FastPath(talker_stack_split=0).talker_stack_split == 0
     for bad, chunk in ((16, 64), (-32, 64), (128, 64), (64, 32)):
         with pytest.raises(
-            EngineSettingsError,
+            FastPathError,
             match=rf"^talker_stack_split must be 0 or a multiple of 32 positions up to talker_stack_chunk \({chunk}\), "
             rf"not {bad}$",
         ) as e:
-            EngineSettings(talker_stack_split=bad, talker_stack_chunk=chunk)
+            FastPath(talker_stack_split=bad, talker_stack_chunk=chunk)
         assert e.value.setting == "talker_stack_split"
-    assert EngineSettings(talker_stack_chunk=192, talker_stack_split=128).talker_stack_split == 128
-    assert EngineSettings(talker_stack_threads=512).talker_stack_threads == 512
-    with pytest.raises(EngineSettingsError, match="decoder_polyphase_dilation must be >= 0, not -1") as e:
-        EngineSettings(decoder_polyphase_dilation=-1)
-    assert e.value.setting == "decoder_polyphase_dilation" and EngineSettings().decoder_polyphase_dilation == 9
+    assert FastPath(talker_stack_chunk=192, talker_stack_split=128).talker_stack_split == 128
+    assert FastPath(talker_stack_threads=512).talker_stack_threads == 512
+    with pytest.raises(FastPathError, match="decoder_polyphase_dilation must be >= 0, not -1") as e:
+        FastPath(decoder_polyphase_dilation=-1)
+    assert e.value.setting == "decoder_polyphase_dilation" and FastPath().decoder_polyphase_dilation == 9
+    with pytest.raises(FastPathError, match=r"^cp_stack_kernel must be off or cuda, not 'phases'$"):
+        FastPath(cp_stack_kernel="phases")
+
+
+def test_fast_path_presets_and_the_setting_that_names_them():
+    assert FastPath.preset("default") == FastPath() and EngineSettings().fast_path == "default"
+    one = FastPath.preset("one-stream")
+    assert (one.cp_stack_kernel, one.talker_stack_kernel, one.small_m_heads) == ("cuda", "cuda", True)
+    eager = FastPath.preset("eager")
+    assert eager.frame_step == "eager" and not (eager.fused_kernels or eager.kernel_sampler or eager.decode_graphs)
+    assert not (eager.fused_decoder or eager.decoder_snake_kernel) and eager.decoder_polyphase_dilation == 0
+    with pytest.raises(EngineSettingsError, match=r"^fast_path must be default, one-stream, eager, not 'fast'$") as e:
+        EngineSettings(fast_path="fast")
+    assert e.value.setting == "fast_path"
+    fast, rest = FastPath.split({"kernel_sampler": False, "max_slots": 2}, base=one)
+    assert fast == dataclasses.replace(one, kernel_sampler=False) and rest == {"max_slots": 2}
 
 
 async def test_different_inputs_give_different_codes(tiny_model):
@@ -483,7 +502,7 @@ def test_one_row_steps_needs_both_stacks_on_the_cuda_kernel_and_the_heads_on_the
 
     fn = object()
     assert cuda_graph.one_row_steps(talker("cuda", "cuda", fn))
-    for args in ((None, "cuda", fn), ("cuda", None, fn), ("cuda", "persistent", fn), ("cuda", "cuda", None)):
+    for args in ((None, "cuda", fn), ("cuda", None, fn), ("cuda", "cuda", None)):
         assert not cuda_graph.one_row_steps(talker(*args)), args
 
 
@@ -540,10 +559,11 @@ async def test_cuda_graphs_equal_eager_on_cuda(eos_prone_path):
     def cuda_engine(**kw) -> NativeEngine:
         # TF32 and the float16 decoder off: this test holds the streamed audio to the exact whole decode
         # (test_decoder.py checks the float16 decoder graphed against eager).
+        fast, kw = FastPath.split(kw)
         cfg = EngineSettings(
             model_path=str(model.path), device="cuda", max_slots=4, decoder_tf32=False, decoder_fp16=False, **kw
         )
-        return NativeEngine(cfg, model=model)
+        return NativeEngine(cfg, model=model, fast_path=fast)
 
     eager, audio_eager = await run_codes(cuda_engine(frame_step="eager", warmup=False), mixed_requests(model))
     eng = cuda_engine(frame_step="graphs", warmup=True)  # warmup captures every bucket up front
@@ -641,7 +661,9 @@ async def test_a_stopped_engine_leaves_a_cublas_workspace_per_stream_not_per_gra
 async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
     model = load_model(tiny_model.path, device="cuda")
     eng = NativeEngine(
-        EngineSettings(model_path=str(model.path), device="cuda", max_slots=8, warmup=False, **variant), model=model
+        EngineSettings(model_path=str(model.path), device="cuda", max_slots=8, warmup=False),
+        model=model,
+        fast_path=FastPath(**variant),
     )
     await eng.start()
     try:
@@ -657,19 +679,18 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
     assert eng._runner._frame_step is not None and eng._runner._frame_step.num_graphs > 1
     assert torch.equal(codes_of(alone), codes_of(handles[3]))
     for name in ("split_attention", "small_m_gemm"):
-        want = variant.get(name, getattr(EngineSettings, name))  # the default is both kernels on
+        want = variant.get(name, getattr(FastPath, name))  # the default is both kernels on
         assert all(getattr(layer.fused, name) == want for layer in model.talker.model.layers)
 
 
 @needs_cuda
-@pytest.mark.parametrize(("greedy", "tags"), [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("greedy", [True, False])
 async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_equal_in_a_pair(
-    tiny_model, greedy, tags, monkeypatch
+    tiny_model, greedy, monkeypatch
 ):
     """cp_stack_kernel="cuda" (bf16 code-predictor passes of at most four rows by stack_cuda.cu): a request gives the
     same codes alone and beside another (passes of 2 and 4 rows, all by the kernel), graphed and eager alike. Past four
-    rows the fused path's kernels take the passes, so this invariance holds up to two streams (docs/history/benchmarks-diary.md).
-    tags: the passes without grid barriers (stack_tags), graphed and eager, the row counts changing between them."""
+    rows the fused path's kernels take the passes, so this invariance holds up to two streams (docs/history/benchmarks-diary.md)."""
     from qwen_tts.fastpath.stack import stack_cuda
 
     model = load_model(tiny_model.path, device="cuda")
@@ -679,13 +700,12 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
     results = {}
     for frame_step in ("eager", "graphs"):
         eng = NativeEngine(
-            EngineSettings(model_path=str(model.path), device="cuda", max_slots=2, warmup=False, frame_step=frame_step,
-                           cp_stack_kernel="cuda", stack_tags=tags),
+            EngineSettings(model_path=str(model.path), device="cuda", max_slots=2, warmup=False),
             model=model,
-        )  # fmt: skip
+            fast_path=FastPath(frame_step=frame_step, cp_stack_kernel="cuda"),
+        )
         await eng.start()
         try:
-            assert stack_cuda.set_options()["tags"] is tags
             target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
             (alone,), _ = await run(eng, [target])
             (pair, _), _ = await run(
@@ -706,27 +726,24 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
 
 @needs_cuda
 @pytest.mark.parametrize(
-    ("greedy", "heads", "tags", "wide", "staged", "mma", "exact"),
-    [(True, False, False, False, True, False, True), (False, True, False, False, True, False, True),
-     (True, True, False, False, True, False, True), (True, True, True, False, True, False, True),
-     (False, True, False, True, True, False, True), (False, True, False, False, False, False, True),
-     (False, True, False, False, True, True, True), (True, True, False, False, True, False, False),
-     (False, True, False, False, True, False, 3)],
+    ("greedy", "heads", "wide", "staged", "exact"),
+    [(True, False, False, True, True), (False, True, False, True, True),
+     (True, True, False, True, True), (False, True, True, True, True),
+     (False, True, False, False, True), (True, True, False, True, False),
+     (False, True, False, True, 3)],
 )  # fmt: skip
 async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_equal_in_a_pair(
-    tiny_model, greedy, heads, tags, wide, staged, mma, exact, monkeypatch
+    tiny_model, greedy, heads, wide, staged, exact, monkeypatch
 ):
-    """talker_stack_kernel="cuda" with cp_stack_kernel="cuda": the talker's one-token passes (a long cache, attention
-    in chunks) and the code predictor's by stack_cuda.cu. A request gives the same codes alone and beside another,
-    graphed and eager alike, and the talker's passes all went through the kernel. With the heads on the few-row
-    kernel too (small_m_heads), a lone stream's graphed steps are one row, not two padded (one_row_steps), and still
-    give the codes it gets beside another stream. tags: both stacks' passes without grid barriers (stack_tags).
-    wide: the talker's blocks of 512 threads too (talker_stack_threads). staged: the talker's cached keys and values staged in shared memory (the
-    default, talker_stack_stage), else read from the cache. mma: both stacks' matmuls on the tensor cores
-    (cp_stack_mma, talker_stack_mma). exact: one-row passes by the kernel's one-row build (stack_exact_rows 1,
-    the default; True), passes of up to three rows each by its own build (3), else every pass by the four-row build
-    (False). The request runs past 64 positions, where the default talker_stack_split of 32 spreads its
-    attention over three chunks, then four."""
+    """talker_stack_kernel="cuda" with cp_stack_kernel="cuda": the talker's one-token passes (a long cache, attention in
+    chunks) and the code predictor's by stack_cuda.cu. A request gives the same codes alone and beside another, graphed
+    and eager alike, and the talker's passes all went through the kernel. With the heads on the few-row kernel too
+    (small_m_heads), a lone stream's graphed steps are one row, not two padded (one_row_steps), and still give the codes
+    it gets beside another stream. wide: the talker's blocks of 512 threads too (talker_stack_threads). staged: the
+    talker's cached keys and values staged in shared memory (the default, talker_stack_stage), else read from the cache.
+    exact: one-row passes by the kernel's one-row build (stack_exact_rows 1, the default; True), passes of up to three
+    rows each by its own build (3), else every pass by the four-row build (False). The request runs past 64 positions,
+    where the default talker_stack_split of 32 spreads its attention over three chunks, then four."""
     from qwen_tts.fastpath.stack import stack_cuda
 
     widen = dict(talker_stack_threads=512) if wide else {}
@@ -742,25 +759,24 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
     results = {}
     for frame_step in ("eager", "graphs"):
         eng = NativeEngine(
-            EngineSettings(model_path=str(model.path), device="cuda", max_slots=2, warmup=False, frame_step=frame_step,
-                           cp_stack_kernel="cuda", talker_stack_kernel="cuda", small_m_heads=heads,
-                           stack_tags=tags, cp_stack_mma=mma, talker_stack_mma=mma, stack_exact_rows=int(exact),
-                           **widen),
+            EngineSettings(model_path=str(model.path), device="cuda", max_slots=2, warmup=False),
             model=model,
+            fast_path=FastPath(frame_step=frame_step, cp_stack_kernel="cuda", talker_stack_kernel="cuda",
+                               small_m_heads=heads, stack_exact_rows=int(exact), **widen),
         )  # fmt: skip
         await eng.start()
         try:
             opts = stack_cuda.set_options()
             # the code predictor's blocks of 512 threads (the default), the talker's of 256 unless wide
-            assert opts["tags"] is tags and opts["threads"] == 512 and opts["long_threads"] == (512 if wide else 256)
-            assert opts["stage"] is staged and opts["chunk"] == 64 and opts["mma"] is opts["long_mma"] is mma
+            assert opts["threads"] == 512 and opts["long_threads"] == (512 if wide else 256)
+            assert opts["stage"] is staged and opts["chunk"] == 64
             assert opts["split"] == 32 and opts["exact_rows"] == int(exact)
             for sw, n in (
                 (model.talker.model.stack_weights, eng._runner._cache.max_len),
                 (model.talker.code_predictor.model.stack_weights, model.talker.code_predictor.num_residual + 1),
             ):
                 lay = stack_cuda.device_layout(sw, n, torch.device("cuda", torch.cuda.current_device()), 1)[0]
-                assert lay.rows == (1 if exact and not tags else stack_cuda.MAX_ROWS)  # a one-row pass's build
+                assert lay.rows == (1 if exact else stack_cuda.MAX_ROWS)  # a one-row pass's build
             # 64 frames at least: the talker's positions pass 64, where its attention goes from one chunk to three
             target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=72, min_frames=64)
             calls.clear()
@@ -777,9 +793,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
             await eng.stop()  # stack_cuda's options go back to the defaults after the test (conftest)
         assert eng.model_info["talker_stack_kernel"] == "cuda" and eng.model_info["cp_stack_kernel"] == "cuda"
         assert eng.model_info["one_row_steps"] == heads
-        assert eng.model_info["stack_tags"] is tags
-        assert eng.model_info["cp_stack_mma"] is eng.model_info["talker_stack_mma"] is mma
-        assert eng.model_info["stack_exact_rows"] == (0 if tags else int(exact))
+        assert eng.model_info["stack_exact_rows"] == int(exact)
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         blocks = eng.model_info["stack_blocks"]  # the lean grid: at most every SM
         assert set(blocks) == {"code_predictor", "talker"} and all(0 < n <= sms for n in blocks.values()), blocks

@@ -17,6 +17,7 @@ import torch
 from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest
 from qwen_tts.engines.native import NativeEngine
 from qwen_tts.engines.native.frame_step import StepCodes
+from qwen_tts.fastpath.options import FastPath
 from qwen_tts.model.reference_loop import generate_codes
 
 # (text, options): each row exercises a different part of the loop.
@@ -86,8 +87,9 @@ def reference(model, req: SynthesisRequest) -> torch.Tensor:
 async def run_engine(model, requests: list[SynthesisRequest], **settings) -> tuple[NativeEngine, list]:
     p = next(model.talker.parameters())  # the engine runs where the model's weights are, in their dtype
     where = {"device": p.device.type, "dtype": str(p.dtype).removeprefix("torch."), "warmup": False}
+    fast, settings = FastPath.split(settings)  # the fast-path options among them
     cfg = EngineSettings(model_path=str(model.path), max_slots=8, **{**where, **settings})
-    eng = NativeEngine(cfg, model=model)
+    eng = NativeEngine(cfg, model=model, fast_path=fast)
     await eng.start()
     try:
         handles = [eng.submit(r) for r in requests]

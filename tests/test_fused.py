@@ -124,17 +124,14 @@ def test_decode_attention_takes_one_position_expanded_over_the_batch(split) -> N
         {"small_m_gemm": True},
         {"cp_one_pass": True},
         {"kernel_sampler": True},
-        {"cp_one_pass": True, "cp_stack_kernel": "phases"},
     ],
-    ids=["default", "split", "small-m-gemm", "cp-one-pass", "kernel-sampler", "cp-stack-kernel"],
+    ids=["default", "split", "small-m-gemm", "cp-one-pass", "kernel-sampler"],
 )
 async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, variant, monkeypatch) -> None:
     """The fused path, and each optional kernel on it (enabled with `enable`, then switched by `set_variants` on the
     same weights: the kernel each one names must be the one that runs), gives the reference loop's codes. So does
     the code predictor's two prompt tokens as two rows of one pass (cp_one_pass: 15 passes a frame, not 16), and
-    the sort-free sampler kernel (kernel_sampler: every one of a frame's 16 draws, top-p's included), and every
-    code-predictor pass by the one-kernel stack (cp_stack_kernel; on CPU its "phases" mode, the prompt's two tokens
-    as rows of one pass)."""
+    the sort-free sampler kernel (kernel_sampler: every one of a frame's 16 draws, top-p's included)."""
     variant = dict(variant)
     one_pass = variant.pop("cp_one_pass", False)
     kernel_sampler = variant.pop("kernel_sampler", False)

@@ -65,3 +65,19 @@ def test_both_configs_share_the_stage_layout() -> None:
         assert extra["codec_left_context_frames"] >= 72  # the decoder's attention window
         assert 1 <= extra["initial_codec_chunk_frames"] < extra["codec_chunk_frames"]
     assert opt["dtype"] == "bfloat16" and cpu["dtype"] == "float32"
+
+
+def test_backend_options_reach_the_vllm_omni_config_and_unknown_ones_are_refused(tiny_checkpoint: Path) -> None:
+    """The backend's own options come through EngineSettings.backend_options (no vLLM-Omni needed to check them)."""
+    from qwen_tts.engine_api import EngineSettings, EngineSettingsError
+    from qwen_tts.engines.vllm_omni import engine as vo
+
+    settings = EngineSettings(model_path=str(tiny_checkpoint), backend="vllm-omni", backend_options={"stage_conf": "x"})
+    with pytest.raises(EngineSettingsError, match=r"unknown vllm-omni option\(s\) \['stage_conf'\]") as e:
+        vo.VllmOmniEngine.from_settings(settings)
+    assert e.value.setting == "backend_options"
+    options = {"stage_config": None, "speaker_transport": "fast"}
+    with pytest.raises(EngineSettingsError, match="speaker_transport must be auto, tensor or list") as e:
+        vo.VllmOmniEngine.from_settings(EngineSettings(model_path=str(tiny_checkpoint), backend_options=options))
+    assert e.value.setting == "backend_options.speaker_transport"
+    assert set(vo.BACKEND_OPTIONS) <= {f for f in vo.VllmOmniConfig.__dataclass_fields__}

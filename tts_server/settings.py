@@ -24,14 +24,16 @@ from qwen_tts.voices import DEFAULT_PROFILES_DIR, MAX_CLIP_SECONDS, MIN_CLIP_SEC
 
 ENV_PREFIX = "TTS_"
 _ENGINE = EngineSettings()  # the engine's defaults, read below
-# Server setting -> EngineSettings field: the one mapping (engine_settings() and error messages both use it).
+# Server setting -> EngineSettings field: the one mapping (engine_settings() and error messages both use it). A
+# "backend_options." target is a key of EngineSettings.backend_options (an option of the vllm-omni backend's own).
+BACKEND_OPTION = "backend_options."
 ENGINE_FIELDS = {
     "model_path": "model_path",
     "backend": "backend",
     "demo_dir": "demo_dir",
-    "stage_config": "stage_config",
-    "stage_init_timeout": "stage_init_timeout",
-    "vllm_speaker_transport": "vllm_speaker_transport",
+    "stage_config": BACKEND_OPTION + "stage_config",
+    "stage_init_timeout": BACKEND_OPTION + "stage_init_timeout",
+    "vllm_speaker_transport": BACKEND_OPTION + "speaker_transport",
     "device": "device",
     "dtype": "dtype",
     "max_concurrent": "max_slots",
@@ -43,11 +45,11 @@ ENGINE_FIELDS = {
     "admission_step_budget_ms": "admission_step_budget_ms",
     "batch_invariant_decode": "batch_invariant_decode",
     "decoder_fp16": "decoder_fp16",
-    "cp_stack_kernel": "cp_stack_kernel",
-    "talker_stack_kernel": "talker_stack_kernel",
-    "small_m_heads": "small_m_heads",
     "fused_deterministic": "fused_deterministic",
+    "fast_path": "fast_path",
 }
+# Variables of earlier versions that TTS_FAST_PATH replaced: set, they stop the server with a line that says so.
+REPLACED_BY_FAST_PATH = ("TTS_CP_STACK_KERNEL", "TTS_TALKER_STACK_KERNEL", "TTS_SMALL_M_HEADS")
 DEFAULT_CONNECTIONS_PER_CLIENT = 64
 DEFAULT_UPLOAD_INFLIGHT_BYTES = 32 * 1024 * 1024
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
@@ -98,26 +100,16 @@ class ServerSettings(BaseSettings):
     # Decode each request on its own, so its audio is bit-identical whatever runs beside it (default: batched decode,
     # identical codes and audio within 1 int16 LSB; see docs/security.md for the measured cost).
     batch_invariant_decode: bool = _ENGINE.batch_invariant_decode
-    # On CUDA, Code2Wav's final conv stack in float16 (the audio within -50 dBFS of the exact float32 decode, ~15%
-    # more audio-s/s at 64-256 streams on an H200); false keeps it float32 with TF32. Ignored on CPU.
+    # On CUDA, Code2Wav's final conv stack in float16 (the audio about as close to the exact float32 decode, more
+    # audio-s/s: docs/performance.md); false keeps it float32 with TF32. Ignored on CPU.
     decoder_fp16: bool = _ENGINE.decoder_fp16
-    # On CUDA, each code-predictor pass through one kernel for its whole stack: "cuda" (stack_cuda.cu, passes of at
-    # most four bf16 rows; on an H200 one 1.7B stream 15.4x -> 15.8x real time, first audio +2 ms, and a request's
-    # codes then match alone and beside one other, not beside more), "phases"/"persistent" (the Triton kernel, no
-    # faster), "off" (the fused path's kernels; the default). See docs/history/benchmarks-diary.md. Ignored on CPU.
-    cp_stack_kernel: Literal["off", "phases", "persistent", "cuda"] = _ENGINE.cp_stack_kernel  # type: ignore[assignment]
-    # On CUDA, the talker's passes of at most four bf16 rows by the same CUDA kernel, "cuda", where its layer fits
-    # the kernel (the 0.6B's; the 1.7B's falls back to the default kernels with a warning), or "off" (the default).
-    # The same batch invariance as cp_stack_kernel. See docs/history/benchmarks-diary.md. Ignored on CPU.
-    talker_stack_kernel: Literal["off", "cuda"] = _ENGINE.talker_stack_kernel  # type: ignore[assignment]
-    # On CUDA, the output heads (the talker's and the code predictor's 15) on the few-row kernel instead of cuBLAS,
-    # so a row's logits do not depend on the rows beside it. With both stack kernels on "cuda", a lone stream's steps
-    # then run one row instead of two: on an H200 one 0.6B stream 17.2x -> 24.7x real time with the three settings
-    # (the 1.7B's talker does not fit the kernel: its steps stay two rows; docs/history/benchmarks-diary.md). Ignored on CPU.
-    small_m_heads: bool = _ENGINE.small_m_heads
+    # The native engine's kernels on CUDA: default; one-stream (both stack kernels and the few-row heads: the fastest
+    # lone stream, but a request's codes then match alone and beside one other stream, not beside more); eager (no
+    # compiled or custom kernel and no CUDA graph: for debugging). Figures: docs/performance.md. Ignored on CPU.
+    fast_path: Literal["default", "one-stream", "eager"] = _ENGINE.fast_path  # type: ignore[assignment]
     # On CUDA, the compiled blocks in inductor's deterministic mode: the same request and seed give the same codes
     # from a fresh process (a replica, a restart); off, inductor times its reduction configurations per process
-    # (+1.2% per frame step on an H200, docs/history/benchmarks-diary.md). Ignored on CPU.
+    # (a little faster: docs/performance.md). Ignored on CPU.
     fused_deterministic: bool = _ENGINE.fused_deterministic
     # Streaming granularity: a small first chunk for fast first audio, then larger ones for throughput.
     first_chunk_frames: int = Field(_ENGINE.first_chunk_frames, ge=1, le=256)
@@ -275,7 +267,13 @@ class ServerSettings(BaseSettings):
 
     def engine_settings(self) -> EngineSettings:
         """What the engine is built from: the one mapping from TTS_* variables to `EngineSettings`."""
-        return EngineSettings(**{engine: getattr(self, name) for name, engine in ENGINE_FIELDS.items()})
+        fields: dict[str, Any] = {"backend_options": {}}
+        for name, engine in ENGINE_FIELDS.items():
+            if engine.startswith(BACKEND_OPTION):
+                fields["backend_options"][engine.removeprefix(BACKEND_OPTION)] = getattr(self, name)
+            else:
+                fields[engine] = getattr(self, name)
+        return EngineSettings(**fields)
 
     def describe_engine_setting(self, engine_field: str) -> str:
         """`TTS_<NAME>='value'` for the variable behind an EngineSettings field (for one-line startup errors)."""
@@ -301,6 +299,11 @@ def _describe(err: dict[str, Any]) -> str:
 
 def load_settings(**overrides: Any) -> ServerSettings:
     """Read the environment (overrides win); raise SettingsError with one line per the first bad value."""
+    if replaced := [name for name in REPLACED_BY_FAST_PATH if name in os.environ]:
+        raise SettingsError(
+            f"invalid configuration: {', '.join(replaced)}: replaced by TTS_FAST_PATH (default, one-stream: both "
+            "stack kernels and the few-row heads, eager); unset it"
+        )
     try:
         return ServerSettings(**overrides)
     except ValidationError as e:

@@ -59,7 +59,7 @@ _ENGINE = EngineSettings()  # the engine's defaults
 ENGINE_FIELDS = {
     "model": "model_path",
     "backend": "backend",
-    "stage_configs_path": "stage_config",
+    "stage_configs_path": "backend_options.stage_config",  # the vllm-omni backend's own option
     "device": "device",
     "dtype": "dtype",
     "concurrency": "max_slots",
@@ -88,7 +88,8 @@ class BatchOptions:
         """What the engine is built from: the one mapping from these options to `EngineSettings`. Items in flight
         are capped at --concurrency, so that many slots and as many queue places suffice."""
         mapped = {engine: getattr(self, name) for name, engine in ENGINE_FIELDS.items()}
-        return EngineSettings(**mapped, max_queue=self.concurrency)
+        options = {"stage_config": mapped.pop("backend_options.stage_config")}
+        return EngineSettings(**mapped, max_queue=self.concurrency, backend_options=options)
 
     def describe_engine_setting(self, engine_field: str) -> str:
         """`--flag 'value'` for the option behind an EngineSettings field (for one-line errors)."""

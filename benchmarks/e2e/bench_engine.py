@@ -9,7 +9,7 @@ talker step time. Prints a table last and writes JSON.
 
 On CUDA the engine replays CUDA graphs of the frame step (--no-cuda-graphs: eager). --verify first checks on these
 weights that graphs and the eager path give identical codes; --eager-frames N then also times the eager path at N
-frames per request. The eager path is a second engine on the same checkpoint (EngineSettings.frame_step="eager");
+frames per request. The eager path is a second engine on the same checkpoint (FastPath.frame_step="eager");
 everything goes through the factory and the engine interface.
 """
 
@@ -31,6 +31,7 @@ import torch
 
 from qwen_tts.engine_api import Engine, EngineSettings, SynthesisRequest
 from qwen_tts.engines import create_engine
+from qwen_tts.fastpath.options import FastPath
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
 TEXT = (
@@ -160,21 +161,23 @@ async def main() -> None:
             max_text_tokens=256,
             first_chunk_frames=a.first_chunk,
             chunk_frames=a.chunk,
+            decoder_tf32=a.decoder_tf32,
+        )
+        fast = FastPath(
             frame_step="eager" if a.no_cuda_graphs else "auto",
             fused_kernels=not a.no_fused,
             decode_thread=not a.inline_decode,
             decode_graphs=not a.no_decode_graphs,
-            decoder_tf32=a.decoder_tf32,
         )
         t0 = time.perf_counter()
-        engine = create_engine(settings)
+        engine = create_engine(settings, fast)
         await engine.start()
         t_load = time.perf_counter() - t0
         print(f"checkpoint {a.size}: write {t_write:.1f}s, load+warmup {t_load:.1f}s, {engine.model_info}", flush=True)
         graphs = bool(engine.model_info.get("cuda_graphs"))
         eager_engine = None
         if graphs and (a.verify or a.eager_frames):  # the eager path: a second engine on the same checkpoint
-            eager_engine = create_engine(dataclasses.replace(settings, frame_step="eager"))
+            eager_engine = create_engine(settings, dataclasses.replace(fast, frame_step="eager"))
             await eager_engine.start()
         checks = None
         if a.verify and eager_engine is not None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -59,6 +60,7 @@ import torch
 # --- The engine's public pieces: the one place to update when the package moves. -------------------------------
 from qwen_tts.engine_api import SAMPLE_RATE, EngineSettings, QueueFullError, SynthesisRequest
 from qwen_tts.engines import create_engine, release_device_memory
+from qwen_tts.fastpath.options import FastPath
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
 from qwen_tts.voices import VoiceProfile, save_profile
 from tts_server.heap import freeze_startup_heap, thaw_and_collect
@@ -73,80 +75,40 @@ TEXT = (
 FRAME_S = 0.08  # one codec frame = 80 ms of audio
 GIB = 1024**3
 PARTS = ("engine", "poisson", "http", "profile", "reference", "peer")
-# Engine settings compared in the same run (--engine-variants): "" is the default engine.
+# Engines compared in the same run (--engine-variants): "" is the default engine. Each variant is EngineSettings
+# fields and FastPath fields (qwen_tts/fastpath/options.py) over the defaults; the ideas measured before these are in
+# docs/performance.md's ledger, each with the commit that can bring it back.
 VARIANTS: dict[str, dict] = {
     "": {},
-    "inline-decode": {"decode_thread": False, "decode_graphs": False},  # Code2Wav eager, in the engine loop
-    "eager-decode": {"decode_graphs": False},  # on its own thread, without CUDA graphs
-    "decode-thread-off": {"decode_thread": False},  # graphed, in the engine loop
-    "decode-pageable": {"decode_pinned_io": False},  # graphed Code2Wav's copies pageable (before the default)
-    "default-stream": {"step_stream_priority": False},  # frame steps on the default stream, not a high-priority one
-    "eager-snake": {"fused_decoder": False},  # Code2Wav's SnakeBeta as five eager passes
-    # The kernels measured into the defaults, each way: on (the default now) and off (the engine before them).
-    "split-attention": {"split_attention": True},  # attention split over positions (decode_attention.py)
-    "no-split-attention": {"split_attention": False},  # one program per (row, kv head)
-    "small-m-gemm": {"small_m_gemm": True},  # the decoder layers' 2-16-row matmuls by our Triton kernel
-    "no-small-m-gemm": {"small_m_gemm": False},  # those matmuls through cuBLAS
-    "fp16-decoder": {"decoder_fp16": True},  # Code2Wav's final conv stack in float16
+    "one-stream": {"fast_path": "one-stream"},  # the one-stream preset: both stack kernels, the few-row heads
+    "eager": {"fast_path": "eager"},  # the eager preset: the model's own PyTorch, no CUDA graphs
+    "channels-last": {"decoder_channels_last": True},  # Code2Wav's conv stack in the (B, T, C) layout (pending)
     "fp32-decoder": {"decoder_fp16": False},  # Code2Wav in float32 (TF32 convolutions)
-    "polyphase-9": {"decoder_polyphase_dilation": 9},  # Code2Wav's dilation-9 convs over interleaved phases
-    "polyphase-3": {"decoder_polyphase_dilation": 3},  # and its dilation-3 ones
-    "no-polyphase": {"decoder_polyphase_dilation": 0},  # every dilated conv as cuDNN runs it (before the default)
-    "no-snake-kernel": {"decoder_snake_kernel": False},  # Code2Wav's bias, residual, SnakeBeta, padding: 4 passes
-    "channels-last": {"decoder_channels_last": True},  # Code2Wav's conv stack in the (B, T, C) layout
-    "no-overlap": {"overlap_steps": False},  # each step's codes read before the next step is launched
-    "chunk-jump": {"chunk_growth": 4},  # chunks of 3 then 12 frames, as before the ramp through 6
+    "no-deterministic": {"fused_deterministic": False},  # reduction configs timed per process, not by rule
+    "batch-invariant-decode": {"batch_invariant_decode": True},  # each request's chunks decoded on their own
     "admission-64ms": {"admission_step_budget_ms": 64.0},  # queue new requests while steps exceed 64 ms
-    "split-k": {"small_m_split_k": 4},  # the few-row matmul split over K where blocks leave SMs idle (the default)
-    "no-split-k": {"small_m_split_k": 1},  # and never split (the default before it was measured)
-    "cp-one-pass": {"cp_prompt_one_pass": True},  # the code predictor's two prompt tokens in one pass
-    "cp-two-passes": {"cp_prompt_one_pass": False},  # and in two passes (before the default)
-    "kernel-sampler": {"kernel_sampler": True},  # each draw by one Triton kernel, no sort (sample_kernel.py)
-    "no-kernel-sampler": {"kernel_sampler": False},  # the compiled sampling.sample (before the default)
-    "cp-fused-feed": {"cp_fused_feed": True},  # each code-predictor draw also feeds the next pass (one launch)
-    "cp-unfused-feed": {"cp_fused_feed": False},  # and the draw, gathers and add as four launches (before it)
-    "sampler-w1k": {"kernel_sampler_warp_elements": 1024},  # with kernel-sampler: 2 warps for 2048 logits
-    "sampler-w2k": {"kernel_sampler_warp_elements": 2048},  # and 1 warp
-    "emulate-casts": {"fused_emulate_casts": True},  # the compiled regions round bf16 where the eager ops round
-    "deterministic": {"fused_deterministic": True},  # the compiled regions' reduction configs by rule, not timing
-    "no-deterministic": {"fused_deterministic": False},
-    "small-m-heads": {"small_m_heads": True},  # the talker's and code predictor's heads by the few-row kernel
-    "cp-input-tables": {"cp_input_tables": True},  # the code predictor's pass inputs from projected tables
-    "no-cp-input-tables": {"cp_input_tables": False},  # and through the projection every pass (before the default)
-    "cp-stack-phases": {"cp_stack_kernel": "phases"},  # each code-predictor pass by the stack kernel, a launch a phase
-    "cp-stack-persistent": {"cp_stack_kernel": "persistent"},  # and in one persistent launch a pass
-    "cp-stack-cuda": {"cp_stack_kernel": "cuda"},  # passes of up to 4 rows by the CUDA kernel (stack_cuda.cu)
-    "talker-stack-cuda": {"talker_stack_kernel": "cuda"},  # and the talker's (where its layer fits: the 0.6B's)
-    "full-grid": {"stack_lean_grid": False},  # with those: the kernel on every SM, not only those it needs
-    "stack-tags": {"stack_tags": True},  # and their passes without grid barriers (tagged activations, polled)
-    "talker-stack-tags": {"talker_stack_tags": True},  # the tags for the talker's stack only
-    "no-stack-evict-first": {"stack_evict_first": False},  # the weight copies without the L2 evict-first policy
-    "stack-threads-512": {"cp_stack_threads": 512, "talker_stack_threads": 512},  # both stacks' blocks: 512 threads
-    "cp-stack-threads-256": {"cp_stack_threads": 256},  # the code predictor's blocks of 256 threads (the same bits)
-    "talker-stack-threads-512": {"talker_stack_threads": 512},  # the talker's blocks of 512 threads (the same bits)
-    "no-talker-stack-stage": {"talker_stack_stage": False},  # the talker's cached keys read from the cache (not staged)
-    "talker-stack-chunk-192": {"talker_stack_chunk": 192},  # its attention in chunks of 192 positions at least
-    "talker-stack-chunk-32": {"talker_stack_chunk": 32},  # and of 32 at least (up to four chunks a kv head)
-    "talker-stack-split-32": {"talker_stack_split": 32},  # one chunk up to 64 positions, past it chunks of 32 at least
-    "talker-stack-split-0": {"talker_stack_split": 0},  # past 64 positions, chunks of 64 (before the default)
-    "stack-mma": {"cp_stack_mma": True, "talker_stack_mma": True},  # both stacks' matmuls on the tensor cores
-    "cp-stack-mma": {"cp_stack_mma": True},  # the code predictor's only (padded slots, ldmatrix)
-    "talker-stack-mma": {"talker_stack_mma": True},  # the talker's only
-    "stack-exact-rows-3": {"stack_exact_rows": 3},  # a pass of M < 4 rows by the kernel's M-row build (same bits)
-    "no-stack-exact-rows": {"stack_exact_rows": 0},  # and every pass by its four-row build (one row: the default)
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints
 
 
 def variant_settings(name: str) -> dict:
-    """The EngineSettings of a variant: a name of VARIANTS, or several joined by '+' (their settings together)."""
+    """The fields of a variant: a name of VARIANTS, or several joined by '+' (their fields together)."""
     out: dict = {}
     for part in filter(None, name.split("+")):
         if part not in VARIANTS:
             raise ValueError(f"unknown engine variant {part!r}: choose from {', '.join(v for v in VARIANTS if v)}")
         out.update(VARIANTS[part])
     return out
+
+
+def variant_engine(name: str, **settings) -> tuple[EngineSettings, FastPath]:
+    """A variant's engine: its EngineSettings (`settings` under the variant's fields) and the FastPath handed to
+    the engine (the variant's fields over the preset its settings name)."""
+    fields = {**settings, **variant_settings(name)}
+    preset = FastPath.preset(fields.get("fast_path", EngineSettings.fast_path))
+    fast, rest = FastPath.split(fields, base=preset)
+    return EngineSettings(**rest), fast
 
 
 def engine_variants(text: str) -> list[str]:
@@ -1089,11 +1051,14 @@ class Run:
                 Path(self.a.out).parent.mkdir(parents=True, exist_ok=True)
                 Path(self.a.out).write_text(text)
 
-    def engine_config(self, ckpt: Path, slots: int, graphs: bool = True, variant: str = "") -> EngineSettings:
+    def engine_config(
+        self, ckpt: Path, slots: int, graphs: bool = True, variant: str = ""
+    ) -> tuple[EngineSettings, FastPath]:
         a = self.a
-        run = dict(first_chunk_frames=a.first_chunk, chunk_frames=a.chunk)  # a variant may set these
-        return EngineSettings(
-            **{**run, **variant_settings(variant)},
+        settings, fast = variant_engine(
+            variant,
+            first_chunk_frames=a.first_chunk,  # a variant may set these
+            chunk_frames=a.chunk,
             model_path=str(ckpt),
             device=a.device,
             dtype=a.dtype,
@@ -1101,13 +1066,13 @@ class Run:
             max_queue=100_000,
             max_frames=a.frames,
             max_text_tokens=256,
-            frame_step="auto" if graphs else "eager",
             decoder_tf32=not a.exact_decoder,
         )
+        return settings, fast if graphs else dataclasses.replace(fast, frame_step="eager")
 
-    async def start_engine(self, cfg: EngineSettings):
+    async def start_engine(self, cfg: tuple[EngineSettings, FastPath]):
         t0 = time.perf_counter()
-        engine = create_engine(cfg)
+        engine = create_engine(*cfg)
         await engine.start()
         # As the server does after start-up (tts_server/heap.py): full collections then skip the engine's heap,
         # instead of stopping its loop for tens of ms.

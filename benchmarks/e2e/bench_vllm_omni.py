@@ -232,7 +232,7 @@ def main() -> int:
                     model_path=model,
                     backend=name,
                     device=a.device,
-                    stage_config=Path(a.stage_config),
+                    backend_options={"stage_config": Path(a.stage_config)},
                     max_slots=slots,
                     max_frames=4096,
                 )

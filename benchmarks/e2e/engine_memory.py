@@ -7,7 +7,7 @@ emptied), and what stayed after `qwen_tts.engines.release_device_memory` (the CU
 workspaces handed back). One JSON line per engine, then a summary line. On a CPU the memory fields are null; the
 collection check still runs.
 
-    V=cp-stack-cuda+talker-stack-cuda+small-m-heads
+    V=one-stream
     python3 benchmarks/e2e/engine_memory.py --size 0.6b --variant $V     # on the GPU machine (random full-size weights)
     python3 benchmarks/e2e/engine_memory.py --size tiny --device cpu     # anywhere
 """
@@ -28,10 +28,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import variant_settings
+from bench_gpu import variant_engine
 
 from qwen_tts.engine_api import EngineSettings, SynthesisRequest
 from qwen_tts.engines import create_engine, release_device_memory
+from qwen_tts.fastpath.options import FastPath
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
 GIB = 1024**3
@@ -46,16 +47,16 @@ def allocated(device: str) -> float | None:
     return round(torch.cuda.memory_allocated() / GIB, 3)
 
 
-async def one_engine(settings: EngineSettings, frames: int) -> tuple[dict, weakref.ref]:
-    engine = create_engine(settings)
+async def one_engine(settings: tuple[EngineSettings, FastPath], frames: int) -> tuple[dict, weakref.ref]:
+    engine = create_engine(*settings)
     await engine.start()
-    out = {"started_gib": allocated(settings.device)}
+    out = {"started_gib": allocated(settings[0].device)}
     try:
         handle = engine.submit(
             SynthesisRequest(text=TEXT, xvector=torch.randn(engine.xvector_dim), seed=1, greedy=True, max_frames=frames)
         )
         await handle.collect()
-        out["after_request_gib"] = allocated(settings.device)
+        out["after_request_gib"] = allocated(settings[0].device)
     finally:
         await engine.stop()
     return out, weakref.ref(engine)
@@ -64,8 +65,8 @@ async def one_engine(settings: EngineSettings, frames: int) -> tuple[dict, weakr
 async def run(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_random_checkpoint(Path(tmp) / args.size, size=args.size, seed=0)
-        settings = EngineSettings(
-            **variant_settings(args.variant),
+        settings = variant_engine(
+            args.variant,
             model_path=str(ckpt),
             device=args.device,
             max_slots=args.slots,

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 from bench_attention import time_calls  # this script's directory is on sys.path when run
 
-from qwen_tts.engine_api import EngineSettings
 from qwen_tts.fastpath import fused, small_m_gemm
+from qwen_tts.fastpath.options import FastPath
 from qwen_tts.fastpath.stack import stack_cuda, stack_kernel
 from qwen_tts.model.config import DecoderLayersConfig
 from qwen_tts.model.layers import DecoderStack
@@ -171,7 +171,7 @@ def main() -> None:
         sys.exit("bench_stack: needs CUDA")
     dims = tuple(map(int, args.dims.split(",")))
     modes = args.modes.split(",")
-    small_m_gemm.set_max_split_k(EngineSettings().small_m_split_k)
+    small_m_gemm.set_max_split_k(FastPath().small_m_split_k)
     small_m_gemm.prepare("cuda")
     stack_kernel.prepare("cuda")
     stacks = {}

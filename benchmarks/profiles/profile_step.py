@@ -29,6 +29,7 @@ import torch
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.native.frame_step import FrameStepRunner, SlotState, bucket
 from qwen_tts.fastpath import fused, sample_kernel, small_m_gemm, snake_kernel
+from qwen_tts.fastpath.options import FastPath
 from qwen_tts.fastpath.stack import stack_cuda, stack_kernel
 from qwen_tts.model.loading import load_model
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
@@ -114,7 +115,7 @@ STEP_VARIANTS = {
 STEP_SPLIT_K = {"fused-split+small-m+no-split-k": 1, "fused-split+small-m-16x256": 1}
 STEP_BLOCKS = {"fused-split+small-m-16x256": (16, 256, 4)}
 DEFAULT_BLOCKS = (small_m_gemm.BLOCK_N, small_m_gemm.BLOCK_K, small_m_gemm.NUM_STAGES)
-DEFAULT_SPLIT_K = EngineSettings().small_m_split_k
+DEFAULT_SPLIT_K = FastPath().small_m_split_k
 
 
 def build(path: Path, variant: str, max_rows: int, max_len: int):
@@ -136,7 +137,7 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
         if "+tables" in variant:
             talker.code_predictor.build_input_tables()
         stack_kernel.set_options(preload="+preload" in variant)  # process-wide, read at capture
-        settings = EngineSettings()  # the engine's block sizes for each stack
+        settings = FastPath()  # the engine's block sizes for each stack
         stack_cuda.set_options(
             tags="+tags" in variant,
             long_tags="+talker-tags" in variant,

@@ -12,7 +12,7 @@ It prints the median frame, the slowest frames and the longest host stretches as
 twenty-seventh round found the engine loop standing still ~3.3 ms every 12 frames behind the decoder's blocking
 copy (docs/history/benchmarks-diary.md).
 
-    V=cp-stack-cuda+talker-stack-cuda+small-m-heads
+    V=one-stream
     python3 benchmarks/profiles/trace_request.py --size 0.6b --variant $V --out trace_0.6b.json.gz     # on the GPU machine
 """
 
@@ -36,9 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # bench_gpu
 
-from bench_gpu import TEXT, variant_settings
+from bench_gpu import TEXT, variant_engine
 
-from qwen_tts.engine_api import EngineSettings, SynthesisRequest
+from qwen_tts.engine_api import SynthesisRequest
 from qwen_tts.engines import create_engine
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
@@ -148,15 +148,15 @@ async def trace(args: argparse.Namespace) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_random_checkpoint(Path(tmp) / args.size, size=args.size, seed=0)
-        settings = EngineSettings(
-            **variant_settings(args.variant),
+        settings = variant_engine(
+            args.variant,
             model_path=str(ckpt),
             device="cuda",
             max_slots=args.slots,
             max_frames=args.frames,
             max_text_tokens=256,
         )
-        engine = create_engine(settings)
+        engine = create_engine(*settings)
         await engine.start()
         try:
             warm = [await _timed(engine, 100 + i, args.frames) for i in range(args.warm)]

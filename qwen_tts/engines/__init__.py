@@ -11,21 +11,27 @@ from collections.abc import Callable
 import torch
 
 from qwen_tts.engine_api import Engine, EngineSettings, EngineSettingsError
+from qwen_tts.fastpath.options import FastPath
 
 # Names a setting may give; `create_engine` says which of them this build lacks.
 BACKENDS = ("native", "vllm-omni", "fake")
 AVAILABLE_BACKENDS = ("native", "vllm-omni", "fake")  # vllm-omni: where vllm and vllm-omni are installed
 
 
-def create_engine(settings: EngineSettings, *, fault_hook: Callable[[], None] | None = None) -> Engine:
+def create_engine(
+    settings: EngineSettings, fast_path: FastPath | None = None, *, fault_hook: Callable[[], None] | None = None
+) -> Engine:
     """The engine `settings.backend` names, not yet started (`xvector_dim`, `languages` and `model_info` are
     already known). Raises EngineSettingsError naming the setting at fault (backend, model_path, device...).
-    `fault_hook` (fault injection, tests only) runs at each busy turn of the native engine's loop; the other
-    backends have no loop of ours and ignore it."""
+    `fast_path` (benchmarks' A/B runs) replaces the native engine's preset `settings.fast_path`. `fault_hook`
+    (fault injection, tests only) runs at each busy turn of the native engine's loop; the other backends have no
+    loop of ours and ignore it."""
+    if fast_path is not None and settings.backend != "native":
+        raise EngineSettingsError("backend", f"a FastPath is the native engine's, not the {settings.backend} backend's")
     if settings.backend == "native":
         from .native import NativeEngine
 
-        return NativeEngine(settings, fault_hook=fault_hook)
+        return NativeEngine(settings, fast_path=fast_path, fault_hook=fault_hook)
     if settings.backend == "vllm-omni":
         from .vllm_omni import VllmOmniEngine
 

@@ -593,17 +593,19 @@ def teacher_forced(size: str, device: str, frames: int, workdir: Path, seed: int
     ref["bf16"] = (lg[:, :V], _ours_cp_tf(m16, h, cp_in16))
     with ours_active():
         from qwen_tts.engines.native.engine import enable_fast_path
+        from qwen_tts.fastpath.options import FastPath
 
         # The engine's path at its defaults (enable_fast_path, as NativeEngine sets it up; on CPU the eager layers):
         # the talker one token a step; the code predictor one frame a call (one stream) and every frame in one call
         # (a batch of streams).
         default = ours.engine_api.EngineSettings()
-        runs = [("engine", default)]
-        if not default.fused_emulate_casts:  # and rounded where the eager layers round (fused.set_emulate_casts)
-            runs.append(("engine-emulate-casts", dataclasses.replace(default, fused_emulate_casts=True)))
-        if default.cp_input_tables and not isinstance(m16.talker.code_predictor.small_to_mtp_projection, nn.Identity):
+        fast = FastPath.preset(default.fast_path)
+        runs = [("engine", fast)]
+        if not fast.fused_emulate_casts:  # and rounded where the eager layers round (fused.set_emulate_casts)
+            runs.append(("engine-emulate-casts", dataclasses.replace(fast, fused_emulate_casts=True)))
+        if fast.cp_input_tables and not isinstance(m16.talker.code_predictor.small_to_mtp_projection, nn.Identity):
             # and the code predictor's inputs through the projection each pass, as the official computes them
-            runs.append(("engine-no-tables", dataclasses.replace(default, cp_input_tables=False)))
+            runs.append(("engine-no-tables", dataclasses.replace(fast, cp_input_tables=False)))
             runs.append(("engine-emulate-casts-no-tables", dataclasses.replace(runs[-1][1], fused_emulate_casts=True)))
         pad_to = None
         if device.startswith("cuda"):  # the engine's CUDA prefill runs at the prompt's length bucket
@@ -611,13 +613,13 @@ def teacher_forced(size: str, device: str, frames: int, workdir: Path, seed: int
 
             pad_to = next(b for b in len_buckets(default.max_text_tokens + L) if b >= L)
         results["engine_prefill_len"] = pad_to or L
-        for name, settings in runs:
-            if not enable_fast_path(m16.talker, settings, torch.device(device)) and name != "engine":
+        for name, variant in runs:
+            if not enable_fast_path(m16.talker, default, torch.device(device), variant) and name != "engine":
                 continue  # no fast path here: the variants are the eager layers again
             for per_call in (1, frames):
                 _, lg, cp = ours.reference_loop.teacher_forced_logits(m16.talker, seq16, L, codes, per_call, pad_to)
                 ref[f"{name}-{per_call}"] = (lg[:, :V], cp)
-        ours.fused.set_emulate_casts(default.fused_emulate_casts)
+        ours.fused.set_emulate_casts(fast.fused_emulate_casts)
     del m16
     # float32 official == float32 ours first: the teacher-forced inputs reach both implementations alike.
     tts = load_official(off, ckpt, device, torch.float32, values=False)

@@ -51,6 +51,7 @@ from qwen_tts.engine_api import (
     RequestHandle,
     SynthesisRequest,
 )
+from qwen_tts.fastpath.options import FastPath
 from qwen_tts.model.config import ConfigError, ModelConfig
 from qwen_tts.model.loading import Qwen3TTS, resolve_device, resolve_dtype
 from qwen_tts.model.model_paths import DEMO, ModelPathError, resolve_model_path
@@ -70,7 +71,8 @@ class NativeEngine(Engine):
 
     The checkpoint's config is read at construction (model path resolved, the demo checkpoint written if asked),
     so the model's facts are known before `start` loads the weights. `model` (tests, benchmarks) is an already
-    loaded model to serve instead of loading `settings.model_path`. `fault_hook` (fault injection, tests only:
+    loaded model to serve instead of loading `settings.model_path`. `fast_path` (benchmarks, tests) replaces the
+    options of the preset `settings.fast_path` names. `fault_hook` (fault injection, tests only:
     tts_server/faults.py) is called at the top of every busy loop turn and may raise, as a CUDA error or an
     out-of-memory inside the step would.
     """
@@ -79,10 +81,12 @@ class NativeEngine(Engine):
         self,
         settings: EngineSettings,
         model: Qwen3TTS | None = None,
+        fast_path: FastPath | None = None,
         *,
         fault_hook: Callable[[], None] | None = None,
     ):
         self.config = settings
+        self.fast = fast_path if fast_path is not None else FastPath.preset(settings.fast_path)
         try:
             self._device = resolve_device(settings.device)
         except ValueError as e:
@@ -91,7 +95,7 @@ class NativeEngine(Engine):
             self.dtype = resolve_dtype(settings.dtype, self._device)
         except ValueError as e:
             raise EngineSettingsError("dtype", str(e)) from None
-        if settings.frame_step == "graphs" and self._device.type != "cuda":
+        if self.fast.frame_step == "graphs" and self._device.type != "cuda":
             raise EngineSettingsError("frame_step", "frame_step 'graphs' needs a CUDA device")
         if model is not None:
             self._model_dir, self._cfg = model.path, model.config
@@ -137,10 +141,11 @@ class NativeEngine(Engine):
             "device": str(self._device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "max_slots": settings.max_slots,
-            "cuda_graphs": uses_graphs(settings, self._device),
+            "cuda_graphs": uses_graphs(self.fast, self._device),
         }
         self._runner = ModelRunner(
             settings,
+            self.fast,
             self._device,
             self.dtype,
             model,
@@ -255,7 +260,7 @@ class NativeEngine(Engine):
         torch.set_grad_enabled(False)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
-        if self.device.type == "cuda" and self.config.step_stream_priority:
+        if self.device.type == "cuda" and self.fast.step_stream_priority:
             # Negative is higher; graph replays take the priority of the stream they are launched into.
             stream = torch.cuda.Stream(self.device, priority=-1)
             stream.wait_stream(torch.cuda.current_stream(self.device))  # what _load and the warm-up wrote

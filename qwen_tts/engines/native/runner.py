@@ -25,6 +25,7 @@ from torch.profiler import record_function
 
 from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest, chunk_schedule
 from qwen_tts.fastpath import fused, sample_kernel, small_m_gemm, snake_kernel
+from qwen_tts.fastpath.options import FastPath
 from qwen_tts.fastpath.stack import stack_cuda, stack_kernel
 from qwen_tts.model.config import ModelConfig
 from qwen_tts.model.layers import upload
@@ -50,9 +51,9 @@ def talker_cache_len(config: EngineSettings) -> int:
     return config.max_text_tokens + PROMPT_EXTRA_TOKENS + config.max_frames
 
 
-def uses_graphs(config: EngineSettings, device: torch.device) -> bool:
+def uses_graphs(fast: FastPath, device: torch.device) -> bool:
     """Whether the frame step replays CUDA graphs (frame_step "graphs", or "auto" on CUDA)."""
-    mode = config.frame_step
+    mode = fast.frame_step
     return mode == "graphs" or (mode == "auto" and device.type == "cuda")
 
 
@@ -68,6 +69,7 @@ class ModelRunner:
     def __init__(
         self,
         config: EngineSettings,
+        fast: FastPath,
         device: torch.device,
         dtype: torch.dtype,
         model: Qwen3TTS | None,
@@ -83,6 +85,7 @@ class ModelRunner:
         start: Callable[[RequestState], None],
     ):
         self.config = config
+        self.fast = fast
         self.device = device
         self.dtype = dtype
         self._model = model
@@ -99,7 +102,7 @@ class ModelRunner:
 
     @property
     def _uses_graphs(self) -> bool:
-        return uses_graphs(self.config, self.device)
+        return uses_graphs(self.fast, self.device)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -135,7 +138,7 @@ class ModelRunner:
         self._code2wav = m.code2wav.eval()
         if self.device.type == "cuda" and self.config.decoder_fp16:
             self._code2wav.set_decoder_dtype(torch.float16)
-        polyphase = self.config.decoder_polyphase_dilation if self.device.type == "cuda" else 0  # CUDA only
+        polyphase = self.fast.decoder_polyphase_dilation if self.device.type == "cuda" else 0  # CUDA only
         self._code2wav.set_polyphase_dilation(polyphase)
         self._model_info["decoder_polyphase_dilation"] = polyphase  # what runs, as kernel_sampler and the rest
         self._model_info["decoder_dtype"] = str(self._code2wav.decoder_dtype).removeprefix("torch.")
@@ -152,7 +155,7 @@ class ModelRunner:
         self._codebook_size = t.codebook_size
         self._load_fast_path()
         graphs = self._uses_graphs
-        if graphs or self.config.frame_step == "padded":
+        if graphs or self.fast.frame_step == "padded":
             self._frame_step = FrameStepRunner(
                 self._talker, self._state, self._cache, self._suppress, self._eos, S, scratch=S, use_graphs=graphs
             )
@@ -166,7 +169,7 @@ class ModelRunner:
         # engine prefills at the graphed one's shapes; at exact shapes on CPU.
         if graphs:
             prefill_mode = "graphs"
-        elif self.device.type == "cuda" or self.config.frame_step == "padded":
+        elif self.device.type == "cuda" or self.fast.frame_step == "padded":
             prefill_mode = "padded"
         else:
             prefill_mode = "exact"
@@ -186,10 +189,10 @@ class ModelRunner:
         self._decode_batch = min(S, self.config.decode_max_batch)
         c = self.config
         self._chunk_sizes = chunk_schedule(c.first_chunk_frames, c.chunk_frames, c.chunk_growth)
-        if graphs and self.config.decode_graphs:
+        if graphs and self.fast.decode_graphs:
             mode = "graphs"
         else:
-            mode = "padded" if self.config.frame_step == "padded" else "exact"
+            mode = "padded" if self.fast.frame_step == "padded" else "exact"
         with torch.inference_mode():
             slot_decoder = SlotDecoder(
                 self._code2wav,
@@ -198,11 +201,11 @@ class ModelRunner:
                 mode,
                 max_batch=self._decode_batch,
             )
-            slot_decoder.set_pinned_io(self.config.decode_pinned_io)
+            slot_decoder.set_pinned_io(self.fast.decode_pinned_io)
             if self.config.warmup:
                 slot_decoder.capture_all()
         self._model_info["decode_graphs"] = mode == "graphs"
-        self._model_info["decode_thread"] = self.config.decode_thread
+        self._model_info["decode_thread"] = self.fast.decode_thread
         # Without warm-up, graphs are captured on first use, by the engine loop and by the decoder thread. A
         # capture must not overlap the other thread's CUDA calls (torch.cuda.graph synchronises the device and
         # empties the allocator's cache on entry; seen on a GPU: "capturing stream has unjoined work"), so the
@@ -220,7 +223,7 @@ class ModelRunner:
             self._deliver,
             self._decode_failed,
             self._cv,
-            self.config.decode_thread,
+            self.fast.decode_thread,
             self._decode_batch,
             self._timings,
             gpu_guard=self._capture_guard,
@@ -308,7 +311,7 @@ class ModelRunner:
     def _overlap(self) -> bool:
         """overlap_steps; None: where a launch returns before the step has run (CUDA, not the eager step, which
         reads its codes back as it launches)."""
-        on = self.config.overlap_steps
+        on = self.fast.overlap_steps
         if on is None:
             return self.device.type == "cuda" and not isinstance(self._frame_step, EagerFrameStep)
         return on
@@ -476,7 +479,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the CUDA fast path
     def _load_fast_path(self) -> None:
-        enable_fast_path(self._talker, self.config, self.device)
+        enable_fast_path(self._talker, self.config, self.device, self.fast)
         self._model_info["fused_kernels"] = fused.is_enabled(self._talker)
         self._model_info["fused_emulate_casts"] = bool(self._model_info["fused_kernels"] and fused.emulate_casts())
         self._model_info["fused_deterministic"] = bool(self._model_info["fused_kernels"] and fused.deterministic())
@@ -490,18 +493,13 @@ class ModelRunner:
         self._model_info["talker_stack_kernel"] = self._talker.model.stack_kernel or "off"
         self._model_info["one_row_steps"] = one_row_steps(self._talker)
         self._model_info["stack_blocks"] = stack_blocks(self._talker, self.config, self.device)
-        self._model_info["stack_tags"] = bool(self._model_info["stack_blocks"]) and self.config.stack_tags
         blocks = self._model_info["stack_blocks"]
-        self._model_info["cp_stack_mma"] = "code_predictor" in blocks and self.config.cp_stack_mma
-        self._model_info["talker_stack_mma"] = "talker" in blocks and self.config.talker_stack_mma
-        self._model_info["stack_exact_rows"] = (
-            self.config.stack_exact_rows if blocks and not self.config.stack_tags else 0
-        )
-        if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
+        self._model_info["stack_exact_rows"] = self.fast.stack_exact_rows if blocks else 0
+        if self.device.type == "cuda" and self.fast.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)
         self._model_info["fused_decoder"] = any(getattr(m, "fast", None) for m in self._code2wav.modules())
-        if self.device.type == "cuda" and self.config.decoder_snake_kernel and fused.HAVE_TRITON:
-            self._code2wav.set_snake_kernel(snake_kernel.snake, channels_last=self.config.decoder_channels_last)
+        if self.device.type == "cuda" and self.fast.decoder_snake_kernel and fused.HAVE_TRITON:
+            self._code2wav.set_snake_kernel(snake_kernel.snake, channels_last=self.fast.decoder_channels_last)
         self._model_info["decoder_snake_kernel"] = self._code2wav.snake_kernel is not None
         self._model_info["decoder_channels_last"] = self._code2wav.channels_last
 
@@ -520,56 +518,54 @@ def stack_blocks(talker, config: EngineSettings, device: torch.device) -> dict[s
     return out
 
 
-def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bool:
+def enable_fast_path(talker, config: EngineSettings, device: torch.device, fast: FastPath | None = None) -> bool:
     """Turn on the CUDA fast path (qwen_tts/fastpath/fused.py and the kernels around it) for a talker and its code
-    predictor as `config` asks; returns whether it is on. The engine's own set-up, a function of its own so that a
-    check outside the engine (tests/reference/make_fixture.py's teacher-forced agreement) runs the same path."""
-    if not (device.type == "cuda" and config.fused_kernels and fused.supported(talker)):
+    predictor as `fast` (None: the preset `config.fast_path` names) asks; returns whether it is on. The engine's own
+    set-up, a function of its own so that a check outside the engine (tests/reference/make_fixture.py's
+    teacher-forced agreement) runs the same path."""
+    fast = fast if fast is not None else FastPath.preset(config.fast_path)
+    if not (device.type == "cuda" and fast.fused_kernels and fused.supported(talker)):
         return False
-    fused.set_emulate_casts(config.fused_emulate_casts)  # read when the regions compile: before the first step
+    fused.set_emulate_casts(fast.fused_emulate_casts)  # read when the regions compile: before the first step
     fused.set_deterministic(config.fused_deterministic)
-    fused.enable(talker, split_attention=config.split_attention, small_m_gemm=config.small_m_gemm)
+    fused.enable(talker, split_attention=fast.split_attention, small_m_gemm=fast.small_m_gemm)
     # Process-wide, read when each graph is captured; its counters exist before capture.
-    small_m_gemm.set_max_split_k(config.small_m_split_k)
+    small_m_gemm.set_max_split_k(fast.small_m_split_k)
     small_m_gemm.prepare(device)
-    talker.code_predictor.prompt_one_pass = config.cp_prompt_one_pass
-    fused.set_small_m_heads(talker, config.small_m_gemm and config.small_m_heads)
+    talker.code_predictor.prompt_one_pass = fast.cp_prompt_one_pass
+    fused.set_small_m_heads(talker, fast.small_m_gemm and fast.small_m_heads)
     talker.code_predictor.input_tables = None
-    if config.cp_input_tables:
+    if fast.cp_input_tables:
         n = talker.code_predictor.build_input_tables()
         log.info("code predictor input tables: %.1f MB", n / 1e6)
     # process-wide, read when a pass is compiled or captured
     stack_cuda.set_options(
-        lean_grid=config.stack_lean_grid,
-        tags=config.stack_tags,
-        long_tags=config.talker_stack_tags,
-        evict_first=config.stack_evict_first,
-        threads=config.cp_stack_threads,
-        long_threads=config.talker_stack_threads,
-        stage=config.talker_stack_stage,
-        chunk=config.talker_stack_chunk,
-        split=config.talker_stack_split,
-        exact_rows=config.stack_exact_rows,
-        mma=config.cp_stack_mma,
-        long_mma=config.talker_stack_mma,
+        lean_grid=fast.stack_lean_grid,
+        evict_first=fast.stack_evict_first,
+        threads=fast.cp_stack_threads,
+        long_threads=fast.talker_stack_threads,
+        stage=fast.talker_stack_stage,
+        chunk=fast.talker_stack_chunk,
+        split=fast.talker_stack_split,
+        exact_rows=fast.stack_exact_rows,
     )
-    stack_kernel.enable(talker.code_predictor.model, config.cp_stack_kernel)
-    if config.cp_stack_kernel != "off":
+    stack_kernel.enable(talker.code_predictor.model, fast.cp_stack_kernel)
+    if fast.cp_stack_kernel != "off":
         stack_kernel.prepare(device)  # its counters, before any graph capture
-    if config.cp_stack_kernel == "cuda":  # compiled and loaded now, not inside a capture; else the fused path's kernels
+    if fast.cp_stack_kernel == "cuda":  # compiled and loaded now, not inside a capture; else the fused path's kernels
         cp = talker.code_predictor
         reason = stack_cuda.prepare(cp.model.stack_weights, cp.num_residual + 1, device)
         if reason:
             log.warning("cp_stack_kernel=cuda cannot run here (%s): the fused path's kernels run instead", reason)
             stack_kernel.enable(cp.model, "off")
-    stack_kernel.enable(talker.model, config.talker_stack_kernel)
-    if config.talker_stack_kernel == "cuda":  # the same kernel over the talker's cache (attention in chunks)
+    stack_kernel.enable(talker.model, fast.talker_stack_kernel)
+    if fast.talker_stack_kernel == "cuda":  # the same kernel over the talker's cache (attention in chunks)
         stack_kernel.prepare(device)
         reason = stack_cuda.prepare(talker.model.stack_weights, talker_cache_len(config), device)
         if reason:
             log.warning("talker_stack_kernel=cuda cannot run here (%s): the fused path's kernels run instead", reason)
             stack_kernel.enable(talker.model, "off")
-    talker.kernel_sampler = config.kernel_sampler
-    talker.cp_fused_feed = config.kernel_sampler and config.cp_fused_feed
-    sample_kernel.set_warp_elements(config.kernel_sampler_warp_elements)  # read at capture
+    talker.kernel_sampler = fast.kernel_sampler
+    talker.cp_fused_feed = fast.kernel_sampler and fast.cp_fused_feed
+    sample_kernel.set_warp_elements(fast.kernel_sampler_warp_elements)  # read at capture
     return True

@@ -78,6 +78,11 @@ class VllmOmniConfig:
             raise ValueError("max_slots >= 1, max_queue >= 0 and max_frames >= 1 are required")
 
 
+# VllmOmniConfig's fields that EngineSettings.backend_options carries (the server's TTS_STAGE_CONFIG,
+# TTS_STAGE_INIT_TIMEOUT and TTS_VLLM_SPEAKER_TRANSPORT; the batch CLI's --stage-configs-path).
+BACKEND_OPTIONS = ("stage_config", "stage_init_timeout", "speaker_transport", "auto_restart", "health_interval_s")
+
+
 def fast_path_installed() -> bool:
     return any(e.name == FAST_PATH_PLUGIN for e in entry_points(group="vllm_omni.general_plugins"))
 
@@ -85,25 +90,31 @@ def fast_path_installed() -> bool:
 class VllmOmniEngine(Engine):
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> VllmOmniEngine:
-        """From the one engine-settings type; the model path is resolved as for the native engine ('demo' too)."""
+        """From the one engine-settings type; the model path is resolved as for the native engine ('demo' too).
+        This backend's own options come from `settings.backend_options` (BACKEND_OPTIONS: VllmOmniConfig's fields
+        that the common settings do not carry)."""
         try:
             model_dir = resolve_model_path(settings.model_path, demo_dir=settings.demo_dir)
         except (ModelPathError, OSError) as e:
             raise EngineSettingsError("model_path", str(e)) from None
+        options = dict(settings.backend_options)
+        if unknown := sorted(set(options) - set(BACKEND_OPTIONS)):
+            raise EngineSettingsError(
+                "backend_options", f"unknown vllm-omni option(s) {unknown}; known: {', '.join(BACKEND_OPTIONS)}"
+            )
+        options["stage_config"] = str(options.get("stage_config") or DEFAULT_STAGE_CONFIG)
         try:
             config = VllmOmniConfig(
                 model_path=str(model_dir),
-                stage_config=str(settings.stage_config or DEFAULT_STAGE_CONFIG),
-                stage_init_timeout=settings.stage_init_timeout,
                 max_slots=settings.max_slots,
                 max_queue=settings.max_queue,
                 max_frames=settings.max_frames,
                 max_text_tokens=settings.max_text_tokens,
-                speaker_transport=settings.vllm_speaker_transport,
                 warmup=settings.warmup,
+                **options,
             )
         except ValueError as e:
-            raise EngineSettingsError("vllm_speaker_transport", str(e)) from None
+            raise EngineSettingsError("backend_options.speaker_transport", str(e)) from None
         engine = cls(config)
         engine._model_info["name"] = DEMO if settings.model_path == DEMO else model_dir.name
         return engine
