@@ -113,13 +113,9 @@ VARIANTS: dict[str, dict] = {
     "small-m-heads": {"small_m_heads": True},  # the talker's and code predictor's heads by the few-row kernel
     "cp-input-tables": {"cp_input_tables": True},  # the code predictor's pass inputs from projected tables
     "no-cp-input-tables": {"cp_input_tables": False},  # and through the projection every pass (before the default)
-    "cp-stack-phases": {"cp_stack_kernel": "phases"},  # each code-predictor pass by the stack kernel, a launch a phase
-    "cp-stack-persistent": {"cp_stack_kernel": "persistent"},  # and in one persistent launch a pass
     "cp-stack-cuda": {"cp_stack_kernel": "cuda"},  # passes of up to 4 rows by the CUDA kernel (stack_cuda.cu)
     "talker-stack-cuda": {"talker_stack_kernel": "cuda"},  # and the talker's (where its layer fits: the 0.6B's)
     "full-grid": {"stack_lean_grid": False},  # with those: the kernel on every SM, not only those it needs
-    "stack-tags": {"stack_tags": True},  # and their passes without grid barriers (tagged activations, polled)
-    "talker-stack-tags": {"talker_stack_tags": True},  # the tags for the talker's stack only
     "no-stack-evict-first": {"stack_evict_first": False},  # the weight copies without the L2 evict-first policy
     "stack-threads-512": {"cp_stack_threads": 512, "talker_stack_threads": 512},  # both stacks' blocks: 512 threads
     "cp-stack-threads-256": {"cp_stack_threads": 256},  # the code predictor's blocks of 256 threads (the same bits)
@@ -129,9 +125,6 @@ VARIANTS: dict[str, dict] = {
     "talker-stack-chunk-32": {"talker_stack_chunk": 32},  # and of 32 at least (up to four chunks a kv head)
     "talker-stack-split-32": {"talker_stack_split": 32},  # one chunk up to 64 positions, past it chunks of 32 at least
     "talker-stack-split-0": {"talker_stack_split": 0},  # past 64 positions, chunks of 64 (before the default)
-    "stack-mma": {"cp_stack_mma": True, "talker_stack_mma": True},  # both stacks' matmuls on the tensor cores
-    "cp-stack-mma": {"cp_stack_mma": True},  # the code predictor's only (padded slots, ldmatrix)
-    "talker-stack-mma": {"talker_stack_mma": True},  # the talker's only
     "stack-exact-rows-3": {"stack_exact_rows": 3},  # a pass of M < 4 rows by the kernel's M-row build (same bits)
     "no-stack-exact-rows": {"stack_exact_rows": 0},  # and every pass by its four-row build (one row: the default)
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)

@@ -80,14 +80,8 @@ STEP_VARIANTS = {
     # and with the regions' reduction configurations picked by rule (inductor's deterministic mode), and without.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+deterministic": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+no-deterministic": _BOTH,
-    # The engine's default with each code-predictor pass by the one-kernel stack (stack_kernel.py): a launch a
-    # phase, or one persistent launch a pass.
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-phases": _BOTH,
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-persistent": _BOTH,
-    # and with each matmul phase's first weight tile loaded before the grid wait (stack_kernel's preload).
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-persistent+preload": _BOTH,
-    # and with each code-predictor pass of up to four rows by the CUDA kernel (stack_cuda.cu: weights copied into
-    # shared memory a phase ahead of the grid wait).
+    # The engine's default with each code-predictor pass of up to four rows by the CUDA stack kernel (stack_cuda.cu:
+    # weights copied into shared memory a phase ahead of the grid wait).
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-cuda": _BOTH,
     # and the talker's passes of up to four rows by that kernel too (its attention over the long cache in chunks;
     # where the talker's layer does not fit the kernel, the 1.7B's, the fused path's kernels).
@@ -96,17 +90,12 @@ STEP_VARIANTS = {
     # and with the heads by the few-row kernel: where both stacks run on the kernel, a lone row's step is one row
     # (frame_step.one_row_steps), as the engine runs one stream with its three opt-in settings.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda": _BOTH,
-    # and with the kernel's passes without grid barriers (stack_cuda's tags).
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+tags": _BOTH,
-    # and the tags for the talker's stack only; and the weight copies without the L2 evict-first policy.
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+talker-tags": _BOTH,
+    # and the weight copies without the L2 evict-first policy.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+no-evict-first": _BOTH,
     # and with the attention units' cached keys staged in shared memory (stack_cuda's stage), with the talker's chunks
     # of 192 positions too.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage+chunk192": _BOTH,
-    # and with both stacks' matmuls on the tensor cores (stack_cuda's mma: padded slots, ldmatrix).
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage+mma": _BOTH,
     # and with each residual draw feeding the next pass in its own launch (sample_kernel.sample_feed).
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage+feed": _BOTH,
 }
@@ -135,24 +124,18 @@ def build(path: Path, variant: str, max_rows: int, max_len: int):
         fused.set_small_m_heads(talker, "+heads" in variant)
         if "+tables" in variant:
             talker.code_predictor.build_input_tables()
-        stack_kernel.set_options(preload="+preload" in variant)  # process-wide, read at capture
         settings = EngineSettings()  # the engine's block sizes for each stack
         stack_cuda.set_options(
-            tags="+tags" in variant,
-            long_tags="+talker-tags" in variant,
             evict_first="+no-evict-first" not in variant,
             threads=settings.cp_stack_threads,
             long_threads=settings.talker_stack_threads,
             stage="+stage" in variant,
             chunk=192 if "+chunk192" in variant else settings.talker_stack_chunk,
             split=settings.talker_stack_split,
-            mma="+mma" in variant,
-            long_mma="+mma" in variant,
         )
-        for mode in ("phases", "persistent", "cuda"):
-            if f"+stack-{mode}" in variant:
-                stack_kernel.prepare("cuda")
-                stack_kernel.enable(talker.code_predictor.model, mode)
+        if "+stack-cuda" in variant:
+            stack_kernel.prepare("cuda")
+            stack_kernel.enable(talker.code_predictor.model, "cuda")
         if "+talker-cuda" in variant:
             stack_kernel.prepare("cuda")
             stack_kernel.enable(talker.model, "cuda")

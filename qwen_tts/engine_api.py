@@ -183,20 +183,15 @@ class EngineSettings:
     # small_m_heads): the step 4.69 -> 4.59 ms at batch 1, 6.28 -> 6.20 at batch 64; the 15 bias-fused cuBLAS
     # kernels took 0.16 ms a step at batch 1 (bench_gpu.py --engine-variants no-cp-input-tables). Ignored on CPU.
     cp_input_tables: bool = True
-    # On the fast path, each code-predictor pass of up to 16 rows through one Triton kernel for the whole stack
-    # (qwen_tts/fastpath/stack/stack_kernel.py): "phases", one launch per phase (five a layer and the final norm, 26 for the 1.7B's
-    # five layers, instead of ~50); "persistent", one launch a pass, its programs waiting at a grid-wide barrier
-    # between phases; "off", the fused path's kernels. Same function, rounded where the eager layers round. On an
-    # H200 (1.7B, batch 1, graph replays) "persistent" cut the step's kernels 1,204 -> 443 but not its time: 4.57 ->
-    # 4.69 ms (profile_step.py variant +stack-persistent); each of the 26 phases waits on latency, not bytes.
-    # "cuda": passes of at most four bf16 rows by our CUDA kernel (qwen_tts/fastpath/stack/stack_cuda.cu, compiled by NVRTC when the
+    # On the fast path, each code-predictor pass through one kernel for the whole stack ("off": the fused path's
+    # kernels). "cuda": passes of at most four bf16 rows by our CUDA kernel (qwen_tts/fastpath/stack/stack_cuda.cu, compiled by NVRTC when the
     # engine starts; if it cannot compile there, a warning and the fused path), whose weights reach shared memory a
     # phase ahead of each grid wait: 131.5 us a pass at one row against 213 (fused), 150 against 174 at two rows,
     # but 191 against 176 at four (fifteenth round); one 1.7B stream 15.37x -> 15.84x real time and two 15.99x ->
     # 16.41x (fourteenth round: the engine runs a lone row as two unless one_row_steps), first audio +2 ms (its
     # blocks hold every SM, so Code2Wav waits). Its rows are batch invariant among themselves, not against the fused
     # path's: a request's codes match alone and beside one other stream, not beside more. So off by default
-    # (docs/history/benchmarks-diary.md; bench_gpu.py --engine-variants cp-stack-phases,cp-stack-persistent,cp-stack-cuda). Ignored
+    # (docs/history/benchmarks-diary.md; bench_gpu.py --engine-variants cp-stack-cuda). Ignored
     # on CPU.
     cp_stack_kernel: str = "off"
     # On the fast path, the talker's passes of at most four bf16 rows by the same CUDA kernel ("cuda"; "off": the
@@ -214,18 +209,6 @@ class EngineSettings:
     # 17.7x, in one device call (sixteenth round, docs/history/benchmarks-diary.md; bench_gpu.py --engine-variants full-grid for
     # every SM). Ignored unless a stack runs on the kernel.
     stack_lean_grid: bool = True
-    # With either stack kernel on "cuda": its passes without grid barriers: each activation word carries the tag of
-    # the phase that wrote it and the blocks that read it poll their words (stack_cuda's `tags` option, in a
-    # workspace of each stack's own). The same sums, the same bits. It drops the fence and the counter's round trip
-    # from each of a layer's five barriers. Measured on an H200 (nineteenth round, docs/history/benchmarks-diary.md): the same bits;
-    # alone, 0.5 us off a code-predictor layer and 1.0 off a talker layer at one row, 2 us more a layer at four rows;
-    # one stream 0.6B 24.72x -> 24.98x, 1.7B 17.36x -> 17.17x. So off (bench_gpu.py --engine-variants stack-tags).
-    stack_tags: bool = False
-    # stack_tags for the talker's stack only (stack_cuda's `long_tags`): its passes, whose layers' attention over the
-    # long cache waits longest, without grid barriers, while the code predictor's keep them. On an H200 one 0.6B
-    # stream 24.13x -> 24.26x, within the spread (nineteenth round), so off (bench_gpu.py --engine-variants
-    # talker-stack-tags).
-    talker_stack_tags: bool = False
     # With either stack kernel on "cuda": the weight copies marked first to leave L2 (stack_cuda's `evict_first`), so
     # the weight stream does not push the caches' keys and values and the activations out of it. The same bits. On an
     # H200 one 0.6B stream 24.13x -> 25.11x, one 1.7B stream 18.30x -> 18.62x (nineteenth round, docs/history/benchmarks-diary.md),
@@ -251,7 +234,7 @@ class EngineSettings:
     # 112.5 -> 100.2 us at one row, the 0.6B talker's 712.4 -> 606.4 us (position 100); one 0.6B stream 26.54x ->
     # 29.57x real time, one 1.7B stream 18.50x -> 19.38x. So 1. The two- and three-row builds (2, 3) are built and
     # tested on the CPU, not yet on a GPU (bench_gpu.py --engine-variants stack-exact-rows-3; no-stack-exact-rows
-    # for 0). Not with stack_tags.
+    # for 0).
     stack_exact_rows: int = 1
     # With the talker's stack kernel on "cuda": at the start of each layer's attention phase, before its grid wait, a
     # block's attention unit has the copy engine bring its chunk's cached keys and values (up to 192 positions for
@@ -280,19 +263,6 @@ class EngineSettings:
     # 24.55 / 24.65 (call 5, 32, 0, 0, 32), 25.40 against 25.30 (call 6): +0.4-0.9% in each pair. So 32
     # (bench_gpu.py --engine-variants talker-stack-split-0 for 0).
     talker_stack_split: int = 32
-    # With the code predictor's stack kernel on "cuda": its matmuls on the tensor cores (stack_cuda's `mma`): 16 weight
-    # rows at a time by ldmatrix from slots whose rows are padded by 16 bytes (so the eight rows a load reads fall in
-    # eight bank groups: the fourteenth round's tensor-core path read rows 2 KiB apart, 8-way conflicts, and was
-    # slower), times the rows' activations as the product's columns, K split over the warps. Other sums than the CUDA
-    # cores' (a fixed order, batch invariant). Measured on an H100 (twenty-fifth round, bench_stack.py, 512 threads):
-    # a pass 113.2 -> 120.1 us at one row, 125.5 -> 120.6 at two; one 1.7B stream (two rows) 18.05x -> 17.81x real
-    # time. Most likely the per-row bulk copies the padding needs cost what the tensor cores save (not yet timed
-    # phase by phase). So off (bench_gpu.py --engine-variants cp-stack-mma, talker-stack-mma, stack-mma for both).
-    cp_stack_mma: bool = False
-    # The same for the talker's stack kernel (stack_cuda's `long_mma`). Measured on an H100: the 0.6B talker's pass
-    # 733.6 -> 715.9 us at position 100, one row; one 0.6B stream unchanged (five requests each: median 24.73x,
-    # 24.26-24.82, against 24.66x, 24.48-24.75; the variants' order moved it more). Off.
-    talker_stack_mma: bool = False
     # On the fast path, the code predictor's two prompt tokens (the talker's hidden state, codebook 0) run as two
     # rows of one pass instead of two passes: 15 passes per frame instead of 16 (fused.stack_step's shared_slots).
     # On an H200 the graphed step at batch 1 went 5.66 -> 5.54 ms; with the sampler kernel and polyphase convs on,
@@ -446,10 +416,9 @@ class EngineSettings:
                 "decoder_polyphase_dilation",
                 f"decoder_polyphase_dilation must be >= 0, not {self.decoder_polyphase_dilation!r}",
             )
-        if self.cp_stack_kernel not in ("off", "phases", "persistent", "cuda"):
+        if self.cp_stack_kernel not in ("off", "cuda"):
             raise EngineSettingsError(
-                "cp_stack_kernel",
-                f"cp_stack_kernel must be off, phases, persistent or cuda, not {self.cp_stack_kernel!r}",
+                "cp_stack_kernel", f"cp_stack_kernel must be off or cuda, not {self.cp_stack_kernel!r}"
             )
         if self.talker_stack_kernel not in ("off", "cuda"):
             raise EngineSettingsError(

@@ -658,14 +658,13 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
 
 
 @needs_cuda
-@pytest.mark.parametrize(("greedy", "tags"), [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("greedy", [True, False])
 async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_equal_in_a_pair(
-    tiny_model, greedy, tags, monkeypatch
+    tiny_model, greedy, monkeypatch
 ):
     """cp_stack_kernel="cuda" (bf16 code-predictor passes of at most four rows by stack_cuda.cu): a request gives the
     same codes alone and beside another (passes of 2 and 4 rows, all by the kernel), graphed and eager alike. Past four
-    rows the fused path's kernels take the passes, so this invariance holds up to two streams (docs/history/benchmarks-diary.md).
-    tags: the passes without grid barriers (stack_tags), graphed and eager, the row counts changing between them."""
+    rows the fused path's kernels take the passes, so this invariance holds up to two streams (docs/history/benchmarks-diary.md)."""
     from qwen_tts.fastpath.stack import stack_cuda
 
     model = load_model(tiny_model.path, device="cuda")
@@ -676,12 +675,11 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
     for frame_step in ("eager", "graphs"):
         eng = NativeEngine(
             EngineSettings(model_path=str(model.path), device="cuda", max_slots=2, warmup=False, frame_step=frame_step,
-                           cp_stack_kernel="cuda", stack_tags=tags),
+                           cp_stack_kernel="cuda"),
             model=model,
         )  # fmt: skip
         await eng.start()
         try:
-            assert stack_cuda.set_options()["tags"] is tags
             target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
             (alone,), _ = await run(eng, [target])
             (pair, _), _ = await run(
@@ -702,24 +700,20 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
 
 @needs_cuda
 @pytest.mark.parametrize(
-    ("greedy", "heads", "tags", "wide", "staged", "mma", "exact"),
-    [(True, False, False, False, True, False, True), (False, True, False, False, True, False, True),
-     (True, True, False, False, True, False, True), (True, True, True, False, True, False, True),
-     (False, True, False, True, True, False, True), (False, True, False, False, False, False, True),
-     (False, True, False, False, True, True, True), (True, True, False, False, True, False, False),
-     (False, True, False, False, True, False, 3)],
+    ("greedy", "heads", "wide", "staged", "exact"),
+    [(True, False, False, True, True), (False, True, False, True, True), (True, True, False, True, True),
+     (False, True, True, True, True), (False, True, False, False, True), (True, True, False, True, False),
+     (False, True, False, True, 3)],
 )  # fmt: skip
 async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_equal_in_a_pair(
-    tiny_model, greedy, heads, tags, wide, staged, mma, exact, monkeypatch
+    tiny_model, greedy, heads, wide, staged, exact, monkeypatch
 ):
     """talker_stack_kernel="cuda" with cp_stack_kernel="cuda": the talker's one-token passes (a long cache, attention
     in chunks) and the code predictor's by stack_cuda.cu. A request gives the same codes alone and beside another,
     graphed and eager alike, and the talker's passes all went through the kernel. With the heads on the few-row
     kernel too (small_m_heads), a lone stream's graphed steps are one row, not two padded (one_row_steps), and still
-    give the codes it gets beside another stream. tags: both stacks' passes without grid barriers (stack_tags).
-    wide: the talker's blocks of 512 threads too (talker_stack_threads). staged: the talker's cached keys and values staged in shared memory (the
-    default, talker_stack_stage), else read from the cache. mma: both stacks' matmuls on the tensor cores
-    (cp_stack_mma, talker_stack_mma). exact: one-row passes by the kernel's one-row build (stack_exact_rows 1,
+    give the codes it gets beside another stream. wide: the talker's blocks of 512 threads too (talker_stack_threads). staged: the talker's cached keys and values staged in shared memory (the
+    default, talker_stack_stage), else read from the cache. exact: one-row passes by the kernel's one-row build (stack_exact_rows 1,
     the default; True), passes of up to three rows each by its own build (3), else every pass by the four-row build
     (False). The request runs past 64 positions, where the default talker_stack_split of 32 spreads its
     attention over three chunks, then four."""
@@ -740,7 +734,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
         eng = NativeEngine(
             EngineSettings(model_path=str(model.path), device="cuda", max_slots=2, warmup=False, frame_step=frame_step,
                            cp_stack_kernel="cuda", talker_stack_kernel="cuda", small_m_heads=heads,
-                           stack_tags=tags, cp_stack_mma=mma, talker_stack_mma=mma, stack_exact_rows=int(exact),
+                           stack_exact_rows=int(exact),
                            **widen),
             model=model,
         )  # fmt: skip
@@ -748,15 +742,15 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
         try:
             opts = stack_cuda.set_options()
             # the code predictor's blocks of 512 threads (the default), the talker's of 256 unless wide
-            assert opts["tags"] is tags and opts["threads"] == 512 and opts["long_threads"] == (512 if wide else 256)
-            assert opts["stage"] is staged and opts["chunk"] == 64 and opts["mma"] is opts["long_mma"] is mma
+            assert opts["threads"] == 512 and opts["long_threads"] == (512 if wide else 256)
+            assert opts["stage"] is staged and opts["chunk"] == 64
             assert opts["split"] == 32 and opts["exact_rows"] == int(exact)
             for sw, n in (
                 (model.talker.model.stack_weights, eng._cache.max_len),
                 (model.talker.code_predictor.model.stack_weights, model.talker.code_predictor.num_residual + 1),
             ):
                 lay = stack_cuda.device_layout(sw, n, torch.device("cuda", torch.cuda.current_device()), 1)[0]
-                assert lay.rows == (1 if exact and not tags else stack_cuda.MAX_ROWS)  # a one-row pass's build
+                assert lay.rows == (1 if exact else stack_cuda.MAX_ROWS)  # a one-row pass's build
             # 64 frames at least: the talker's positions pass 64, where its attention goes from one chunk to three
             target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=72, min_frames=64)
             calls.clear()
@@ -773,9 +767,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
             await eng.stop()  # stack_cuda's options go back to the defaults after the test (conftest)
         assert eng.model_info["talker_stack_kernel"] == "cuda" and eng.model_info["cp_stack_kernel"] == "cuda"
         assert eng.model_info["one_row_steps"] == heads
-        assert eng.model_info["stack_tags"] is tags
-        assert eng.model_info["cp_stack_mma"] is eng.model_info["talker_stack_mma"] is mma
-        assert eng.model_info["stack_exact_rows"] == (0 if tags else int(exact))
+        assert eng.model_info["stack_exact_rows"] == int(exact)
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         blocks = eng.model_info["stack_blocks"]  # the lean grid: at most every SM
         assert set(blocks) == {"code_predictor", "talker"} and all(0 < n <= sms for n in blocks.values()), blocks

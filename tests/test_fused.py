@@ -124,27 +124,22 @@ def test_decode_attention_takes_one_position_expanded_over_the_batch(split) -> N
         {"small_m_gemm": True},
         {"cp_one_pass": True},
         {"kernel_sampler": True},
-        {"cp_one_pass": True, "cp_stack_kernel": "phases"},
     ],
-    ids=["default", "split", "small-m-gemm", "cp-one-pass", "kernel-sampler", "cp-stack-kernel"],
+    ids=["default", "split", "small-m-gemm", "cp-one-pass", "kernel-sampler"],
 )
 async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, variant, monkeypatch) -> None:
     """The fused path, and each optional kernel on it (enabled with `enable`, then switched by `set_variants` on the
     same weights: the kernel each one names must be the one that runs), gives the reference loop's codes. So does
     the code predictor's two prompt tokens as two rows of one pass (cp_one_pass: 15 passes a frame, not 16), and
-    the sort-free sampler kernel (kernel_sampler: every one of a frame's 16 draws, top-p's included), and every
-    code-predictor pass by the one-kernel stack (cp_stack_kernel; on CPU its "phases" mode, the prompt's two tokens
-    as rows of one pass)."""
+    the sort-free sampler kernel (kernel_sampler: every one of a frame's 16 draws, top-p's included)."""
     variant = dict(variant)
     one_pass = variant.pop("cp_one_pass", False)
     kernel_sampler = variant.pop("kernel_sampler", False)
-    stack_mode = variant.pop("cp_stack_kernel", "off")
     import test_engine_reference as ref_tests
 
     from qwen_tts.fastpath import decode_attention as attention_mod
-    from qwen_tts.fastpath.stack import stack_kernel
 
-    calls = {"split": 0, "small_m": 0, "stack": 0, "sampler": 0, "stack_pass": 0}
+    calls = {"split": 0, "small_m": 0, "stack": 0, "sampler": 0}
     real_split, real_small_m = attention_mod.split_decode_attention, small_m_gemm.small_m_matmul
     real_stack = fused.stack_step
 
@@ -161,7 +156,6 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
     monkeypatch.setattr(sample_kernel, "sample", counted("sampler", sample_kernel.sample))
     # A code predictor draw that feeds the next pass goes through sample_feed (cp_fused_feed, on by default): a draw too.
     monkeypatch.setattr(sample_kernel, "sample_feed", counted("sampler", sample_kernel.sample_feed))
-    monkeypatch.setattr(stack_kernel, "stack_pass", counted("stack_pass", stack_kernel.stack_pass))
     # A private copy (enable() re-lays its weights), in float32 on CUDA too: bf16 kernels that differ from eager
     # ones in rounding would flip near-tied codes.
     model = load_model(tiny_checkpoint, device=DEVICE, dtype=torch.float32)
@@ -177,14 +171,13 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
         assert fused.set_variants(model.talker, **kernels) == n_layers
         model.talker.code_predictor.prompt_one_pass = one_pass
         model.talker.kernel_sampler = kernel_sampler
-        stack_kernel.enable(model.talker.code_predictor.model, stack_mode)
         after = model.talker.state_dict()
         assert all(torch.equal(v, after[k]) for k, v in before.items())  # same weights, new layout
         # On CUDA the engine enables the fast path itself, with the kernels its settings name (on CPU it leaves
         # the model as enabled here).
         eng, handles = await ref_tests.run_engine(
             model, reqs, frame_step="eager", kernel_sampler=kernel_sampler, cp_prompt_one_pass=one_pass,
-            cp_stack_kernel=stack_mode, **kernels,
+            **kernels,
         )  # fmt: skip
     for (text, _), h, e in zip(cases, handles, expected, strict=True):
         got = torch.cat(h.codes) if h.codes else torch.zeros(0, 16, dtype=torch.long)
@@ -195,10 +188,7 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
     # Every batched frame step: the talker's one pass and the code predictor's 16 (15, its prompt in one pass).
     assert calls["stack"] == eng.timings["steps"] * (16 if one_pass else 17) > 0
     assert calls["sampler"] == (eng.timings["steps"] * 16 if kernel_sampler else 0)
-    # The code predictor's 15 passes a frame step by the stack kernel when it is on, never otherwise (the talker's
-    # cache is longer than the kernel takes).
-    assert calls["stack_pass"] == (eng.timings["steps"] * 15 if stack_mode != "off" else 0)
-    assert eng.model_info["cp_stack_kernel"] == stack_mode
+    assert eng.model_info["cp_stack_kernel"] == "off"
 
 
 def test_attention_benchmark_times_both_kernels_and_checks_them_against_float64(tmp_path) -> None:

@@ -103,9 +103,9 @@ class ServerSettings(BaseSettings):
     decoder_fp16: bool = _ENGINE.decoder_fp16
     # On CUDA, each code-predictor pass through one kernel for its whole stack: "cuda" (stack_cuda.cu, passes of at
     # most four bf16 rows; on an H200 one 1.7B stream 15.4x -> 15.8x real time, first audio +2 ms, and a request's
-    # codes then match alone and beside one other, not beside more), "phases"/"persistent" (the Triton kernel, no
-    # faster), "off" (the fused path's kernels; the default). See docs/history/benchmarks-diary.md. Ignored on CPU.
-    cp_stack_kernel: Literal["off", "phases", "persistent", "cuda"] = _ENGINE.cp_stack_kernel  # type: ignore[assignment]
+    # codes then match alone and beside one other, not beside more), "off" (the fused path's kernels; the default).
+    # See docs/history/benchmarks-diary.md. Ignored on CPU.
+    cp_stack_kernel: Literal["off", "cuda"] = _ENGINE.cp_stack_kernel  # type: ignore[assignment]
     # On CUDA, the talker's passes of at most four bf16 rows by the same CUDA kernel, "cuda", where its layer fits
     # the kernel (the 0.6B's; the 1.7B's falls back to the default kernels with a warning), or "off" (the default).
     # The same batch invariance as cp_stack_kernel. See docs/history/benchmarks-diary.md. Ignored on CPU.

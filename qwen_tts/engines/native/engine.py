@@ -206,13 +206,8 @@ class NativeEngine(Engine):
         self._model_info["talker_stack_kernel"] = self._talker.model.stack_kernel or "off"
         self._model_info["one_row_steps"] = one_row_steps(self._talker)
         self._model_info["stack_blocks"] = stack_blocks(self._talker, self.config, self.device)
-        self._model_info["stack_tags"] = bool(self._model_info["stack_blocks"]) and self.config.stack_tags
         blocks = self._model_info["stack_blocks"]
-        self._model_info["cp_stack_mma"] = "code_predictor" in blocks and self.config.cp_stack_mma
-        self._model_info["talker_stack_mma"] = "talker" in blocks and self.config.talker_stack_mma
-        self._model_info["stack_exact_rows"] = (
-            self.config.stack_exact_rows if blocks and not self.config.stack_tags else 0
-        )
+        self._model_info["stack_exact_rows"] = self.config.stack_exact_rows if blocks else 0
         if self.device.type == "cuda" and self.config.fused_decoder and fused.HAVE_TRITON:
             fused.enable_decoder(self._code2wav)
         self._model_info["fused_decoder"] = any(getattr(m, "fast", None) for m in self._code2wav.modules())
@@ -816,8 +811,6 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
     # process-wide, read when a pass is compiled or captured
     stack_cuda.set_options(
         lean_grid=config.stack_lean_grid,
-        tags=config.stack_tags,
-        long_tags=config.talker_stack_tags,
         evict_first=config.stack_evict_first,
         threads=config.cp_stack_threads,
         long_threads=config.talker_stack_threads,
@@ -825,8 +818,6 @@ def enable_fast_path(talker, config: EngineSettings, device: torch.device) -> bo
         chunk=config.talker_stack_chunk,
         split=config.talker_stack_split,
         exact_rows=config.stack_exact_rows,
-        mma=config.cp_stack_mma,
-        long_mma=config.talker_stack_mma,
     )
     stack_kernel.enable(talker.code_predictor.model, config.cp_stack_kernel)
     if config.cp_stack_kernel != "off":
