@@ -182,83 +182,66 @@ def _align16(n: int) -> int:
     return -(-n // 16) * 16
 
 
-# The kernel's choices, process-wide (`set_options`; CUDA graphs keep the kernel they were captured with).
-_options = {"bulk": True, "weights": True, "timeline": False, "light_barrier": True, "chunked": False,
-            "split_barrier": False, "two_rows": True, "lean_grid": True,
-            "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK, "split": 0,
-            "evict_first": True, "threads": NTHREADS, "long_threads": 0, "stage": False,
-            "exact_rows": 0}  # fmt: skip
-_DEFAULTS = dict(_options)
+@dataclasses.dataclass(frozen=True)
+class StackOptions:
+    """The kernel's choices (the fast path's object holds them; CUDA graphs keep the kernel they were captured with).
 
+    bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling only
+    (no weight copies: the matmuls read stale shared memory); timeline: profiling, each phase's steps stamped
+    (stack_pass's `timeline`); light_barrier: the grid barrier's release by an acquire-release fence (else a
+    sequentially consistent one); chunked: a short cache's attention by the long cache's code; split_barrier: the
+    barrier's arrivals over four counters (else one); two_rows: the products two weight rows a warp at once;
+    lean_grid: a block on only as many SMs as keep each block's largest share of every phase (`lean_blocks`), the
+    others left to kernels on other streams (Code2Wav's); norm_prefetch: each norm's weights copied into shared
+    memory during the grid wait before it; vector_attention: a short cache's cached keys and values by 16-byte
+    loads, all in one round; chunk: a long cache's chunks take at least this many positions (a multiple of 32), and
+    a row's positions up to it are one chunk; split: past `chunk` positions, chunks of at least this many (a multiple
+    of 32 up to `chunk`; 0: `chunk`), so a row just past `chunk` gets more, shorter chunks (other sums, batch
+    invariant); evict_first: the weight copies with an L2 evict-first policy, so the caches' keys and values and the
+    activations are not pushed out of L2 by the weight stream (the same bits); threads: a block's threads (a long
+    cache's positions stay on 8 warps, so the same bits); long_threads: a long cache's stack's (the talker's) block
+    threads, whatever `threads` says of the others (0: as `threads`); stage: a long cache's attention unit has the
+    copy engine bring its chunk's cached keys and values (as many positions as a weight slot holds) into the weight
+    slot the attention phase leaves free, before the phase's grid wait, and reads them from shared memory (the same
+    bits; needs `bulk`); exact_rows (0 to MAX_ROWS - 1): a pass of M <= exact_rows rows launches a build of the
+    kernel compiled for M rows (`Layout.rows`: the same sums in the same order, the rows' loops and registers for M
+    rows only), a pass of more rows the build for MAX_ROWS. docs/performance.md has what each measured."""
 
-def reset_options() -> dict:
-    """Every option back to the module's default (an engine sets its own, process-wide); returns them."""
-    _options.clear()
-    _options.update(_DEFAULTS)
-    return dict(_options)
+    bulk: bool = True
+    weights: bool = True
+    timeline: bool = False
+    light_barrier: bool = True
+    chunked: bool = False
+    split_barrier: bool = False
+    two_rows: bool = True
+    lean_grid: bool = True
+    norm_prefetch: bool = True
+    vector_attention: bool = True
+    chunk: int = CHUNK
+    split: int = 0
+    evict_first: bool = True
+    threads: int = NTHREADS
+    long_threads: int = 0
+    stage: bool = False
+    exact_rows: int = 0
 
-
-def set_options(
-    bulk: bool | None = None, weights: bool | None = None, timeline: bool | None = None,
-    light_barrier: bool | None = None, chunked: bool | None = None, split_barrier: bool | None = None,
-    two_rows: bool | None = None, lean_grid: bool | None = None,
-    norm_prefetch: bool | None = None, vector_attention: bool | None = None, chunk: int | None = None,
-    split: int | None = None,
-    evict_first: bool | None = None, threads: int | None = None, long_threads: int | None = None,
-    stage: bool | None = None,
-    exact_rows: int | None = None,
-) -> dict:  # fmt: skip
-    """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
-    only (no weight copies: the matmuls read stale shared memory); timeline: profiling, each phase's steps stamped (stack_pass's `timeline`);
-    light_barrier: the grid barrier's release by an acquire-release fence (else a sequentially consistent one);
-    chunked: a short cache's attention by the long cache's code; split_barrier: the barrier's arrivals over four
-    counters (else one; four measured slower); two_rows: the products two weight rows a warp at once; lean_grid: a
-    block on only as many SMs as keep each block's largest share of every phase (`lean_blocks`), the others left to
-    kernels on other streams (Code2Wav's); norm_prefetch: each norm's weights copied into shared memory during the
-    grid wait before it; vector_attention: a short cache's cached keys and values by 16-byte loads, all in one
-    round; chunk: a long cache's chunks take at least this many positions (a multiple of 32), and a row's positions
-    up to it are one chunk; split: past `chunk` positions, chunks of at least this many (a multiple of 32 up to
-    `chunk`; 0: `chunk`), so a row just past `chunk` gets more, shorter chunks (other sums, batch invariant);
-    evict_first: the weight
-    copies with an L2 evict-first policy, so the caches' keys and values and the activations are not pushed out of
-    L2 by the weight stream (the same bits; on an H200 one stream 4% faster for the 0.6B, 2% for the 1.7B: on);
-    threads: a block's threads (256 or 512 tested; a long cache's positions stay on 8 warps, so the same bits);
-    long_threads: a long cache's stack's (the talker's) block threads, whatever `threads` says of the others (0: as
-    `threads`); stage: a long cache's attention unit has the copy engine bring its chunk's cached keys
-    and values (as many positions as a weight slot holds, 192 at the 0.6B talker's shape) into the weight slot the
-    attention phase leaves free, before the phase's grid wait, and reads them from shared memory (the same bits;
-    needs `bulk`; with `chunk` 192 a row's positions up to 192 are one chunk, no combine); exact_rows (0 to
-    MAX_ROWS - 1): a pass of M <= exact_rows rows launches a build of the kernel compiled for M rows (`Layout.rows`:
-    the same sums in the same order, the rows' loops and registers for M rows only: a quarter less code for one
-    row), a pass of more rows the build for MAX_ROWS. Returns the options now in force."""
-    given = dict(bulk=bulk, weights=weights, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
-                 split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
-                 vector_attention=vector_attention, evict_first=evict_first, stage=stage)  # fmt: skip
-    for k, v in given.items():
-        if v is not None:
-            _options[k] = bool(v)
-    if exact_rows is not None:
-        if not 0 <= exact_rows < MAX_ROWS:
-            raise ValueError(f"exact_rows must be 0 to {MAX_ROWS - 1} rows, not {exact_rows}")
-        _options["exact_rows"] = int(exact_rows)
-    if threads is not None:
-        if err := _threads_error(threads):
+    def __post_init__(self) -> None:
+        if not 0 <= self.exact_rows < MAX_ROWS:
+            raise ValueError(f"exact_rows must be 0 to {MAX_ROWS - 1} rows, not {self.exact_rows}")
+        if err := _threads_error(self.threads):
             raise ValueError(err)
-        _options["threads"] = int(threads)
-    if long_threads is not None:
-        if long_threads and (err := _threads_error(long_threads)):
+        if self.long_threads and (err := _threads_error(self.long_threads)):
             raise ValueError(err)
-        _options["long_threads"] = int(long_threads)
-    if chunk is not None and (chunk < 32 or chunk % 32):
-        raise ValueError(f"chunk must be a multiple of 32 positions, not {chunk}")
-    if split is not None and (split < 0 or split % 32):
-        raise ValueError(f"split must be 0 or a multiple of 32 positions, not {split}")
-    new_chunk = _options["chunk"] if chunk is None else int(chunk)
-    new_split = _options["split"] if split is None else int(split)
-    if new_split > new_chunk:
-        raise ValueError(f"split ({new_split}) must not exceed chunk ({new_chunk})")
-    _options["chunk"], _options["split"] = new_chunk, new_split
-    return dict(_options)
+        if self.chunk < 32 or self.chunk % 32:
+            raise ValueError(f"chunk must be a multiple of 32 positions, not {self.chunk}")
+        if self.split < 0 or self.split % 32:
+            raise ValueError(f"split must be 0 or a multiple of 32 positions, not {self.split}")
+        if self.split > self.chunk:
+            raise ValueError(f"split ({self.split}) must not exceed chunk ({self.chunk})")
+
+    def replace(self, **changes) -> StackOptions:
+        """These options with `changes` (checked as a new object is)."""
+        return dataclasses.replace(self, **changes)
 
 
 def _threads_error(threads: int) -> str | None:
@@ -268,10 +251,13 @@ def _threads_error(threads: int) -> str | None:
     return None
 
 
-def layout(sw, max_len: int, nblk: int, rows: int = MAX_ROWS) -> Layout:
+DEFAULT_OPTIONS = StackOptions()
+
+
+def layout(sw, max_len: int, nblk: int, rows: int = MAX_ROWS, options: StackOptions = DEFAULT_OPTIONS) -> Layout:
     """The layout of a `stack_kernel.StackWeights` stack with a cache of max_len positions on nblk SMs, for a pass of
     `rows` rows (the build for that many rows where the `exact_rows` option takes it, else the MAX_ROWS build)."""
-    opts = dict(_options)
+    opts = dataclasses.asdict(options)
     long_threads = opts.pop("long_threads")
     exact_rows = opts.pop("exact_rows")
     lay = Layout(H=sw.H, I=sw.I, D=sw.D, NQ=sw.NQ, NKV=sw.NKV, L=sw.L, T=max_len, nblk=nblk, **opts)
@@ -311,10 +297,12 @@ def _device_limits(device: torch.device) -> tuple[int, int]:
     return props.multi_processor_count, props.shared_memory_per_block_optin
 
 
-def device_layout(sw, max_len: int, device: torch.device, rows: int = MAX_ROWS) -> tuple[Layout, str | None]:
+def device_layout(
+    sw, max_len: int, device: torch.device, rows: int = MAX_ROWS, options: StackOptions = DEFAULT_OPTIONS
+) -> tuple[Layout, str | None]:
     """The layout on this device for a pass of `rows` rows and why the kernel cannot take it (None: it can); asked on
     every pass, so the arithmetic runs once per shape, device, row build and options."""
-    return _checked_layout(layout(sw, max_len, 1, rows), device)
+    return _checked_layout(layout(sw, max_len, 1, rows, options), device)
 
 
 def _shares(lay: Layout) -> tuple[int, ...]:
@@ -352,19 +340,19 @@ def _kernel(device: torch.device, lay: Layout):
     return k
 
 
-def blocks(sw, max_len: int, device: torch.device | str) -> int:
-    """The blocks a pass of this stack launches on the device with the options now in force."""
-    return device_layout(sw, max_len, _index(torch.device(device)))[0].nblk
+def blocks(sw, max_len: int, device: torch.device | str, options: StackOptions = DEFAULT_OPTIONS) -> int:
+    """The blocks a pass of this stack launches on the device with these options."""
+    return device_layout(sw, max_len, _index(torch.device(device)), MAX_ROWS, options)[0].nblk
 
 
-def prepare(sw, max_len: int, device: torch.device | str) -> str | None:
+def prepare(sw, max_len: int, device: torch.device | str, options: StackOptions = DEFAULT_OPTIONS) -> str | None:
     """Compile and load the kernel for this stack, a cache of max_len positions and the device, before any graph
     capture; returns why it cannot run there (None: it can). A machine without NVRTC, or one whose SMs cannot hold
     the layout, gets the reason instead of an error, so the caller can fall back."""
     dev = _index(torch.device(device))
     if dev.type != "cuda":
         return "not a CUDA device"
-    builds = [device_layout(sw, max_len, dev, m) for m in range(MAX_ROWS, 0, -1)]  # the same one past exact_rows
+    builds = [device_layout(sw, max_len, dev, m, options) for m in range(MAX_ROWS, 0, -1)]  # one past exact_rows
     if reason := next((r for _, r in builds if r), None):
         return reason
     try:
@@ -375,7 +363,7 @@ def prepare(sw, max_len: int, device: torch.device | str) -> str | None:
     return None
 
 
-def runs(sw, x: Tensor, cache) -> bool:
+def runs(sw, x: Tensor, cache, options: StackOptions = DEFAULT_OPTIONS) -> bool:
     """Whether `stack_pass` can take this pass: CUDA, bf16, at most MAX_ROWS rows, a layout the device fits, a cache
     whose head vectors start on 16 bytes (its keys and values are read 16 bytes at a time)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and cache.k.dtype == torch.bfloat16):
@@ -384,7 +372,7 @@ def runs(sw, x: Tensor, cache) -> bool:
         return False
     if any(s % 8 for s in cache.k.stride()[:4]) or cache.k.data_ptr() % 16 or cache.v.data_ptr() % 16:
         return False
-    return device_layout(sw, cache.max_len, _index(x.device))[1] is None
+    return device_layout(sw, cache.max_len, _index(x.device), MAX_ROWS, options)[1] is None
 
 
 def _index(device: torch.device) -> torch.device:
@@ -400,7 +388,7 @@ def timeline_stamps(sw) -> int:
 
 def stack_pass(
     sw, x: Tensor, positions: Tensor, cache, slots: Tensor, barrier: Tensor, stop: int | None = None,
-    timeline: Tensor | None = None,
+    timeline: Tensor | None = None, options: StackOptions = DEFAULT_OPTIONS,
 ) -> Tensor:  # fmt: skip
     """One token per row through the whole stack and its final norm: x (M, H) -> (M, H); each row's K/V written into
     its slot at its position (rows may share a slot at different positions). barrier: BARRIER_INTS int32 zeros on
@@ -414,7 +402,7 @@ def stack_pass(
     if M > MAX_ROWS:
         raise ValueError(f"{M} rows > MAX_ROWS ({MAX_ROWS})")
     dev = _index(x.device)
-    lay, reason = device_layout(sw, cache.max_len, dev, M)
+    lay, reason = device_layout(sw, cache.max_len, dev, M, options)
     if reason:
         raise ValueError(f"stack_cuda cannot take this stack: {reason}")
     if x.dtype != torch.bfloat16:
