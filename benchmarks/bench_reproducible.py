@@ -1,4 +1,4 @@
-"""Does a fresh process give the same bits? The engine's path (its CUDA set-up, `enable_fast_path`) on the same weights
+"""Does a fresh process give the same bits? The engine's path (its CUDA set-up, `fastpath.build`) on the same weights
 and inputs, once per process, compared across processes.
 
 Each run is a child process: it loads a random checkpoint in bf16, sets the fast path up with the settings a variant
@@ -45,13 +45,15 @@ VARIANTS = {
 @torch.inference_mode()
 def child(ckpt: Path, device: str, variant: str, prompt_len: int, frames: int, out: Path) -> None:
     """One run: the teacher-forced logits of the engine's path, saved to `out`."""
-    from qwen_tts.engines.native.engine import enable_fast_path
+    from qwen_tts import fastpath
+    from qwen_tts.engines.native.engine import talker_cache_len
     from qwen_tts.model.loading import load_model
 
     dev = torch.device(device)
     m = load_model(ckpt, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
     settings = dataclasses.replace(EngineSettings(), **VARIANTS[variant])
-    fast = enable_fast_path(m.talker, settings, dev)
+    fastpath.build(m.talker, m.code2wav, settings, dev, talker_cache_len(settings))
+    fast = m.talker.kernels is not None
     t = m.talker
     g = torch.Generator().manual_seed(0)
     vocab = m.config.talker.codebook_size

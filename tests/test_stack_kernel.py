@@ -11,6 +11,7 @@ import dataclasses
 import re
 import shutil
 import subprocess
+import weakref
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,9 @@ import torch
 
 from qwen_tts.fastpath import fused
 from qwen_tts.fastpath.decode_attention import HAVE_TRITON
-from qwen_tts.fastpath.stack import stack_kernel
+from qwen_tts.fastpath.stack import stack_cuda, stack_kernel
+from qwen_tts.fastpath.stack.stack_cuda import StackOptions
+from qwen_tts.fastpath.stack.stack_kernel import StackKernel
 from qwen_tts.model.config import DecoderLayersConfig
 from qwen_tts.model.layers import DecoderStack
 
@@ -50,9 +53,70 @@ def make_stack(shape, dtype, seed=0):
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if p.dim() == 1 else torch.randn_like(p) / p.shape[1] ** 0.5)
     ref = ref.to(DEVICE, dtype)
     kern = copy.deepcopy(ref)
-    fused.enable(kern)
-    stack_kernel.enable(kern, "cuda")
+    FUSED[kern] = fused.fuse(kern)
+    KERNELS[kern] = StackKernel(kern, FUSED[kern], CACHE_LEN, OPTIONS.current)
     return ref, kern
+
+
+class _Options:
+    """The kernel's options a test sets (`cuda_options`); the helpers below run the kernel with them."""
+
+    current = StackOptions()
+
+    def __call__(self, **changes) -> dict:
+        if changes:
+            self.current = self.current.replace(**changes)
+        return dataclasses.asdict(self.current)
+
+
+OPTIONS = _Options()
+FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a stack's layers' fused weights
+KERNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a stack's StackKernel
+
+
+def weights(kern):
+    return KERNELS[kern].weights
+
+
+def stack_pass(kern, x, positions, cache, slots, phase_range=None):
+    k = KERNELS[kern]
+    k.options = OPTIONS.current
+    return k.stack_pass(x, positions, cache, slots, phase_range)
+
+
+def runs(kern, x, cache) -> bool:
+    k = KERNELS.get(kern)
+    if k is None:
+        return False
+    k.options = OPTIONS.current
+    return k.runs(x, cache)
+
+
+def step(kern, x, positions, cache, slots, shared_slots=False):
+    """What the fast path's stack_step does: the kernel where it takes the pass, else the fused path's kernels."""
+    if runs(kern, x, cache):
+        return stack_pass(kern, x, positions, cache, slots)
+    return fused.stack_step(kern, FUSED[kern], x, positions, cache, slots, shared_slots=shared_slots)
+
+
+def layout(sw, max_len, nblk, rows=stack_cuda.MAX_ROWS):
+    return stack_cuda.layout(sw, max_len, nblk, rows, OPTIONS.current)
+
+
+def device_layout(sw, max_len, device, rows=stack_cuda.MAX_ROWS):
+    return stack_cuda.device_layout(sw, max_len, device, rows, OPTIONS.current)
+
+
+def blocks(sw, max_len, device):
+    return stack_cuda.blocks(sw, max_len, device, OPTIONS.current)
+
+
+def cuda_prepare(sw, max_len, device):
+    return stack_cuda.prepare(sw, max_len, device, OPTIONS.current)
+
+
+def cuda_runs(sw, x, cache):
+    return stack_cuda.runs(sw, x, cache, OPTIONS.current)
 
 
 def eager(stack, x, positions, cache, slots):
@@ -74,8 +138,8 @@ def test_rows_sharing_a_slot_see_each_others_keys() -> None:
     slots = torch.tensor([1, 2], device=DEVICE)
     with torch.no_grad():
         want = ref(x, torch.arange(2, device=DEVICE).expand(2, 2), c_ref, slots, CACHE_LEN)
-    got = fused.stack_step(kern, x.reshape(4, H), torch.tensor([0, 1, 0, 1], device=DEVICE), c_kern,
-                           slots.repeat_interleave(2), shared_slots=True)  # fmt: skip
+    got = step(kern, x.reshape(4, H), torch.tensor([0, 1, 0, 1], device=DEVICE), c_kern,
+               slots.repeat_interleave(2), shared_slots=True)  # fmt: skip
     assert (got.view(2, 2, H) - want).abs().max().item() < 2e-5 * want.abs().max().item()
     assert (c_kern.k - c_ref.k).abs().max().item() < 1e-4
 
@@ -87,7 +151,7 @@ def test_the_layers_parameters_are_views_of_the_stacked_weights() -> None:
     want = ref.state_dict()
     got = kern.state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-    sw = kern.stack_weights
+    sw = weights(kern)
     lay = kern.layers[1]
     assert lay.self_attn.k_proj.weight.data_ptr() == sw.w_qkv[1, 2 * 16 :].data_ptr()
     assert lay.mlp.up_proj.weight.data_ptr() == sw.w_gate_up[1, 64:].data_ptr()
@@ -101,19 +165,14 @@ def test_what_the_kernel_does_not_take() -> None:
     ref, kern = make_stack(SHAPES["tiny"], torch.float32)
     cache = kern.new_cache(17, CACHE_LEN, DEVICE, torch.float32)
     x = torch.zeros(17, 32, device=DEVICE)
-    assert not stack_kernel.runs(ref, x[:2], cache)  # not enabled
-    with pytest.raises(ValueError, match="mode must be one of"):
-        stack_kernel.enable(kern, "fast")
-    with pytest.raises(ValueError, match=r"fused\.enable"):
-        stack_kernel.enable(copy.deepcopy(ref), "cuda")
+    assert not runs(ref, x[:2], cache)  # not taken
+    with pytest.raises(ValueError, match="0 fused layers for a stack of 2"):
+        StackKernel(copy.deepcopy(ref), [], CACHE_LEN, StackOptions())
     # the CUDA kernel: bf16 on a GPU only, at most four rows
-    assert not stack_kernel.runs(kern, x[:2], cache)  # float32
-    assert not stack_kernel.runs(kern, x[:5].bfloat16(), kern.new_cache(5, CACHE_LEN, DEVICE, torch.bfloat16))
+    assert not runs(kern, x[:2], cache)  # float32
+    assert not runs(kern, x[:5].bfloat16(), kern.new_cache(5, CACHE_LEN, DEVICE, torch.bfloat16))
     with pytest.raises(ValueError, match="runs phases from 0"):
-        stack_kernel.stack_pass(kern, x[:2], torch.zeros(2, dtype=torch.long), cache, torch.arange(2),
-                                phase_range=(1, 3))  # fmt: skip
-    stack_kernel.enable(kern, "off")
-    assert not stack_kernel.runs(kern, x[:2], cache)
+        stack_pass(kern, x[:2], torch.zeros(2, dtype=torch.long), cache, torch.arange(2), phase_range=(1, 3))
 
 
 # The CUDA kernel (stack_cuda.cu): bf16 passes of at most four rows, one persistent launch with the weights copied
@@ -202,16 +261,16 @@ def assert_batch_invariant_and_replayable(kern, x, pos, slots, base) -> None:
     """Each row alone (from the cache `base`) gets the bits it gets in the batch of all; a CUDA graph replay of the
     batch gets the eager launch's output and cache; the counters end at zero."""
     cache = copy.deepcopy(base)
-    batch = stack_kernel.stack_pass(kern, x, pos, cache, slots)
+    batch = stack_pass(kern, x, pos, cache, slots)
     for i in range(x.shape[0]):
-        alone = stack_kernel.stack_pass(kern, x[i : i + 1], pos[i : i + 1], copy.deepcopy(base), slots[i : i + 1])
+        alone = stack_pass(kern, x[i : i + 1], pos[i : i + 1], copy.deepcopy(base), slots[i : i + 1])
         assert torch.equal(alone[0], batch[i]), i
     graphed = copy.deepcopy(base)
-    stack_kernel.stack_pass(kern, x, pos, copy.deepcopy(base), slots)  # compiled and warmed outside the capture
+    stack_pass(kern, x, pos, copy.deepcopy(base), slots)  # compiled and warmed outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = stack_kernel.stack_pass(kern, x, pos, graphed, slots)
+        out = stack_pass(kern, x, pos, graphed, slots)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, batch)
@@ -220,17 +279,15 @@ def assert_batch_invariant_and_replayable(kern, x, pos, slots, base) -> None:
 
 
 def make_cuda_stack(dims, seed=0):
-    ref, kern = make_stack(dims, torch.bfloat16, seed)
-    stack_kernel.enable(kern, "cuda")
-    return ref, kern
+    return make_stack(dims, torch.bfloat16, seed)
 
 
 @pytest.fixture
 def cuda_options():
-    """stack_cuda.set_options, for a test that sets them (conftest puts them back to the defaults after it)."""
-    from qwen_tts.fastpath.stack import stack_cuda
-
-    return stack_cuda.set_options
+    """The kernel's options for a test that sets them (`OPTIONS`; back to the defaults after it)."""
+    OPTIONS.current = StackOptions()
+    yield OPTIONS
+    OPTIONS.current = StackOptions()
 
 
 # A case's option (non-default) for the CUDA kernel: the name in the test's id, then the stack_cuda option.
@@ -277,7 +334,6 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     code; the barrier's release by __threadfence; four arrival counters; one weight row a warp (the default: two);
     every SM (the default: the lean grid); the norm weights from L2 (the default: staged in shared memory); the
     short cache's keys by 2-byte loads (the default: 16-byte)."""
-    from qwen_tts.fastpath.stack import stack_cuda
 
     cuda_options(**OPTION_CASES.get(opts, {}))
     dims = FULL if shape == "full" else SHAPES[shape]
@@ -287,14 +343,14 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     c_ref, c_kern = (s.new_cache(rows + 2, CACHE_LEN, DEVICE, torch.bfloat16) for s in (ref, kern))
     c_exact = exact.new_cache(rows + 2, CACHE_LEN, DEVICE, torch.float32)
     slots = torch.tensor([rows + 1, 0, 3, 2][:rows], device=DEVICE)
-    assert stack_cuda.runs(kern.stack_weights, torch.zeros(rows, H, device=DEVICE, dtype=torch.bfloat16), c_kern)
+    assert cuda_runs(weights(kern), torch.zeros(rows, H, device=DEVICE, dtype=torch.bfloat16), c_kern)
     g = torch.Generator().manual_seed(5)
     for t in range(5):
         x = torch.randn(rows, H, generator=g).to(DEVICE, torch.bfloat16)
         pos = torch.full((rows,), t, device=DEVICE)
         want = eager(exact, x.float(), pos, c_exact, slots)
         base = eager(ref, x, pos, c_ref, slots)
-        got = stack_kernel.stack_pass(kern, x, pos, c_kern, slots)
+        got = stack_pass(kern, x, pos, c_kern, slots)
         assert got.shape == want.shape and got.dtype == torch.bfloat16
         assert_as_close_as_eager(((got, base, want), (c_kern.k, c_ref.k, c_exact.k), (c_kern.v, c_ref.v, c_exact.v)), t)
     assert not c_kern.k[:, 1].any() and not c_kern.v[:, 1].any()
@@ -315,8 +371,8 @@ def test_cuda_kernel_rows_sharing_a_slot_see_each_others_keys(chunked, cuda_opti
     slots = torch.tensor([1, 2], device=DEVICE)
     with torch.no_grad():
         want = ref(x, torch.arange(2, device=DEVICE).expand(2, 2), c_ref, slots, CACHE_LEN)
-    got = fused.stack_step(kern, x.reshape(4, H), torch.tensor([0, 1, 0, 1], device=DEVICE), c_kern,
-                           slots.repeat_interleave(2), shared_slots=True)  # fmt: skip
+    got = step(kern, x.reshape(4, H), torch.tensor([0, 1, 0, 1], device=DEVICE), c_kern,
+               slots.repeat_interleave(2), shared_slots=True)  # fmt: skip
     scale = want.float().abs().max().item()
     assert (got.view(2, 2, H).float() - want.float()).abs().max().item() <= 2 * 2**-7 * scale
     assert (c_kern.k.float() - c_ref.k.float()).abs().max().item() <= 2 * 2**-7 * c_ref.k.float().abs().max().item()
@@ -423,7 +479,6 @@ def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows, opts,
     chunk128: chunks of at least 128 positions (so 1, 1, 2 and 4 chunks at those positions); stage: each unit's cached keys and values staged in shared memory;
     stage192: so, in chunks of 192 (1, 1, 1 and 4 chunks, each staged whole); stage256: in chunks of 256 (the last
     row's 3 chunks of 231 positions: 39 a chunk past the 192 staged)."""
-    from qwen_tts.fastpath.stack import stack_cuda
 
     cuda_options(**LONG_OPTION_CASES.get(opts, {}))
     dims = LONG_SHAPE if shape == "talker" else SHAPES[shape]
@@ -433,7 +488,7 @@ def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows, opts,
     slot_list = [rows + 1, 0, 3, 2][:rows]
     slots = torch.tensor(slot_list, device=DEVICE)
     c_ref, c_kern, c_exact = filled_caches((ref, kern, exact), rows, long_positions(rows, 0), slot_list, seed=11)
-    assert stack_cuda.runs(kern.stack_weights, torch.zeros(rows, H, device=DEVICE, dtype=torch.bfloat16), c_kern)
+    assert cuda_runs(weights(kern), torch.zeros(rows, H, device=DEVICE, dtype=torch.bfloat16), c_kern)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for step in range(3):
@@ -441,7 +496,7 @@ def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows, opts,
             pos = torch.tensor(long_positions(rows, step), device=DEVICE)
             want = exact(x.float()[:, None], pos[:, None], c_exact, slots, LONG_LEN)[:, 0]
             base = ref(x[:, None], pos[:, None], c_ref, slots, LONG_LEN)[:, 0]
-            got = stack_kernel.stack_pass(kern, x, pos, c_kern, slots)
+            got = stack_pass(kern, x, pos, c_kern, slots)
             triples = ((got, base, want), (c_kern.k, c_ref.k, c_exact.k), (c_kern.v, c_ref.v, c_exact.v))
             assert_as_close_as_eager(triples, step)
     assert not c_kern.k[:, 1].any() and not c_kern.v[:, 1].any()
@@ -464,7 +519,7 @@ def test_cuda_kernel_with_a_long_cache_rows_sharing_a_slot_see_each_others_keys(
     pos = torch.tensor([[299, 300]], device=DEVICE)
     with torch.no_grad():
         want = ref(x, pos, c_ref, slots, LONG_LEN)
-    got = stack_kernel.stack_pass(kern, x[0], pos[0], c_kern, slots.repeat(2))
+    got = stack_pass(kern, x[0], pos[0], c_kern, slots.repeat(2))
     scale = want.float().abs().max().item()
     assert (got.float() - want[0].float()).abs().max().item() <= 2 * 2**-7 * scale
     k_scale = c_ref.k.float().abs().max().item()
@@ -533,14 +588,14 @@ def test_cuda_kernel_on_the_lean_grid_gives_the_full_grids_bits(long, cuda_optio
             (cache,) = filled_caches((kern,), rows, long_positions(rows, 0), slot_list, seed=11)
         else:
             cache = kern.new_cache(rows + 2, CACHE_LEN, DEVICE, torch.bfloat16)
-        grids.append(stack_cuda.blocks(kern.stack_weights, cache.max_len, DEVICE))
+        grids.append(blocks(weights(kern), cache.max_len, DEVICE))
         g = torch.Generator().manual_seed(5)
         outs = []
         with torch.no_grad():
             for step in range(3):
                 x = torch.randn(rows, H, generator=g).to(DEVICE, torch.bfloat16)
                 pos = torch.tensor(long_positions(rows, step) if long else [step] * rows, device=DEVICE)
-                outs.append(stack_kernel.stack_pass(kern, x, pos, cache, slots))
+                outs.append(stack_pass(kern, x, pos, cache, slots))
         results.append((torch.stack(outs), cache.k.clone(), cache.v.clone()))
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     T = LONG_LEN if long else CACHE_LEN
@@ -579,7 +634,7 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
             for t in range(8):
                 x = torch.randn(4, H, generator=g).to(DEVICE, torch.bfloat16)
                 pos = torch.tensor([t, t, 2 * t, 2 * t + 1], device=DEVICE)
-                outs.append(stack_kernel.stack_pass(kern, x, pos, cache, slots))
+                outs.append(stack_pass(kern, x, pos, cache, slots))
         results.append((torch.stack(outs), cache.k.clone(), cache.v.clone()))
     for base, changed in zip(*results, strict=True):
         assert torch.equal(base, changed)
@@ -615,7 +670,7 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
             for t in range(5):
                 x = torch.randn(4, H, generator=g).to(DEVICE, torch.bfloat16)
                 pos = torch.tensor([5 + t, 150 + t, 60 + 2 * t, 61 + 2 * t], device=DEVICE)
-                outs.append(stack_kernel.stack_pass(kern, x, pos, cache, slots))
+                outs.append(stack_pass(kern, x, pos, cache, slots))
         results.append((torch.stack(outs), cache.k.clone(), cache.v.clone()))
     for base, changed in zip(*results, strict=True):
         assert torch.equal(base, changed)
@@ -642,7 +697,7 @@ def test_the_stage_option_stages_a_long_caches_keys_in_a_free_weight_slot(cuda_o
     assert short.shared_bytes == dataclasses.replace(short, stage=False).shared_bytes
     assert "copy engine" in stack_cuda.why_not(dataclasses.replace(staged, bulk=False), 232448)
     cuda_options(stage=True, chunk=192)
-    lay = stack_cuda.layout(staged, 3088, 128)
+    lay = layout(staged, 3088, 128)
     assert lay.staged and lay.chunk == 192 and "constexpr int CHUNK = 192;" in lay.source()
 
 
@@ -655,18 +710,19 @@ def test_the_long_threads_option_sizes_only_a_long_caches_blocks(cuda_options) -
     talker = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=1, nblk=1)
     cp = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=5, T=1, nblk=1)
     cuda_options(threads=512, long_threads=256)
-    assert stack_cuda.layout(cp, 16, 128).threads == 512 and stack_cuda.layout(talker, 3088, 128).threads == 256
-    assert "constexpr int NTHREADS = 512;" in stack_cuda.layout(cp, 16, 128).source()
-    assert "constexpr int NTHREADS = 256;" in stack_cuda.layout(talker, 3088, 128).source()
+    assert layout(cp, 16, 128).threads == 512 and layout(talker, 3088, 128).threads == 256
+    assert "constexpr int NTHREADS = 512;" in layout(cp, 16, 128).source()
+    assert "constexpr int NTHREADS = 256;" in layout(talker, 3088, 128).source()
     cuda_options(threads=256, long_threads=512)
-    assert stack_cuda.layout(cp, 16, 128).threads == 256 and stack_cuda.layout(talker, 3088, 128).threads == 512
+    assert layout(cp, 16, 128).threads == 256 and layout(talker, 3088, 128).threads == 512
     assert cuda_options(long_threads=0)["long_threads"] == 0
-    assert stack_cuda.layout(talker, 3088, 128).threads == 256
+    assert layout(talker, 3088, 128).threads == 256
     with pytest.raises(ValueError, match="a block of 100 threads: a multiple of 32 up to 1024"):
         cuda_options(long_threads=100)
     assert cuda_options()["long_threads"] == 0
     cuda_options(threads=512, long_threads=256)
-    assert stack_cuda.reset_options() == cuda_options() and cuda_options()["threads"] == stack_cuda.NTHREADS
+    defaults = dataclasses.asdict(StackOptions())
+    assert cuda_options(**defaults) == defaults and cuda_options()["threads"] == stack_cuda.NTHREADS
     assert cuda_options()["long_threads"] == 0
 
 
@@ -727,9 +783,7 @@ def test_the_cuda_kernels_chunk_option_takes_multiples_of_32_positions(cuda_opti
     H, inter, L, nq, nkv, D = TALKER_06B
     assert (
         "constexpr int CHUNK = 128;"
-        in stack_cuda.layout(
-            stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=1), 3088, 132
-        ).source()
+        in layout(stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=1), 3088, 132).source()
     )
     for bad in (100, 16):
         with pytest.raises(ValueError, match="multiple of 32"):
@@ -746,9 +800,7 @@ def test_the_cuda_kernels_split_option_takes_multiples_of_32_up_to_the_chunk(cud
     H, inter, L, nq, nkv, D = TALKER_06B
 
     def source() -> str:
-        return stack_cuda.layout(
-            stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=1), 3088, 132
-        ).source()
+        return layout(stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=1), 3088, 132).source()
 
     assert cuda_options()["split"] == 0 and "constexpr int SPLIT = 64;" in source()
     assert cuda_options(split=32)["split"] == 32
@@ -778,13 +830,13 @@ def test_the_exact_rows_option_takes_a_build_for_each_row_count(cuda_options) ->
     H, inter, L, nq, nkv, D = TALKER_06B
     sw = dataclasses.make_dataclass("SW", ["H", "I", "D", "NQ", "NKV", "L"])(H, inter, D, nq, nkv, L)
     for T in (CACHE_LEN + 1, 3088):  # the code predictor's cache and the talker's
-        assert [stack_cuda.layout(sw, T, 132, m).rows for m in (1, 2, 3, 4)] == [4] * 4  # off by default
+        assert [layout(sw, T, 132, m).rows for m in (1, 2, 3, 4)] == [4] * 4  # off by default
         cuda_options(exact_rows=1)
-        assert [stack_cuda.layout(sw, T, 132, m).rows for m in (1, 2, 3, 4)] == [1, 4, 4, 4]
+        assert [layout(sw, T, 132, m).rows for m in (1, 2, 3, 4)] == [1, 4, 4, 4]
         cuda_options(exact_rows=3)
-        builds = [stack_cuda.layout(sw, T, 132, m) for m in (1, 2, 3, 4)]
+        builds = [layout(sw, T, 132, m) for m in (1, 2, 3, 4)]
         four = builds[-1]
-        assert [b.rows for b in builds] == [1, 2, 3, 4] and stack_cuda.layout(sw, T, 132) == four
+        assert [b.rows for b in builds] == [1, 2, 3, 4] and layout(sw, T, 132) == four
         for m, lay in enumerate(builds, 1):
             assert dataclasses.replace(lay, rows=stack_cuda.MAX_ROWS) == four
             assert (lay.shared_bytes, lay.act_bytes, lay.max_chunks) == (four.shared_bytes, four.act_bytes, 4)
@@ -834,7 +886,6 @@ def test_each_rows_build_gives_the_four_row_builds_bits(shape, opts, cuda_option
     (the full and a split layer; two rows sharing a slot at consecutive positions, as its prompt pass has them) and
     the talker's long one (a row whose position moves from one chunk to four, 5 -> 690 positions, with its cached
     keys staged, in chunks of 32, at 512 threads)."""
-    from qwen_tts.fastpath.stack import stack_cuda
 
     long = shape == "talker"
     if long != (opts in ("stage", "split32", "t512-long")) and opts != "default":
@@ -856,10 +907,10 @@ def test_each_rows_build_gives_the_four_row_builds_bits(shape, opts, cuda_option
                 getattr(cache, t)[:, 1:4].normal_(generator=torch.Generator(device=DEVICE).manual_seed(22))
         else:
             cache = kern.new_cache(5, CACHE_LEN, DEVICE, torch.bfloat16)
-        assert [stack_cuda.device_layout(kern.stack_weights, cache.max_len, dev, m)[0].rows for m in (1, 2, 3)] == (
+        assert [device_layout(weights(kern), cache.max_len, dev, m)[0].rows for m in (1, 2, 3)] == (
             [1, 2, 3] if exact else [4] * 3
         )
-        assert stack_cuda.prepare(kern.stack_weights, cache.max_len, dev) is None
+        assert cuda_prepare(weights(kern), cache.max_len, dev) is None
         g = torch.Generator().manual_seed(13)
         outs = []
         with torch.no_grad():
@@ -867,17 +918,17 @@ def test_each_rows_build_gives_the_four_row_builds_bits(shape, opts, cuda_option
                 m, sl, off = shapes[i % 3]
                 x = torch.randn(m, H, generator=g).to(DEVICE, torch.bfloat16)
                 pos = torch.tensor([p + o for o in off], device=DEVICE)
-                outs.append(stack_kernel.stack_pass(kern, x, pos, cache, torch.tensor(sl, device=DEVICE)))
+                outs.append(stack_pass(kern, x, pos, cache, torch.tensor(sl, device=DEVICE)))
             # replayed: a one-row pass again from a graph, from the cache as it was before it
             x = torch.randn(1, H, generator=g).to(DEVICE, torch.bfloat16)
             pos, slot = torch.tensor([starts[-1] + 1], device=DEVICE), torch.tensor([2], device=DEVICE)
             before = (cache.k.clone(), cache.v.clone())
-            eager_out = stack_kernel.stack_pass(kern, x, pos, cache, slot).clone()
+            eager_out = stack_pass(kern, x, pos, cache, slot).clone()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-                graphed = stack_kernel.stack_pass(kern, x, pos, cache, slot)
+                graphed = stack_pass(kern, x, pos, cache, slot)
             torch.cuda.current_stream().wait_stream(stream)
             cache.k.copy_(before[0])
             cache.v.copy_(before[1])

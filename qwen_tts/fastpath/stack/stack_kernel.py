@@ -6,17 +6,25 @@ and up to stack_cuda.MAX_ROWS bf16 rows: every layer's input RMSNorm, q|k|v, q/k
 attention over the slot's positions, o_proj and residual, RMSNorm, gate|up, SiLU * up, down_proj and residual, then
 the final norm, as one persistent launch. Its weights are one (layers, ...) tensor per kind (`StackWeights`); its
 grid barrier's counters live in one buffer per device (`prepare`, before any graph capture), so it runs on one
-stream at a time, as the engine's frame steps do.
+stream at a time, as the engine's frame steps do. `StackKernel` is one stack on the kernel, with its options.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from qwen_tts.fastpath.stack import stack_cuda
+from qwen_tts.fastpath.stack.stack_cuda import StackOptions
 
-MODES = ("off", "cuda")  # cuda: the CUDA kernel of stack_cuda.py
+if TYPE_CHECKING:
+    from qwen_tts.fastpath.fused import FusedWeights
+    from qwen_tts.model.layers import DecoderStack, KVCache
+
+# The barrier's counters, one buffer per device (a device resource, zero between launches).
 _counters: dict[torch.device, Tensor] = {}
 
 
@@ -38,25 +46,27 @@ class StackWeights:
     """A decoder stack's weights re-laid as one (layers, ...) tensor each; the layers' parameters become views of
     them (the same storage and state dict)."""
 
-    def __init__(self, stack: nn.Module) -> None:
+    def __init__(self, stack: DecoderStack, fused: Sequence[FusedWeights]) -> None:
+        """fused: the stack's layers re-laid by `fused.fuse` (their q|k|v and gate|up weights), in layer order;
+        they become views of these tensors too."""
         layers = stack.layers
-        if any(layer.fused is None for layer in layers):
-            raise ValueError("stack_kernel needs fused.enable() on the stack first (its q|k|v and gate|up weights)")
+        if len(fused) != len(layers):
+            raise ValueError(f"{len(fused)} fused layers for a stack of {len(layers)}")
         a0 = layers[0].self_attn
         cfg = stack.cfg
         self.L, self.H, self.I, self.D = len(layers), cfg.hidden_size, cfg.intermediate_size, a0.head_dim
-        self.NQ, self.NKV = layers[0].fused.n_q, layers[0].fused.n_kv
+        self.NQ, self.NKV = fused[0].n_q, fused[0].n_kv
         self.eps = layers[0].input_layernorm.eps
         if self.D & (self.D - 1) or self.D < 16:
             raise ValueError(f"head_dim must be a power of two >= 16, not {self.D}")
         if self.NQ % self.NKV:
             raise ValueError(f"{self.NQ} query heads do not group over {self.NKV} kv heads")
         with torch.no_grad():
-            self.w_qkv = _relay([lay.fused.w_qkv for lay in layers])
-            self.w_gate_up = _relay([lay.fused.w_gate_up for lay in layers])
-            for i, lay in enumerate(layers):
+            self.w_qkv = _relay([f.w_qkv for f in fused])
+            self.w_gate_up = _relay([f.w_gate_up for f in fused])
+            for i, (lay, f) in enumerate(zip(layers, fused, strict=True)):
                 a, mlp = lay.self_attn, lay.mlp
-                lay.fused.w_qkv, lay.fused.w_gate_up = self.w_qkv[i], self.w_gate_up[i]
+                f.w_qkv, f.w_gate_up = self.w_qkv[i], self.w_gate_up[i]
                 _point(self.w_qkv[i], [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
                 _point(self.w_gate_up[i], [mlp.gate_proj.weight, mlp.up_proj.weight])
             self.w_o = _relay([lay.self_attn.o_proj.weight for lay in layers], params=True)
@@ -89,29 +99,38 @@ def _point(fused: Tensor, params: list[Tensor]) -> None:
         start += n
 
 
-def enable(stack: nn.Module, mode: str) -> None:
-    """Run the stack's one-token passes of up to stack_cuda.MAX_ROWS bf16 rows through the CUDA kernel ("cuda"),
-    or not ("off"). The stack must be on the fused path (fused.enable) already."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-    if mode != "off" and stack.stack_weights is None:
-        stack.stack_weights = StackWeights(stack)
-    stack.stack_kernel = None if mode == "off" else mode
+class StackKernel:
+    """One stack's one-token passes on the CUDA kernel: its re-laid weights (`StackWeights`), its cache length and
+    the kernel's options."""
 
+    def __init__(self, stack: DecoderStack, fused: Sequence[FusedWeights], max_len: int, options: StackOptions) -> None:
+        self.weights = StackWeights(stack, fused)
+        self.max_len = max_len
+        self.options = options
 
-def runs(stack: nn.Module, x: Tensor, cache) -> bool:
-    """Whether `stack_pass` takes this pass (the kernel is on, the rows and the cache within its limits)."""
-    return stack.stack_kernel == "cuda" and stack_cuda.runs(stack.stack_weights, x, cache)
+    def prepare(self, device: torch.device | str) -> str | None:
+        """Compile and load the kernel and make the barrier's counters, before any graph capture; returns why it
+        cannot run there (None: it can)."""
+        prepare(device)
+        return stack_cuda.prepare(self.weights, self.max_len, device, self.options)
 
+    def blocks(self, device: torch.device | str) -> int:
+        """The blocks a pass launches on the device."""
+        return stack_cuda.blocks(self.weights, self.max_len, device, self.options)
 
-def stack_pass(
-    stack: nn.Module, x: Tensor, positions: Tensor, cache, slots: Tensor, phase_range: tuple[int, int] | None = None
-) -> Tensor:
-    """One token per row through the whole stack and its final norm: x (M, H) -> (M, H); each row's K/V written
-    into its slot at its position (rows may share a slot at different positions). phase_range (0, end): run only
-    the first `end` phases, five a layer then the final norm (profiling, benchmarks/bench_stack.py; the output is
-    then partial)."""
-    if phase_range is not None and phase_range[0] != 0:
-        raise ValueError(f"the kernel runs phases from 0, not {phase_range}")
-    stop = None if phase_range is None else phase_range[1]
-    return stack_cuda.stack_pass(stack.stack_weights, x, positions, cache, slots, prepare(x.device), stop=stop)
+    def runs(self, x: Tensor, cache: KVCache) -> bool:
+        """Whether `stack_pass` takes this pass (the rows and the cache within the kernel's limits)."""
+        return stack_cuda.runs(self.weights, x, cache, self.options)
+
+    def stack_pass(
+        self, x: Tensor, positions: Tensor, cache: KVCache, slots: Tensor, phase_range: tuple[int, int] | None = None
+    ) -> Tensor:
+        """One token per row through the whole stack and its final norm: x (M, H) -> (M, H); each row's K/V written
+        into its slot at its position (rows may share a slot at different positions). phase_range (0, end): run
+        only the first `end` phases, five a layer then the final norm (profiling, benchmarks/bench_stack.py; the
+        output is then partial)."""
+        if phase_range is not None and phase_range[0] != 0:
+            raise ValueError(f"the kernel runs phases from 0, not {phase_range}")
+        stop = None if phase_range is None else phase_range[1]
+        barrier = prepare(x.device)
+        return stack_cuda.stack_pass(self.weights, x, positions, cache, slots, barrier, stop=stop, options=self.options)
