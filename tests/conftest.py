@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -97,12 +96,3 @@ def tiny_qwen3tts(tiny_checkpoint: Path):
     from qwen_tts.model.loading import load_model
 
     return load_model(tiny_checkpoint, device="cpu", speaker_encoder=True)
-
-
-@pytest.fixture(autouse=True)
-def _stack_cuda_options_reset():
-    """stack_cuda's options are process-wide and an engine sets its own (its code predictor's blocks of 512
-    threads): after each test they go back to the module's defaults, so no test sees another's."""
-    yield
-    if (mod := sys.modules.get("qwen_tts.fastpath.stack.stack_cuda")) is not None:
-        mod.reset_options()

@@ -24,7 +24,6 @@ from qwen_tts.engines.native import frame_step as cuda_graph
 from qwen_tts.engines.native import runner as runner_mod
 from qwen_tts.engines.native import scheduler as scheduler_mod
 from qwen_tts.engines.native.engine import NativeEngine
-from qwen_tts.fastpath import fused, small_m_gemm
 from qwen_tts.fastpath.options import FastPath, FastPathError
 from qwen_tts.model.loading import load_model
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
@@ -85,7 +84,7 @@ async def test_stream_equals_whole_decode(tiny_model):
     info = eng.model_info
     assert (info["decoder_polyphase_dilation"], info["kernel_sampler"], info["cp_prompt_one_pass"]) == (0, False, False)
     assert not any(getattr(m, "polyphase", False) for m in eng._runner._code2wav.modules())
-    assert info["decoder_snake_kernel"] is False and eng._runner._code2wav.snake_kernel is None
+    assert info["decoder_snake_kernel"] is False and eng._runner._code2wav.kernels is None
     assert info["decoder_channels_last"] is False
     assert info["cp_input_tables"] is False and info["small_m_heads"] is False
     assert info["cp_fused_feed"] is False and info["stack_exact_rows"] == 0
@@ -191,14 +190,14 @@ async def test_batch_invariance(tiny_model, greedy):
 
 
 def test_fast_path_is_the_cuda_path_only(tiny_checkpoint):
-    """enable_fast_path (the engine's set-up of fused.py, also run by make_fixture.py's teacher-forced check) does
-    nothing on the CPU: the layers keep their eager modules, the code predictor builds no input tables."""
-    from qwen_tts.engines.native.engine import enable_fast_path
+    """fastpath.build (the engine's set-up of the fast path, also run by make_fixture.py's teacher-forced check) does
+    nothing on the CPU: the model keeps its eager modules, the code predictor builds no input tables."""
+    from qwen_tts import fastpath
 
     m = load_model(tiny_checkpoint, device="cpu")
-    assert enable_fast_path(m.talker, EngineSettings(), torch.device("cpu")) is False
-    assert not fused.is_enabled(m.talker)
-    assert m.talker.code_predictor.input_tables is None and m.talker.code_predictor.prompt_one_pass is False
+    assert fastpath.build(m.talker, m.code2wav, EngineSettings(), torch.device("cpu"), 64) is None
+    assert m.talker.kernels is None and m.code2wav.kernels is None
+    assert m.talker.code_predictor.input_tables is None
 
 
 def test_fast_path_options_name_the_field_and_its_choices():
@@ -496,14 +495,19 @@ def test_one_row_steps_needs_both_stacks_on_the_cuda_kernel_and_the_heads_on_the
     """A lone row's graphed step runs unpadded only where every part of it is batch invariant by itself."""
     from types import SimpleNamespace
 
-    def talker(stack, cp_stack, heads):
-        cp = SimpleNamespace(model=SimpleNamespace(stack_kernel=cp_stack), head_linear=heads)
-        return SimpleNamespace(model=SimpleNamespace(stack_kernel=stack), code_predictor=cp, head_linear=heads)
+    from qwen_tts.fastpath.step import FastStep
 
-    fn = object()
-    assert cuda_graph.one_row_steps(talker("cuda", "cuda", fn))
-    for args in ((None, "cuda", fn), ("cuda", None, fn), ("cuda", "cuda", None)):
+    def talker(stack, cp_stack, heads):
+        fast = FastStep(FastPath(small_m_heads=heads), "cpu")
+        t, cp = object(), object()  # the stacks, as keys
+        fast._names = {"talker": t, "code_predictor": cp}
+        fast._kernels = {s: object() for s, mode in ((t, stack), (cp, cp_stack)) if mode == "cuda"}
+        return SimpleNamespace(kernels=fast)
+
+    assert cuda_graph.one_row_steps(talker("cuda", "cuda", True))
+    for args in ((None, "cuda", True), ("cuda", None, True), ("cuda", "cuda", False)):
         assert not cuda_graph.one_row_steps(talker(*args)), args
+    assert not cuda_graph.one_row_steps(SimpleNamespace(kernels=None))
 
 
 async def test_static_step_equals_eager_step(eos_prone_path, monkeypatch):
@@ -675,12 +679,12 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
         )
     finally:
         await eng.stop()
-        small_m_gemm.set_max_split_k(1)
     assert eng._runner._frame_step is not None and eng._runner._frame_step.num_graphs > 1
     assert torch.equal(codes_of(alone), codes_of(handles[3]))
-    for name in ("split_attention", "small_m_gemm"):
+    fast = model.talker.kernels
+    for name, on in (("split_attention", fast.split_attention), ("small_m_gemm", fast.regions.small_m > 0)):
         want = variant.get(name, getattr(FastPath, name))  # the default is both kernels on
-        assert all(getattr(layer.fused, name) == want for layer in model.talker.model.layers)
+        assert on == want
 
 
 @needs_cuda
@@ -712,16 +716,15 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
                 eng, [req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20), req(model, TEXTS[2], seed=9)]
             )
         finally:
-            await eng.stop()  # stack_cuda's options go back to the defaults after the test (conftest)
+            await eng.stop()
         assert eng.model_info["cp_stack_kernel"] == "cuda"
-        assert model.talker.code_predictor.model.stack_kernel == "cuda"
+        assert model.talker.kernels.kernel("code_predictor") is not None
         assert torch.equal(codes_of(alone), codes_of(pair)), frame_step
         results[frame_step] = codes_of(alone)
     assert torch.equal(results["eager"], results["graphs"])
     # Every pass by the kernel: one or two streams' rows, the prompt's two tokens as two rows of one pass.
     assert calls and max(calls) == 4 and set(calls) <= {1, 2, 4}
-    sw = model.talker.code_predictor.model.stack_weights
-    assert stack_cuda.prepare(sw, model.talker.code_predictor.num_residual + 1, "cuda") is None
+    assert model.talker.kernels.kernel("code_predictor").prepare("cuda") is None
 
 
 @needs_cuda
@@ -766,22 +769,24 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
         )  # fmt: skip
         await eng.start()
         try:
-            opts = stack_cuda.set_options()
+            fast = model.talker.kernels
+            opts = dataclasses.asdict(fast.stack_options)
             # the code predictor's blocks of 512 threads (the default), the talker's of 256 unless wide
             assert opts["threads"] == 512 and opts["long_threads"] == (512 if wide else 256)
             assert opts["stage"] is staged and opts["chunk"] == 64
             assert opts["split"] == 32 and opts["exact_rows"] == int(exact)
             for sw, n in (
-                (model.talker.model.stack_weights, eng._runner._cache.max_len),
-                (model.talker.code_predictor.model.stack_weights, model.talker.code_predictor.num_residual + 1),
+                (fast.kernel("talker").weights, eng._runner._cache.max_len),
+                (fast.kernel("code_predictor").weights, model.talker.code_predictor.num_residual + 1),
             ):
-                lay = stack_cuda.device_layout(sw, n, torch.device("cuda", torch.cuda.current_device()), 1)[0]
+                dev = torch.device("cuda", torch.cuda.current_device())
+                lay = stack_cuda.device_layout(sw, n, dev, 1, fast.stack_options)[0]
                 assert lay.rows == (1 if exact else stack_cuda.MAX_ROWS)  # a one-row pass's build
             # 64 frames at least: the talker's positions pass 64, where its attention goes from one chunk to three
             target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=72, min_frames=64)
             calls.clear()
             (alone,), _ = await run(eng, [target])
-            alone_rows = {n for sw, n in calls if sw is model.talker.model.stack_weights}
+            alone_rows = {n for sw, n in calls if sw is fast.kernel("talker").weights}
             (pair, _), _ = await run(
                 eng,
                 [
@@ -790,7 +795,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
                 ],
             )
         finally:
-            await eng.stop()  # stack_cuda's options go back to the defaults after the test (conftest)
+            await eng.stop()
         assert eng.model_info["talker_stack_kernel"] == "cuda" and eng.model_info["cp_stack_kernel"] == "cuda"
         assert eng.model_info["one_row_steps"] == heads
         assert eng.model_info["stack_exact_rows"] == int(exact)
@@ -802,7 +807,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
         assert torch.equal(codes_of(alone), codes_of(pair)), frame_step
         results[frame_step] = codes_of(alone)
     assert torch.equal(results["eager"], results["graphs"])
-    talker_rows = [n for sw, n in calls if sw is model.talker.model.stack_weights]
+    talker_rows = [n for sw, n in calls if sw is model.talker.kernels.kernel("talker").weights]
     assert talker_rows and set(talker_rows) <= {1, 2}  # one or two streams' rows, every frame by the kernel
     assert len(talker_rows) < len(calls)  # the code predictor's passes too
 

@@ -17,6 +17,8 @@ from qwen_tts.fastpath.decode_attention import (
     decode_attention,
     reference_decode_attention,
 )
+from qwen_tts.fastpath.options import FastPath
+from qwen_tts.fastpath.step import FastStep
 from qwen_tts.model.loading import load_model
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
@@ -128,22 +130,20 @@ def test_decode_attention_takes_one_position_expanded_over_the_batch(split) -> N
     ids=["default", "split", "small-m-gemm", "cp-one-pass", "kernel-sampler"],
 )
 async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, variant, monkeypatch) -> None:
-    """The fused path, and each optional kernel on it (enabled with `enable`, then switched by `set_variants` on the
-    same weights: the kernel each one names must be the one that runs), gives the reference loop's codes. So does
+    """The fused path (a FastStep handed to the talker; on CPU the engine keeps it), and each optional kernel on it
+    (the kernel each one names must be the one that runs), gives the reference loop's codes. So does
     the code predictor's two prompt tokens as two rows of one pass (cp_one_pass: 15 passes a frame, not 16), and
     the sort-free sampler kernel (kernel_sampler: every one of a frame's 16 draws, top-p's included)."""
     variant = dict(variant)
     one_pass = variant.pop("cp_one_pass", False)
     kernel_sampler = variant.pop("kernel_sampler", False)
-    stack_mode = variant.pop("cp_stack_kernel", "off")
     import test_engine_reference as ref_tests
 
     from qwen_tts.fastpath import decode_attention as attention_mod
-    from qwen_tts.fastpath.stack import stack_kernel
 
-    calls = {"split": 0, "small_m": 0, "stack": 0, "sampler": 0, "stack_pass": 0}
+    calls = {"split": 0, "small_m": 0, "stack": 0, "sampler": 0}
     real_split, real_small_m = attention_mod.split_decode_attention, small_m_gemm.small_m_matmul
-    real_stack = fused.stack_step
+    real_stack = FastStep.stack_step
 
     def counted(name, fn):
         def run(*args, **kwargs):
@@ -154,11 +154,10 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
 
     monkeypatch.setattr(attention_mod, "split_decode_attention", counted("split", real_split))
     monkeypatch.setattr(small_m_gemm, "small_m_matmul", counted("small_m", real_small_m))
-    monkeypatch.setattr(fused, "stack_step", counted("stack", real_stack))
+    monkeypatch.setattr(FastStep, "stack_step", counted("stack", real_stack))
     monkeypatch.setattr(sample_kernel, "sample", counted("sampler", sample_kernel.sample))
     # A code predictor draw that feeds the next pass goes through sample_feed (cp_fused_feed, on by default): a draw too.
     monkeypatch.setattr(sample_kernel, "sample_feed", counted("sampler", sample_kernel.sample_feed))
-    monkeypatch.setattr(stack_kernel, "stack_pass", counted("stack_pass", stack_kernel.stack_pass))
     # A private copy (enable() re-lays its weights), in float32 on CUDA too: bf16 kernels that differ from eager
     # ones in rounding would flip near-tied codes.
     model = load_model(tiny_checkpoint, device=DEVICE, dtype=torch.float32)
@@ -167,21 +166,22 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
     with ref_tests.eos_boost(model, 3.0):
         reqs = [ref_tests.request(model, i, text, opts) for i, (text, opts) in enumerate(cases)]
         expected = [ref_tests.reference(model, r) for r in reqs]  # eager modules
-        n_layers = len(model.talker.model.layers) + len(model.talker.code_predictor.model.layers)
-        assert fused.enable(model.talker) == n_layers
-        assert fused.is_enabled(model.talker)
         kernels = {"split_attention": False, "small_m_gemm": False, **variant}
-        assert fused.set_variants(model.talker, **kernels) == n_layers
-        model.talker.code_predictor.prompt_one_pass = one_pass
-        model.talker.kernel_sampler = kernel_sampler
-        stack_kernel.enable(model.talker.code_predictor.model, stack_mode)
+        # The kernels this test names, the others off (the CPU's: no input tables, one split, eager rounding).
+        options = FastPath(
+            **kernels, cp_prompt_one_pass=one_pass, kernel_sampler=kernel_sampler, cp_fused_feed=False,
+            cp_input_tables=False, small_m_split_k=1,
+        )  # fmt: skip
+        fast = FastStep(options, DEVICE, deterministic=False)
+        fast.take_talker(model.talker, 64)
+        assert model.talker.kernels is fast
         after = model.talker.state_dict()
         assert all(torch.equal(v, after[k]) for k, v in before.items())  # same weights, new layout
         # On CUDA the engine enables the fast path itself, with the kernels its settings name (on CPU it leaves
         # the model as enabled here).
         eng, handles = await ref_tests.run_engine(
             model, reqs, frame_step="eager", kernel_sampler=kernel_sampler, cp_prompt_one_pass=one_pass,
-            cp_stack_kernel=stack_mode, **kernels,
+            **kernels,
         )  # fmt: skip
     for (text, _), h, e in zip(cases, handles, expected, strict=True):
         got = torch.cat(h.codes) if h.codes else torch.zeros(0, 16, dtype=torch.long)
@@ -192,10 +192,7 @@ async def test_fused_engine_codes_equal_the_reference_loop(tiny_checkpoint, vari
     # Every batched frame step: the talker's one pass and the code predictor's 16 (15, its prompt in one pass).
     assert calls["stack"] == eng.timings["steps"] * (16 if one_pass else 17) > 0
     assert calls["sampler"] == (eng.timings["steps"] * 16 if kernel_sampler else 0)
-    # The code predictor's 15 passes a frame step by the stack kernel when it is on, never otherwise (the talker's
-    # cache is longer than the kernel takes).
-    assert calls["stack_pass"] == (eng.timings["steps"] * 15 if stack_mode != "off" else 0)
-    assert eng.model_info["cp_stack_kernel"] == stack_mode
+    assert eng.model_info["cp_stack_kernel"] == "off"
 
 
 def test_attention_benchmark_times_both_kernels_and_checks_them_against_float64(tmp_path) -> None:
@@ -253,14 +250,6 @@ def test_small_m_matmul_gives_a_row_the_same_bits_alone_and_in_a_batch() -> None
     assert torch.equal(small_m_gemm.small_m_matmul(x[3:9], w), full[3:9])
 
 
-@pytest.fixture
-def max_split_k():
-    """Set small_m_gemm's process-wide split maximum for one test, and restore it."""
-    before = small_m_gemm._max_split_k
-    yield small_m_gemm.set_max_split_k
-    small_m_gemm.set_max_split_k(before)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("M", "K", "N", "split"),
@@ -291,53 +280,35 @@ def test_split_k_gives_a_row_the_same_bits_alone_and_in_a_batch() -> None:
     assert torch.equal(small_m_gemm.small_m_matmul(x[2:11], w, block_k=128, split_k=3), full[2:11])
 
 
-def test_split_k_is_chosen_from_the_shape_and_the_sm_count(max_split_k) -> None:
+def test_split_k_is_chosen_from_the_shape_and_the_sm_count() -> None:
     cpu = torch.device("cpu")  # counts as an H200's 132 SMs
-    max_split_k(1)  # never split: every shape one program per column block
-    assert small_m_gemm.split_k_for(1024, 3072, cpu) == 1
+    # never split: every shape one program per column block
+    assert small_m_gemm.split_k_for(1024, 3072, cpu, max_split_k=1) == 1
     # 16 x 256 blocks (explicit, whatever the defaults).
-    blocks = dict(block_n=16, block_k=256)
-    max_split_k(4)
+    blocks = dict(block_n=16, block_k=256, max_split_k=4)
     assert small_m_gemm.split_k_for(1024, 2048, cpu, **blocks) == 2  # 64 column blocks: two fit on 132 SMs
     assert small_m_gemm.split_k_for(1024, 3072, cpu, **blocks) == 2  # 12 tiles of K: 6 per split
     assert small_m_gemm.split_k_for(2048, 6144, cpu, **blocks) == 1  # 128 blocks: a second set would not fit
     assert small_m_gemm.split_k_for(4096, 1024, cpu, **blocks) == 1  # 256 blocks fill the SMs already
     assert small_m_gemm.split_k_for(64, 256, cpu, **blocks) == 1  # a single K tile cannot split
     assert small_m_gemm.split_k_for(64, 768, cpu, **blocks) == 3  # no more splits than K tiles
-    max_split_k(8)
+    blocks["max_split_k"] = 8
     assert small_m_gemm.split_k_for(256, 1280, cpu, **blocks) == 5  # 16 blocks want 8; 5 tiles, 5 splits of one
-    max_split_k(5)
+    blocks["max_split_k"] = 5
     assert small_m_gemm.split_k_for(256, 1792, cpu, **blocks) == 4  # 7 tiles in 5 splits: runs of 2, so 4
     # The default 32 x 128 blocks, on the 1.7B step's shapes (N, K), at the engine's default maximum of 4.
     assert (small_m_gemm.BLOCK_N, small_m_gemm.BLOCK_K) == (32, 128)
-    max_split_k(4)
-    assert small_m_gemm.split_k_for(1024, 2048, cpu) == 4  # code predictor o: 32 blocks
-    assert small_m_gemm.split_k_for(1024, 3072, cpu) == 4  # code predictor down
-    assert small_m_gemm.split_k_for(2048, 2048, cpu) == 2  # talker o: 64 blocks, two fit
-    assert small_m_gemm.split_k_for(4096, 1024, cpu) == 1  # qkv: 128 blocks
-    assert small_m_gemm.split_k_for(12288, 2048, cpu) == 1  # talker gate_up: 384 blocks
+    assert small_m_gemm.split_k_for(1024, 2048, cpu, max_split_k=4) == 4  # code predictor o: 32 blocks
+    assert small_m_gemm.split_k_for(1024, 3072, cpu, max_split_k=4) == 4  # code predictor down
+    assert small_m_gemm.split_k_for(2048, 2048, cpu, max_split_k=4) == 2  # talker o: 64 blocks, two fit
+    assert small_m_gemm.split_k_for(4096, 1024, cpu, max_split_k=4) == 1  # qkv: 128 blocks
+    assert small_m_gemm.split_k_for(12288, 2048, cpu, max_split_k=4) == 1  # talker gate_up: 384 blocks
     with pytest.raises(ValueError, match="split K must be 1 to 8, not 9"):
-        max_split_k(9)
+        small_m_gemm.split_k_for(1024, 2048, cpu, max_split_k=9)
 
 
-def test_set_blocks_changes_the_defaults_and_refuses_what_the_kernel_cannot_take() -> None:
-    before = (small_m_gemm.BLOCK_N, small_m_gemm.BLOCK_K, small_m_gemm.NUM_STAGES)
-    cpu = torch.device("cpu")
-    try:
-        small_m_gemm.set_blocks(16, 256, 3)
-        assert (small_m_gemm.BLOCK_N, small_m_gemm.BLOCK_K, small_m_gemm.NUM_STAGES) == (16, 256, 3)
-        # split_k_for (and the kernel) read the defaults at call time, not at import.
-        assert small_m_gemm.split_k_for(1024, 2048, cpu) == small_m_gemm.split_k_for(1024, 2048, cpu, 16, 256)
-        for bad in ((24, 128, 4), (32, 8, 4), (32, 128, 0)):
-            with pytest.raises(ValueError, match="powers of two >= 16 and stages >= 1"):
-                small_m_gemm.set_blocks(*bad)
-    finally:
-        small_m_gemm.set_blocks(*before)
-    assert before == (small_m_gemm.BLOCK_N, small_m_gemm.BLOCK_K, small_m_gemm.NUM_STAGES)
-
-
-def test_the_op_splits_k_as_set(max_split_k, monkeypatch) -> None:
-    """`linear` (the compiled blocks' op) splits K for a narrow weight once the maximum is raised."""
+def test_the_op_splits_k_as_set(monkeypatch) -> None:
+    """`linear` (the compiled blocks' op) splits K for a narrow weight once its maximum is raised."""
     launches = []
     real = small_m_gemm._small_m_kernel
 
@@ -353,11 +324,9 @@ def test_the_op_splits_k_as_set(max_split_k, monkeypatch) -> None:
     x = torch.randint(-8, 9, (2, 1024), generator=g).float().to(DEVICE)
     w = torch.randint(-8, 9, (32, 1024), generator=g).float().to(DEVICE)
     exact = (x.double() @ w.double().T).float()
-    max_split_k(1)
-    plain = small_m_gemm.linear(x, w)
+    plain = small_m_gemm.linear(x, w, 1)
     assert launches == [(1, 1)]  # 1 column block of 32, unsplit
-    max_split_k(2)
-    split = small_m_gemm.linear(x, w)
+    split = small_m_gemm.linear(x, w, 2)
     assert launches == [(1, 1), (1, 2)]  # then 2 splits of 4 K tiles each
     assert torch.equal(plain, exact) and torch.equal(split, exact)
 
@@ -379,7 +348,9 @@ def test_small_m_linear_compiles_as_one_op_and_hands_large_batches_to_f_linear(m
     F.linear beyond."""
     calls = []
     real = small_m_gemm.small_m_matmul
-    monkeypatch.setattr(small_m_gemm, "small_m_matmul", lambda x, w: (calls.append(x.shape[0]), real(x, w))[1])
+    monkeypatch.setattr(
+        small_m_gemm, "small_m_matmul", lambda x, w, **kw: (calls.append(x.shape[0]), real(x, w, **kw))[1]
+    )
 
     def block(x, w):
         return torch.relu(small_m_gemm.linear(x * 2, w)) + 1
@@ -423,7 +394,6 @@ def test_gemm_benchmark_sweeps_configs_and_totals_the_step(tmp_path) -> None:
         assert r["best_us"] == min(r["kernel_us"].values())
         # 16-wide K tiles: 2-4 of them, so the split configurations split (as split_k_for chose), the others not.
         assert r["splits"]["16x16x2"] == 1 and r["splits"]["16x16x2k4"] == min(4, r["K"] // 16)
-    assert small_m_gemm._max_split_k == 1  # the benchmark leaves the process-wide setting as it found it
     for step in result["step"]:
         rs = [r for r in result["shapes"] if r["M"] == step["M"]]
         assert step["cublas_ms"] == round(sum(r["calls"] * r["cublas_us"] for r in rs) / 1e3, 3)
@@ -467,37 +437,29 @@ def compile_options(monkeypatch):
 
     monkeypatch.setattr(fused, "_compile", fake_compile)
     monkeypatch.setattr(fused, "_compiled", {})
-    before = fused.emulate_casts(), fused.deterministic()
-    fused.set_emulate_casts(False)
-    fused.set_deterministic(False)
     yield seen
-    fused.set_emulate_casts(before[0])
-    fused.set_deterministic(before[1])
 
 
 def test_emulate_casts_recompiles_the_regions_with_inductors_option(compile_options) -> None:
-    """fused.set_emulate_casts: the regions compiled after it carry emulate_precision_casts (with the batch-invariant
-    split_reductions off as before), and a change drops the regions compiled so far; setting the same value keeps
-    them."""
+    """Regions(emulate_casts=True): the regions compiled with it carry emulate_precision_casts (with the
+    batch-invariant split_reductions off as before), beside those compiled without it; the same options again take
+    the region compiled already."""
     fused.compiled("rope")
     assert compile_options[-1] == {"split_reductions": False, "emulate_precision_casts": False}
-    fused.set_emulate_casts(False)
-    assert "rope" in fused._compiled  # unchanged setting: the region stays
-    fused.set_emulate_casts(True)
-    assert fused.emulate_casts() and fused._compiled == {}
-    cos, sin = fused.compiled("rope")(torch.arange(3), torch.rand(4), torch.float32)
+    fused.compiled("rope", fused.Regions(emulate_casts=False))
+    assert len(compile_options) == 1  # the same options: the region stays
+    cos, sin = fused.compiled("rope", fused.Regions(emulate_casts=True))(torch.arange(3), torch.rand(4), torch.float32)
     assert compile_options[-1] == {"split_reductions": False, "emulate_precision_casts": True}
     assert len(compile_options) == 2 and cos.shape == sin.shape == (3, 8)
 
 
 def test_deterministic_mode_compiles_the_regions_without_timed_reduction_configs(compile_options) -> None:
-    """fused.set_deterministic: the regions compiled after it carry inductor's deterministic option (a reduction's
-    configuration by rule, not by timing on first use), and a change drops the regions compiled so far."""
+    """Regions(deterministic=True): the regions compiled with it carry inductor's deterministic option (a
+    reduction's configuration by rule, not by timing on first use), beside those compiled without it."""
     if not hasattr(torch._inductor.config, "deterministic"):
         pytest.skip("this torch has no deterministic mode in inductor")
     fused.compiled("rope")
     assert "deterministic" not in compile_options[-1]
-    fused.set_deterministic(True)
-    assert fused.deterministic() and fused._compiled == {}
-    fused.compiled("rope")
+    assert fused.Regions(deterministic=True).deterministic
+    fused.compiled("rope", fused.Regions(deterministic=True))
     assert compile_options[-1]["deterministic"] is True and compile_options[-1]["split_reductions"] is False

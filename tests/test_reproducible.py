@@ -25,14 +25,21 @@ ROOT = Path(__file__).resolve().parents[1]
 @torch.inference_mode()
 def child(ckpt: Path, device: str, prompt_len: int, frames: int, out: Path) -> None:
     """One run: the teacher-forced logits of the engine's path, saved to `out`."""
+    from qwen_tts import fastpath
     from qwen_tts.engine_api import EngineSettings
-    from qwen_tts.engines.native.engine import enable_fast_path
+    from qwen_tts.engines.native.engine import talker_cache_len
+    from qwen_tts.fastpath.options import FastPath
     from qwen_tts.model.loading import load_model
     from qwen_tts.model.reference_loop import teacher_forced_logits
 
     dev = torch.device(device)
     m = load_model(ckpt, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    fast = enable_fast_path(m.talker, EngineSettings(), dev)
+    settings = EngineSettings()
+    fastpath.build(
+        m.talker, m.code2wav, FastPath.preset(settings.fast_path), dev, talker_cache_len(settings),
+        settings.fused_deterministic,
+    )  # fmt: skip
+    fast = m.talker.kernels is not None
     t = m.talker
     g = torch.Generator().manual_seed(0)
     vocab = m.config.talker.codebook_size

@@ -120,23 +120,19 @@ def test_the_warp_count_leaves_the_draws_alone_and_bad_sizes_are_refused() -> No
     rows, vocab = 8, 2048
     args = on(DEVICE, torch.randn(rows, vocab, generator=g) * 3, *settings(rows, g, top_p=False))
     want = sampling.sample(*args)
-    try:
-        for n in (2048, 256):
-            sample_kernel.set_warp_elements(n)
-            assert sample_kernel.num_warps(vocab) == 2048 // n
-            assert torch.equal(sample_kernel.sample(*args), want)
-        assert sample_kernel.num_warps(3072) == 16  # 4096 / 256, the cap
-    finally:
-        sample_kernel.set_warp_elements(sample_kernel.WARP_ELEMENTS)
+    for n in (2048, 256):
+        assert sample_kernel.num_warps(vocab, n) == 2048 // n
+        assert torch.equal(sample_kernel.sample(*args, warp_elements=n), want)
+    assert sample_kernel.num_warps(3072, 256) == 16  # 4096 / 256, the cap
     assert sample_kernel.num_warps(vocab) == 4
     for bad in (0, 100, 8192):
         with pytest.raises(ValueError, match="power of two from 32 to 4096"):
-            sample_kernel.set_warp_elements(bad)
+            sample_kernel.sample(*args, warp_elements=bad)
 
 
 @pytest.mark.parametrize("top_p", [False, True], ids=["top-k", "top-k-and-top-p"])
 def test_greedy_rows_branch_around_the_draw_with_the_same_ids(top_p) -> None:
-    """`set_greedy_branch`: greedy rows (flagged, or temperature 0) skip the filters and the noise. Every id is
+    """`greedy_branch`: greedy rows (flagged, or temperature 0) skip the filters and the noise. Every id is
     the same as without the branch and as `sampling.sample`'s, in a batch that mixes greedy and sampled rows; the
     greedy rows' ids are their logits' argmax."""
     g = torch.Generator().manual_seed(17)
@@ -147,13 +143,7 @@ def test_greedy_rows_branch_around_the_draw_with_the_same_ids(top_p) -> None:
     args = on(DEVICE, logits, temperature, top_k, tp, greedy, seeds, counters)
     is_greedy = args[4] | (args[1] <= 0)
     assert 0 < int(is_greedy.sum()) < rows  # both kinds of row in the batch
-    try:
-        draws = {}
-        for branch in (True, False):
-            sample_kernel.set_greedy_branch(branch)
-            draws[branch] = sample_kernel.sample(*args)
-    finally:
-        sample_kernel.set_greedy_branch(True)
+    draws = {branch: sample_kernel.sample(*args, greedy_branch=branch) for branch in (True, False)}
     assert torch.equal(draws[True], draws[False])
     assert torch.equal(draws[True][is_greedy], args[0].argmax(-1)[is_greedy])
     if not top_p:  # top-p's cut may differ from the sort's at ties (the module's docstring); top-k's may not

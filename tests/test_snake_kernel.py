@@ -1,5 +1,5 @@
 """Code2Wav's elementwise kernel (qwen_tts/fastpath/snake_kernel.py) and the conv stack that runs on it
-(`Code2Wav.set_snake_kernel`), against the eager modules.
+(`Code2Wav.use_kernels` with the kernel as its `snake`), against the eager modules.
 
 Without a GPU the kernel runs in Triton's interpreter (conftest.py); on CUDA, on the device.
 """
@@ -7,6 +7,7 @@ Without a GPU the kernel runs in Triton's interpreter (conftest.py); on CUDA, on
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -65,8 +66,13 @@ def test_snake_sums_pads_and_activates_in_one_pass(dtype) -> None:
                 assert no_sum is None and torch.equal(none, out)
 
 
+def snake_kernels(channels_last: bool) -> SimpleNamespace:
+    """Code2Wav's kernels (`DecoderKernels`) with the snake kernel alone."""
+    return SimpleNamespace(snake=snake_kernel.snake, snake_beta=None, channels_last=channels_last)
+
+
 def test_polynomial_sin_matches_float64_over_the_arguments_snake_sees() -> None:
-    """set_poly_sin: sin by range reduction and a polynomial instead of Triton's `tl.sin`. For arguments up to
+    """poly_sin: sin by range reduction and a polynomial instead of Triton's `tl.sin`. For arguments up to
     |x e^alpha| ~ 400 (alpha up to 4.6) and the reduction's edges (multiples of pi/2): both within float32's
     rounding of float64 SnakeBeta, that is of the argument x e^alpha (4 * 2^-24 of it: on CUDA e^alpha comes from
     the hardware's exp2, a few ulps, and 2 * 2^-24 was exceeded by 4e-7 on an H200) and of the output (an ulp of
@@ -81,14 +87,10 @@ def test_polynomial_sin_matches_float64_over_the_arguments_snake_sees() -> None:
     arg = (x.double() * alpha.double().exp()[:, None]).abs()
     inv = 1 / (beta.double().exp()[:, None] + 1e-9)
     tol = 2e-6 + 4 * 2.0**-24 * arg * inv + 2.0**-23 * want.abs()  # d sin^2 / d arg <= 1; the output's ulp
-    try:
-        for poly in (True, False):
-            snake_kernel.set_poly_sin(poly)
-            got, _ = snake_kernel.snake(alpha, beta, x=x)
-            err = (got.double() - want).abs()
-            assert (err <= tol).all(), (poly, (err - tol).max().item())
-    finally:
-        snake_kernel.set_poly_sin(False)
+    for poly in (True, False):
+        got, _ = snake_kernel.snake(alpha, beta, x=x, poly_sin=poly)
+        err = (got.double() - want).abs()
+        assert (err <= tol).all(), (poly, (err - tol).max().item())
     assert arg.max() > 350  # the large arguments were there
 
 
@@ -159,7 +161,7 @@ def no_tf32():
 def test_conv_stack_on_the_kernel_decodes_and_streams_like_the_modules(
     c2w, no_tf32, dtype, polyphase, channels_last
 ) -> None:
-    """`set_snake_kernel`: every conv of the final stack without its bias, the kernel doing bias, residual sum,
+    """The snake kernel (`use_kernels`): every conv of the final stack without its bias, the kernel doing bias, residual sum,
     SnakeBeta and causal padding between them; with channels_last, every activation and conv in the (B, T, C)
     layout. Whole decodes and streamed ones (chunks of 1 to 12 frames, so histories longer and shorter than a
     chunk, and inputs that do and do not divide into whole phases) equal the modules' own decodes to rounding,
@@ -168,7 +170,7 @@ def test_conv_stack_on_the_kernel_decodes_and_streams_like_the_modules(
     ref.set_decoder_dtype(dtype)
     ref.set_polyphase_dilation(polyphase)
     fast = copy.deepcopy(ref)
-    fast.set_snake_kernel(snake_kernel.snake, channels_last=channels_last)
+    fast.use_kernels(snake_kernels(channels_last))
     assert fast.channels_last is channels_last
     codes = random_codes(c2w.cfg, 2, 20).to(DEVICE)
     chunks = [1, 3, 12, 4]
@@ -194,7 +196,7 @@ def test_conv_stack_on_the_kernel_decodes_and_streams_like_the_modules(
         torch.testing.assert_close(a, b, **state_tol)
     convs = [m for m in fast.decoder.modules() if isinstance(m, CausalConv1d)]
     assert all(m.conv.bias is not None for m in convs)  # the biases are still the modules', only added later
-    fast.set_snake_kernel(None)
+    fast.use_kernels(None)
     with torch.no_grad():
         torch.testing.assert_close(fast(codes), want, rtol=0, atol=0)
 
@@ -219,7 +221,7 @@ def test_slot_decoder_on_the_snake_kernel_matches_the_modules(no_tf32, channels_
         return torch.cat([first, torch.cat(rest)], dim=-1)
 
     fast = copy.deepcopy(base)
-    fast.set_snake_kernel(snake_kernel.snake, channels_last=channels_last)
+    fast.use_kernels(snake_kernels(channels_last))
     want, got = run(base), run(fast)
     assert got.shape == want.shape == (5, 9 * base.total_upsample)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

@@ -1,7 +1,7 @@
-"""The one-kernel decoder stack (qwen_tts/fastpath/stack/stack_kernel.py) computes what the eager `DecoderStack` computes.
+"""The one-kernel decoder stack (qwen_tts/fastpath/stack/: the CUDA kernel of stack_cuda.cu over the weights
+stack_kernel.StackWeights re-lays) computes what the eager `DecoderStack` computes.
 
-Without a GPU the kernel runs in Triton's interpreter, one launch per phase ("phases"); on CUDA the persistent mode
-(one launch a pass, grid-wide barriers) must give the phases' bits.
+Without a GPU the layouts, the options and the source are checked; the kernel itself runs on CUDA only.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import dataclasses
 import re
 import shutil
 import subprocess
+import weakref
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,9 @@ import torch
 
 from qwen_tts.fastpath import fused
 from qwen_tts.fastpath.decode_attention import HAVE_TRITON
-from qwen_tts.fastpath.stack import stack_kernel
+from qwen_tts.fastpath.stack import stack_cuda, stack_kernel
+from qwen_tts.fastpath.stack.stack_cuda import StackOptions
+from qwen_tts.fastpath.stack.stack_kernel import StackKernel
 from qwen_tts.model.config import DecoderLayersConfig
 from qwen_tts.model.layers import DecoderStack
 
@@ -50,80 +53,75 @@ def make_stack(shape, dtype, seed=0):
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if p.dim() == 1 else torch.randn_like(p) / p.shape[1] ** 0.5)
     ref = ref.to(DEVICE, dtype)
     kern = copy.deepcopy(ref)
-    fused.enable(kern)
-    stack_kernel.enable(kern, "phases")
+    FUSED[kern] = fused.fuse(kern)
+    KERNELS[kern] = StackKernel(kern, FUSED[kern], CACHE_LEN, OPTIONS.current)
     return ref, kern
+
+
+class _Options:
+    """The kernel's options a test sets (`cuda_options`); the helpers below run the kernel with them."""
+
+    current = StackOptions()
+
+    def __call__(self, **changes) -> dict:
+        if changes:
+            self.current = self.current.replace(**changes)
+        return dataclasses.asdict(self.current)
+
+
+OPTIONS = _Options()
+FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a stack's layers' fused weights
+KERNELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a stack's StackKernel
+
+
+def weights(kern):
+    return KERNELS[kern].weights
+
+
+def stack_pass(kern, x, positions, cache, slots, phase_range=None):
+    k = KERNELS[kern]
+    k.options = OPTIONS.current
+    return k.stack_pass(x, positions, cache, slots, phase_range)
+
+
+def runs(kern, x, cache) -> bool:
+    k = KERNELS.get(kern)
+    if k is None:
+        return False
+    k.options = OPTIONS.current
+    return k.runs(x, cache)
+
+
+def step(kern, x, positions, cache, slots, shared_slots=False):
+    """What the fast path's stack_step does: the kernel where it takes the pass, else the fused path's kernels."""
+    if runs(kern, x, cache):
+        return stack_pass(kern, x, positions, cache, slots)
+    return fused.stack_step(kern, FUSED[kern], x, positions, cache, slots, shared_slots=shared_slots)
+
+
+def layout(sw, max_len, nblk, rows=stack_cuda.MAX_ROWS):
+    return stack_cuda.layout(sw, max_len, nblk, rows, OPTIONS.current)
+
+
+def device_layout(sw, max_len, device, rows=stack_cuda.MAX_ROWS):
+    return stack_cuda.device_layout(sw, max_len, device, rows, OPTIONS.current)
+
+
+def blocks(sw, max_len, device):
+    return stack_cuda.blocks(sw, max_len, device, OPTIONS.current)
+
+
+def cuda_prepare(sw, max_len, device):
+    return stack_cuda.prepare(sw, max_len, device, OPTIONS.current)
+
+
+def cuda_runs(sw, x, cache):
+    return stack_cuda.runs(sw, x, cache, OPTIONS.current)
 
 
 def eager(stack, x, positions, cache, slots):
     with torch.no_grad():
         return stack(x[:, None], positions[:, None], cache, slots, CACHE_LEN)[:, 0]
-
-
-@pytest.fixture
-def options():
-    """Restores the kernel's process-wide options after a test that sets them."""
-    before = stack_kernel.set_options()
-    yield stack_kernel.set_options
-    stack_kernel.set_options(**before)
-
-
-@pytest.mark.parametrize("variant", ["split", "unsplit-o-down", "preload"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
-def test_stack_pass_equals_the_eager_stack_over_positions(shape, dtype, variant, options) -> None:
-    """Four passes (positions 0-3) of three rows in scattered slots: the output and every K/V written match the
-    eager stack; float32 to float32 rounding, bf16 within two roundings of the output's scale. unsplit-o-down: the o
-    and down projections on 16-column units with every K tile (residual_split 1), the residual added by the unit;
-    preload: each matmul phase's first weight tile loaded ahead of the phase's other loads."""
-    unsplit = variant == "unsplit-o-down"
-    if unsplit:  # and K steps up to 512: the unsplit o projection of "split" loads its 256-wide K in one step
-        options(residual_split=1, residual_block_n=16, max_step_k=512)
-    if variant == "preload":
-        options(preload=True)
-    ref, kern = make_stack(SHAPES[shape], dtype)
-    if unsplit:
-        assert kern.stack_weights.splits(torch.device(DEVICE))[1::2] == (1, 1)
-    H = SHAPES[shape][0]
-    c_ref, c_kern = ref.new_cache(4, CACHE_LEN, DEVICE, dtype), kern.new_cache(4, CACHE_LEN, DEVICE, dtype)
-    slots = torch.tensor([2, 0, 3], device=DEVICE)
-    g = torch.Generator().manual_seed(1)
-    tol = 2e-5 if dtype == torch.float32 else 2 * 2**-7
-    for t in range(4):
-        x = torch.randn(3, H, generator=g).to(DEVICE, dtype)
-        pos = torch.full((3,), t, device=DEVICE)
-        want = eager(ref, x, pos, c_ref, slots)
-        got = stack_kernel.stack_pass(kern, x, pos, c_kern, slots)
-        scale = want.float().abs().max().item()
-        assert got.shape == want.shape and got.dtype == dtype
-        assert (got.float() - want.float()).abs().max().item() <= tol * scale, t
-        for a, b in ((c_kern.k, c_ref.k), (c_kern.v, c_ref.v)):
-            assert (a.float() - b.float()).abs().max().item() <= tol * max(1.0, b.float().abs().max().item())
-    # Slot 1 was never written; the counters are back at zero for the next launch.
-    assert not c_kern.k[:, 1].any() and not c_kern.v[:, 1].any()
-    assert not stack_kernel.prepare(DEVICE).any()
-
-
-def test_splits_and_units_come_from_the_shapes() -> None:
-    """The "split" shape splits every matmul over K (so the partial sums and the last split's epilogue run); the
-    1.7B's code predictor gets four splits for q|k|v, o and down and none for gate|up on 132 SMs."""
-    _, kern = make_stack(SHAPES["split"], torch.float32)
-    sw = kern.stack_weights
-    assert sw.block_k == 128 and all(s > 1 for s in sw.splits(torch.device("cpu")))
-    big = stack_kernel.StackWeights.__new__(stack_kernel.StackWeights)
-    big.H, big.I, big.D, big.NQ, big.NKV = 1024, 3072, 128, 16, 8
-    cpu = torch.device("cpu")
-    assert big.block_k == 128
-    assert big.splits(cpu) == (4, 4, 1, 4)
-    # By default K steps up to 512: each unit's K range is q|k|v 256, o 512, gate|up 1024 (unsplit), down 768 (three
-    # 256-steps).
-    assert big.steps(cpu) == (256, 512, 512, 256)
-    before = stack_kernel.set_options()
-    try:
-        stack_kernel.set_options(max_step_k=128)
-        assert big.steps(cpu) == (128, 128, 128, 128)
-    finally:
-        stack_kernel.set_options(**before)
 
 
 def test_rows_sharing_a_slot_see_each_others_keys() -> None:
@@ -140,23 +138,10 @@ def test_rows_sharing_a_slot_see_each_others_keys() -> None:
     slots = torch.tensor([1, 2], device=DEVICE)
     with torch.no_grad():
         want = ref(x, torch.arange(2, device=DEVICE).expand(2, 2), c_ref, slots, CACHE_LEN)
-    got = fused.stack_step(kern, x.reshape(4, H), torch.tensor([0, 1, 0, 1], device=DEVICE), c_kern,
-                           slots.repeat_interleave(2), shared_slots=True)  # fmt: skip
+    got = step(kern, x.reshape(4, H), torch.tensor([0, 1, 0, 1], device=DEVICE), c_kern,
+               slots.repeat_interleave(2), shared_slots=True)  # fmt: skip
     assert (got.view(2, 2, H) - want).abs().max().item() < 2e-5 * want.abs().max().item()
     assert (c_kern.k - c_ref.k).abs().max().item() < 1e-4
-
-
-def test_a_row_gets_the_same_bits_alone_and_in_a_batch() -> None:
-    _, kern = make_stack(SHAPES["split"], torch.bfloat16)
-    H = SHAPES["split"][0]
-    x = torch.randn(16, H, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
-    pos = torch.zeros(16, dtype=torch.long, device=DEVICE)
-    batch = stack_kernel.stack_pass(kern, x, pos, kern.new_cache(16, CACHE_LEN, DEVICE, torch.bfloat16),
-                                    torch.arange(16, device=DEVICE))  # fmt: skip
-    for i in (0, 7, 15):
-        alone = stack_kernel.stack_pass(kern, x[i : i + 1], pos[:1], kern.new_cache(1, CACHE_LEN, DEVICE, torch.bfloat16),
-                                        torch.zeros(1, dtype=torch.long, device=DEVICE))  # fmt: skip
-        assert torch.equal(alone[0], batch[i]), i
 
 
 def test_the_layers_parameters_are_views_of_the_stacked_weights() -> None:
@@ -166,7 +151,7 @@ def test_the_layers_parameters_are_views_of_the_stacked_weights() -> None:
     want = ref.state_dict()
     got = kern.state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-    sw = kern.stack_weights
+    sw = weights(kern)
     lay = kern.layers[1]
     assert lay.self_attn.k_proj.weight.data_ptr() == sw.w_qkv[1, 2 * 16 :].data_ptr()
     assert lay.mlp.up_proj.weight.data_ptr() == sw.w_gate_up[1, 64:].data_ptr()
@@ -176,80 +161,18 @@ def test_the_layers_parameters_are_views_of_the_stacked_weights() -> None:
     assert torch.equal(sw.w_down[1], lay.mlp.down_proj.weight)
 
 
-def test_options_refuse_what_the_kernel_cannot_take(options) -> None:
-    with pytest.raises(ValueError, match="residual_split"):
-        options(residual_split=5)
-    with pytest.raises(ValueError, match="residual_block_n"):
-        options(residual_block_n=24)
-    with pytest.raises(ValueError, match="max_step_k"):
-        options(max_step_k=384)
-    with pytest.raises(ValueError, match="num_warps"):
-        options(num_warps=2)
-    assert options(residual_split=2)["residual_split"] == 2
-
-
 def test_what_the_kernel_does_not_take() -> None:
     ref, kern = make_stack(SHAPES["tiny"], torch.float32)
     cache = kern.new_cache(17, CACHE_LEN, DEVICE, torch.float32)
     x = torch.zeros(17, 32, device=DEVICE)
-    assert not stack_kernel.runs(kern, x, cache)  # 17 rows: the fused path's kernels
-    assert stack_kernel.runs(kern, x[:16], cache)
-    assert not stack_kernel.runs(kern, x[:2], kern.new_cache(2, stack_kernel.MAX_POSITIONS + 1, DEVICE, torch.float32))
-    assert not stack_kernel.runs(ref, x[:2], cache)  # not enabled
-    with pytest.raises(ValueError, match="17 rows"):
-        stack_kernel.stack_pass(kern, x, torch.zeros(17, dtype=torch.long), cache, torch.arange(17))
-    with pytest.raises(ValueError, match="mode must be one of"):
-        stack_kernel.enable(kern, "fast")
-    with pytest.raises(ValueError, match=r"fused\.enable"):
-        stack_kernel.enable(copy.deepcopy(ref), "phases")
-    stack_kernel.enable(kern, "cuda")  # the CUDA kernel: bf16 on a GPU only, at most four rows
-    assert not stack_kernel.runs(kern, x[:2], cache)  # float32
-    assert not stack_kernel.runs(kern, x[:5].bfloat16(), kern.new_cache(5, CACHE_LEN, DEVICE, torch.bfloat16))
+    assert not runs(ref, x[:2], cache)  # not taken
+    with pytest.raises(ValueError, match="0 fused layers for a stack of 2"):
+        StackKernel(copy.deepcopy(ref), [], CACHE_LEN, StackOptions())
+    # the CUDA kernel: bf16 on a GPU only, at most four rows
+    assert not runs(kern, x[:2], cache)  # float32
+    assert not runs(kern, x[:5].bfloat16(), kern.new_cache(5, CACHE_LEN, DEVICE, torch.bfloat16))
     with pytest.raises(ValueError, match="runs phases from 0"):
-        stack_kernel.stack_pass(kern, x[:2], torch.zeros(2, dtype=torch.long), cache, torch.arange(2),
-                                phase_range=(1, 3))  # fmt: skip
-    stack_kernel.enable(kern, "off")
-    assert not stack_kernel.runs(kern, x[:2], cache)
-    if DEVICE == "cpu":
-        with pytest.raises(ValueError, match="needs a GPU"):
-            stack_kernel.stack_pass(kern, x[:2], torch.zeros(2, dtype=torch.long), cache, torch.arange(2),
-                                    mode="persistent")  # fmt: skip
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the persistent mode needs every program resident: a GPU")
-@pytest.mark.parametrize("opts", ["default", "prefetch", "unsplit", "step128-w4", "preload", "preload-few-sms"])
-@pytest.mark.parametrize("rows", [1, 16])
-@pytest.mark.parametrize("shape", ["split", "full"])
-def test_cuda_persistent_gives_the_phases_bits(shape, rows, opts, options, monkeypatch) -> None:
-    """One launch a pass with grid-wide barriers: the bits of one launch per phase, output and cache, over passes at
-    positions 0-3; and the barrier and counters are back at zero after each. With the options: the next phase's
-    weights prefetched into L2, the o and down projections unsplit, K steps up to 128 on four warps, each phase's
-    first weight tile loaded before the grid wait, and that on a device of 40 SMs (as the splits and the persistent
-    grid see it), so each program has several units of a phase."""
-    if opts == "prefetch":
-        options(prefetch=True)
-    if opts == "unsplit":
-        options(residual_split=1, residual_block_n=16)
-    if opts == "step128-w4":
-        options(max_step_k=128, num_warps=4)
-    if opts.startswith("preload"):
-        options(preload=True)
-    if opts == "preload-few-sms":
-        monkeypatch.setattr(stack_kernel, "_sm_count", lambda device: 40)
-    dims = SHAPES["split"] if shape == "split" else (1024, 3072, 5, 16, 8, 128)  # the 1.7B's code predictor
-    _, kern = make_stack(dims, torch.bfloat16)
-    H = dims[0]
-    caches = [kern.new_cache(rows, CACHE_LEN, DEVICE, torch.bfloat16) for _ in range(2)]
-    slots = torch.arange(rows, device=DEVICE).flip(0)
-    g = torch.Generator(device=DEVICE).manual_seed(4)
-    for t in range(4):
-        x = torch.randn(rows, H, generator=g, device=DEVICE).to(torch.bfloat16)
-        pos = torch.full((rows,), t, device=DEVICE)
-        a = stack_kernel.stack_pass(kern, x, pos, caches[0], slots, mode="phases")
-        b = stack_kernel.stack_pass(kern, x, pos, caches[1], slots, mode="persistent")
-        assert torch.equal(a, b), t
-        assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
-        assert not stack_kernel.prepare(DEVICE).any()
+        stack_pass(kern, x[:2], torch.zeros(2, dtype=torch.long), cache, torch.arange(2), phase_range=(1, 3))
 
 
 # The CUDA kernel (stack_cuda.cu): bf16 passes of at most four rows, one persistent launch with the weights copied
@@ -271,20 +194,6 @@ def test_cuda_kernel_layout_fits_an_h200_with_the_code_predictor() -> None:
     # ... and the norm weights staged during the grid wait (norm_prefetch): 2 KiB, 5.6 KiB to spare.
     assert lay.shared_bytes == 2 * 98304 + 24576 + 32 + 48 * 16 + 8 * 16 + 16 * 128 + 4 * 128 + 2048 <= 232448
     assert stack_cuda.why_not(lay, 232448) is None
-    # The tensor cores: each weight row 16 bytes longer in its slot (the 48 gate|up rows), the warps' partial sums in
-    # the activations' space (8 warps x 48 rows x 4 columns of float32: within its 24 KiB), refused without bulk.
-    mma = stack_cuda.Layout(**{**lay.__dict__, "mma": True})
-    assert mma.slot_bytes == 48 * (1024 + 8) * 2 and mma.act_bytes == lay.act_bytes
-    assert mma.shared_bytes == lay.shared_bytes + 2 * 48 * 16 <= 232448 and stack_cuda.why_not(mma, 232448) is None
-    assert "bulk" in stack_cuda.why_not(stack_cuda.Layout(**{**mma.__dict__, "bulk": False}), 232448)
-    wide_mma = stack_cuda.Layout(**{**mma.__dict__, "threads": 512, "nblk": 128})  # 16 warps' partials: 12 KiB
-    assert wide_mma.act_bytes >= 4 * 16 * 48 * 4 and wide_mma.shared_bytes <= 232448
-    tiny = stack_cuda.Layout(H=24, I=48, D=16, NQ=2, NKV=1, L=2, T=CACHE_LEN, nblk=4, mma=True)
-    # where the partials outgrow the rows' activations and attention's scratch, they size the space
-    assert (
-        tiny.res_rows == 24
-        and tiny.act_bytes == 4 * 8 * 24 * 4 > stack_cuda.Layout(**{**tiny.__dict__, "mma": False}).act_bytes
-    )
     # 512 threads: sixteen warps' sums of squares and raw vectors (the short cache's scratch outgrows the rows'
     # activations: keys and values of 17 positions, two queries, their scores, a vector a warp).
     wide = stack_cuda.Layout(**{**lay.__dict__, "threads": 512})
@@ -317,13 +226,10 @@ def assert_builds_for_hopper_without_spills(lay, tmp_path) -> None:
     [
         {},
         {"bulk": False},
-        {"mma": True},
-        {"tags": True},
         {"evict_first": False},
         {"threads": 512},
-        {"threads": 512, "mma": True},
     ],
-    ids=["default", "cpasync", "mma", "tags", "noevict", "t512", "t512mma"],
+    ids=["default", "cpasync", "noevict", "t512"],
 )
 @pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
 def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
@@ -355,16 +261,16 @@ def assert_batch_invariant_and_replayable(kern, x, pos, slots, base) -> None:
     """Each row alone (from the cache `base`) gets the bits it gets in the batch of all; a CUDA graph replay of the
     batch gets the eager launch's output and cache; the counters end at zero."""
     cache = copy.deepcopy(base)
-    batch = stack_kernel.stack_pass(kern, x, pos, cache, slots)
+    batch = stack_pass(kern, x, pos, cache, slots)
     for i in range(x.shape[0]):
-        alone = stack_kernel.stack_pass(kern, x[i : i + 1], pos[i : i + 1], copy.deepcopy(base), slots[i : i + 1])
+        alone = stack_pass(kern, x[i : i + 1], pos[i : i + 1], copy.deepcopy(base), slots[i : i + 1])
         assert torch.equal(alone[0], batch[i]), i
     graphed = copy.deepcopy(base)
-    stack_kernel.stack_pass(kern, x, pos, copy.deepcopy(base), slots)  # compiled and warmed outside the capture
+    stack_pass(kern, x, pos, copy.deepcopy(base), slots)  # compiled and warmed outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = stack_kernel.stack_pass(kern, x, pos, graphed, slots)
+        out = stack_pass(kern, x, pos, graphed, slots)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, batch)
@@ -373,23 +279,20 @@ def assert_batch_invariant_and_replayable(kern, x, pos, slots, base) -> None:
 
 
 def make_cuda_stack(dims, seed=0):
-    ref, kern = make_stack(dims, torch.bfloat16, seed)
-    stack_kernel.enable(kern, "cuda")
-    return ref, kern
+    return make_stack(dims, torch.bfloat16, seed)
 
 
 @pytest.fixture
 def cuda_options():
-    """stack_cuda.set_options, for a test that sets them (conftest puts them back to the defaults after it)."""
-    from qwen_tts.fastpath.stack import stack_cuda
-
-    return stack_cuda.set_options
+    """The kernel's options for a test that sets them (`OPTIONS`; back to the defaults after it)."""
+    OPTIONS.current = StackOptions()
+    yield OPTIONS
+    OPTIONS.current = StackOptions()
 
 
 # A case's option (non-default) for the CUDA kernel: the name in the test's id, then the stack_cuda option.
 OPTION_CASES = {
     "cpasync": {"bulk": False},
-    "mma": {"mma": True, "long_mma": True},
     "chunked": {"chunked": True},
     "heavybar": {"light_barrier": False},
     "splitbar": {"split_barrier": True},
@@ -397,11 +300,8 @@ OPTION_CASES = {
     "fullgrid": {"lean_grid": False},
     "nonormpf": {"norm_prefetch": False},
     "scalaratt": {"vector_attention": False},
-    "tags": {"tags": True},
     "noevict": {"evict_first": False},
-    "longtags": {"long_tags": True},
     "t512": {"threads": 512},
-    "t512mma": {"threads": 512, "mma": True, "long_mma": True},
 }
 # And a long cache's: chunks of at least 128 positions; its cached keys staged, with chunks of 64 (the default), 192
 # (one a row up to 192 positions, each staged whole) and 256 (a chunk's positions past the 192 a slot holds read
@@ -412,7 +312,6 @@ LONG_OPTION_CASES = {
     "stage": {"stage": True},
     "stage192": {"stage": True, "chunk": 192},
     "stage256": {"stage": True, "chunk": 256},
-    "stagemma": {"stage": True, "mma": True, "long_mma": True},
     "split32": {"split": 32},
     "split64": {"split": 64},
     "chunk128split64": {"chunk": 128, "split": 64},
@@ -431,11 +330,10 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     difference within 2x, the eager error floored at one bf16 rounding); the barrier is back at zero, unwritten slots
     stay zero. (Against the eager bf16 stack itself two implementations' roundings add up: at the code predictor's
     five layers and four rows the largest difference reached 0.094 at an output scale of 5.) Options: the weights by
-    16-byte cp.async instead of the copy engine; the matmuls on the tensor cores; attention by the long cache's
+    16-byte cp.async instead of the copy engine; attention by the long cache's
     code; the barrier's release by __threadfence; four arrival counters; one weight row a warp (the default: two);
     every SM (the default: the lean grid); the norm weights from L2 (the default: staged in shared memory); the
-    short cache's keys by 2-byte loads (the default: 16-byte); no grid barriers, the activations tagged and polled."""
-    from qwen_tts.fastpath.stack import stack_cuda
+    short cache's keys by 2-byte loads (the default: 16-byte)."""
 
     cuda_options(**OPTION_CASES.get(opts, {}))
     dims = FULL if shape == "full" else SHAPES[shape]
@@ -445,14 +343,14 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     c_ref, c_kern = (s.new_cache(rows + 2, CACHE_LEN, DEVICE, torch.bfloat16) for s in (ref, kern))
     c_exact = exact.new_cache(rows + 2, CACHE_LEN, DEVICE, torch.float32)
     slots = torch.tensor([rows + 1, 0, 3, 2][:rows], device=DEVICE)
-    assert stack_cuda.runs(kern.stack_weights, torch.zeros(rows, H, device=DEVICE, dtype=torch.bfloat16), c_kern)
+    assert cuda_runs(weights(kern), torch.zeros(rows, H, device=DEVICE, dtype=torch.bfloat16), c_kern)
     g = torch.Generator().manual_seed(5)
     for t in range(5):
         x = torch.randn(rows, H, generator=g).to(DEVICE, torch.bfloat16)
         pos = torch.full((rows,), t, device=DEVICE)
         want = eager(exact, x.float(), pos, c_exact, slots)
         base = eager(ref, x, pos, c_ref, slots)
-        got = stack_kernel.stack_pass(kern, x, pos, c_kern, slots)
+        got = stack_pass(kern, x, pos, c_kern, slots)
         assert got.shape == want.shape and got.dtype == torch.bfloat16
         assert_as_close_as_eager(((got, base, want), (c_kern.k, c_ref.k, c_exact.k), (c_kern.v, c_ref.v, c_exact.v)), t)
     assert not c_kern.k[:, 1].any() and not c_kern.v[:, 1].any()
@@ -473,19 +371,18 @@ def test_cuda_kernel_rows_sharing_a_slot_see_each_others_keys(chunked, cuda_opti
     slots = torch.tensor([1, 2], device=DEVICE)
     with torch.no_grad():
         want = ref(x, torch.arange(2, device=DEVICE).expand(2, 2), c_ref, slots, CACHE_LEN)
-    got = fused.stack_step(kern, x.reshape(4, H), torch.tensor([0, 1, 0, 1], device=DEVICE), c_kern,
-                           slots.repeat_interleave(2), shared_slots=True)  # fmt: skip
+    got = step(kern, x.reshape(4, H), torch.tensor([0, 1, 0, 1], device=DEVICE), c_kern,
+               slots.repeat_interleave(2), shared_slots=True)  # fmt: skip
     scale = want.float().abs().max().item()
     assert (got.view(2, 2, H).float() - want.float()).abs().max().item() <= 2 * 2**-7 * scale
     assert (c_kern.k.float() - c_ref.k.float()).abs().max().item() <= 2 * 2**-7 * c_ref.k.float().abs().max().item()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
-@pytest.mark.parametrize("opts", ["default", "mma", "t512mma"])
+@pytest.mark.parametrize("opts", ["default"])
 def test_cuda_kernel_gives_a_row_the_same_bits_alone_in_a_batch_and_replayed(opts, cuda_options) -> None:
     """Batch invariance (a row alone and among four: the same bits) and CUDA graph capture (a replay gives the eager
-    launch's bits), on the code predictor's shape; also with the matmuls on the tensor cores (a column's sums do not
-    depend on the other columns), at 256 and 512 threads."""
+    launch's bits), on the code predictor's shape."""
     cuda_options(**OPTION_CASES.get(opts, {}))
     _, kern = make_cuda_stack(FULL)
     H = FULL[0]
@@ -528,18 +425,17 @@ def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize(
     ("shape", "opts"),
-    [("talker", ""), ("tiny-mtp", ""), ("split", ""), ("talker", "tags"), ("split", "tags"),
-     ("talker", "noevict"), ("talker", "tags+noevict"), ("talker", "stage"), ("talker", "stage+tags"),
-     ("split", "stage"), ("talker", "stage+mma"), ("tiny-mtp", "mma"), ("talker", "mma"), ("talker", "stage+split32")],
+    [("talker", ""), ("tiny-mtp", ""), ("split", ""), ("talker", "noevict"), ("talker", "stage"), ("split", "stage"),
+     ("talker", "stage+split32")],
 )  # fmt: skip
 def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
     """The long-cache source (attention_long) for the 0.6B talker's shape and two small head widths (16 and 64:
-    lanes without an element, two elements a lane) builds for sm_90 without spills; with the tags option, without
-    evict_first, with the cached keys staged (and staged with tags)."""
+    lanes without an element, two elements a lane) builds for sm_90 without spills; without evict_first, with the
+    cached keys staged."""
     from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B if shape == "talker" else SHAPES[shape]
-    extra = {k: v for o in opts.split("+") if o for k, v in LONG_OPTION_CASES[o].items() if k != "long_mma"}
+    extra = {k: v for o in opts.split("+") if o for k, v in LONG_OPTION_CASES[o].items()}
     lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=132, **extra)
     assert_builds_for_hopper_without_spills(lay, tmp_path)
 
@@ -548,12 +444,9 @@ LONG_LEN = 700  # positions up to 699: past the most chunks of 64 (4 for the tal
 LONG_SHAPE = (1024, 3072, 2, 16, 8, 128)  # the talker's layer, two of them
 LONG_CASES = [(shape, rows, "default") for shape in ("talker", "split", "tiny-mtp") for rows in (1, 2, 4)]
 LONG_CASES += [("talker", 4, "chunk128"), ("split", 2, "chunk128")]  # chunks of 128 positions at least: 1-4 a row
-LONG_CASES += [("talker", 4, "tags"), ("split", 2, "tags")]  # no grid barriers: tagged activations, polled
 LONG_CASES += [("talker", 2, "t512")]  # blocks of 512 threads (attention's positions still over 8 warps)
 LONG_CASES += [("talker", 4, "stage"), ("split", 2, "stage"), ("tiny-mtp", 3, "stage")]  # cached keys staged
 LONG_CASES += [("talker", 4, "stage192"), ("talker", 4, "stage256")]  # staged whole, and past a slot's 192
-LONG_CASES += [("talker", 4, "mma"), ("split", 2, "mma"), ("tiny-mtp", 3, "mma")]  # the tensor cores
-LONG_CASES += [("talker", 2, "stagemma")]  # the default staging with the tensor cores
 # Past the chunk, shorter chunks: split32 gives 1, 4, 4 and 4 chunks at those positions; chunk128split64 1, 1, 3, 4.
 LONG_CASES += [("talker", 4, "split32"), ("split", 2, "split32"), ("talker", 4, "chunk128split64")]
 
@@ -583,11 +476,9 @@ def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows, opts,
     """Rows at positions with 1, 2, 3 and 4 chunks over three passes, in scattered slots of a 700-position cache
     holding random keys: the output and the K/V written as close to float32 as the eager bf16 stack's (the same
     bounds as the short cache's test); the attention counters back at zero; unwritten slots and positions zero.
-    chunk128: chunks of at least 128 positions (so 1, 1, 2 and 4 chunks at those positions); tags: no grid barriers
-    (the chunks' counts run on over the layers); stage: each unit's cached keys and values staged in shared memory;
+    chunk128: chunks of at least 128 positions (so 1, 1, 2 and 4 chunks at those positions); stage: each unit's cached keys and values staged in shared memory;
     stage192: so, in chunks of 192 (1, 1, 1 and 4 chunks, each staged whole); stage256: in chunks of 256 (the last
     row's 3 chunks of 231 positions: 39 a chunk past the 192 staged)."""
-    from qwen_tts.fastpath.stack import stack_cuda
 
     cuda_options(**LONG_OPTION_CASES.get(opts, {}))
     dims = LONG_SHAPE if shape == "talker" else SHAPES[shape]
@@ -597,7 +488,7 @@ def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows, opts,
     slot_list = [rows + 1, 0, 3, 2][:rows]
     slots = torch.tensor(slot_list, device=DEVICE)
     c_ref, c_kern, c_exact = filled_caches((ref, kern, exact), rows, long_positions(rows, 0), slot_list, seed=11)
-    assert stack_cuda.runs(kern.stack_weights, torch.zeros(rows, H, device=DEVICE, dtype=torch.bfloat16), c_kern)
+    assert cuda_runs(weights(kern), torch.zeros(rows, H, device=DEVICE, dtype=torch.bfloat16), c_kern)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for step in range(3):
@@ -605,7 +496,7 @@ def test_cuda_kernel_with_a_long_cache_equals_the_eager_stack(shape, rows, opts,
             pos = torch.tensor(long_positions(rows, step), device=DEVICE)
             want = exact(x.float()[:, None], pos[:, None], c_exact, slots, LONG_LEN)[:, 0]
             base = ref(x[:, None], pos[:, None], c_ref, slots, LONG_LEN)[:, 0]
-            got = stack_kernel.stack_pass(kern, x, pos, c_kern, slots)
+            got = stack_pass(kern, x, pos, c_kern, slots)
             triples = ((got, base, want), (c_kern.k, c_ref.k, c_exact.k), (c_kern.v, c_ref.v, c_exact.v))
             assert_as_close_as_eager(triples, step)
     assert not c_kern.k[:, 1].any() and not c_kern.v[:, 1].any()
@@ -628,7 +519,7 @@ def test_cuda_kernel_with_a_long_cache_rows_sharing_a_slot_see_each_others_keys(
     pos = torch.tensor([[299, 300]], device=DEVICE)
     with torch.no_grad():
         want = ref(x, pos, c_ref, slots, LONG_LEN)
-    got = stack_kernel.stack_pass(kern, x[0], pos[0], c_kern, slots.repeat(2))
+    got = stack_pass(kern, x[0], pos[0], c_kern, slots.repeat(2))
     scale = want.float().abs().max().item()
     assert (got.float() - want[0].float()).abs().max().item() <= 2 * 2**-7 * scale
     k_scale = c_ref.k.float().abs().max().item()
@@ -638,7 +529,7 @@ def test_cuda_kernel_with_a_long_cache_rows_sharing_a_slot_see_each_others_keys(
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
-@pytest.mark.parametrize("opts", ["default", "stage192", "stagemma", "split32"])
+@pytest.mark.parametrize("opts", ["default", "stage192", "split32"])
 def test_cuda_kernel_with_a_long_cache_gives_a_row_the_same_bits_alone_in_a_batch_and_replayed(opts, cuda_options):
     """Batch invariance with chunked attention (a row alone and among four: the same bits; each row's chunks depend
     on its position only) and a graph replay giving the eager launch's bits, with the talker's layer shape; also
@@ -697,14 +588,14 @@ def test_cuda_kernel_on_the_lean_grid_gives_the_full_grids_bits(long, cuda_optio
             (cache,) = filled_caches((kern,), rows, long_positions(rows, 0), slot_list, seed=11)
         else:
             cache = kern.new_cache(rows + 2, CACHE_LEN, DEVICE, torch.bfloat16)
-        grids.append(stack_cuda.blocks(kern.stack_weights, cache.max_len, DEVICE))
+        grids.append(blocks(weights(kern), cache.max_len, DEVICE))
         g = torch.Generator().manual_seed(5)
         outs = []
         with torch.no_grad():
             for step in range(3):
                 x = torch.randn(rows, H, generator=g).to(DEVICE, torch.bfloat16)
                 pos = torch.tensor(long_positions(rows, step) if long else [step] * rows, device=DEVICE)
-                outs.append(stack_kernel.stack_pass(kern, x, pos, cache, slots))
+                outs.append(stack_pass(kern, x, pos, cache, slots))
         results.append((torch.stack(outs), cache.k.clone(), cache.v.clone()))
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     T = LONG_LEN if long else CACHE_LEN
@@ -716,7 +607,7 @@ def test_cuda_kernel_on_the_lean_grid_gives_the_full_grids_bits(long, cuda_optio
 
 
 # Options that change how, not what: the same sums in the same order.
-SAME_BITS = ["nonormpf", "scalaratt", "onerow", "fullgrid", "tags", "noevict", "t512"]
+SAME_BITS = ["nonormpf", "scalaratt", "onerow", "fullgrid", "noevict", "t512"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -726,8 +617,7 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
     """Each option that changes how the kernel works, not its sums, against the defaults: the same output and K/V
     bits over eight passes of four rows, two of them sharing a slot at consecutive positions (the second attends to
     the first's key of the same pass), the others in scattered slots. nonormpf: the norm weights read from L2;
-    scalaratt: the cached keys and values by 2-byte loads; onerow: a weight row a warp; fullgrid: every SM; tags: no
-    grid barriers, each block polling the tagged words it reads; noevict: the weight copies without the L2
+    scalaratt: the cached keys and values by 2-byte loads; onerow: a weight row a warp; fullgrid: every SM; noevict: the weight copies without the L2
     evict-first policy; t512: blocks of 512 threads (each warp fewer rows)."""
     dims = FULL if shape == "full" else SHAPES[shape]
     _, kern = make_cuda_stack(dims)
@@ -744,7 +634,7 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
             for t in range(8):
                 x = torch.randn(4, H, generator=g).to(DEVICE, torch.bfloat16)
                 pos = torch.tensor([t, t, 2 * t, 2 * t + 1], device=DEVICE)
-                outs.append(stack_kernel.stack_pass(kern, x, pos, cache, slots))
+                outs.append(stack_pass(kern, x, pos, cache, slots))
         results.append((torch.stack(outs), cache.k.clone(), cache.v.clone()))
     for base, changed in zip(*results, strict=True):
         assert torch.equal(base, changed)
@@ -753,7 +643,7 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
 
 
 # The same for a long cache (the talker's attention in chunks).
-LONG_SAME_BITS = ["tags", "longtags", "noevict", "t512", "stage", "split64"]
+LONG_SAME_BITS = ["noevict", "t512", "stage", "split64"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -762,8 +652,7 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
     """Options that change how a long cache's attention works, not its sums, against the defaults, over five passes
     of four rows in a 700-position cache of random keys: rows with one and three chunks, and two rows of one slot at
     consecutive positions in the first round of one chunk (the second attends to the first's key of the same pass,
-    which the cache does not hold yet). tags: no grid barriers; longtags: the same for a long cache only;
-    noevict: the weight copies without the L2 evict-first policy; t512: blocks of 512 threads (attention's positions
+    which the cache does not hold yet). noevict: the weight copies without the L2 evict-first policy; t512: blocks of 512 threads (attention's positions
     still over 8 warps); stage: the cached keys and values staged in shared memory (never the one the second row
     reads from the pass); split64: past the chunk of 64, chunks of 64 (the default's rule by the other expression)."""
     _, kern = make_cuda_stack(LONG_SHAPE)
@@ -781,7 +670,7 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
             for t in range(5):
                 x = torch.randn(4, H, generator=g).to(DEVICE, torch.bfloat16)
                 pos = torch.tensor([5 + t, 150 + t, 60 + 2 * t, 61 + 2 * t], device=DEVICE)
-                outs.append(stack_kernel.stack_pass(kern, x, pos, cache, slots))
+                outs.append(stack_pass(kern, x, pos, cache, slots))
         results.append((torch.stack(outs), cache.k.clone(), cache.v.clone()))
     for base, changed in zip(*results, strict=True):
         assert torch.equal(base, changed)
@@ -808,46 +697,8 @@ def test_the_stage_option_stages_a_long_caches_keys_in_a_free_weight_slot(cuda_o
     assert short.shared_bytes == dataclasses.replace(short, stage=False).shared_bytes
     assert "copy engine" in stack_cuda.why_not(dataclasses.replace(staged, bulk=False), 232448)
     cuda_options(stage=True, chunk=192)
-    lay = stack_cuda.layout(staged, 3088, 128)
+    lay = layout(staged, 3088, 128)
     assert lay.staged and lay.chunk == 192 and "constexpr int CHUNK = 192;" in lay.source()
-
-
-def test_the_long_tags_option_tags_only_a_long_caches_layout(cuda_options) -> None:
-    """long_tags: the talker's stack (a long cache) gets the tags and their workspace, the code predictor's (a short
-    cache) keeps its grid barriers; `tags` still tags both."""
-    from qwen_tts.fastpath.stack import stack_cuda
-
-    H, inter, L, nq, nkv, D = TALKER_06B
-    talker = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=1, nblk=1)
-    cp = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=5, T=1, nblk=1)
-    cuda_options(long_tags=True, tags=False)
-    assert stack_cuda.layout(talker, 3088, 128).tags and stack_cuda.layout(talker, 3088, 128).long
-    assert not stack_cuda.layout(cp, 16, 128).tags
-    assert "constexpr int TAGS = 1;" in stack_cuda.layout(talker, 3088, 128).source()
-    assert "constexpr int TAGS = 0;" in stack_cuda.layout(cp, 16, 128).source()
-    cuda_options(long_tags=False, tags=True)
-    assert stack_cuda.layout(cp, 16, 128).tags and stack_cuda.layout(talker, 3088, 128).tags
-    cuda_options(tags=False)
-    assert not stack_cuda.layout(talker, 3088, 128).tags
-
-
-def test_the_mma_options_take_the_tensor_cores_for_one_kind_of_stack_each(cuda_options) -> None:
-    """mma: the code predictor's stack (a short cache) on the tensor cores, with its slots' padded rows; long_mma: the
-    talker's (a long cache); each leaves the other kind of stack on the CUDA cores."""
-    from qwen_tts.fastpath.stack import stack_cuda
-
-    H, inter, L, nq, nkv, D = TALKER_06B
-    talker = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=1, nblk=1)
-    cp = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=5, T=1, nblk=1)
-    assert not stack_cuda.layout(cp, 16, 128).mma and not stack_cuda.layout(talker, 3088, 128).mma  # the defaults
-    cuda_options(mma=True)
-    assert stack_cuda.layout(cp, 16, 128).mma and not stack_cuda.layout(talker, 3088, 128).mma
-    src = stack_cuda.layout(cp, 16, 128).source()
-    assert "constexpr int MMA = 1;" in src and "constexpr int WPAD = 8;" in src
-    assert stack_cuda.layout(cp, 16, 128).slot_bytes == 48 * (1024 + 8) * 2  # the gate|up share's padded rows
-    cuda_options(mma=False, long_mma=True)
-    assert not stack_cuda.layout(cp, 16, 128).mma and stack_cuda.layout(talker, 3088, 128).mma
-    assert "constexpr int WPAD = 0;" in stack_cuda.layout(cp, 16, 128).source()
 
 
 def test_the_long_threads_option_sizes_only_a_long_caches_blocks(cuda_options) -> None:
@@ -859,18 +710,19 @@ def test_the_long_threads_option_sizes_only_a_long_caches_blocks(cuda_options) -
     talker = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=1, nblk=1)
     cp = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=5, T=1, nblk=1)
     cuda_options(threads=512, long_threads=256)
-    assert stack_cuda.layout(cp, 16, 128).threads == 512 and stack_cuda.layout(talker, 3088, 128).threads == 256
-    assert "constexpr int NTHREADS = 512;" in stack_cuda.layout(cp, 16, 128).source()
-    assert "constexpr int NTHREADS = 256;" in stack_cuda.layout(talker, 3088, 128).source()
+    assert layout(cp, 16, 128).threads == 512 and layout(talker, 3088, 128).threads == 256
+    assert "constexpr int NTHREADS = 512;" in layout(cp, 16, 128).source()
+    assert "constexpr int NTHREADS = 256;" in layout(talker, 3088, 128).source()
     cuda_options(threads=256, long_threads=512)
-    assert stack_cuda.layout(cp, 16, 128).threads == 256 and stack_cuda.layout(talker, 3088, 128).threads == 512
+    assert layout(cp, 16, 128).threads == 256 and layout(talker, 3088, 128).threads == 512
     assert cuda_options(long_threads=0)["long_threads"] == 0
-    assert stack_cuda.layout(talker, 3088, 128).threads == 256
+    assert layout(talker, 3088, 128).threads == 256
     with pytest.raises(ValueError, match="a block of 100 threads: a multiple of 32 up to 1024"):
         cuda_options(long_threads=100)
     assert cuda_options()["long_threads"] == 0
     cuda_options(threads=512, long_threads=256)
-    assert stack_cuda.reset_options() == cuda_options() and cuda_options()["threads"] == stack_cuda.NTHREADS
+    defaults = dataclasses.asdict(StackOptions())
+    assert cuda_options(**defaults) == defaults and cuda_options()["threads"] == stack_cuda.NTHREADS
     assert cuda_options()["long_threads"] == 0
 
 
@@ -880,7 +732,6 @@ def test_bench_stack_reads_the_long_attentions_inside_from_the_timeline() -> Non
     combine, in us at the given clock, averaged over the layers; a block whose stamps are 0 had no unit."""
     import importlib.util
     import sys
-    from pathlib import Path
 
     bench_dir = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels"
     sys.path.insert(0, str(bench_dir))  # bench_stack imports its sibling bench_attention
@@ -932,9 +783,7 @@ def test_the_cuda_kernels_chunk_option_takes_multiples_of_32_positions(cuda_opti
     H, inter, L, nq, nkv, D = TALKER_06B
     assert (
         "constexpr int CHUNK = 128;"
-        in stack_cuda.layout(
-            stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=1), 3088, 132
-        ).source()
+        in layout(stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=1), 3088, 132).source()
     )
     for bad in (100, 16):
         with pytest.raises(ValueError, match="multiple of 32"):
@@ -951,9 +800,7 @@ def test_the_cuda_kernels_split_option_takes_multiples_of_32_up_to_the_chunk(cud
     H, inter, L, nq, nkv, D = TALKER_06B
 
     def source() -> str:
-        return stack_cuda.layout(
-            stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=1), 3088, 132
-        ).source()
+        return layout(stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=3088, nblk=1), 3088, 132).source()
 
     assert cuda_options()["split"] == 0 and "constexpr int SPLIT = 64;" in source()
     assert cuda_options(split=32)["split"] == 32
@@ -973,120 +820,23 @@ def test_the_cuda_kernels_split_option_takes_multiples_of_32_up_to_the_chunk(cud
     assert (opts["chunk"], opts["split"]) == (192, 128)  # refused: nothing changed
 
 
-def test_the_tags_option_takes_a_short_cache_and_a_workspace_of_the_stacks_own() -> None:
-    """`tags`: the passes run without grid barriers (TAGS in the source), over the code predictor's short cache and
-    the talker's long one. The workspace: the epoch's 128-byte line, then four rows of the residual stream, q|k|v,
-    attention's output and the gated activation as int32 words (each buffer on 16 bytes, as the kernel's 16-byte
-    loads need), zeros when made, made once per stack and device."""
-    from qwen_tts.fastpath.stack import stack_cuda
-
-    H, inter, L, nq, nkv, D = FULL
-    lay = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=L, T=CACHE_LEN, nblk=128, tags=True)
-    assert "constexpr int TAGS = 1;" in lay.source()
-    assert "constexpr int TAGS = 0;" in dataclasses.replace(lay, tags=False).source()
-    H6, i6, L6, nq6, nkv6, D6 = TALKER_06B
-    talker = stack_cuda.Layout(H=H6, I=i6, D=D6, NQ=nq6, NKV=nkv6, L=L6, T=3088, nblk=128, tags=True)
-    assert talker.long and "constexpr int TAGS = 1;" in talker.source() and "constexpr int LONG = 1;" in talker.source()
-    sizes = [1024, 4096, 2048, 3072]  # the residual stream, q|k|v, attention's output, the gated activation
-    assert lay.workspace_words == 32 + 4 * sum(sizes)
-    offsets = 32 + 4 * torch.tensor([0, *sizes[:-1]]).cumsum(0)
-    assert all(int(o) * 4 % 16 == 0 for o in offsets)
-
-    _, kern = make_stack(SHAPES["tiny"], torch.float32)
-    tiny = stack_cuda.layout(kern.stack_weights, CACHE_LEN, 1)
-    ws = stack_cuda.workspace(kern.stack_weights, tiny, torch.device("cpu"))
-    assert ws.dtype == torch.int32 and ws.numel() == tiny.workspace_words == 32 + 4 * (32 + 64 + 32 + 64)
-    assert not ws.any()
-    assert stack_cuda.workspace(kern.stack_weights, tiny, torch.device("cpu")) is ws
-    _, other = make_stack(SHAPES["tiny"], torch.float32)
-    assert stack_cuda.workspace(other.stack_weights, tiny, torch.device("cpu")) is not ws
-
-
-def test_tags_never_repeat_within_a_launch_nor_against_the_launch_before() -> None:
-    """A word's tag says which phase of which launch wrote it, so a reader never takes an older word for the one it
-    waits for: over every epoch (the wrap from 65534 to 0 included) a launch's phases (five a layer and the final
-    norm: 26 for the code predictor, 11 and 6 for the tiny stacks; 141 for the 0.6B talker, at the epochs around the
-    wrap and every 97th) have distinct tags from 1 to 65535 (a zeroed word never passes), none of them one of the
-    launch before's. Every word is written every launch, so no word is older than that. The formulas are the
-    kernel's."""
-    src = (Path(__file__).resolve().parents[1] / "qwen_tts" / "fastpath" / "stack" / "stack_cuda.cu").read_text()
-    assert "return 1u + (epoch * (u32)(5 * L + 1) + (u32)phase) % 65535u;" in src
-    assert "atomicExch(epoch_p, (epoch + 1u) % 65535u)" in src
-    every = torch.arange(65535, dtype=torch.int64)
-    some = torch.cat([every[:300], every[-300:], every[::97]]).unique()
-    for phases, epochs in ((26, every), (11, every), (6, every), (141, some)):
-        before_epochs = (epochs - 1) % 65535  # epoch 65534's launch comes before epoch 0's
-        tags = 1 + (epochs[:, None] * phases + torch.arange(phases)) % 65535  # (epoch, phase)
-        before = 1 + (before_epochs[:, None] * phases + torch.arange(phases)) % 65535
-        assert int(tags.min()) >= 1 and int(tags.max()) <= 65535
-        assert bool((tags.sort(1).values.diff(1) > 0).all())  # distinct within each launch
-        assert not bool((tags[:, :, None] == before[:, None, :]).any()), phases
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
-@pytest.mark.parametrize("long", [False, True], ids=["short-cache", "long-cache"])
-def test_cuda_kernel_with_tags_keeps_the_defaults_bits_as_rows_change_and_the_epoch_wraps(long, cuda_options) -> None:
-    """Tagged passes of 4, 1, 2, 3, 4, 1 and 4 rows (the rows a pass has not still get its tags, so a row that comes
-    back after one-row passes never reads an old word), from an epoch three launches before the wrap, give the
-    default kernel's output and cache bits; the epoch advances by one a launch and wraps to 0. The short cache (the
-    code predictor's) and the long one (the talker's: chunked attention, whose counts run on over the layers and end
-    at zero)."""
-    from qwen_tts.fastpath.stack import stack_cuda
-
-    dims = LONG_SHAPE if long else FULL
-    _, kern = make_cuda_stack(dims)
-    H = dims[0]
-    slot_list = [5, 0, 3, 3]
-    defaults = cuda_options()
-    dev = torch.device("cuda", torch.cuda.current_device())
-    results = []
-    for tags in (False, True):
-        cuda_options(**{**defaults, "tags": tags})
-        if long:
-            (cache,) = filled_caches((kern,), 4, long_positions(3, 0), slot_list[:3], seed=13)
-        else:
-            cache = kern.new_cache(6, CACHE_LEN, DEVICE, torch.bfloat16)
-        lay = stack_cuda.device_layout(kern.stack_weights, cache.max_len, dev)[0]
-        assert lay.tags is tags and lay.long is long
-        if tags:
-            assert stack_cuda.prepare(kern.stack_weights, cache.max_len, dev) is None
-            ws = stack_cuda.workspace(kern.stack_weights, lay, dev)
-            ws[0] = 65532
-        g = torch.Generator().manual_seed(11)
-        outs = []
-        with torch.no_grad():
-            for t, rows in enumerate([4, 1, 2, 3, 4, 1, 4]):
-                x = torch.randn(rows, H, generator=g).to(DEVICE, torch.bfloat16)
-                at = [*long_positions(3, t), long_positions(3, t)[2] + 1] if long else [t, t, 2 * t, 2 * t + 1]
-                pos = torch.tensor(at[:rows], device=DEVICE)
-                slots = torch.tensor(slot_list[:rows], device=DEVICE)
-                outs.append(stack_kernel.stack_pass(kern, x, pos, cache, slots))
-        results.append((torch.cat(outs), cache.k.clone(), cache.v.clone()))
-        if tags:
-            assert int(ws[0]) == 4  # 65532 + 7 launches, modulo 65535
-    for base, tagged in zip(*results, strict=True):
-        assert torch.equal(base, tagged)
-    assert not stack_kernel.prepare(DEVICE).any()
-
-
 def test_the_exact_rows_option_takes_a_build_for_each_row_count(cuda_options) -> None:
     """exact_rows N: a pass of M <= N rows gets a layout compiled for M rows (MAXM) whose shared memory is carved as
     the four-row build's (MAXR 4: every region where, and as aligned as, the four-row build has it), with the same
-    chunks a (row, kv head) as the four-row build, so the same sums; a pass of more rows, every pass at 0 (the
-    module's default) and every pass with the tags option take the four-row build; N past 3 is refused, and so is a
-    build for 0 or 5 rows, or one for fewer rows with tags."""
+    chunks a (row, kv head) as the four-row build, so the same sums; a pass of more rows and every pass at 0 (the
+    module's default) take the four-row build; N past 3 is refused, and so is a build for 0 or 5 rows."""
     from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B
     sw = dataclasses.make_dataclass("SW", ["H", "I", "D", "NQ", "NKV", "L"])(H, inter, D, nq, nkv, L)
     for T in (CACHE_LEN + 1, 3088):  # the code predictor's cache and the talker's
-        assert [stack_cuda.layout(sw, T, 132, m).rows for m in (1, 2, 3, 4)] == [4] * 4  # off by default
+        assert [layout(sw, T, 132, m).rows for m in (1, 2, 3, 4)] == [4] * 4  # off by default
         cuda_options(exact_rows=1)
-        assert [stack_cuda.layout(sw, T, 132, m).rows for m in (1, 2, 3, 4)] == [1, 4, 4, 4]
+        assert [layout(sw, T, 132, m).rows for m in (1, 2, 3, 4)] == [1, 4, 4, 4]
         cuda_options(exact_rows=3)
-        builds = [stack_cuda.layout(sw, T, 132, m) for m in (1, 2, 3, 4)]
+        builds = [layout(sw, T, 132, m) for m in (1, 2, 3, 4)]
         four = builds[-1]
-        assert [b.rows for b in builds] == [1, 2, 3, 4] and stack_cuda.layout(sw, T, 132) == four
+        assert [b.rows for b in builds] == [1, 2, 3, 4] and layout(sw, T, 132) == four
         for m, lay in enumerate(builds, 1):
             assert dataclasses.replace(lay, rows=stack_cuda.MAX_ROWS) == four
             assert (lay.shared_bytes, lay.act_bytes, lay.max_chunks) == (four.shared_bytes, four.act_bytes, 4)
@@ -1094,10 +844,7 @@ def test_the_exact_rows_option_takes_a_build_for_each_row_count(cuda_options) ->
             assert f"constexpr int MAXM = {m};\n" in src and "constexpr int MAXR = 4;\n" in src
             assert src.replace(f"MAXM = {m};", "MAXM = 4;") == four.source()  # nothing else differs
             assert stack_cuda.why_not(lay, 232448) is None
-        cuda_options(tags=True)
-        assert [stack_cuda.layout(sw, T, 132, m).rows for m in (1, 2, 3, 4)] == [4] * 4
-        assert "tags" in stack_cuda.why_not(dataclasses.replace(builds[0], tags=True), 232448)
-        cuda_options(tags=False, exact_rows=0)
+        cuda_options(exact_rows=0)
     for bad in (-1, 4):
         with pytest.raises(ValueError, match="exact_rows must be 0 to 3"):
             cuda_options(exact_rows=bad)
@@ -1139,7 +886,6 @@ def test_each_rows_build_gives_the_four_row_builds_bits(shape, opts, cuda_option
     (the full and a split layer; two rows sharing a slot at consecutive positions, as its prompt pass has them) and
     the talker's long one (a row whose position moves from one chunk to four, 5 -> 690 positions, with its cached
     keys staged, in chunks of 32, at 512 threads)."""
-    from qwen_tts.fastpath.stack import stack_cuda
 
     long = shape == "talker"
     if long != (opts in ("stage", "split32", "t512-long")) and opts != "default":
@@ -1161,10 +907,10 @@ def test_each_rows_build_gives_the_four_row_builds_bits(shape, opts, cuda_option
                 getattr(cache, t)[:, 1:4].normal_(generator=torch.Generator(device=DEVICE).manual_seed(22))
         else:
             cache = kern.new_cache(5, CACHE_LEN, DEVICE, torch.bfloat16)
-        assert [stack_cuda.device_layout(kern.stack_weights, cache.max_len, dev, m)[0].rows for m in (1, 2, 3)] == (
+        assert [device_layout(weights(kern), cache.max_len, dev, m)[0].rows for m in (1, 2, 3)] == (
             [1, 2, 3] if exact else [4] * 3
         )
-        assert stack_cuda.prepare(kern.stack_weights, cache.max_len, dev) is None
+        assert cuda_prepare(weights(kern), cache.max_len, dev) is None
         g = torch.Generator().manual_seed(13)
         outs = []
         with torch.no_grad():
@@ -1172,17 +918,17 @@ def test_each_rows_build_gives_the_four_row_builds_bits(shape, opts, cuda_option
                 m, sl, off = shapes[i % 3]
                 x = torch.randn(m, H, generator=g).to(DEVICE, torch.bfloat16)
                 pos = torch.tensor([p + o for o in off], device=DEVICE)
-                outs.append(stack_kernel.stack_pass(kern, x, pos, cache, torch.tensor(sl, device=DEVICE)))
+                outs.append(stack_pass(kern, x, pos, cache, torch.tensor(sl, device=DEVICE)))
             # replayed: a one-row pass again from a graph, from the cache as it was before it
             x = torch.randn(1, H, generator=g).to(DEVICE, torch.bfloat16)
             pos, slot = torch.tensor([starts[-1] + 1], device=DEVICE), torch.tensor([2], device=DEVICE)
             before = (cache.k.clone(), cache.v.clone())
-            eager_out = stack_kernel.stack_pass(kern, x, pos, cache, slot).clone()
+            eager_out = stack_pass(kern, x, pos, cache, slot).clone()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-                graphed = stack_kernel.stack_pass(kern, x, pos, cache, slot)
+                graphed = stack_pass(kern, x, pos, cache, slot)
             torch.cuda.current_stream().wait_stream(stream)
             cache.k.copy_(before[0])
             cache.v.copy_(before[1])

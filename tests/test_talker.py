@@ -339,9 +339,21 @@ def test_a_feed_hook_gives_the_codes_and_sums_of_the_sampling_path(shape) -> Non
         assert unused == [] and torch.equal(codes, want_codes)
 
 
+class _EagerKernels:
+    """A `StepKernels` whose one-token passes are the eager stack's over the positions written so far."""
+
+    prompt_one_pass = False
+
+    def __init__(self, head_linear=None) -> None:
+        self.head_linear = head_linear
+
+    def stack_step(self, stack, x, positions, cache, slots, shared_slots=False):
+        return stack(x[:, None], positions[:, None], cache, slots, int(positions.max()) + 1)[:, 0]
+
+
 def test_a_head_linear_hook_runs_every_head_matmul(cfg: ModelConfig) -> None:
-    """Talker.head_linear and CodePredictor.head_linear (fused.set_small_m_heads sets both): each of a frame's 16
-    head matmuls goes through the hook with the head's own weight, and the logits are the heads' own."""
+    """The kernels' head_linear (Talker.use_kernels; the fast path's small_m_heads): each of a frame's 16 head
+    matmuls goes through the hook with the head's own weight, and the logits are the heads' own."""
     talker = random_talker(cfg, seed=4)
     calls: list = []
 
@@ -352,10 +364,11 @@ def test_a_head_linear_hook_runs_every_head_matmul(cfg: ModelConfig) -> None:
     torch.manual_seed(9)
     h, cb0 = torch.randn(2, talker.cfg.hidden_size), torch.randint(0, 2048, (2,))
     want_logits = talker.logits(h)
-    want = talker.code_predictor(h, talker.embed_codec(cb0), _argmax_sampler())
-    talker.head_linear = talker.code_predictor.head_linear = hook
+    talker.use_kernels(_EagerKernels())
+    want = talker.residual_codes(h, talker.embed_codec(cb0), _argmax_sampler())
+    talker.use_kernels(_EagerKernels(hook))
     torch.testing.assert_close(talker.logits(h), want_logits)
-    got = talker.code_predictor(h, talker.embed_codec(cb0), _argmax_sampler())
+    got = talker.residual_codes(h, talker.embed_codec(cb0), _argmax_sampler())
     assert torch.equal(got[0], want[0])
     heads = [talker.codec_head.weight] + [m.weight for m in talker.code_predictor.lm_head]
     assert calls == [w.data_ptr() for w in heads]

@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--size", default="1.7b", choices=["tiny", "0.6b", "1.7b"])
     ap.add_argument("--rows", default="2,4,8,16", help="rows per matmul (a lone stream runs as two)")
     ap.add_argument("--configs", default="16,32,64x128,256x3,4,5", help="BLOCK_Ns x BLOCK_Ks x STAGES")
-    ap.add_argument("--max-splits", default="1,4", help="split-K maxima (small_m_gemm.set_max_split_k); 1: none")
+    ap.add_argument("--max-splits", default="1,4", help="split-K maxima (small_m_gemm's max_split_k); 1: none")
     ap.add_argument("--reps", type=int, default=0, help="calls per graph (0: enough weight copies for 400 MB)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (Triton's interpreter, no graphs)")
@@ -98,8 +98,7 @@ def main() -> None:
                 row["kernel_us"] = {}
                 row["splits"] = {}
                 for bn, bk, st, ms in configs:
-                    small_m_gemm.set_max_split_k(ms)
-                    sk = small_m_gemm.split_k_for(N, K, x.device, bn, bk)
+                    sk = small_m_gemm.split_k_for(N, K, x.device, bn, bk, ms)
 
                     def kernel(x, w, bn=bn, bk=bk, st=st, sk=sk):
                         return small_m_gemm.small_m_matmul(x, w, block_n=bn, block_k=bk, num_stages=st, split_k=sk)
@@ -110,7 +109,6 @@ def main() -> None:
                         raise SystemExit(f"{shape['stack']}.{shape['name']} M={M} {name}: rel err {err:.3g}")
                     row["kernel_us"][name] = timed(kernel, x, weights, dev, a.iters)
                     row["splits"][name] = sk
-                small_m_gemm.set_max_split_k(1)
                 best = min(row["kernel_us"], key=row["kernel_us"].get)
                 row["best_config"], row["best_us"] = best, row["kernel_us"][best]
                 gb = N * K * 2 / 1e9

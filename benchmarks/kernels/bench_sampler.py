@@ -13,6 +13,7 @@ what `sampling.sample` draws (top-k rows, the Qwen3-TTS default top_p 1). Prints
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import sys
@@ -72,15 +73,14 @@ def main() -> None:
         rows.append({**base, "sampler": "compiled", "us_per_draw": round(us, 2)})
         print(json.dumps(rows[-1]), flush=True)
         for we in map(int, args.warp_elements.split(",")):
-            sample_kernel.set_warp_elements(we)
-            got = sample_kernel.sample(logits, *settings)
+            kernel = functools.partial(sample_kernel.sample, warp_elements=we)
+            got = kernel(logits, *settings)
             same = bool(torch.equal(got, want))
-            us = graph_us(draws(sample_kernel.sample, logits, *settings), args.iters)
+            us = graph_us(draws(kernel, logits, *settings), args.iters)
             name = f"kernel/{we}"
-            rows.append({**base, "sampler": name, "warps": sample_kernel.num_warps(vocab),
+            rows.append({**base, "sampler": name, "warps": sample_kernel.num_warps(vocab, we),
                          "us_per_draw": round(us, 2), "same_draws": same})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
-    sample_kernel.set_warp_elements(sample_kernel.WARP_ELEMENTS)
     print("| vocab | batch | logit sd | sampler | warps | us/draw | same draws |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['vocab']} | {r['batch']} | {r['scale']} | {r['sampler']} | {r.get('warps', '')} | "

@@ -1,15 +1,14 @@
 """The code predictor's 15 passes a frame alone, on CUDA: the fused path's kernels (fused.stack_step: compiled
-blocks, the few-row matmul split over K, split attention; the engine's defaults) against the one-kernel stack
-(qwen_tts/fastpath/stack/stack_kernel.py), one launch per phase and persistent, and the CUDA kernel (qwen_tts/fastpath/stack/stack_cuda.cu, mode
-"cuda", at most four rows: more fall back to the fused path).
+blocks, the few-row matmul split over K, split attention; the engine's defaults) against the one-kernel stack, the
+CUDA kernel (qwen_tts/fastpath/stack/stack_cuda.cu, mode "cuda", at most four rows: more fall back to the fused
+path).
 
 Full-size code-predictor weights (random, bf16; the 1.7B's and the 0.6B's are the same shape), built on the GPU,
 or another stack's (--dims, --cache-len, --position: the 0.6B's talker). For each row count and mode it captures a frame's passes (positions 1-15, as after the prompt) into a CUDA graph,
 replays it back to back (CUDA events) and reports microseconds per pass and the weight bandwidth that implies;
-it checks each mode's output against the fused path's and that the persistent mode gives the phases' bits. Prints
-a table last, writes JSON.
+it checks each mode's output against the fused path's. Prints a table last, writes JSON.
 
-    python3 benchmarks/kernels/bench_stack.py --rows 1,2,4,8,16 --out stack.json
+    python3 benchmarks/kernels/bench_stack.py --rows 1,2,4 --out stack.json
     python3 benchmarks/kernels/bench_stack.py --dims 1024,3072,28,16,8,128 --cache-len 3088 --position 300 --modes fused,cuda
         # the 0.6B's talker (the code predictor's layer shape, 28 layers, a long cache): 15 of its passes
 """
@@ -29,6 +28,8 @@ from bench_attention import time_calls  # this script's directory is on sys.path
 from qwen_tts.fastpath import fused, small_m_gemm
 from qwen_tts.fastpath.options import FastPath
 from qwen_tts.fastpath.stack import stack_cuda, stack_kernel
+from qwen_tts.fastpath.stack.stack_cuda import StackOptions
+from qwen_tts.fastpath.stack.stack_kernel import StackKernel
 from qwen_tts.model.config import DecoderLayersConfig
 from qwen_tts.model.layers import DecoderStack
 
@@ -57,23 +58,65 @@ KINDS = ("q|k|v", "attn", "o", "gate|up", "down")  # a layer's phases, in order
 STEPS = ("wait", "weights", "rows", "products", "write", "to next")  # the stamps' intervals, then the gap to the next
 
 
-def stamp_pass(stack: DecoderStack, M: int, args) -> dict:
+class Bench:
+    """One copy of the stack: its layers' fused weights and, for a "cuda" mode, the stack kernel with the mode's
+    options (as the fast path's object takes a stack)."""
+
+    def __init__(self, dims: tuple[int, ...], mode: str) -> None:
+        self.stack = build(dims)
+        self.fused = fused.fuse(self.stack)
+        kind = mode.split("+")[0]
+        self.kernel = StackKernel(self.stack, self.fused, CACHE_LEN, options(mode)) if kind == "cuda" else None
+
+    def step(self, x: torch.Tensor, p: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
+        """FastStep.stack_step's choice: the kernel where it takes the pass, else the fused path's kernels (the
+        engine's defaults: the few-row matmul split over K, split attention)."""
+        if self.kernel is not None and self.kernel.runs(x, cache):
+            return self.kernel.stack_pass(x, p, cache, slots)
+        return fused.stack_step(self.stack, self.fused, x, p, cache, slots, REGIONS, split_attention=True)
+
+
+REGIONS = fused.Regions(small_m=FastPath().small_m_split_k)
+
+
+def options(mode: str) -> StackOptions:
+    """The kernel's options a mode names (module defaults otherwise)."""
+    parts = mode.split("+")[1:]
+    opts = StackOptions(bulk="cpasync" not in parts, weights="noweights" not in parts,
+                        light_barrier="heavybar" not in parts, chunked="chunked" in parts,
+                        split_barrier="splitbar" in parts, two_rows="onerow" not in parts,
+                        lean_grid="fullgrid" not in parts, norm_prefetch="nonormpf" not in parts,
+                        vector_attention="scalaratt" not in parts, evict_first="noevict" not in parts,
+                        stage="stage" in parts, exact_rows=3 if "exact" in parts else 0)  # fmt: skip
+    for p in parts:
+        if p.startswith("t") and p[1:].isdigit():  # t512: blocks of 512 threads
+            opts = opts.replace(threads=int(p[1:]))
+        if p.startswith("chunk") and p[5:].isdigit():  # chunk128: a long cache's chunks of 128 positions at least
+            opts = opts.replace(chunk=int(p[5:]))
+    for p in parts:  # after the chunk (split may not exceed it)
+        if p.startswith("split") and p[5:].isdigit():  # split32: past the chunk, chunks of 32 positions at least
+            opts = opts.replace(split=int(p[5:]))
+    return opts
+
+
+def stamp_pass(kernel: StackKernel, M: int, args) -> dict:
     """One pass of M rows with the timeline on: each phase kind's mean microseconds per step over the layers (the
     first block's and the last block's), at the clock the pass's timed length implies."""
-    sw = stack.stack_weights
+    sw = kernel.weights
+    stack = build((sw.H, sw.I, sw.L, sw.NQ, sw.NKV, sw.D))  # for its cache's shape
     cache = stack.new_cache(M, args.cache_len, "cuda", torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(M)
     cache.k.normal_(generator=g)
     cache.v.normal_(generator=g)
     x = torch.randn(M, sw.H, device="cuda", generator=g).to(torch.bfloat16)
     slots, pos = torch.arange(M, device="cuda"), torch.full((M,), args.position, device="cuda")
-    barrier = stack_kernel.prepare("cuda")[stack_kernel.COUNTERS :]
-    stack_cuda.set_options(timeline=False)
-    us = time_calls(lambda: stack_cuda.stack_pass(sw, x, pos, cache, slots, barrier), "cuda", args.iters) * 1e6
-    stack_cuda.set_options(timeline=True)
+    barrier = stack_kernel.prepare("cuda")
+    plain, stamped = kernel.options.replace(timeline=False), kernel.options.replace(timeline=True)
+    us = time_calls(lambda: stack_cuda.stack_pass(sw, x, pos, cache, slots, barrier, options=plain), "cuda",
+                    args.iters) * 1e6  # fmt: skip
     tl = torch.zeros(stack_cuda.timeline_stamps(sw), dtype=torch.int64, device="cuda")
     for _ in range(3):
-        stack_cuda.stack_pass(sw, x, pos, cache, slots, barrier, timeline=tl)
+        stack_cuda.stack_pass(sw, x, pos, cache, slots, barrier, timeline=tl, options=stamped)
     torch.cuda.synchronize()
     st = tl.view(2, 5 * sw.L + 1, 6).double().cpu()
     ghz = (st[0, 5 * sw.L - 1, 5] - st[0, 0, 0]).item() / 1e3 / us  # cycles over the timed pass (the launch aside)
@@ -124,11 +167,10 @@ def attention_detail(st, layers: int, ghz: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="1,2,4,8,16")
-    ap.add_argument("--modes", default="fused,phases,persistent,persistent+step128+w4",
-                    help="fused, phases, persistent or cuda, each with options: +prefetch, +preload, +unsplit (o and down "
-                    "on 16-column units with every K tile), +stepN (K steps up to N), +wN (N warps); cuda's: +cpasync "
-                    "(16-byte cp.async, not the copy engine), +mma (the matmuls on the tensor cores), +noweights (no weight "
+    ap.add_argument("--rows", default="1,2,4")
+    ap.add_argument("--modes", default="fused,cuda",
+                    help="fused or cuda, cuda with options: +cpasync "
+                    "(16-byte cp.async, not the copy engine), +noweights (no weight "
                     "copies: profiling only), +heavybar (the barrier's release by __threadfence), +chunked (a short "
                     "cache's attention by the long cache's code), +splitbar (four arrival counters), +onerow (one "
                     "weight row a warp, not two), +fullgrid (every SM, not only those that keep each block's largest "
@@ -136,7 +178,7 @@ def main() -> None:
                     "from L2, not staged in shared memory during the wait), +scalaratt (the short cache's keys by "
                     "2-byte loads), +chunkN (a long cache's chunks of at least N positions), +splitN (past the chunk, chunks of at "
                     "least N positions), +noevict (the weight copies "
-                    "without the L2 evict-first policy), +tags (no grid barriers: tagged activations, polled), +tN (blocks of "
+                    "without the L2 evict-first policy), +tN (blocks of "
                     "N threads), +stage (a long cache's cached keys and values copied into the free "
                     "weight slot before attention's wait), +exact (a pass of M rows by the kernel's M-row build)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
@@ -156,9 +198,9 @@ def main() -> None:
     ap.add_argument(
         "--phase-profile",
         default="1,2,3,4,5,6,10,15,20,25,26",
-        help="time the persistent kernel cut after each of these phase counts (one row); empty: skip",
+        help="time the CUDA kernel cut after each of these phase counts (one row); empty: skip",
     )
-    ap.add_argument("--profile-mode", default="persistent", help="the options of the phase profile, as in --modes")
+    ap.add_argument("--profile-mode", default="cuda", help="the options of the phase profile, as in --modes")
     ap.add_argument(
         "--timeline",
         default="",
@@ -171,48 +213,10 @@ def main() -> None:
         sys.exit("bench_stack: needs CUDA")
     dims = tuple(map(int, args.dims.split(",")))
     modes = args.modes.split(",")
-    small_m_gemm.set_max_split_k(FastPath().small_m_split_k)
     small_m_gemm.prepare("cuda")
     stack_kernel.prepare("cuda")
-    stacks = {}
-    for mode in modes:  # one copy of the same weights each (same seed)
-        stacks[mode] = s = build(dims)
-        fused.enable(s, split_attention=True, small_m_gemm=True)
-        kind = mode.split("+")[0]
-        stack_kernel.enable(s, "off" if kind == "fused" else kind)
-    base = stacks[modes[0]]
-    default_options = stack_kernel.set_options()
-
-    default_cuda = stack_cuda.set_options()
-
-    def use_options(mode: str) -> None:  # read at launch: before each mode's capture and its check
-        stack_kernel.set_options(**default_options)
-        parts = mode.split("+")[1:]
-        stack_cuda.set_options(**default_cuda)
-        stack_cuda.set_options(bulk="cpasync" not in parts, weights="noweights" not in parts, mma="mma" in parts,
-                               long_mma="mma" in parts, light_barrier="heavybar" not in parts, chunked="chunked" in parts,
-                               split_barrier="splitbar" in parts, two_rows="onerow" not in parts,
-                               lean_grid="fullgrid" not in parts, norm_prefetch="nonormpf" not in parts,
-                               vector_attention="scalaratt" not in parts, tags="tags" in parts,
-                               evict_first="noevict" not in parts,
-                               stage="stage" in parts,
-                               exact_rows=3 if "exact" in parts else 0)  # fmt: skip
-        for p in parts:
-            if p.startswith("t") and p[1:].isdigit():  # t512: blocks of 512 threads
-                stack_cuda.set_options(threads=int(p[1:]))
-            if p.startswith("chunk") and p[5:].isdigit():  # chunk128: a long cache's chunks of 128 positions at least
-                stack_cuda.set_options(chunk=int(p[5:]))
-        for p in parts:  # after the chunk (split may not exceed it)
-            if p.startswith("split") and p[5:].isdigit():  # split32: past the chunk, chunks of 32 positions at least
-                stack_cuda.set_options(split=int(p[5:]))
-        stack_kernel.set_options(prefetch="prefetch" in parts, preload="preload" in parts)
-        if "unsplit" in parts:
-            stack_kernel.set_options(residual_split=1, residual_block_n=16)
-        for p in parts:
-            if p.startswith("step"):  # step256: K steps up to 256
-                stack_kernel.set_options(max_step_k=int(p[4:]))
-            if p.startswith("w") and p[1:].isdigit():  # w8: eight warps
-                stack_kernel.set_options(num_warps=int(p[1:]))
+    benches = {mode: Bench(dims, mode) for mode in modes}  # one copy of the same weights each (same seed)
+    base = benches[modes[0]].stack
 
     weight_bytes = sum(
         p.numel() * p.element_size() for n, p in base.named_parameters() if n.startswith("layers.") and p.dim() > 1
@@ -220,8 +224,8 @@ def main() -> None:
     rows_out = []
     torch.set_grad_enabled(False)
     profile_kind, *_ = args.profile_mode.split("+")
-    if args.phase_profile and profile_kind not in ("persistent", "cuda"):
-        sys.exit(f"bench_stack: --profile-mode must be persistent or cuda with options, not {args.profile_mode}")
+    if args.phase_profile and profile_kind != "cuda":
+        sys.exit(f"bench_stack: --profile-mode must be cuda with options, not {args.profile_mode}")
     for M in map(int, args.rows.split(",")):
         g = torch.Generator(device="cuda").manual_seed(M)
         xs = [torch.randn(M, dims[0], device="cuda", generator=g).to(torch.bfloat16) for _ in range(PASSES)]
@@ -232,15 +236,14 @@ def main() -> None:
         init.k.normal_(generator=g)
         init.v.normal_(generator=g)
         for mode in modes:
-            stack = stacks[mode]
-            cache = stack.new_cache(M, args.cache_len, "cuda", torch.bfloat16)
+            bench = benches[mode]
+            cache = bench.stack.new_cache(M, args.cache_len, "cuda", torch.bfloat16)
             res: list[torch.Tensor] = []
 
-            def frame(stack=stack, cache=cache, res=res, xs=xs, positions=positions, slots=slots):
+            def frame(bench=bench, cache=cache, res=res, xs=xs, positions=positions, slots=slots):
                 res.clear()
-                res.extend(fused.stack_step(stack, x, p, cache, slots) for x, p in zip(xs, positions, strict=True))
+                res.extend(bench.step(x, p, cache, slots) for x, p in zip(xs, positions, strict=True))
 
-            use_options(mode)
             times[mode] = time_calls(frame, "cuda", args.iters) / PASSES
             cache.k.copy_(init.k)  # every mode's check from the same cache
             cache.v.copy_(init.v)
@@ -253,36 +256,27 @@ def main() -> None:
             diff = (outs[mode] - ref).abs().max().item()
             row = dict(rows=M, mode=mode, us_per_pass=round(us, 2), tb_per_s=round(weight_bytes / times[mode] / 1e12, 3),
                        max_abs_diff_vs_first=diff, out_scale=ref.abs().max().item())  # fmt: skip
-            if mode.startswith("persistent") and "phases" in outs:
-                row["equals_phases"] = bool(torch.equal(outs[mode], outs["phases"]))
             rows_out.append(row)
             print(json.dumps(row), flush=True)
     profile = []
-    if args.phase_profile:  # the persistent kernel cut after k phases: what each phase adds, barrier included
+    if args.phase_profile:  # the kernel cut after k phases: what each phase adds, barrier included
         M = 1
-        stack = build(dims)  # its own copy: the modes' stacks keep their kinds
-        fused.enable(stack, split_attention=True, small_m_gemm=True)
-        stack_kernel.enable(stack, profile_kind)
-        cache = stack.new_cache(M, args.cache_len, "cuda", torch.bfloat16)
+        cache = base.new_cache(M, args.cache_len, "cuda", torch.bfloat16)
         x, slots, pos = torch.randn(M, dims[0], device="cuda").to(torch.bfloat16), torch.zeros(M, dtype=torch.long,
             device="cuda"), torch.full((M,), args.position, dtype=torch.long, device="cuda")  # fmt: skip
         for variant in dict.fromkeys((args.profile_mode, profile_kind)):  # and the defaults, once
-            use_options(variant)
+            kernel = Bench(dims, variant).kernel  # its own copy: the modes' stacks keep their kinds
             for k in map(int, args.phase_profile.split(",")):
-                us = time_calls(lambda k=k: stack_kernel.stack_pass(stack, x, pos, cache, slots, phase_range=(0, k)),
+                us = time_calls(lambda k=k, kernel=kernel: kernel.stack_pass(x, pos, cache, slots, phase_range=(0, k)),
                                 "cuda", args.iters) * 1e6  # fmt: skip
                 profile.append(dict(phases=k, options=variant, us=round(us, 2)))
                 print(json.dumps(profile[-1]), flush=True)
     timeline = []
     if args.timeline:
-        stack = build(dims)
-        fused.enable(stack, split_attention=True, small_m_gemm=True)
-        stack_kernel.enable(stack, "cuda")
-        use_options(args.profile_mode if profile_kind == "cuda" else "cuda")
+        kernel = Bench(dims, args.profile_mode if profile_kind == "cuda" else "cuda").kernel
         for M in map(int, args.timeline.split(",")):
-            timeline.append(stamp_pass(stack, M, args))
+            timeline.append(stamp_pass(kernel, M, args))
             print(json.dumps(timeline[-1]), flush=True)
-        stack_cuda.set_options(timeline=False)
     print(f"\nweights a pass: {weight_bytes / 1e6:.1f} MB; {torch.cuda.get_device_name()}")
     print(f"{'rows':>4} {'mode':>26} {'us/pass':>8} {'TB/s':>6} {'max diff':>9}")
     for r in rows_out:

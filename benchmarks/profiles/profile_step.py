@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import functools
 import json
 import math
 import sys
@@ -21,6 +23,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -28,9 +31,9 @@ import torch
 
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.native.frame_step import FrameStepRunner, SlotState, bucket
-from qwen_tts.fastpath import fused, sample_kernel, small_m_gemm, snake_kernel
+from qwen_tts.fastpath import fused, snake_kernel
 from qwen_tts.fastpath.options import FastPath
-from qwen_tts.fastpath.stack import stack_cuda, stack_kernel
+from qwen_tts.fastpath.step import FastStep
 from qwen_tts.model.loading import load_model
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
 from qwen_tts.model.sampling import suppress_mask
@@ -49,15 +52,15 @@ def weight_bytes(talker) -> int:
     proj = sum(p.numel() * p.element_size() for p in cp.small_to_mtp_projection.parameters())
     tk = sum(p.numel() * p.element_size() for p in talker.model.layers.parameters())
     tk += talker.codec_head.weight.numel() * talker.codec_head.weight.element_size()
-    passes = 15 if cp.prompt_one_pass else 16
+    passes = 15 if talker.kernels is not None and talker.kernels.prompt_one_pass else 16
     proj_reads = 1 if cp.input_tables is not None else passes  # with the tables only the prompt is projected
     return tk + passes * cp_layers + heads + proj_reads * proj
 
 
 # Frame-step variants: the eager kernels; the fused path with neither optional kernel; with attention split over
-# positions, with the few-row Triton matmul, with both (32 x 128 blocks, split K 4), with both but no split K, with
-# both at last round's 16 x 256 blocks unsplit; with both and the code predictor's prompt in one pass and/or the
-# sampler kernel (both of those too: the engine's default).
+# positions, with the few-row Triton matmul, with both (32 x 128 blocks, split K 4), with both but no split K; with
+# both and the code predictor's prompt in one pass and/or the sampler kernel (both of those too: the engine's
+# default).
 _BOTH = {"split_attention": True, "small_m_gemm": True}
 STEP_VARIANTS = {
     "eager": None,
@@ -66,29 +69,21 @@ STEP_VARIANTS = {
     "fused-small-m": {"small_m_gemm": True},
     "fused-split+small-m": _BOTH,
     "fused-split+small-m+no-split-k": _BOTH,
-    "fused-split+small-m-16x256": _BOTH,
     "fused-split+small-m+cp-one-pass": _BOTH,  # and the code predictor's two prompt tokens in one pass
     "fused-split+small-m+kernel-sampler": _BOTH,  # and each draw by one Triton kernel, no sort
     "fused-split+small-m+cp-one-pass+kernel-sampler": _BOTH,
     # The engine's default with the heads by the few-row kernel (small_m_heads), the code predictor's inputs from
-    # projected tables (cp_input_tables), both; and with greedy rows through the sampler's whole draw.
+    # projected tables (cp_input_tables), both.
     "fused-split+small-m+cp-one-pass+kernel-sampler+heads": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+heads+tables": _BOTH,
-    "fused-split+small-m+cp-one-pass+kernel-sampler+no-greedy-branch": _BOTH,
     # The engine's default with the compiled regions rounding bf16 where the eager layers round (emulate casts).
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+emulate-casts": _BOTH,
     # and with the regions' reduction configurations picked by rule (inductor's deterministic mode), and without.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+deterministic": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+no-deterministic": _BOTH,
-    # The engine's default with each code-predictor pass by the one-kernel stack (stack_kernel.py): a launch a
-    # phase, or one persistent launch a pass.
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-phases": _BOTH,
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-persistent": _BOTH,
-    # and with each matmul phase's first weight tile loaded before the grid wait (stack_kernel's preload).
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-persistent+preload": _BOTH,
-    # and with each code-predictor pass of up to four rows by the CUDA kernel (stack_cuda.cu: weights copied into
-    # shared memory a phase ahead of the grid wait).
+    # The engine's default with each code-predictor pass of up to four rows by the CUDA stack kernel (stack_cuda.cu:
+    # weights copied into shared memory a phase ahead of the grid wait).
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+stack-cuda": _BOTH,
     # and the talker's passes of up to four rows by that kernel too (its attention over the long cache in chunks;
     # where the talker's layer does not fit the kernel, the 1.7B's, the fused path's kernels).
@@ -97,70 +92,53 @@ STEP_VARIANTS = {
     # and with the heads by the few-row kernel: where both stacks run on the kernel, a lone row's step is one row
     # (frame_step.one_row_steps), as the engine runs one stream with its three opt-in settings.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda": _BOTH,
-    # and with the kernel's passes without grid barriers (stack_cuda's tags).
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+tags": _BOTH,
-    # and the tags for the talker's stack only; and the weight copies without the L2 evict-first policy.
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+talker-tags": _BOTH,
+    # and the weight copies without the L2 evict-first policy.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+no-evict-first": _BOTH,
     # and with the attention units' cached keys staged in shared memory (stack_cuda's stage), with the talker's chunks
     # of 192 positions too.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage": _BOTH,
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage+chunk192": _BOTH,
-    # and with both stacks' matmuls on the tensor cores (stack_cuda's mma: padded slots, ldmatrix).
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage+mma": _BOTH,
     # and with each residual draw feeding the next pass in its own launch (sample_kernel.sample_feed).
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage+feed": _BOTH,
 }
-# small_m_gemm's split-K maximum and block sizes (process-wide, read at capture); others: the engine's defaults.
-STEP_SPLIT_K = {"fused-split+small-m+no-split-k": 1, "fused-split+small-m-16x256": 1}
-STEP_BLOCKS = {"fused-split+small-m-16x256": (16, 256, 4)}
-DEFAULT_BLOCKS = (small_m_gemm.BLOCK_N, small_m_gemm.BLOCK_K, small_m_gemm.NUM_STAGES)
-DEFAULT_SPLIT_K = FastPath().small_m_split_k
+
+
+def step_deterministic(variant: str) -> bool:
+    """Whether a step variant compiles its regions in deterministic mode (EngineSettings.fused_deterministic)."""
+    default = EngineSettings().fused_deterministic
+    return ("+deterministic" in variant or default) and "+no-deterministic" not in variant
+
+
+def step_options(variant: str) -> FastPath:
+    """The fast path's options a step variant names; the others at the engine's defaults (the stack kernel's
+    block sizes), the stack kernel's exact-row builds off."""
+    default = FastPath()
+    kernels = STEP_VARIANTS[variant] or {}
+    return dataclasses.replace(
+        default,
+        split_attention=kernels.get("split_attention", False),
+        small_m_gemm=kernels.get("small_m_gemm", False),
+        small_m_split_k=1 if "+no-split-k" in variant else default.small_m_split_k,
+        fused_emulate_casts="+emulate-casts" in variant,
+        cp_prompt_one_pass="+cp-one-pass" in variant,
+        kernel_sampler="+kernel-sampler" in variant,
+        cp_fused_feed="+feed" in variant,
+        small_m_heads="+heads" in variant,
+        cp_input_tables="+tables" in variant,
+        cp_stack_kernel="cuda" if "+stack-cuda" in variant else "off",
+        talker_stack_kernel="cuda" if "+talker-cuda" in variant else "off",
+        stack_evict_first="+no-evict-first" not in variant,
+        talker_stack_stage="+stage" in variant,
+        talker_stack_chunk=192 if "+chunk192" in variant else default.talker_stack_chunk,
+        stack_exact_rows=0,
+    )
 
 
 def build(path: Path, variant: str, max_rows: int, max_len: int):
-    small_m_gemm.set_max_split_k(STEP_SPLIT_K.get(variant, DEFAULT_SPLIT_K))
-    small_m_gemm.set_blocks(*STEP_BLOCKS.get(variant, DEFAULT_BLOCKS))
-    sample_kernel.set_greedy_branch("+no-greedy-branch" not in variant)
-    small_m_gemm.prepare("cuda")
-    fused.set_emulate_casts("+emulate-casts" in variant)  # read when the regions compile
-    default_det = EngineSettings().fused_deterministic
-    fused.set_deterministic(("+deterministic" in variant or default_det) and "+no-deterministic" not in variant)
     model = load_model(path, device="cuda", dtype=torch.bfloat16)
     talker = model.talker.eval()
-    if STEP_VARIANTS[variant] is not None:
-        fused.enable(talker, **STEP_VARIANTS[variant])
-        talker.code_predictor.prompt_one_pass = "+cp-one-pass" in variant
-        talker.kernel_sampler = "+kernel-sampler" in variant
-        talker.cp_fused_feed = "+feed" in variant
-        fused.set_small_m_heads(talker, "+heads" in variant)
-        if "+tables" in variant:
-            talker.code_predictor.build_input_tables()
-        stack_kernel.set_options(preload="+preload" in variant)  # process-wide, read at capture
-        settings = FastPath()  # the engine's block sizes for each stack
-        stack_cuda.set_options(
-            tags="+tags" in variant,
-            long_tags="+talker-tags" in variant,
-            evict_first="+no-evict-first" not in variant,
-            threads=settings.cp_stack_threads,
-            long_threads=settings.talker_stack_threads,
-            stage="+stage" in variant,
-            chunk=192 if "+chunk192" in variant else settings.talker_stack_chunk,
-            split=settings.talker_stack_split,
-            mma="+mma" in variant,
-            long_mma="+mma" in variant,
-        )
-        for mode in ("phases", "persistent", "cuda"):
-            if f"+stack-{mode}" in variant:
-                stack_kernel.prepare("cuda")
-                stack_kernel.enable(talker.code_predictor.model, mode)
-        if "+talker-cuda" in variant:
-            stack_kernel.prepare("cuda")
-            stack_kernel.enable(talker.model, "cuda")
-            reason = stack_cuda.prepare(talker.model.stack_weights, max_len, "cuda")
-            if reason:
-                print(json.dumps({"note": f"{variant}: the talker's kernel cannot run ({reason}): the fused path"}))
-                stack_kernel.enable(talker.model, "off")
+    if STEP_VARIANTS[variant] is not None:  # the fast path's object, as the engine hands it to the talker
+        FastStep(step_options(variant), "cuda", step_deterministic(variant)).take_talker(talker, max_len)
     t = model.config.talker
     S = max_rows
     cache = talker.new_cache(S + 1, max_len)
@@ -410,14 +388,16 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
                 dec = copy.deepcopy(c2w)
                 dec.set_decoder_dtype(torch.float16)
                 dec.set_polyphase_dilation(9 if "+polyphase-9" in name else 0)
-                dec.set_snake_kernel(
-                    snake_kernel.snake if "+snake-kernel" in name else None, channels_last="+channels-last" in name
-                )
-                snake_kernel.set_poly_sin(name.endswith("+poly-sin"))
+                poly_sin = name.endswith("+poly-sin")
+                kernel = functools.partial(snake_kernel.snake, poly_sin=poly_sin) if "+snake-kernel" in name else None
             else:
                 dec = copy.deepcopy(c2w).to(dtype) if dtype != torch.float32 or snake else c2w
-            if snake:
-                fused.enable_decoder(dec)
+                kernel = None
+            if snake or kernel is not None:  # Code2Wav's kernels (DecoderKernels): SnakeBeta compiled, the kernel
+                snake_beta = fused.snake_beta if snake else None
+                dec.use_kernels(
+                    SimpleNamespace(snake=kernel, snake_beta=snake_beta, channels_last="+channels-last" in name)
+                )
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -453,7 +433,6 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             print(json.dumps(out[-1]), flush=True)
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    snake_kernel.set_poly_sin(False)
     return out
 
 

@@ -12,14 +12,18 @@ every model of a width (torch.compile with dynamic shapes: one artifact for all 
 mutates an input (the KV cache is written by the Triton kernel only), so the cache update stays in place and
 the whole step still captures into one CUDA graph. CPU runs keep the eager modules.
 
-`enable(module)` turns it on for every `Attention`/`MLP` under a module, after re-laying the q/k/v and gate/up
-weights into one tensor each (the parameters become views into it: no extra memory, same state dict).
+`fuse(stack)` re-lays each decoder layer's q/k/v and gate/up weights into one tensor each (the parameters become
+views into it: no extra memory, same state dict); `stack_step` runs a one-token pass over them. The fast path's
+object (step.py) holds the re-laid weights and the options the regions are compiled with (`Regions`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
-import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +31,10 @@ from torch import Tensor, nn
 
 from qwen_tts.fastpath.decode_attention import HAVE_TRITON, decode_attention
 from qwen_tts.fastpath.small_m_gemm import linear as small_m_linear
-from qwen_tts.fastpath.stack import stack_kernel
 from qwen_tts.model.sampling import apply_repetition_penalty, mask_eos, sample, suppress
 
-log = logging.getLogger("qwen_tts.fastpath.fused")
+if TYPE_CHECKING:
+    from qwen_tts.model.layers import DecoderStack, KVCache
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -57,14 +61,15 @@ def _pre_attention(
     eps: float,
     n_q: int,
     n_kv: int,
-    small_m: bool = False,
+    small_m: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """x (B, H), cos/sin (B, D) -> q (B, Hq, D), k and v (B, Hkv, D), each contiguous in its last dim.
 
-    small_m: matmuls through `small_m_gemm.linear` (the few-row Triton kernel) instead of F.linear."""
+    small_m: matmuls through `small_m_gemm.linear` (the few-row Triton kernel, K split over at most `small_m`
+    programs) instead of F.linear (0)."""
     B = x.shape[0]
     D = cos.shape[-1]
-    qkv = _linear(small_m)(rms_norm(x, ln_w, eps), w_qkv)
+    qkv = _linear(rms_norm(x, ln_w, eps), w_qkv, small_m)
     q, k, v = qkv.split([n_q * D, n_kv * D, n_kv * D], dim=-1)
     c, s = cos[:, None], sin[:, None]
     q = _rope(rms_norm(q.reshape(B, n_q, D), q_norm_w, eps), c, s)
@@ -73,8 +78,8 @@ def _pre_attention(
     return q, k, v.reshape(B, n_kv, D)
 
 
-def _linear(small_m: bool):
-    return small_m_linear if small_m else F.linear
+def _linear(x: Tensor, w: Tensor, small_m: int) -> Tensor:
+    return small_m_linear(x, w, small_m) if small_m else F.linear(x, w)
 
 
 def _post_attention(
@@ -85,13 +90,12 @@ def _post_attention(
     w_gate_up: Tensor,
     w_down: Tensor,
     eps: float,
-    small_m: bool = False,
+    small_m: int = 0,
 ) -> Tensor:
     """x (B, H), attn (B, Hq, D) -> the layer output (B, H)."""
-    linear = _linear(small_m)
-    x = x + linear(attn.reshape(attn.shape[0], -1), w_o)
-    gate, up = linear(rms_norm(x, ln_w, eps), w_gate_up).chunk(2, dim=-1)
-    return x + linear(F.silu(gate) * up, w_down)
+    x = x + _linear(attn.reshape(attn.shape[0], -1), w_o, small_m)
+    gate, up = _linear(rms_norm(x, ln_w, eps), w_gate_up, small_m).chunk(2, dim=-1)
+    return x + _linear(F.silu(gate) * up, w_down, small_m)
 
 
 def _post_then_pre(
@@ -111,7 +115,7 @@ def _post_then_pre(
     next_eps: float,
     n_q: int,
     n_kv: int,
-    small_m: bool = False,
+    small_m: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One layer's post-attention block and the next layer's pre-attention block in one compiled region, so the
     residual add and the next RMSNorm share a kernel: (x, q, k, v) for the next layer's attention."""
@@ -122,7 +126,7 @@ def _post_then_pre(
 
 def _post_then_norm(
     x: Tensor, attn: Tensor, w_o: Tensor, ln_w: Tensor, w_gate_up: Tensor, w_down: Tensor, eps: float,
-    norm_w: Tensor, norm_eps: float, small_m: bool = False,
+    norm_w: Tensor, norm_eps: float, small_m: int = 0,
 ) -> Tensor:  # fmt: skip
     """The last layer's post-attention block and the stack's final RMSNorm."""
     return rms_norm(_post_attention(x, attn, w_o, ln_w, w_gate_up, w_down, eps, small_m), norm_w, norm_eps)
@@ -159,11 +163,31 @@ _BATCHED = {
     "sample": (0, 1, 2, 3, 4, 5, 6),
     "talker_logits": (0, 1, 2, 5),
 }
-_compiled: dict[str, object] = {}
-# Inductor's emulate_precision_casts and deterministic options for the regions compiled from here on
-# (`set_emulate_casts`, `set_deterministic`).
-_emulate_casts = False
-_deterministic = False
+# The functions whose matmuls take the few-row kernel (`Regions.small_m`, bound when the region is compiled).
+_SMALL_M = ("pre", "post_pre", "post_norm")
+# The compiled regions, by name and options (a cache of compiled functions).
+_compiled: dict[tuple[str, Regions], object] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Regions:
+    """How the regions are compiled.
+
+    emulate_casts: inductor's `emulate_precision_casts`: a bf16 value is rounded to bf16 wherever the eager ops
+    round it (after the RMSNorm's cast, each RoPE product, the residual adds, SiLU * up), where by default a fused
+    kernel keeps it in float32 until its store: the same function rounded as `layers.py` rounds.
+    deterministic: inductor's deterministic mode: a reduction kernel's configuration by a fixed rule, not by timing
+    several on first use (which can sum a row in different orders in two processes); ignored where this torch has
+    no such mode. small_m: the layers' matmuls through `small_m_gemm.linear` with K split over at most this many
+    programs (0: F.linear). CUDA graphs keep the kernels they were captured with. docs/performance.md."""
+
+    emulate_casts: bool = False
+    deterministic: bool = False
+    small_m: int = 0
+
+    def __post_init__(self) -> None:
+        if self.deterministic and not hasattr(torch._inductor.config, "deterministic"):
+            object.__setattr__(self, "deterministic", False)
 
 
 # Recompiles one process may need per compiled function: one per (dtype, fixed argument values such as eps and
@@ -191,55 +215,24 @@ def _compile(fn, **kwargs):
     return torch.compile(fn, **kwargs)
 
 
-def set_emulate_casts(on: bool) -> None:
-    """Compile the regions with inductor's `emulate_precision_casts`: a bf16 value is rounded to bf16 wherever the
-    eager ops round it (after the RMSNorm's cast, each RoPE product, the residual adds, SiLU * up), where by default
-    a fused kernel keeps it in float32 until its store. The compiled function is the same, but rounded as
-    `layers.py` rounds, so closer to the official package's bf16 logits (docs/history/benchmarks-diary.md). Drops the regions
-    compiled so far when the setting changes; CUDA graphs keep the kernels they were captured with."""
-    global _emulate_casts
-    if bool(on) != _emulate_casts:
-        _emulate_casts = bool(on)
-        _compiled.clear()
-
-
-def emulate_casts() -> bool:
-    return _emulate_casts
-
-
-def set_deterministic(on: bool) -> None:
-    """Compile the regions in inductor's deterministic mode: no on-device benchmarking where it would change the
-    numbers. By default inductor times several configurations of each reduction kernel (the RMSNorms' sums) on
-    first use and keeps the fastest, so two processes can sum a row in different orders and give bf16 outputs a
-    few bits apart (seen on an H200: teacher-forced logits of two runs on the same weights; docs/history/benchmarks-diary.md).
-    Deterministic mode picks one configuration by a fixed rule. Drops the regions compiled so far when the setting
-    changes. A no-op where this torch has no such mode."""
-    global _deterministic
-    on = bool(on) and hasattr(torch._inductor.config, "deterministic")
-    if on != _deterministic:
-        _deterministic = on
-        _compiled.clear()
-
-
-def deterministic() -> bool:
-    return _deterministic
-
-
-def compiled(name: str):
-    """The compiled version of one of this module's functions (compiled once per process, on first use).
+def compiled(name: str, regions: Regions = Regions()):
+    """The compiled version of one of this module's functions (compiled once per process and options, on first use).
 
     Compiled with dynamic shapes, so one artifact serves every batch size >= 2; torch.compile specialises a batch
     of one (other kernels, other reduction orders), so a single row is run as two copies of itself: a row then
     gets the same bits alone as in any batch.
     """
-    fn = _compiled.get(name)
+    fn = _compiled.get((name, regions))
     if fn is not None:
         return fn
     # No split reductions: they are chosen by shape, so a row's sums would depend on how many rows came along.
-    options = {"split_reductions": False, "emulate_precision_casts": _emulate_casts}
-    if _deterministic:
+    options = {"split_reductions": False, "emulate_precision_casts": regions.emulate_casts}
+    if regions.deterministic:
         options["deterministic"] = True
-    inner = _compile(_SOURCES[name], dynamic=True, fullgraph=True, options=options)
+    source = _SOURCES[name]
+    if name in _SMALL_M:
+        source = _bind_small_m(source, regions.small_m)
+    inner = _compile(source, dynamic=True, fullgraph=True, options=options)
     batched = _BATCHED[name]
 
     def run(*args):
@@ -249,8 +242,17 @@ def compiled(name: str):
         out = inner(*args)
         return tuple(o[:1] for o in out) if isinstance(out, tuple) else out[:1]
 
-    _compiled[name] = run
+    _compiled[(name, regions)] = run
     return run
+
+
+def _bind_small_m(fn, small_m: int):
+    """fn with its `small_m` fixed (a constant of the compiled region, not an input)."""
+
+    def region(*args):
+        return fn(*args, small_m=small_m)
+
+    return region
 
 
 def _snake_beta(x: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
@@ -258,7 +260,9 @@ def _snake_beta(x: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
     return x + torch.sin(x * alpha.exp()[:, None]).pow(2) / (beta.exp()[:, None] + 1e-9)
 
 
-_snake_compiled = None
+@functools.cache
+def _snake_compiled():
+    return _compile(_snake_beta, dynamic=True)
 
 
 def snake_beta(x: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
@@ -268,22 +272,7 @@ def snake_beta(x: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
     The input is made contiguous first: on the H200 the sliced outputs of the transposed convolutions gave one
     recompile per stride pattern until torch.compile's recompile limit (8) stopped the 1.7B's start-up. Not
     fullgraph, so hitting the limit again would run the eager expression instead of failing."""
-    global _snake_compiled
-    if _snake_compiled is None:
-        _snake_compiled = _compile(_snake_beta, dynamic=True)
-    return _snake_compiled(x.contiguous(), alpha, beta)
-
-
-def enable_decoder(code2wav: nn.Module) -> int:
-    """Run every SnakeBeta of a Code2Wav as one compiled kernel; returns how many it took."""
-    from qwen_tts.model.codec_decoder import SnakeBeta
-
-    n = 0
-    for m in code2wav.modules():
-        if isinstance(m, SnakeBeta):
-            m.fast = snake_beta
-            n += 1
-    return n
+    return _snake_compiled()(x.contiguous(), alpha, beta)
 
 
 def supported(module: nn.Module) -> bool:
@@ -310,47 +299,21 @@ def _fuse_linear_weights(linears: list[nn.Linear]) -> Tensor:
     return fused
 
 
-def enable(module: nn.Module, split_attention: bool = False, small_m_gemm: bool = False) -> int:
-    """Turn the fast path on for every decoder layer under `module`; returns how many layers it took.
-
-    split_attention: attend with `split_decode_attention` (split over positions, tensor-core dot products).
-    small_m_gemm: the layers' matmuls through `small_m_gemm.linear` (a Triton kernel up to 16 rows)."""
-    from qwen_tts.model.layers import DecoderLayer
-
-    n = 0
-    for layer in module.modules():
-        if isinstance(layer, DecoderLayer) and layer.fused is None:
-            a, m = layer.self_attn, layer.mlp
-            layer.fused = FusedWeights(
+def fuse(stack: DecoderStack) -> list[FusedWeights]:
+    """Each decoder layer of `stack` with its q/k/v and gate/up weights re-laid as one tensor each (the parameters
+    become views of them)."""
+    out = []
+    for layer in stack.layers:
+        a, m = layer.self_attn, layer.mlp
+        out.append(
+            FusedWeights(
                 w_qkv=_fuse_linear_weights([a.q_proj, a.k_proj, a.v_proj]),
                 w_gate_up=_fuse_linear_weights([m.gate_proj, m.up_proj]),
                 n_q=a.q_proj.weight.shape[0] // a.head_dim,
                 n_kv=a.k_proj.weight.shape[0] // a.head_dim,
             )
-            n += 1
-    set_variants(module, split_attention, small_m_gemm)
-    log.info("fused decode path on for %d decoder layers", n)
-    return n
-
-
-def set_variants(module: nn.Module, split_attention: bool, small_m_gemm: bool) -> int:
-    """Switch the kernels of every decoder layer `enable` already took (for A/B runs on one model); returns how many."""
-    from qwen_tts.model.layers import DecoderLayer
-
-    layers = [m for m in module.modules() if isinstance(m, DecoderLayer) and m.fused is not None]
-    for layer in layers:
-        f = layer.fused
-        f.split_attention, f.small_m_gemm = split_attention, small_m_gemm
-    return len(layers)
-
-
-def set_small_m_heads(talker: nn.Module, on: bool) -> None:
-    """Run the talker's codec head and the code predictor's 15 heads (16 matmuls a frame step, 4-12 MB of weights
-    each) through the few-row kernel instead of cuBLAS: `small_m_gemm.linear`, which sends more than SMALL_M_MAX rows
-    to F.linear. A row's logits then do not depend on the batch up to SMALL_M_MAX rows, as the layers' matmuls."""
-    fn = small_m_linear if on else None
-    talker.head_linear = fn
-    talker.code_predictor.head_linear = fn
+        )
+    return out
 
 
 class FusedWeights:
@@ -358,23 +321,32 @@ class FusedWeights:
 
     def __init__(self, w_qkv: Tensor, w_gate_up: Tensor, n_q: int, n_kv: int) -> None:
         self.w_qkv, self.w_gate_up, self.n_q, self.n_kv = w_qkv, w_gate_up, n_q, n_kv
-        # The optional kernels (`set_variants`; the engine turns both on by default).
-        self.split_attention = self.small_m_gemm = False
 
 
-def _pre_args(layer) -> tuple:
-    f, a = layer.fused, layer.self_attn
+def _pre_args(layer, f: FusedWeights) -> tuple:
+    a = layer.self_attn
     return layer.input_layernorm.weight, f.w_qkv, a.q_norm.weight, a.k_norm.weight
 
 
-def _post_args(layer) -> tuple:
-    f, a = layer.fused, layer.self_attn
+def _post_args(layer, f: FusedWeights) -> tuple:
+    a = layer.self_attn
     w = (a.o_proj.weight, layer.post_attention_layernorm.weight, f.w_gate_up, layer.mlp.down_proj.weight)
     return (*w, layer.post_attention_layernorm.eps)
 
 
-def stack_step(stack, x: Tensor, positions: Tensor, cache, slots: Tensor, shared_slots: bool = False) -> Tensor:
-    """One token through every layer of a fused `layers.DecoderStack` and its final norm: x (B, H) -> (B, H).
+def stack_step(
+    stack: DecoderStack,
+    weights: Sequence[FusedWeights],
+    x: Tensor,
+    positions: Tensor,
+    cache: KVCache,
+    slots: Tensor,
+    regions: Regions = Regions(),
+    split_attention: bool = False,
+    shared_slots: bool = False,
+) -> Tensor:
+    """One token through every layer of a `layers.DecoderStack` (its layers' re-laid `weights`, `fuse`) and its
+    final norm: x (B, H) -> (B, H).
 
     Region boundaries sit at the attention calls only: pre(0), attention(0), post(0)+pre(1), attention(1), ...,
     post(n-1)+final norm.
@@ -382,36 +354,27 @@ def stack_step(stack, x: Tensor, positions: Tensor, cache, slots: Tensor, shared
     shared_slots: rows may share a slot at consecutive positions (the code predictor's two prompt tokens as two
     rows of one pass): every row's K/V is written into the cache before the attention kernel runs, so a row reads
     the earlier positions of its slot whichever program runs first (the kernel writes them again, the same bits).
+    split_attention: attend with `split_decode_attention` (split over positions, tensor-core dot products).
     """
-    if stack_kernel.runs(stack, x, cache):  # the whole pass as one kernel (or one per phase): stack_kernel.py
-        return stack_kernel.stack_pass(stack, x, positions, cache, slots)
     layers = stack.layers
-    cos, sin = compiled("rope")(positions, stack.rotary_emb.inv_freq, x.dtype)
-    first = layers[0]
-    q, k, v = compiled("pre")(
-        x, *_pre_args(first), cos, sin, first.input_layernorm.eps, first.fused.n_q, first.fused.n_kv,
-        first.fused.small_m_gemm,
+    cos, sin = compiled("rope", regions)(positions, stack.rotary_emb.inv_freq, x.dtype)
+    first, f0 = layers[0], weights[0]
+    q, k, v = compiled("pre", regions)(
+        x, *_pre_args(first, f0), cos, sin, first.input_layernorm.eps, f0.n_q, f0.n_kv,
     )  # fmt: skip
     for i, layer in enumerate(layers):
         if shared_slots:
             cache.k[i][slots, :, positions] = k
             cache.v[i][slots, :, positions] = v
-        attn = decode_attention(q, k, v, cache.k[i], cache.v[i], slots, positions, layer.fused.split_attention)
+        attn = decode_attention(q, k, v, cache.k[i], cache.v[i], slots, positions, split_attention)
         if i + 1 < len(layers):
-            nxt = layers[i + 1]
-            x, q, k, v = compiled("post_pre")(
-                x, attn, *_post_args(layer), *_pre_args(nxt), cos, sin, nxt.input_layernorm.eps,
-                nxt.fused.n_q, nxt.fused.n_kv, layer.fused.small_m_gemm,
+            nxt, fn = layers[i + 1], weights[i + 1]
+            x, q, k, v = compiled("post_pre", regions)(
+                x, attn, *_post_args(layer, weights[i]), *_pre_args(nxt, fn), cos, sin, nxt.input_layernorm.eps,
+                fn.n_q, fn.n_kv,
             )  # fmt: skip
         else:
-            x = compiled("post_norm")(
-                x, attn, *_post_args(layer), stack.norm.weight, stack.norm.eps, layer.fused.small_m_gemm,
+            x = compiled("post_norm", regions)(
+                x, attn, *_post_args(layer, weights[i]), stack.norm.weight, stack.norm.eps,
             )  # fmt: skip
     return x
-
-
-def is_enabled(module: nn.Module) -> bool:
-    """Whether `enable` ran on this module's decoder layers."""
-    from qwen_tts.model.layers import DecoderLayer
-
-    return any(isinstance(m, DecoderLayer) and m.fused is not None for m in module.modules())

@@ -29,8 +29,8 @@ class FastPathError(ValueError):
 
 
 def warp_elements_error(n: object) -> str | None:
-    """Why `n` cannot be the sampler kernel's row elements per warp, or None (sample_kernel.set_warp_elements's
-    rule, here so that checking the option needs no Triton)."""
+    """Why `n` cannot be the sampler kernel's row elements per warp (sample_kernel.py), or None; here, so that
+    checking the option needs no Triton."""
     if isinstance(n, int) and 32 <= n <= 4096 and n & (n - 1) == 0:
         return None
     return f"must be a power of two from 32 to 4096, not {n!r}"

@@ -16,7 +16,7 @@ holds one row in registers and finds what the sort was for by bisection over the
   of the tied ids by sort position, this all or none) or the two sums' rounding straddles 1 - top_p.
 - the Gumbel noise is `sampling.uniform_noise`'s counter-based hash in uint32 arithmetic, bit for bit, and the
   draw is argmax(filtered + noise); greedy rows take the argmax of the unwarped logits, in a branch of their own
-  that skips the 32-64 bisection rounds and the noise (`set_greedy_branch`).
+  that skips the 32-64 bisection rounds and the noise (the launches' `greedy_branch`).
 
 A row's draw reads only its own logits and settings: batch invariant by construction, with no two-copy trick for
 a lone row (`fused.compiled`), and one launch that captures into the step's CUDA graph.
@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from qwen_tts.fastpath.decode_attention import HAVE_TRITON
+from qwen_tts.fastpath.options import warp_elements_error
 from qwen_tts.model import sampling
 
 if HAVE_TRITON:
@@ -191,51 +192,29 @@ if HAVE_TRITON:
 
 
 # Row elements per warp: a program gets max(1, BLOCK // this) warps (512: the code predictor's 2048-wide row on 4
-# warps, the talker's 3072 padded to 4096 on 8). On an H200 512 was the fastest or within 1 us of it at batches 2,
-# 64 and 256 (bench_sampler.py: 10-16 us a draw); one warp per row, which spares the 32 reductions their
-# cross-warp step, took 41-46 us. `set_warp_elements` changes it process-wide, read when a launch is made (so when
-# a CUDA graph is captured); EngineSettings.kernel_sampler_warp_elements.
+# warps, the talker's 3072 padded to 4096 on 8; bench_sampler.py, docs/performance.md). A launch's `warp_elements`
+# argument (EngineSettings.kernel_sampler_warp_elements), read when the launch is made (so when a graph is captured).
 WARP_ELEMENTS = 512
-_warp_elements = WARP_ELEMENTS
-# Greedy rows branch around the filters and the noise (one argmax) instead of computing a draw they drop: the same
-# ids either way. `set_greedy_branch` switches it process-wide (A/B runs), read at launch (so at graph capture).
-_greedy_branch = True
 
 
-def warp_elements_error(n: object) -> str | None:
-    """Why `n` cannot be the row elements per warp, or None (EngineSettings checks its setting with this)."""
-    if isinstance(n, int) and 32 <= n <= 4096 and n & (n - 1) == 0:
-        return None
-    return f"must be a power of two from 32 to 4096, not {n!r}"
-
-
-def set_warp_elements(n: int) -> None:
-    """Row elements per warp, a power of two from 32 to 4096 (A/B runs and the engine's setting)."""
-    global _warp_elements
-    if err := warp_elements_error(n):
-        raise ValueError(f"warp elements {err}")
-    _warp_elements = n
-
-
-def set_greedy_branch(on: bool) -> None:
-    """Whether greedy rows skip the filters and the noise (the same ids either way; A/B runs)."""
-    global _greedy_branch
-    _greedy_branch = bool(on)
-
-
-def num_warps(vocab: int) -> int:
+def num_warps(vocab: int, warp_elements: int = WARP_ELEMENTS) -> int:
     """The warps a row of `vocab` logits gets (at most 16)."""
-    return min(16, max(1, triton.next_power_of_2(vocab) // _warp_elements))
+    if err := warp_elements_error(warp_elements):
+        raise ValueError(f"warp elements {err}")
+    return min(16, max(1, triton.next_power_of_2(vocab) // warp_elements))
 
 
-def _row_draw(logits: Tensor, settings: tuple[Tensor, ...]) -> tuple[Tensor, tuple, dict]:
+def _row_draw(
+    logits: Tensor, settings: tuple[Tensor, ...], warp_elements: int, greedy_branch: bool
+) -> tuple[Tensor, tuple, dict]:
     """What both launches take for a row's draw: the logits (rows contiguous), the settings as the kernels read
-    them (temperature, top_k, top_p, greedy, seeds, counters; the floats as float32) and the launch's constants."""
+    them (temperature, top_k, top_p, greedy, seeds, counters; the floats as float32) and the launch's constants.
+    greedy_branch: greedy rows branch around the filters and the noise (one argmax; the same ids either way)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     temperature, top_k, top_p, greedy, seeds, counters = settings
     V = logits.shape[1]
-    meta = dict(BLOCK=triton.next_power_of_2(V), GREEDY_BRANCH=_greedy_branch, num_warps=num_warps(V))
+    meta = dict(BLOCK=triton.next_power_of_2(V), GREEDY_BRANCH=greedy_branch, num_warps=num_warps(V, warp_elements))
     return logits, (temperature.float(), top_k, top_p.float(), greedy, seeds, counters), meta
 
 
@@ -248,12 +227,16 @@ def sample(
     seeds: Tensor,
     counters: Tensor,
     counter_offset: int = 0,
+    warp_elements: int = WARP_ELEMENTS,
+    greedy_branch: bool = True,
 ) -> Tensor:
     """`sampling.sample(logits, ..., counters + counter_offset)` in one launch: one id per row (B,) int64.
 
     logits (B, V) in any float dtype (read as float32, as `sample` casts them); the settings are (B,) tensors."""
     B, V = logits.shape
-    logits, settings, meta = _row_draw(logits, (temperature, top_k, top_p, greedy, seeds, counters))
+    logits, settings, meta = _row_draw(
+        logits, (temperature, top_k, top_p, greedy, seeds, counters), warp_elements, greedy_branch
+    )
     out = torch.empty(B, dtype=torch.long, device=logits.device)
     if B == 0:
         return out
@@ -275,6 +258,8 @@ def sample_feed(
     codec_sum: Tensor,
     table: Tensor | None = None,
     nxt: Tensor | None = None,
+    warp_elements: int = WARP_ELEMENTS,
+    greedy_branch: bool = True,
 ) -> None:
     """`sample`'s draw, and what the code predictor does with it, in the same launch:
 
@@ -284,7 +269,9 @@ def sample_feed(
 
     One kernel where the pass ran four (the draw, the embedding's gather, the add, the next input's gather)."""
     B, V = logits.shape
-    logits, settings, meta = _row_draw(logits, (temperature, top_k, top_p, greedy, seeds, counters))
+    logits, settings, meta = _row_draw(
+        logits, (temperature, top_k, top_p, greedy, seeds, counters), warp_elements, greedy_branch
+    )
     if codes.shape != (B,) or codes.dtype != torch.long:
         raise ValueError(f"codes must be ({B},) int64, not {tuple(codes.shape)} {codes.dtype}")
     HS = emb.shape[1]

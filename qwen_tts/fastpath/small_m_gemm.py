@@ -14,8 +14,8 @@ test crosses it). On by default (`EngineSettings.small_m_gemm`), as measured on 
 `linear(x, w)` is `F.linear(x, w)` for 2-D x: under torch.compile it is one opaque call (a custom op with a fake
 implementation), so the compiled blocks keep their fusions around it and the step still captures into a graph.
 
-Split K (`set_max_split_k`; the engine sets EngineSettings.small_m_split_k, 4 by default, as measured on an
-H200). A weight whose output gives fewer column blocks than the GPU has SMs (the code predictor's 1024-wide o and
+Split K (`max_split_k`, an argument of `linear`; the engine passes EngineSettings.small_m_split_k, 4 by default;
+docs/performance.md). A weight whose output gives fewer column blocks than the GPU has SMs (the code predictor's 1024-wide o and
 down projections: 32 programs on 132 SMs) leaves SMs idle and too few loads in flight. With split K, S programs
 share a column block, each over its own run of K tiles; each writes its float32 partial sums and bumps the block's counter, and the program that bumps it last adds
 the S partials in split order (0, 1, ..., S-1), writes the output and resets the counter. One launch, no atomics
@@ -41,17 +41,13 @@ if HAVE_TRITON:
 
 # Rows up to which `linear` runs the Triton kernel (one 16-row tile); more go to F.linear.
 SMALL_M_MAX = 16
-# Output columns per program, the K step and the pipeline depth. Measured on an H200 (benchmarks/kernels/bench_gemm.py over
-# the 1.7B step's eight weight shapes at 2-16 rows): 32 x 128 x 4 stages with split K 4 takes the step's matmuls
-# 2.97 ms at 2 rows, against 3.46 for 16 x 256 x 4 unsplit (the first choice, from the shapes alone), 3.40 for
-# 32 x 128 x 4 unsplit, 2.86 for the best block per shape, and cuBLAS's 3.62 (docs/history/benchmarks-diary.md).
-# `set_blocks` changes them process-wide (A/B runs).
+# Output columns per program, the K step and the pipeline depth (benchmarks/kernels/bench_gemm.py; docs/performance.md);
+# small_m_matmul takes others for sweeps.
 BLOCK_N = 32
 BLOCK_K = 128
 NUM_STAGES = 4
-# Split K: at most this many programs per column block (1: no split); set by `set_max_split_k`.
+# Split K: at most this many programs per column block (`linear`'s max_split_k; 1: no split).
 MAX_SPLIT_K = 8
-_max_split_k = 1
 # Counters of the split-K kernel, one int32 per column block, zero between launches: one buffer per device.
 _counters: dict[torch.device, Tensor] = {}
 COUNTERS = 4096
@@ -120,21 +116,11 @@ if HAVE_TRITON:
                 tl.atomic_xchg(C + pid, 0)  # ready for the next launch
 
 
-def set_blocks(block_n: int, block_k: int, num_stages: int) -> None:
-    """The kernel's default block sizes, process-wide (CUDA graphs keep those they were captured with)."""
-    global BLOCK_N, BLOCK_K, NUM_STAGES
-    if block_n < 16 or block_k < 16 or block_n & (block_n - 1) or block_k & (block_k - 1) or num_stages < 1:
-        raise ValueError(f"blocks must be powers of two >= 16 and stages >= 1, not {block_n}x{block_k}x{num_stages}")
-    BLOCK_N, BLOCK_K, NUM_STAGES = block_n, block_k, num_stages
-
-
-def set_max_split_k(splits: int) -> None:
-    """At most `splits` programs per column block for weights with fewer column blocks than SMs (1: never split).
-    Process-wide; CUDA graphs keep the split they were captured with."""
-    global _max_split_k
-    if not 1 <= splits <= MAX_SPLIT_K:
-        raise ValueError(f"split K must be 1 to {MAX_SPLIT_K}, not {splits}")
-    _max_split_k = splits
+def split_k_error(splits: object) -> str | None:
+    """Why `splits` cannot be the split-K maximum, or None."""
+    if isinstance(splits, int) and 1 <= splits <= MAX_SPLIT_K:
+        return None
+    return f"split K must be 1 to {MAX_SPLIT_K}, not {splits}"
 
 
 @functools.cache
@@ -149,18 +135,22 @@ def _k_step(K: int, block_k: int) -> int:
     return min(block_k, max(16, 1 << (K - 1).bit_length()))
 
 
-def split_k_for(N: int, K: int, device: torch.device, block_n: int | None = None, block_k: int | None = None) -> int:
-    """Programs per column block for an (N, K) weight: as many as fit on the SMs, at most the set maximum and one
+def split_k_for(
+    N: int, K: int, device: torch.device, block_n: int | None = None, block_k: int | None = None, max_split_k: int = 1
+) -> int:
+    """Programs per column block for an (N, K) weight: as many as fit on the SMs, at most `max_split_k` and one
     K tile per program; a function of the shape and the device only, never of the rows (blocks None: the
     defaults)."""
+    if err := split_k_error(max_split_k):
+        raise ValueError(err)
     block_n, block_k = block_n or BLOCK_N, block_k or BLOCK_K
     blocks, tiles = _cdiv(N, block_n), _cdiv(K, _k_step(K, block_k))
     sms = _sm_count(device)
-    if _max_split_k == 1 or blocks >= sms:
+    if max_split_k == 1 or blocks >= sms:
         return 1
     # Whole multiples of the column blocks that fit on the SMs: on an H200 a 128-block qkv split in two ran 0.9 us
     # slower than unsplit, and a 64-block o split in three 0.3 us slower than in two (bench_gemm.py).
-    want = min(_max_split_k, sms // blocks, tiles)
+    want = min(max_split_k, sms // blocks, tiles)
     return _cdiv(tiles, _cdiv(tiles, want))  # no empty split
 
 
@@ -188,9 +178,10 @@ def small_m_matmul(
     block_k: int | None = None,
     num_stages: int | None = None,
     split_k: int | None = None,
+    max_split_k: int = 1,
 ) -> Tensor:
     """x (M <= SMALL_M_MAX, K) @ w (N, K).T -> (M, N) in x's dtype, by the Triton kernel (block sizes for sweeps,
-    None: the defaults; split_k None: `split_k_for` the shape)."""
+    None: the defaults; split_k None: `split_k_for` the shape, at most max_split_k)."""
     block_n, block_k, num_stages = block_n or BLOCK_N, block_k or BLOCK_K, num_stages or NUM_STAGES
     M, K = x.shape
     N = w.shape[0]
@@ -206,7 +197,7 @@ def small_m_matmul(
     block_k = _k_step(K, block_k)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     blocks, tiles = _cdiv(N, block_n), _cdiv(K, block_k)
-    split = split_k_for(N, K, x.device, block_n, block_k) if split_k is None else split_k
+    split = split_k_for(N, K, x.device, block_n, block_k, max_split_k) if split_k is None else split_k
     if not 1 <= split <= tiles:
         raise ValueError(f"split_k {split} outside 1..{tiles} (K tiles of {block_k})")
     per_split = _cdiv(tiles, split)
@@ -239,13 +230,14 @@ def small_m_matmul(
 
 
 @torch.library.custom_op("qwen_tts::small_m_linear", mutates_args=())
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    """F.linear(x, w) for 2-D x: the Triton kernel up to SMALL_M_MAX rows, F.linear beyond."""
+def linear(x: Tensor, w: Tensor, max_split_k: int = 1) -> Tensor:
+    """F.linear(x, w) for 2-D x: the Triton kernel up to SMALL_M_MAX rows (K split over at most max_split_k
+    programs a column block), F.linear beyond."""
     if x.shape[0] > SMALL_M_MAX or not HAVE_TRITON:
         return F.linear(x, w)
-    return small_m_matmul(x, w)
+    return small_m_matmul(x, w, max_split_k=max_split_k)
 
 
 @linear.register_fake
-def _(x: Tensor, w: Tensor) -> Tensor:
+def _(x: Tensor, w: Tensor, max_split_k: int = 1) -> Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))

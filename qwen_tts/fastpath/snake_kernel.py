@@ -172,15 +172,6 @@ if HAVE_TRITON:
 
 
 BLOCK = 1024
-# sin as `_sin_poly` instead of Triton's tl.sin (set_poly_sin; read at each launch, so at graph capture). Off: on
-# an H200 it took the 64-row chunk's 29 launches from 5.93 to 5.59 ms, 1% of the chunk (profile_step.py codec
-# variant fp16+polyphase-9+snake-kernel+poly-sin); the kernel is mostly bound by its bytes, not its sines.
-_poly_sin = False
-
-
-def set_poly_sin(on: bool) -> None:
-    global _poly_sin
-    _poly_sin = bool(on)
 
 
 def _strides(t: Tensor | None) -> tuple[int, int, int]:
@@ -198,6 +189,7 @@ def snake(
     keep_sum: bool = False,
     channels_last: bool = False,
     tail: int = 0,
+    poly_sin: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """v = x + y + bias[:, None] (each optional, at least one of x and y given; (B, C, L), any strides) ->
     (padded, sum): padded (B, C, context + L), contiguous, is `history` (B, C, context) then SnakeBeta(v), as
@@ -207,7 +199,10 @@ def snake(
 
     channels_last: padded and sum are laid out (B, T, C) in memory (strides (T*C, 1, C)), as cuDNN's float16
     convolutions read them without a transform, and `tail` zeros follow the samples (padded (B, C, context + L +
-    tail)), which make a dilated conv's input whole phases without a copy."""
+    tail)), which make a dilated conv's input whole phases without a copy.
+
+    poly_sin: sin as `_sin_poly` instead of Triton's tl.sin (off by default: the kernel is bound by its bytes, not
+    its sines; docs/performance.md)."""
     ref = x if x is not None else y
     if ref is None:
         raise ValueError("snake needs x or y")
@@ -250,7 +245,7 @@ def snake(
         HAS_BIAS=bias is not None,
         HAS_HIST=history is not None,
         KEEP_SUM=keep_sum,
-        POLY_SIN=_poly_sin,
+        POLY_SIN=poly_sin,
     )
     if channels_last:
         block_c = 64 if C % 64 == 0 else 32

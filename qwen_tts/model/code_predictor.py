@@ -14,9 +14,8 @@ from collections.abc import Callable
 import torch
 from torch import LongTensor, Tensor, nn
 
-from qwen_tts.fastpath import fused
 from qwen_tts.model.config import CodePredictorConfig
-from qwen_tts.model.layers import DecoderStack, KVCache
+from qwen_tts.model.layers import DecoderStack, KVCache, StepKernels
 
 # feed(j, logits_j, codes_j, table_e, codec_sum, table_x, x): a pass's draw and what follows it (`forward`).
 Feed = Callable[[int, Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None], None]
@@ -45,12 +44,6 @@ class CodePredictor(nn.Module):
             self.small_to_mtp_projection: nn.Module = nn.Linear(talker_hidden, cfg.hidden_size, bias=True)
         else:
             self.small_to_mtp_projection = nn.Identity()
-        # On the fused path, run the two prompt tokens as two rows of one pass instead of two passes
-        # (fused.stack_step's shared_slots): 15 passes per frame instead of 16. EngineSettings.cp_prompt_one_pass.
-        self.prompt_one_pass = False
-        # The heads' matmul, (hidden, weight) -> logits, where it is not each head's own F.linear: the few-row kernel
-        # on the fused path (fused.set_small_m_heads; EngineSettings.small_m_heads).
-        self.head_linear: Callable[[Tensor, Tensor], Tensor] | None = None
         # (num_residual - 1, vocab, hidden) small_to_mtp_projection(codec_embedding[j].weight): the next pass's input
         # as one row gathered from a table instead of an embedding row through the projection's matmul and bias
         # (`build_input_tables`; EngineSettings.cp_input_tables). None: the projection runs every pass.
@@ -70,6 +63,10 @@ class CodePredictor(nn.Module):
         self._cache = self.model.new_cache(batch, self.num_residual + 1, device, dtype)
         self._slot_ids = torch.arange(batch, device=device)
         self._positions = torch.arange(self.num_residual + 1, device=device)[None]
+
+    def drop_input_tables(self) -> None:
+        """Back to the projection every pass (`input_tables` None)."""
+        self.input_tables = None
 
     def build_input_tables(self) -> int:
         """Project every residual embedding table through small_to_mtp_projection once (`input_tables`); returns
@@ -92,13 +89,18 @@ class CodePredictor(nn.Module):
         hook needs."""
         return self.input_tables is not None or isinstance(self.small_to_mtp_projection, nn.Identity)
 
-    def _head(self, j: int, hidden: Tensor) -> Tensor:
-        if self.head_linear is not None:
-            return self.head_linear(hidden, self.lm_head[j].weight)
+    def _head(self, j: int, hidden: Tensor, kernels: StepKernels | None) -> Tensor:
+        if kernels is not None and kernels.head_linear is not None:
+            return kernels.head_linear(hidden, self.lm_head[j].weight)
         return self.lm_head[j](hidden)
 
     def forward(
-        self, h: Tensor, cb0_embed: Tensor, sample: Callable[[int, Tensor], LongTensor], feed: Feed | None = None
+        self,
+        h: Tensor,
+        cb0_embed: Tensor,
+        sample: Callable[[int, Tensor], LongTensor],
+        feed: Feed | None = None,
+        kernels: StepKernels | None = None,
     ) -> tuple[LongTensor, Tensor]:
         """h, cb0_embed (B, H_talker) -> codes (B, 15), codec_sum (B, H_talker).
 
@@ -113,6 +115,8 @@ class CodePredictor(nn.Module):
         its row of table_e into codec_sum (B, H_talker) float32 in place and, with table_x, writes its row of
         table_x into x (B, H_cp), the next pass's input. The same codes and sums as `sample`'s path, in one launch
         a pass instead of four. It needs the next input as one gathered row: `input_tables`, or no projection.
+
+        `kernels` (the talker's, `Talker.use_kernels`): the one-token passes and the heads by a fast path.
         """
         B = h.shape[0]
         self.reserve(B, h.device, h.dtype)
@@ -124,24 +128,24 @@ class CodePredictor(nn.Module):
         # official package's bf16 logits instead of equal; tests/test_parity.py).
         kv_len = self.num_residual + 1
         x = self.small_to_mtp_projection(torch.stack((h, cb0_embed), dim=1))  # (B, 2, H_cp)
-        fast = self.model.layers[0].fused is not None
-        if fast and self.prompt_one_pass:
+        fast = kernels is not None
+        if fast and kernels.prompt_one_pass:
             # Rows 2b and 2b+1 are row b's two tokens, in its slot at positions 0 and 1.
-            rows = fused.stack_step(
+            rows = kernels.stack_step(
                 self.model, x.reshape(2 * B, -1), pos[:, :2].reshape(-1), cache, slots.repeat_interleave(2), True
             )
             hidden = rows.view(B, 2, -1)[:, 1]
         elif fast:  # one token at a time: two steps, same result
-            self.model(x[:, :1], pos[:, :1], cache, slots, kv_len)
-            hidden = self.model(x[:, 1:], pos[:, 1:2], cache, slots, kv_len)[:, -1]
+            self.model(x[:, :1], pos[:, :1], cache, slots, kv_len, kernels)
+            hidden = self.model(x[:, 1:], pos[:, 1:2], cache, slots, kv_len, kernels)[:, -1]
         else:
             hidden = self.model(x, pos[:, :2], cache, slots, 2)[:, -1]
         if feed is not None and self.next_input_is_a_row():
-            return self._fed_passes(hidden, cb0_embed, feed, pos, kv_len, fast)
+            return self._fed_passes(hidden, cb0_embed, feed, pos, kv_len, kernels)
         codes = []
         codec_sum = cb0_embed.float()
         for j in range(self.num_residual):
-            code = sample(j, self._head(j, hidden))
+            code = sample(j, self._head(j, hidden, kernels))
             emb = self.model.codec_embedding[j](code)
             codec_sum = codec_sum + emb  # float32 + the embedding's dtype: float32, no rounding
             codes.append(code)
@@ -150,19 +154,20 @@ class CodePredictor(nn.Module):
                     x = self.input_tables[j][code][:, None]
                 else:
                     x = self.small_to_mtp_projection(emb[:, None])
-                hidden = self.model(x, pos[:, j + 2 : j + 3], cache, slots, kv_len if fast else j + 3)[:, -1]
+                hidden = self.model(x, pos[:, j + 2 : j + 3], cache, slots, kv_len if fast else j + 3, kernels)[:, -1]
         return torch.stack(codes, dim=1), codec_sum.to(cb0_embed.dtype)
 
     def _fed_passes(
-        self, hidden: Tensor, cb0_embed: Tensor, feed: Feed, pos: Tensor, kv_len: int, fast: bool
+        self, hidden: Tensor, cb0_embed: Tensor, feed: Feed, pos: Tensor, kv_len: int, kernels: StepKernels | None
     ) -> tuple[LongTensor, Tensor]:
         """`forward`'s passes after the prompt, each draw and what follows it by `feed`."""
         B, R = hidden.shape[0], self.num_residual
         cache, slots = self._cache, self._slot_ids[:B]
         codes = torch.empty(B, R, dtype=torch.long, device=hidden.device)
         codec_sum = cb0_embed.to(torch.float32, copy=True)  # summed into in place
+        fast = kernels is not None
         for j in range(R):
-            logits = self._head(j, hidden)
+            logits = self._head(j, hidden, kernels)
             table_e = self.model.codec_embedding[j].weight
             if j + 1 == R:  # the last code is not fed back
                 feed(j, logits, codes[:, j], table_e, codec_sum, None, None)
@@ -170,5 +175,7 @@ class CodePredictor(nn.Module):
             table_x = self.input_tables[j] if self.input_tables is not None else table_e
             x = torch.empty(B, table_x.shape[1], dtype=table_x.dtype, device=hidden.device)
             feed(j, logits, codes[:, j], table_e, codec_sum, table_x, x)
-            hidden = self.model(x[:, None], pos[:, j + 2 : j + 3], cache, slots, kv_len if fast else j + 3)[:, -1]
+            hidden = self.model(x[:, None], pos[:, j + 2 : j + 3], cache, slots, kv_len if fast else j + 3, kernels)[
+                :, -1
+            ]
         return codes, codec_sum.to(cb0_embed.dtype)

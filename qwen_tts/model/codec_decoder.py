@@ -13,7 +13,9 @@ out-of-range ids raise IndexError on CPU and a device-side assert on CUDA. Strip
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,23 @@ from torch import Tensor, nn
 
 from qwen_tts.model.config import Code2WavConfig
 from qwen_tts.model.layers import MLP, RMSNorm
+
+# SnakeBeta as one kernel, (x, alpha, beta) -> y (DecoderKernels.snake_beta).
+SnakeFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+class DecoderKernels(Protocol):
+    """What Code2Wav's final conv stack may hand to a fast path (`Code2Wav.use_kernels`; qwen_tts/fastpath implements
+    it for CUDA). Each computes what the modules compute."""
+
+    # SnakeBeta as one kernel; None: the module's own expression.
+    snake_beta: SnakeFn | None
+    # The elementwise work between two convs (bias, residual, SnakeBeta, padding) as one kernel, with the signature
+    # of qwen_tts/fastpath/snake_kernel.snake; None: the modules' own forward.
+    snake: Callable[..., tuple[Tensor, Tensor | None]] | None
+    # With `snake`: the activations laid out (B, T, C) in memory and the convs run in that layout.
+    channels_last: bool
+
 
 # Queries per attention call: bounds the (queries x keys) score matrix for long sequences.
 _ATTN_BLOCK = 128
@@ -230,11 +249,11 @@ class SnakeBeta(nn.Module):
         super().__init__()
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
-        self.fast = None  # fused.snake_beta once fused.enable_decoder() turned the CUDA fast path on
 
-    def forward(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
-        if self.fast is not None:
-            return self.fast(x, self.alpha, self.beta)
+    def forward(self, x: Tensor, stream: Code2WavStream | None = None, fast: SnakeFn | None = None) -> Tensor:
+        """fast: the same expression as one kernel (Code2Wav's kernels' snake_beta)."""
+        if fast is not None:
+            return fast(x, self.alpha, self.beta)
         alpha = self.alpha.exp()[:, None]
         beta = self.beta.exp()[:, None]
         return x + torch.sin(x * alpha).pow(2) / (beta + 1e-9)
@@ -268,9 +287,9 @@ class ResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv1d(dim, dim, 1)
 
-    def forward(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
-        h = self.conv1(self.act1(x), stream)
-        return x + self.conv2(self.act2(h), stream)
+    def forward(self, x: Tensor, stream: Code2WavStream | None = None, fast: SnakeFn | None = None) -> Tensor:
+        h = self.conv1(self.act1(x, stream, fast), stream)
+        return x + self.conv2(self.act2(h, stream, fast), stream)
 
 
 class DecoderBlock(nn.Module):
@@ -283,9 +302,9 @@ class DecoderBlock(nn.Module):
             + [ResidualUnit(c_out, d) for d in (1, 3, 9)]
         )
 
-    def forward(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
+    def forward(self, x: Tensor, stream: Code2WavStream | None = None, fast: SnakeFn | None = None) -> Tensor:
         for m in self.block:
-            x = m(x, stream)
+            x = m(x, stream) if isinstance(m, CausalTransConv1d) else m(x, stream, fast)
         return x
 
 
@@ -490,8 +509,8 @@ class Code2Wav(nn.Module):
             + [DecoderBlock(dims[i], dims[i + 1], r) for i, r in enumerate(cfg.upsample_rates)]
             + [SnakeBeta(dims[-1]), CausalConv1d(dims[-1], 1, 7)]
         )
-        self.snake_kernel = None  # set_snake_kernel
-        self.channels_last = False
+        # A fast path's kernels for the final conv stack (`use_kernels`); None: the modules' own.
+        self.kernels: DecoderKernels | None = None
         # Streaming slots, in module order.
         self._convs = [m for m in self.modules() if isinstance(m, CausalConv1d) and m.context > 0]
         self._tconvs = [m for m in self.modules() if isinstance(m, CausalTransConv1d) and m.overlap > 0]
@@ -515,14 +534,16 @@ class Code2Wav(nn.Module):
         return h[:, 0].float().clamp(-1.0, 1.0)  # (B, T * total_upsample)
 
     def _run_decoder(self, h: Tensor, stream: Code2WavStream | None) -> Tensor:
-        """The final conv stack. With `snake_kernel` set (`set_snake_kernel`), every conv runs without its bias
-        and one kernel per activation does the elementwise work between two convs: the bias, the residual sum,
-        SnakeBeta and the next conv's left context (`snake_kernel.snake`). The same function, in fewer passes."""
-        if self.snake_kernel is None:
+        """The final conv stack. With the kernels' `snake` (`use_kernels`), every conv runs without its bias and one
+        kernel per activation does the elementwise work between two convs: the bias, the residual sum, SnakeBeta
+        and the next conv's left context. The same function, in fewer passes."""
+        kernels = self.kernels
+        if kernels is None or kernels.snake is None:
+            fast = kernels.snake_beta if kernels is not None else None
             for m in self.decoder:
-                h = m(h, stream)
+                h = m(h, stream) if isinstance(m, CausalConv1d) else m(h, stream, fast)
             return h
-        snake, cl = self.snake_kernel, self.channels_last
+        snake, cl = kernels.snake, kernels.channels_last
         layout = {"channels_last": True} if cl else {}
 
         def conv(m: CausalConv1d, a: Tensor, n: int) -> Tensor:  # a: m's padded input of n samples
@@ -550,13 +571,17 @@ class Code2Wav(nn.Module):
         a, _ = padded(last, n, alpha=act.alpha, beta=act.beta, **pending)
         return conv(last, a, n) + last.conv.bias[:, None]
 
-    def set_snake_kernel(self, kernel=None, channels_last: bool = False) -> None:
-        """Run the final conv stack's elementwise work through `kernel` (`snake_kernel.snake`; None: the modules'
-        own forward, as on the CPU). channels_last: its activations laid out (B, T, C) in memory from the first
-        activation on, and its convs run in that layout (`CausalConv1d.run_cl`); the stream state keeps its
-        layout."""
-        self.snake_kernel = kernel
-        self.channels_last = channels_last and kernel is not None
+    def use_kernels(self, kernels: DecoderKernels | None) -> None:
+        """Run the final conv stack's elementwise work through `kernels` (None: the modules' own forward, as on the
+        CPU). With their channels_last, its activations are laid out (B, T, C) in memory from the first activation
+        on and its convs run in that layout (`CausalConv1d.run_cl`); the stream state keeps its layout."""
+        self.kernels = kernels
+
+    @property
+    def channels_last(self) -> bool:
+        """Whether the final conv stack runs in the (B, T, C) layout (the kernels' snake with channels_last)."""
+        k = self.kernels
+        return k is not None and k.snake is not None and k.channels_last
 
     def forward(self, codes: Tensor) -> Tensor:
         """Decode whole sequences from frame 0 (same result as streaming them in any chunking)."""

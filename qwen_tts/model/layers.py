@@ -9,11 +9,13 @@ head_dim before RoPE, GQA, scale 1/sqrt(head_dim)). HF's DynamicCache is replace
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qwen_tts.fastpath import fused
 from qwen_tts.model.config import DecoderLayersConfig
 
 
@@ -58,6 +60,30 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
+
+
+class StepKernels(Protocol):
+    """What the talker and the code predictor may hand to a fast path (`Talker.use_kernels`; qwen_tts/fastpath
+    implements it for CUDA): their one-token passes and heads. Each computes what the modules compute."""
+
+    # The code predictor's two prompt tokens as two rows of one pass (`stack_step`'s shared_slots), not two passes.
+    prompt_one_pass: bool
+    # The heads' matmul, (hidden, weight) -> logits; None: each head's own F.linear.
+    head_linear: Callable[[Tensor, Tensor], Tensor] | None
+
+    def stack_step(
+        self,
+        stack: DecoderStack,
+        x: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        slots: Tensor,
+        shared_slots: bool = False,
+    ) -> Tensor:
+        """One token per row through every layer of `stack` and its final norm: x (B, H) -> (B, H), each row's K/V
+        written into its slot at its position; a row attends to its slot's positions <= its own. shared_slots: rows
+        may share a slot at consecutive positions (each reads the K/V the earlier rows of the pass wrote)."""
+        ...
 
 
 class RMSNorm(nn.Module):
@@ -172,7 +198,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.fused = None  # fused.FusedWeights once fused.enable() turned the CUDA fast path on
 
     def forward(self, x: Tensor, *attn_args) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), *attn_args)
@@ -188,23 +213,28 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
-        # stack_kernel.enable: one-token passes through one kernel for the whole stack ("phases" or "persistent"),
-        # over its weights re-laid as one tensor per kind (stack_kernel.StackWeights). None: the fused path's.
-        self.stack_kernel: str | None = None
-        self.stack_weights = None
 
     def new_cache(self, slots: int, max_len: int, device: torch.device | str | None, dtype: torch.dtype) -> KVCache:
         c = self.cfg
         return KVCache(c.num_hidden_layers, slots, c.num_key_value_heads, max_len, c.head_dim, device, dtype)
 
-    def forward(self, x: Tensor, positions: Tensor, cache: KVCache, slots: Tensor, kv_len: int) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        slots: Tensor,
+        kv_len: int,
+        kernels: StepKernels | None = None,
+    ) -> Tensor:
         """x (B, T, H), positions (B, T), slots (B,) -> final-normed hidden (B, T, H).
 
         Each row writes its T keys into its slot at its positions and attends to keys of its slot at positions
-        <= its query position, among the first kv_len cache positions.
+        <= its query position, among the first kv_len cache positions. With `kernels`, a one-token call is their
+        `stack_step` (the same function; it attends to positions <= each row's, whatever kv_len).
         """
-        if x.shape[1] == 1 and self.layers[0].fused is not None:
-            return self._fused_token_step(x, positions[:, 0], cache, slots)
+        if x.shape[1] == 1 and kernels is not None:
+            return kernels.stack_step(self, x[:, 0], positions[:, 0], cache, slots)[:, None]
         cos, sin = self.rotary_emb(positions, x.dtype)
         cos, sin = cos[:, :, None], sin[:, :, None]  # (B, T, 1, D): broadcast over heads
         key_pos = torch.arange(kv_len, device=x.device)
@@ -212,7 +242,3 @@ class DecoderStack(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache.k[i], cache.v[i], slots, positions, kv_len)
         return self.norm(x)
-
-    def _fused_token_step(self, x: Tensor, positions: Tensor, cache: KVCache, slots: Tensor) -> Tensor:
-        """T = 1 on the fast path (fused.py): same result; attends to positions <= each row's, whatever kv_len."""
-        return fused.stack_step(self, x[:, 0], positions, cache, slots)[:, None]

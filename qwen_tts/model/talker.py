@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import LongTensor, Tensor, nn
 
-from qwen_tts.model.code_predictor import CodePredictor
+from qwen_tts.model.code_predictor import CodePredictor, Feed
 from qwen_tts.model.config import TalkerConfig
-from qwen_tts.model.layers import DecoderStack, KVCache
+from qwen_tts.model.layers import DecoderStack, KVCache, StepKernels
 
 __all__ = ["KVCache", "Talker", "TalkerModel", "TextProjection"]
 
@@ -52,16 +52,14 @@ class Talker(nn.Module):
         self.text_projection = TextProjection(cfg.text_hidden_size, cfg.hidden_size)
         self.codec_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.code_predictor = CodePredictor(cfg.code_predictor, cfg.hidden_size)
-        # On the fused path, draw every code with sample_kernel.sample (one Triton launch, no sort) instead of the
-        # compiled sampling.sample. EngineSettings.kernel_sampler.
-        self.kernel_sampler = False
-        # With kernel_sampler, each code-predictor pass's draw also writes its code, adds its embedding row into the
-        # codec sum and writes the next pass's input (sample_kernel.sample_feed): one launch where four ran.
-        # EngineSettings.cp_fused_feed.
-        self.cp_fused_feed = False
-        # The output head's matmul, (hidden, weight) -> logits, where it is not the head's own F.linear: the few-row
-        # kernel on the fused path (fused.set_small_m_heads; EngineSettings.small_m_heads).
-        self.head_linear: Callable[[Tensor, Tensor], Tensor] | None = None
+        # A fast path's one-token passes and heads for this talker and its code predictor (`use_kernels`); None:
+        # the modules' own.
+        self.kernels: StepKernels | None = None
+
+    def use_kernels(self, kernels: StepKernels | None) -> None:
+        """Run the one-token passes and the heads of this talker and its code predictor through `kernels` (None:
+        the modules' own). The same function."""
+        self.kernels = kernels
 
     def new_cache(
         self, slots: int, max_len: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
@@ -83,9 +81,15 @@ class Talker(nn.Module):
         Writes each row's K/V into its slot at its positions; a row attends to its own slot's keys at positions
         <= its query position among the first `kv_len` (> max position in the call) cache positions.
         """
-        return self.model(embeds, positions, cache, slots, kv_len)
+        return self.model(embeds, positions, cache, slots, kv_len, self.kernels)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        if self.head_linear is not None:
-            return self.head_linear(hidden, self.codec_head.weight)
+        if self.kernels is not None and self.kernels.head_linear is not None:
+            return self.kernels.head_linear(hidden, self.codec_head.weight)
         return self.codec_head(hidden)
+
+    def residual_codes(
+        self, h: Tensor, cb0_embed: Tensor, sample: Callable[[int, Tensor], LongTensor], feed: Feed | None = None
+    ) -> tuple[LongTensor, Tensor]:
+        """The code predictor's codes for one frame (`CodePredictor.forward`), with this talker's kernels."""
+        return self.code_predictor(h, cb0_embed, sample, feed, self.kernels)

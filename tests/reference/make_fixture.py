@@ -76,10 +76,11 @@ _OURS: dict[str, types.ModuleType] = {}  # our qwen_tts modules, kept after they
 
 
 def import_ours(names: list[str]) -> types.SimpleNamespace:
-    """Import qwen_tts.<name> from this repository, then hide the repository package from later imports."""
+    """Import qwen_tts.<name> from this repository (each under its last dotted part: "model.loading" as `loading`),
+    then hide the repository package from later imports."""
     sys.path.insert(0, str(REPO))
     try:
-        mods = {n: importlib.import_module(f"qwen_tts.{n}") for n in names}
+        mods = {n.rsplit(".", 1)[-1]: importlib.import_module(f"qwen_tts.{n}") for n in names}
     finally:
         sys.path.remove(str(REPO))
         for key in [k for k in sys.modules if k == "qwen_tts" or k.startswith("qwen_tts.")]:
@@ -253,7 +254,7 @@ def last_hidden(tts, prefill: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def record_tiny(out: Path, seed: int, device: str) -> None:
-    ours = import_ours(["random_checkpoint"])
+    ours = import_ours(["model.random_checkpoint"])
     off = import_official()
     work = Path(tempfile.mkdtemp(prefix="qwen_tts_fixture_"))
     ckpt = ours.random_checkpoint.write_random_checkpoint(work / "tiny", size="tiny", seed=seed)
@@ -334,7 +335,7 @@ def compare_full_size(size: str, device: str, frames: int, dtype: torch.dtype, w
     # cuDNN may use TF32 for convolutions by default; both sides would round differently (seen: 8.5e-4 on Code2Wav).
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    ours = import_ours(["random_checkpoint", "loading", "reference_loop"])
+    ours = import_ours(["model.random_checkpoint", "model.loading", "model.reference_loop"])
     off = import_official()
     ckpt = workdir / f"random-{size}-seed{seed}"
     t0 = time.time()
@@ -436,7 +437,9 @@ def record_tiny_bf16(out: Path, seed: int, frames: int = 8) -> None:
     SDPA). `tests/test_parity.py` runs our bf16 model the engine's way on the same inputs against it. And the
     official bf16 greedy generation free running (`official_free_running`): its codes and each decode step's talker
     input, which our reference loop must reproduce bit for bit."""
-    ours = import_ours(["random_checkpoint", "loading", "reference_loop", "prompt", "tokenizer"])
+    ours = import_ours(
+        ["model.random_checkpoint", "model.loading", "model.reference_loop", "model.prompt", "model.tokenizer"]
+    )
     off = import_official()
     work = Path(tempfile.mkdtemp(prefix="qwen_tts_fixture_bf16_"))
     fx: dict = {"meta": {"seed": seed, "frames": frames, "torch": str(torch.__version__), "attn": "sdpa"}}
@@ -572,7 +575,16 @@ def teacher_forced(size: str, device: str, frames: int, workdir: Path, seed: int
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     ours = import_ours(
-        ["random_checkpoint", "loading", "reference_loop", "prompt", "tokenizer", "fused", "layers", "engine_api"]
+        [
+            "model.random_checkpoint",
+            "model.loading",
+            "model.reference_loop",
+            "model.prompt",
+            "model.tokenizer",
+            "model.layers",
+            "engine_api",
+            "fastpath",
+        ]
     )
     off = import_official()
     ckpt = workdir / f"random-{size}-seed{seed}"
@@ -592,16 +604,16 @@ def teacher_forced(size: str, device: str, frames: int, workdir: Path, seed: int
     h, lg = _ours_talker_tf(m16, seq16, L)
     ref["bf16"] = (lg[:, :V], _ours_cp_tf(m16, h, cp_in16))
     with ours_active():
-        from qwen_tts.engines.native.engine import enable_fast_path
+        from qwen_tts.engines.native.engine import talker_cache_len
         from qwen_tts.fastpath.options import FastPath
 
-        # The engine's path at its defaults (enable_fast_path, as NativeEngine sets it up; on CPU the eager layers):
+        # The engine's path at its defaults (fastpath.build, as NativeEngine sets it up; on CPU the eager layers):
         # the talker one token a step; the code predictor one frame a call (one stream) and every frame in one call
         # (a batch of streams).
         default = ours.engine_api.EngineSettings()
         fast = FastPath.preset(default.fast_path)
         runs = [("engine", fast)]
-        if not fast.fused_emulate_casts:  # and rounded where the eager layers round (fused.set_emulate_casts)
+        if not fast.fused_emulate_casts:  # and rounded where the eager layers round (fused.Regions)
             runs.append(("engine-emulate-casts", dataclasses.replace(fast, fused_emulate_casts=True)))
         if fast.cp_input_tables and not isinstance(m16.talker.code_predictor.small_to_mtp_projection, nn.Identity):
             # and the code predictor's inputs through the projection each pass, as the official computes them
@@ -614,12 +626,15 @@ def teacher_forced(size: str, device: str, frames: int, workdir: Path, seed: int
             pad_to = next(b for b in len_buckets(default.max_text_tokens + L) if b >= L)
         results["engine_prefill_len"] = pad_to or L
         for name, variant in runs:
-            if not enable_fast_path(m16.talker, default, torch.device(device), variant) and name != "engine":
+            ours.fastpath.build(
+                m16.talker, m16.code2wav, variant, torch.device(device), talker_cache_len(default),
+                default.fused_deterministic,
+            )  # fmt: skip
+            if m16.talker.kernels is None and name != "engine":
                 continue  # no fast path here: the variants are the eager layers again
             for per_call in (1, frames):
                 _, lg, cp = ours.reference_loop.teacher_forced_logits(m16.talker, seq16, L, codes, per_call, pad_to)
                 ref[f"{name}-{per_call}"] = (lg[:, :V], cp)
-        ours.fused.set_emulate_casts(fast.fused_emulate_casts)
     del m16
     # float32 official == float32 ours first: the teacher-forced inputs reach both implementations alike.
     tts = load_official(off, ckpt, device, torch.float32, values=False)

@@ -57,13 +57,13 @@ from qwen_tts.model.loading import Qwen3TTS, resolve_device, resolve_dtype
 from qwen_tts.model.model_paths import DEMO, ModelPathError, resolve_model_path
 from qwen_tts.model.prompt import normalize_language
 
-from .runner import ModelRunner, enable_fast_path, talker_cache_len, uses_graphs
+from .runner import ModelRunner, talker_cache_len, uses_graphs
 from .scheduler import RequestState, Scheduler, frame_budget
 
 log = logging.getLogger("qwen_tts.engine")
 
-# enable_fast_path and talker_cache_len are importable from here too (benchmarks, tests/reference/make_fixture.py).
-__all__ = ["NativeEngine", "enable_fast_path", "talker_cache_len"]
+# talker_cache_len is importable from here too (benchmarks, tests/reference/make_fixture.py).
+__all__ = ["NativeEngine", "talker_cache_len"]
 
 
 class NativeEngine(Engine):

@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from qwen_tts.fastpath import fused, sample_kernel
+from qwen_tts.fastpath import sample_kernel
+from qwen_tts.fastpath.step import FastStep
 from qwen_tts.model.layers import KVCache
 from qwen_tts.model.sampling import apply_repetition_penalty, mask_eos, sample, suppress
 from qwen_tts.model.talker import Talker
@@ -90,6 +91,11 @@ class SlotState:
         return (temp, top_k, top_p, greedy, seed), (cp_temp, cp_top_k, cp_top_p, cp_greedy, seed), rep
 
 
+def fast_step(talker: Talker) -> FastStep | None:
+    """The fast path the talker was handed (`qwen_tts.fastpath.build`), or None (its own modules)."""
+    return talker.kernels if isinstance(talker.kernels, FastStep) else None
+
+
 def frame_step(
     talker: Talker,
     state: SlotState,
@@ -110,9 +116,9 @@ def frame_step(
     """
     h = state.h[slots]
     tk, cp, rep = state.settings(slots)
-    fast = talker.model.layers[0].fused is not None  # fused.py: the same function in fewer kernels
-    if fast:
-        logits = fused.compiled("talker_logits")(
+    fast = fast_step(talker)  # qwen_tts/fastpath: the same function in fewer kernels
+    if fast is not None:
+        logits = fast.compiled("talker_logits")(
             talker.logits(h), state.seen[slots], rep, suppressed, eos_id, frames < min_frames
         )
     else:
@@ -122,19 +128,22 @@ def frame_step(
         logits = mask_eos(logits, eos_id, frames < min_frames)
     counters = frames * COUNTER_STRIDE
     feed = None
-    if fast and talker.kernel_sampler:  # one Triton launch per draw, no sort (sample_kernel.py)
-        cb0 = sample_kernel.sample(logits, *tk, counters)
+    if fast is not None and fast.kernel_sampler:  # one Triton launch per draw, no sort (sample_kernel.py)
+        we = fast.warp_elements
+        cb0 = sample_kernel.sample(logits, *tk, counters, warp_elements=we)
 
         def sample_residual(j: int, cp_logits: Tensor) -> Tensor:
-            return sample_kernel.sample(cp_logits, *cp, counters, j + 1)
+            return sample_kernel.sample(cp_logits, *cp, counters, j + 1, warp_elements=we)
 
-        if talker.cp_fused_feed:
+        if fast.cp_fused_feed:
 
             def feed(j: int, cp_logits: Tensor, codes: Tensor, table_e: Tensor, codec_sum: Tensor, table_x, x) -> None:
-                sample_kernel.sample_feed(cp_logits, *cp, counters, j + 1, codes, table_e, codec_sum, table_x, x)
+                sample_kernel.sample_feed(
+                    cp_logits, *cp, counters, j + 1, codes, table_e, codec_sum, table_x, x, warp_elements=we
+                )
 
     else:
-        sampler = fused.compiled("sample") if fast else sample
+        sampler = fast.compiled("sample") if fast is not None else sample
         cb0 = sampler(logits, *tk, counters)
 
         def sample_residual(j: int, cp_logits: Tensor) -> Tensor:
@@ -142,7 +151,7 @@ def frame_step(
 
     cb0_emb = talker.embed_codec(cb0)
     with record_function("code_predictor"):  # profiler ranges (host side only: free inside a graph)
-        residual, codec_sum = talker.code_predictor(h, cb0_emb, sample_residual, feed)
+        residual, codec_sum = talker.residual_codes(h, cb0_emb, sample_residual, feed)
     # A tensor value, not a Python scalar: index_put_ of a host scalar is not capturable.
     state.seen[slots, cb0] = torch.ones((), dtype=torch.bool, device=slots.device)
     nxt = (codec_sum + text.to(codec_sum.dtype))[:, None]
@@ -221,17 +230,11 @@ def bucket(value: int, buckets: list[int]) -> int:
 
 
 def one_row_steps(talker: Talker) -> bool:
-    """Whether a lone row's frame step can run as one row and still get the bits it gets beside others: both decoder
-    stacks by the CUDA kernel (stack_cuda.cu: a row's sums do not depend on the rows beside it, up to four) and the
-    heads by the few-row kernel (fused.set_small_m_heads: likewise); the compiled regions left (the talker's logits,
-    the compiled sampler) run a lone row as two copies themselves. Then one stream's steps skip the padding row: its
-    passes are one row, not two (on an H200 a code-predictor pass takes 132 us at one row, 150 at two)."""
-    return (
-        talker.model.stack_kernel == "cuda"
-        and talker.code_predictor.model.stack_kernel == "cuda"
-        and talker.head_linear is not None
-        and talker.code_predictor.head_linear is not None
-    )
+    """Whether a lone row's frame step can run as one row and still get the bits it gets beside others
+    (`FastStep.one_row_steps`: both decoder stacks by the CUDA stack kernel and the heads by the few-row kernel).
+    Then one stream's steps skip the padding row: its passes are one row, not two (docs/performance.md)."""
+    fast = fast_step(talker)
+    return fast is not None and fast.one_row_steps()
 
 
 class FrameStepRunner:
@@ -258,12 +261,12 @@ class FrameStepRunner:
         self.suppressed, self.eos_id, self.scratch = suppressed, eos_id, scratch
         self.use_graphs = use_graphs
         self.batch_buckets = batch_buckets(max_rows)
-        if fused.is_enabled(talker) and self.batch_buckets[0] == 1 and max_rows > 1 and not one_row_steps(talker):
+        fast = fast_step(talker) is not None
+        if fast and self.batch_buckets[0] == 1 and max_rows > 1 and not one_row_steps(talker):
             # The fused path runs a lone row as two copies (fused.compiled); a graph padded to two rows with the
             # scratch slot gets the same bits without the copies.
             self.batch_buckets = self.batch_buckets[1:]
         # The fused path attends over each row's own positions whatever kv_len: one kv bucket is enough.
-        fast = fused.is_enabled(talker)
         self.kv_buckets = [cache.max_len] if fast else kv_buckets(cache.max_len, MIN_KV_BUCKET)
         dev = state.h.device
         B = self.batch_buckets[-1]

@@ -1,7 +1,7 @@
 """The native engine's model runner: it builds what runs and executes the scheduler's plans.
 
 `load` builds the model (or takes the one given), the talker cache and slot state, the frame step (eager, padded,
-or CUDA graphs), the batched prefill, the streaming decoder (decoder.py) and the CUDA fast path (`enable_fast_path`).
+or CUDA graphs), the batched prefill, the streaming decoder (decoder.py) and the CUDA fast path (`qwen_tts.fastpath.build`).
 Then, on the engine's worker thread, it executes: `admit` builds the prompts of admitted requests and prefills them
 in batches, `step` launches a frame step for the plan's rows and reads codes (the step launched one turn ahead
 with overlap_steps, see engine.py), `decode_due` hands due chunks to the decoder. The runner decides nothing about
@@ -23,10 +23,9 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+from qwen_tts import fastpath
 from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest, chunk_schedule
-from qwen_tts.fastpath import fused, sample_kernel, small_m_gemm, snake_kernel
 from qwen_tts.fastpath.options import FastPath
-from qwen_tts.fastpath.stack import stack_cuda, stack_kernel
 from qwen_tts.model.config import ModelConfig
 from qwen_tts.model.layers import upload
 from qwen_tts.model.loading import Qwen3TTS, load_model
@@ -34,7 +33,7 @@ from qwen_tts.model.prompt import Prompt, build_prompt
 from qwen_tts.model.sampling import suppress_mask
 
 from .decoder import DecodeJob, DecodeWorker, SlotDecoder
-from .frame_step import EagerFrameStep, FrameStepRunner, SlotState, StepCodes, one_row_steps
+from .frame_step import EagerFrameStep, FrameStepRunner, SlotState, StepCodes
 from .prefill import PrefillRunner
 from .scheduler import RequestState, StepPlan
 
@@ -138,9 +137,6 @@ class ModelRunner:
         self._code2wav = m.code2wav.eval()
         if self.device.type == "cuda" and self.config.decoder_fp16:
             self._code2wav.set_decoder_dtype(torch.float16)
-        polyphase = self.fast.decoder_polyphase_dilation if self.device.type == "cuda" else 0  # CUDA only
-        self._code2wav.set_polyphase_dilation(polyphase)
-        self._model_info["decoder_polyphase_dilation"] = polyphase  # what runs, as kernel_sampler and the rest
         self._model_info["decoder_dtype"] = str(self._code2wav.decoder_dtype).removeprefix("torch.")
         self._tokenizer = m.tokenizer
         self._role_ids = self._tokenizer.chat_ids("")[:3]
@@ -153,7 +149,13 @@ class ModelRunner:
         self._suppress = suppress_mask(t.vocab_size, t.codebook_size, t.codec_eos_token_id, self.device)
         self._eos = t.codec_eos_token_id
         self._codebook_size = t.codebook_size
-        self._load_fast_path()
+        # The CUDA fast path, handed to the talker and Code2Wav; None on CPU, where the model runs its own modules.
+        self._fast_step = fastpath.build(
+            self._talker, self._code2wav, self.fast, self.device, self._max_len, self.config.fused_deterministic
+        )
+        if self._fast_step is None:
+            self._code2wav.set_polyphase_dilation(0)  # a CUDA-only choice
+        self._model_info.update(fastpath.model_info(self._talker, self._code2wav, self._fast_step))
         graphs = self._uses_graphs
         if graphs or self.fast.frame_step == "padded":
             self._frame_step = FrameStepRunner(
@@ -476,96 +478,3 @@ class ModelRunner:
                         key=key,
                     )
                 )
-
-    # ------------------------------------------------------------------ the CUDA fast path
-    def _load_fast_path(self) -> None:
-        enable_fast_path(self._talker, self.config, self.device, self.fast)
-        self._model_info["fused_kernels"] = fused.is_enabled(self._talker)
-        self._model_info["fused_emulate_casts"] = bool(self._model_info["fused_kernels"] and fused.emulate_casts())
-        self._model_info["fused_deterministic"] = bool(self._model_info["fused_kernels"] and fused.deterministic())
-        self._model_info["kernel_sampler"] = self._talker.kernel_sampler
-        feeds = self._talker.code_predictor.next_input_is_a_row()
-        self._model_info["cp_fused_feed"] = self._model_info["fused_kernels"] and self._talker.cp_fused_feed and feeds
-        self._model_info["small_m_heads"] = self._talker.head_linear is not None
-        self._model_info["cp_input_tables"] = self._talker.code_predictor.input_tables is not None
-        self._model_info["cp_prompt_one_pass"] = self._talker.code_predictor.prompt_one_pass
-        self._model_info["cp_stack_kernel"] = self._talker.code_predictor.model.stack_kernel or "off"
-        self._model_info["talker_stack_kernel"] = self._talker.model.stack_kernel or "off"
-        self._model_info["one_row_steps"] = one_row_steps(self._talker)
-        self._model_info["stack_blocks"] = stack_blocks(self._talker, self.config, self.device)
-        blocks = self._model_info["stack_blocks"]
-        self._model_info["stack_exact_rows"] = self.fast.stack_exact_rows if blocks else 0
-        if self.device.type == "cuda" and self.fast.fused_decoder and fused.HAVE_TRITON:
-            fused.enable_decoder(self._code2wav)
-        self._model_info["fused_decoder"] = any(getattr(m, "fast", None) for m in self._code2wav.modules())
-        if self.device.type == "cuda" and self.fast.decoder_snake_kernel and fused.HAVE_TRITON:
-            self._code2wav.set_snake_kernel(snake_kernel.snake, channels_last=self.fast.decoder_channels_last)
-        self._model_info["decoder_snake_kernel"] = self._code2wav.snake_kernel is not None
-        self._model_info["decoder_channels_last"] = self._code2wav.channels_last
-
-
-def stack_blocks(talker, config: EngineSettings, device: torch.device) -> dict[str, int]:
-    """The blocks (SMs) each stack on the CUDA kernel launches: every SM, or fewer with stack_lean_grid."""
-    if device.type != "cuda":
-        return {}
-    out = {}
-    for name, stack, max_len in (
-        ("code_predictor", talker.code_predictor.model, talker.code_predictor.num_residual + 1),
-        ("talker", talker.model, talker_cache_len(config)),
-    ):
-        if stack.stack_kernel == "cuda":
-            out[name] = stack_cuda.blocks(stack.stack_weights, max_len, device)
-    return out
-
-
-def enable_fast_path(talker, config: EngineSettings, device: torch.device, fast: FastPath | None = None) -> bool:
-    """Turn on the CUDA fast path (qwen_tts/fastpath/fused.py and the kernels around it) for a talker and its code
-    predictor as `fast` (None: the preset `config.fast_path` names) asks; returns whether it is on. The engine's own
-    set-up, a function of its own so that a check outside the engine (tests/reference/make_fixture.py's
-    teacher-forced agreement) runs the same path."""
-    fast = fast if fast is not None else FastPath.preset(config.fast_path)
-    if not (device.type == "cuda" and fast.fused_kernels and fused.supported(talker)):
-        return False
-    fused.set_emulate_casts(fast.fused_emulate_casts)  # read when the regions compile: before the first step
-    fused.set_deterministic(config.fused_deterministic)
-    fused.enable(talker, split_attention=fast.split_attention, small_m_gemm=fast.small_m_gemm)
-    # Process-wide, read when each graph is captured; its counters exist before capture.
-    small_m_gemm.set_max_split_k(fast.small_m_split_k)
-    small_m_gemm.prepare(device)
-    talker.code_predictor.prompt_one_pass = fast.cp_prompt_one_pass
-    fused.set_small_m_heads(talker, fast.small_m_gemm and fast.small_m_heads)
-    talker.code_predictor.input_tables = None
-    if fast.cp_input_tables:
-        n = talker.code_predictor.build_input_tables()
-        log.info("code predictor input tables: %.1f MB", n / 1e6)
-    # process-wide, read when a pass is compiled or captured
-    stack_cuda.set_options(
-        lean_grid=fast.stack_lean_grid,
-        evict_first=fast.stack_evict_first,
-        threads=fast.cp_stack_threads,
-        long_threads=fast.talker_stack_threads,
-        stage=fast.talker_stack_stage,
-        chunk=fast.talker_stack_chunk,
-        split=fast.talker_stack_split,
-        exact_rows=fast.stack_exact_rows,
-    )
-    stack_kernel.enable(talker.code_predictor.model, fast.cp_stack_kernel)
-    if fast.cp_stack_kernel != "off":
-        stack_kernel.prepare(device)  # its counters, before any graph capture
-    if fast.cp_stack_kernel == "cuda":  # compiled and loaded now, not inside a capture; else the fused path's kernels
-        cp = talker.code_predictor
-        reason = stack_cuda.prepare(cp.model.stack_weights, cp.num_residual + 1, device)
-        if reason:
-            log.warning("cp_stack_kernel=cuda cannot run here (%s): the fused path's kernels run instead", reason)
-            stack_kernel.enable(cp.model, "off")
-    stack_kernel.enable(talker.model, fast.talker_stack_kernel)
-    if fast.talker_stack_kernel == "cuda":  # the same kernel over the talker's cache (attention in chunks)
-        stack_kernel.prepare(device)
-        reason = stack_cuda.prepare(talker.model.stack_weights, talker_cache_len(config), device)
-        if reason:
-            log.warning("talker_stack_kernel=cuda cannot run here (%s): the fused path's kernels run instead", reason)
-            stack_kernel.enable(talker.model, "off")
-    talker.kernel_sampler = fast.kernel_sampler
-    talker.cp_fused_feed = fast.kernel_sampler and fast.cp_fused_feed
-    sample_kernel.set_warp_elements(fast.kernel_sampler_warp_elements)  # read at capture
-    return True

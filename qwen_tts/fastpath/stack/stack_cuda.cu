@@ -14,20 +14,14 @@
 // Constants come from stack_cuda.py as `constexpr int`s written before this text (constants, not macros, so no
 // header's names are touched): the shapes H, I, D, NQ, NKV, L, T, MAXM (the most rows a pass of this build takes),
 // MAXR (the rows shared memory is carved for: four, whatever MAXM; a build for fewer rows uses the first of each
-// region), NBLK, SLOT_BYTES, ACT_BYTES, RES_ROWS (the most weight rows a block has in one phase), WPAD (MMA: a weight
-// row's padding in its slot), and the options:
+// region), NBLK, SLOT_BYTES, ACT_BYTES, RES_ROWS (the most weight rows a block has in one phase), and the options:
 // BULK (1: the weights by the copy engine, cp.async.bulk, one instruction a range, completion on an mbarrier; 0:
 // 16-byte cp.async by every thread); WEIGHTS (0: no weight copies at all, the matmuls read whatever the slots hold;
-// for profiling only, to see what the phases cost without their bytes); MMA (1: the matmuls on the tensor cores,
-// mma.sync m16n8k16, 16 weight rows by ldmatrix times the rows' activations as the 8 columns, K split over the
-// warps; each weight row lands in its slot WPAD elements (16 bytes) past the one before, so the eight rows an
-// ldmatrix reads fall in eight different bank groups; 0: dot products on the CUDA cores, a warp a row, TWO_ROWS: two
-// rows at once); TIMELINE (profiling: clock stamps); LIGHTBAR (the barrier's release by an
+// for profiling only, to see what the phases cost without their bytes); TWO_ROWS (the matmuls' dot products on the
+// CUDA cores two weight rows a warp at once; 0: one); TIMELINE (profiling: clock stamps); LIGHTBAR (the barrier's release by an
 // acquire-release fence); NARRIVE (arrival counters, of MAXNARRIVE lines); NORMPF (each norm's weights copied into
 // shared memory during the grid wait before it); VECATT (a short cache's cached keys and values by 16-byte loads in
-// one round); EVICT_FIRST (the weight copies with an L2 evict-first policy); TAGS (no grid barrier at all: each
-// activation word tagged with the phase that wrote it and polled by its readers, in a workspace of the stack's own
-// that only the kernel writes). NBLK may be fewer than the SMs
+// one round); EVICT_FIRST (the weight copies with an L2 evict-first policy). NBLK may be fewer than the SMs
 // (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the talker's), so attention is split over
 // one chunk up to CHUNK positions, past it chunks of at least SPLIT, at most NCHUNK a (row, kv head), whose partial
 // softmax sums the last chunk to finish combines (`attention_long`); else one unit per (row, kv head) holds the
@@ -44,7 +38,6 @@ constexpr int NQKV = NQ + 2 * NKV;
 constexpr int QD = NQ * D;
 constexpr int GQ = NQ / NKV;
 constexpr int NWARPS = NTHREADS / 32;
-constexpr int MTILES = MMA ? (RES_ROWS + 15) / 16 : 1;  // MMA: a phase's 16-row tiles at most
 
 __device__ __forceinline__ float f32(bf16 h) { return __uint_as_float(((u32)h) << 16); }
 
@@ -140,49 +133,6 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     return v;
 }
 
-// TAGS: the activations written in the kernel are 32-bit words, a bf16's bits low and the tag of the phase that
-// wrote them high, written and read relaxed at GPU scope: a word is read whole (single-copy atomic), so a reader that
-// sees its phase's tag sees that phase's value, and polls the words it needs instead of meeting the grid at a barrier.
-__device__ __forceinline__ void st_tag(u32* p, bf16 v, u32 tag) {
-    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"((tag << 16) | (u32)v) : "memory");
-}
-
-__device__ __forceinline__ uint4 ld_word4(const u32* p) {
-    uint4 v;
-    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p)
-                 : "memory");
-    return v;
-}
-
-__device__ __forceinline__ u32 ld_word(const u32* p) {
-    u32 v;
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void backoff() { asm volatile("nanosleep.u32 32;" ::: "memory"); }
-
-__device__ __forceinline__ bool tagged4(uint4 v, u32 tag) {
-    return (v.x >> 16) == tag && (v.y >> 16) == tag && (v.z >> 16) == tag && (v.w >> 16) == tag;
-}
-
-// Four tagged words as four packed bf16.
-__device__ __forceinline__ uint2 untag4(uint4 v) {
-    return make_uint2((v.x & 0xffffu) | (v.y << 16), (v.z & 0xffffu) | (v.w << 16));
-}
-
-// One tagged bf16, polled until it carries `tag`.
-__device__ __forceinline__ bf16 ld_tag1(const u32* p, u32 tag) {
-    u32 v = ld_word(p);
-    while ((v >> 16) != tag) {
-        backoff();
-        v = ld_word(p);
-    }
-    return (bf16)(v & 0xffffu);
-}
-
 // Order this thread's view of memory (what the block barrier gave it included) before what follows, device-wide.
 __device__ __forceinline__ void fence_gpu() {
     if (LIGHTBAR) {
@@ -250,17 +200,9 @@ __device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes
     }
 }
 
-// `rows` weight rows of K from global (row stride K) into a slot: one contiguous range (copy_async); MMA: at a row
-// stride of K + WPAD, a bulk copy a row spread over warp 0's lanes (each lane first orders the slot's earlier reads
-// before its copies' writes).
+// `rows` weight rows of K from global (row stride K) into a slot: one contiguous range (copy_async).
 __device__ __forceinline__ void copy_share(bf16* dst, const bf16* src, int rows, int K, u64* bar) {
-    if (!MMA) {
-        copy_async(dst, src, rows * K * 2, bar);
-        return;
-    }
-    if (!WEIGHTS || rows <= 0 || threadIdx.x >= 32) return;
-    if (threadIdx.x < rows) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    for (int r = threadIdx.x; r < rows; r += 32) bulk_copy(dst + r * (K + WPAD), src + (u64)r * K, K * 2, bar);
+    copy_async(dst, src, rows * K * 2, bar);
 }
 
 // The bytes of matmul phase f's weight share for block b.
@@ -281,7 +223,6 @@ __device__ __noinline__ void issue(int f, void* dst, u64* bar, const bf16* wqkv,
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's last reads before the copy's writes
         mbar_expect(bar, WEIGHTS ? share_bytes(f) : 0);
     }
-    if (MMA) __syncwarp();  // thread 0's expectation before warp 0's copies
     bf16* d = (bf16*)dst;
     if (kind == 0) {
         const int r0 = lo(NQKV * D, b), r1 = lo(NQKV * D, b + 1);
@@ -293,7 +234,7 @@ __device__ __noinline__ void issue(int f, void* dst, u64* bar, const bf16* wqkv,
         const int j0 = lo(I, b), j1 = lo(I, b + 1);
         const bf16* w = wgu + (u64)layer * 2 * I * H;
         copy_share(d, w + (u64)j0 * H, j1 - j0, H, bar);  // gate rows
-        copy_share(d + (j1 - j0) * (H + WPAD), w + (u64)(I + j0) * H, j1 - j0, H, bar);  // then their up rows
+        copy_share(d + (j1 - j0) * H, w + (u64)(I + j0) * H, j1 - j0, H, bar);  // then their up rows
     } else {
         const int r0 = lo(H, b), r1 = lo(H, b + 1);
         copy_share(d, wd + (u64)layer * H * I + (u64)r0 * I, r1 - r0, I, bar);
@@ -314,45 +255,18 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 a) {
 // act (M, K) <- rows of x (M, K) from global (written in the kernel); NORM: each row RMS-normed and scaled by g,
 // rounded as `layers.RMSNorm` rounds (normalise in float32, round, scale, round). A thread's 16-byte pieces are the
 // same for a row whatever the other rows, so the sum of squares (in the thread, over the warp, over the warps in
-// order) is batch invariant. red: NWARPS * MAXM floats. tag: 0, x is bf16; else (TAGS) x is tagged words, each
-// polled until it carries this tag.
-__device__ void load_rows(bf16* act, const void* xv, u32 tag, const bf16* g, int M, int K, bool norm, float eps,
+// order) is batch invariant. red: NWARPS * MAXM floats.
+__device__ void load_rows(bf16* act, const bf16* x, const bf16* g, int M, int K, bool norm, float eps,
                           float* inv, float* red) {
     const int n8 = M * K / 8, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const bf16* x = (const bf16*)xv;
-    const u32* xt = (const u32*)xv;
     float ss[MAXM];
 #pragma unroll
     for (int m = 0; m < MAXM; ++m) ss[m] = 0.f;
     for (int i0 = threadIdx.x; i0 < n8; i0 += 4 * NTHREADS) {  // four loads in flight, then their uses in order
         uint4 v[4];
-        if (TAGS && tag) {  // eight words a piece, two loads; every load in flight, and every stale one again at once
-            uint4 w[8];
 #pragma unroll
-            for (int k = 0; k < 8; ++k)
-                if (i0 + (k / 2) * NTHREADS < n8) w[k] = ld_word4(xt + 8 * (i0 + (k / 2) * NTHREADS) + 4 * (k % 2));
-            for (;;) {
-                bool done = true;
-#pragma unroll
-                for (int k = 0; k < 8; ++k)
-                    if (i0 + (k / 2) * NTHREADS < n8 && !tagged4(w[k], tag)) done = false;
-                if (done) break;
-                backoff();
-#pragma unroll
-                for (int k = 0; k < 8; ++k)
-                    if (i0 + (k / 2) * NTHREADS < n8 && !tagged4(w[k], tag))
-                        w[k] = ld_word4(xt + 8 * (i0 + (k / 2) * NTHREADS) + 4 * (k % 2));
-            }
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const uint2 a = untag4(w[2 * u]), c = untag4(w[2 * u + 1]);
-                v[u] = make_uint4(a.x, a.y, c.x, c.y);
-            }
-        } else {
-#pragma unroll
-            for (int u = 0; u < 4; ++u)
-                if (i0 + u * NTHREADS < n8) v[u] = ldcg4(x + 8 * (i0 + u * NTHREADS));
-        }
+        for (int u = 0; u < 4; ++u)
+            if (i0 + u * NTHREADS < n8) v[u] = ldcg4(x + 8 * (i0 + u * NTHREADS));
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const int i = i0 + u * NTHREADS;
@@ -453,79 +367,11 @@ __device__ __forceinline__ void row_dot2(const bf16* w0, const bf16* w1, const b
     }
 }
 
-// res[r * MAXM + m] = act[m, :] . w[r, :] for the block's R weight rows in shared memory (K wide; MMA: row stride
-// K + WPAD). MMA: the rows in 16-row tiles (A, by ldmatrix from the padded rows: conflict-free) times the rows'
-// activations as the columns of an m16n8k16 product (columns past M are zero), K in equal slices of 16-column steps
-// over the warps, each warp's partial sums (float32, in its accumulators) written into the activations' space once
-// every warp has read them, then summed over the warps in order; else a warp a row on the CUDA cores. Either way a
-// sum's order depends on R and K only, never on M: a row's result is batch invariant.
+// res[r * MAXM + m] = act[m, :] . w[r, :] for the block's R weight rows in shared memory (K wide), a warp a row on
+// the CUDA cores. A sum's order depends on R and K only, never on M: a row's result is batch invariant.
 __device__ void block_matmul(const bf16* w, int R, int K, const bf16* act, int M, float* res) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (MMA) {
-        const int tiles = (R + 15) / 16, ksteps = (K + 15) / 16, per = (ksteps + NWARPS - 1) / NWARPS;
-        const int ks0 = warp * per, ks1 = min(ksteps, ks0 + per);
-        const int g = lane >> 2, tig = lane & 3, stride = K + WPAD;
-        const bf16* an = act + (g < M ? g : 0) * K;
-        float c[MTILES][4];
-#pragma unroll
-        for (int t = 0; t < MTILES; ++t) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.f;
-        // This lane's ldmatrix row address in each tile: x4 (rows 0-15, columns 0-7 then 8-15) where the tile has
-        // more than 8 rows; else x2 (rows 0-7, columns 0-7 then 8-15). Rows past R read row R - 1: their sums are
-        // never kept.
-        for (int ks = ks0; ks < ks1; ++ks) {
-            const int k = ks * 16 + 2 * tig;
-            const bool half = ks * 16 + 8 >= K;  // K % 16 == 8: the step's upper eight columns are past the row
-            const u32 b0 = g < M ? *(const u32*)(an + k) : 0u;
-            const u32 b1 = g < M && !half ? *(const u32*)(an + k + 8) : 0u;
-#pragma unroll
-            for (int t = 0; t < MTILES; ++t) {
-                if (t < tiles) {
-                    const int left = R - 16 * t;
-                    u32 a0, a1, a2, a3;
-                    if (left > 8) {
-                        const int row = 16 * t + min((lane & 7) + (lane & 8), left - 1);
-                        const int col = ks * 16 + (half ? 0 : (lane >> 4) * 8);
-                        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                                     : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
-                                     : "r"(smem_addr(w + row * stride + col)));
-                    } else {
-                        const int row = 16 * t + min(lane & 7, left - 1);
-                        const int col = ks * 16 + (half ? 0 : ((lane >> 3) & 1) * 8);
-                        asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
-                                     : "=r"(a0), "=r"(a2)
-                                     : "r"(smem_addr(w + row * stride + col)));
-                        a1 = a3 = 0u;
-                    }
-                    if (half) a2 = a3 = 0u;
-                    asm volatile(
-                        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                        "{%8, %9}, {%0, %1, %2, %3};"
-                        : "+f"(c[t][0]), "+f"(c[t][1]), "+f"(c[t][2]), "+f"(c[t][3])
-                        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-                }
-            }
-        }
-        __syncthreads();  // every warp is done with the activations: their space takes the partial sums
-        float* pw = (float*)act + warp * RES_ROWS * MAXM;
-#pragma unroll
-        for (int t = 0; t < MTILES; ++t) {
-            if (t < tiles) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = 16 * t + g + (e >> 1) * 8, m = 2 * tig + (e & 1);
-                    if (r < R && m < M) pw[r * MAXM + m] = c[t][e];
-                }
-            }
-        }
-        __syncthreads();
-        const float* pa = (const float*)act;
-        for (int i = threadIdx.x; i < R * M; i += NTHREADS) {
-            const int r = i / M, m = i - r * M;
-            float v = 0.f;
-            for (int wp = 0; wp < NWARPS; ++wp) v += pa[(wp * RES_ROWS + r) * MAXM + m];
-            res[r * MAXM + m] = v;
-        }
-    } else if (TWO_ROWS) {
+    if (TWO_ROWS) {
         float a0[MAXM], a1[MAXM];
         int r = warp;
         for (; r + NWARPS < R; r += 2 * NWARPS) {  // rows r and r + NWARPS together
@@ -600,60 +446,13 @@ __device__ void rope_tables(const long long* pos_p, const float* inv_freq, int M
     }
 }
 
-__device__ __forceinline__ void put(float* p, bf16 v) { *p = f32(v); }
-__device__ __forceinline__ void put(bf16* p, bf16 v) { *p = v; }
-
-// TAGS: attention's output rows the pass has not (M to MAXM) as tagged zeros, so every word of the buffer carries this
-// launch's tag; by the last blocks, which the units leave idle first.
-__device__ __forceinline__ void tag_absent_rows(bf16* abuf, int M, u32 ta) {
-    for (int u = NBLK - 1 - blockIdx.x; u < (MAXM - M) * NKV; u += NBLK)
-        for (int i = threadIdx.x; i < GQ * D; i += NTHREADS)
-            st_tag((u32*)abuf + (M + u / NKV) * QD + (u % NKV) * GQ * D + i, 0, ta);
-}
-
-// TAGS: a warp reads one or two tagged vectors of D (p0 into y0 as floats, p1 into y1 unless null, as floats or as
-// bf16), lane c at c, c + 32, ...: every load in flight, and every stale one loaded again at once.
-template <typename Y1>
-__device__ __forceinline__ void warp_tagged2(const u32* p0, const u32* p1, u32 tag, float* y0, Y1* y1) {
-    constexpr int N = (D + 31) / 32;
-    const int lane = threadIdx.x % 32;
-    u32 w[2 * N];
-    auto at = [&](int k) { return (k < N ? p0 : p1) + lane + 32 * (k % N); };
-    auto used = [&](int k) { return lane + 32 * (k % N) < D && (k < N || p1); };
-#pragma unroll
-    for (int k = 0; k < 2 * N; ++k)
-        if (used(k)) w[k] = ld_word(at(k));
-    for (;;) {
-        bool done = true;
-#pragma unroll
-        for (int k = 0; k < 2 * N; ++k)
-            if (used(k) && (w[k] >> 16) != tag) done = false;
-        if (done) break;
-        backoff();
-#pragma unroll
-        for (int k = 0; k < 2 * N; ++k)
-            if (used(k) && (w[k] >> 16) != tag) w[k] = ld_word(at(k));
-    }
-#pragma unroll
-    for (int k = 0; k < 2 * N; ++k) {
-        if (used(k)) {
-            const int c = lane + 32 * (k % N);
-            if (k < N) {
-                y0[c] = f32((bf16)(w[k] & 0xffffu));
-            } else {
-                put(y1 + c, (bf16)(w[k] & 0xffffu));
-            }
-        }
-    }
-}
-
 // Attention for layer l: one unit per (row, kv head). Keys and values of positions written in this pass (this row's
 // and those of rows sharing its slot at earlier positions) come from the raw q|k|v, normed and roped here; the rest
 // from the cache. The unit writes its own row's key and value into the cache.
 __device__ __noinline__ void attention(int l, int M, const long long* pos_p, const long long* slot_p, bf16* kc,
                                        bf16* vc, const bf16* qknw, const float* rope, const bf16* qkvbuf, bf16* abuf,
                                        float eps, float scale, long long scl, long long scs, long long sch,
-                                       long long sct, float* scratch, u32 tq, u32 ta) {
+                                       long long sct, float* scratch) {
     float* kf = scratch;  // (T, D)
     float* vf = kf + T * D;  // (T, D)
     float* qf = vf + T * D;  // (GQ, D)
@@ -662,8 +461,6 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const bf16* qn = qknw;  // this layer's q and k norm weights, in shared memory
     const bf16* kn = qn + D;
-    const u32* qkt = (const u32*)qkvbuf;  // TAGS: the same buffer as tagged words
-    if (TAGS) tag_absent_rows(abuf, M, ta);
     for (int u = blockIdx.x; u < M * NKV; u += NBLK) {
         const int m = u / NKV, h = u % NKV;
         const int p = (int)pos_p[m], s = (int)slot_p[m];
@@ -692,14 +489,9 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
                 const int src = source(j);
                 if (src >= 0) {
                     const bf16* row = qkvbuf + src * NQKV * D;
-                    if (TAGS) {
-                        warp_tagged2(qkt + src * NQKV * D + (NQ + h) * D, qkt + src * NQKV * D + (NQ + NKV + h) * D,
-                                     tq, y, vf + j * D);
-                    } else {
-                        for (int c = lane; c < D; c += 32) {
-                            y[c] = f32(ldcg1(row + (NQ + h) * D + c));
-                            vf[j * D + c] = f32(ldcg1(row + (NQ + NKV + h) * D + c));
-                        }
+                    for (int c = lane; c < D; c += 32) {
+                        y[c] = f32(ldcg1(row + (NQ + h) * D + c));
+                        vf[j * D + c] = f32(ldcg1(row + (NQ + NKV + h) * D + c));
                     }
                     __syncwarp();
                     norm_rope(y, kn, rope + src * D, eps, kf + j * D);
@@ -718,11 +510,7 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
             } else {
                 const int g = j - p - 1;
                 const bf16* row = qkvbuf + m * NQKV * D + (h * GQ + g) * D;
-                if (TAGS) {
-                    warp_tagged2(qkt + m * NQKV * D + (h * GQ + g) * D, nullptr, tq, y, (float*)nullptr);
-                } else {
-                    for (int c = lane; c < D; c += 32) y[c] = f32(ldcg1(row + c));
-                }
+                for (int c = lane; c < D; c += 32) y[c] = f32(ldcg1(row + c));
                 __syncwarp();
                 norm_rope(y, qn, rope + m * D, eps, qf + g * D);
             }
@@ -749,11 +537,7 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
             const int g = i / D, c = i % D;
             float o = 0.f;
             for (int t = 0; t <= p; ++t) o += sc[g * T + t] * vf[t * D + c];
-            if (TAGS) {
-                st_tag((u32*)abuf + m * QD + (h * GQ + g) * D + c, b16(o), ta);
-            } else {
-                abuf[m * QD + (h * GQ + g) * D + c] = b16(o);
-            }
+            abuf[m * QD + (h * GQ + g) * D + c] = b16(o);
         }
         __syncthreads();
     }
@@ -902,7 +686,7 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
                                             bf16* kc, bf16* vc, const bf16* qknw, const float* rope,
                                             const bf16* qkvbuf, bf16* abuf, float eps, float scale, long long scl,
                                             long long scs, long long sch, long long sct, float* scratch, float* part,
-                                            u32* cnt, u32 tq, u32 ta) {
+                                            u32* cnt) {
     constexpr int LPP = D / 16;  // lanes a position: elements [8j, 8j + 8) and [D/2 + 8j, D/2 + 8j + 8) for lane j
     constexpr int PPW = 32 / LPP;  // positions a warp at once
     constexpr int PPB = PPW * ATTW;  // and a block
@@ -915,8 +699,6 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, grp = lane / LPP, j8 = 8 * (lane % LPP);
     const bf16* qn = qknw;  // this layer's q and k norm weights, in shared memory
     const bf16* knw = qn + D;
-    const u32* qkt = (const u32*)qkvbuf;  // TAGS: the same buffer as tagged words
-    if (TAGS) tag_absent_rows(abuf, M, ta);
     int rp[MAXM], rs[MAXM];
     const int total = unit_rows(M, pos_p, slot_p, rp, rs);
     for (int u = blockIdx.x; u < total; u += NBLK) {
@@ -930,25 +712,16 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
             float* y = raw + warp * D;
             if (j < GQ) {
                 const bf16* row = qkvbuf + m * NQKV * D + (h * GQ + j) * D;
-                if (TAGS) {
-                    warp_tagged2(qkt + m * NQKV * D + (h * GQ + j) * D, nullptr, tq, y, (float*)nullptr);
-                } else {
-                    for (int e = lane; e < D; e += 32) y[e] = f32(ldcg1(row + e));
-                }
+                for (int e = lane; e < D; e += 32) y[e] = f32(ldcg1(row + e));
                 __syncwarp();
                 norm_rope(y, qn, rope + m * D, eps, qf + j * D);
             } else {
                 const int r = j - GQ, pr = pick(rp, r);
                 if (pick(rs, r) == s && pr >= t0 && pr < t1) {
                     const bf16* row = qkvbuf + r * NQKV * D;
-                    if (TAGS) {
-                        warp_tagged2(qkt + r * NQKV * D + (NQ + h) * D, qkt + r * NQKV * D + (NQ + NKV + h) * D, tq, y,
-                                     kv + (r * 2 + 1) * D);
-                    } else {
-                        for (int e = lane; e < D; e += 32) {
-                            y[e] = f32(ldcg1(row + (NQ + h) * D + e));
-                            kv[(r * 2 + 1) * D + e] = ldcg1(row + (NQ + NKV + h) * D + e);
-                        }
+                    for (int e = lane; e < D; e += 32) {
+                        y[e] = f32(ldcg1(row + (NQ + h) * D + e));
+                        kv[(r * 2 + 1) * D + e] = ldcg1(row + (NQ + NKV + h) * D + e);
                     }
                     __syncwarp();
                     float* kf = raw + warp * D;  // normed and roped in place
@@ -1075,11 +848,7 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
                 den += a * wp[D + 1];
             }
             if (nch == 1) {
-                if (TAGS) {
-                    st_tag((u32*)abuf + m * QD + (h * GQ + g) * D + e, b16(num / den), ta);
-                } else {
-                    abuf[m * QD + (h * GQ + g) * D + e] = b16(num / den);
-                }
+                abuf[m * QD + (h * GQ + g) * D + e] = b16(num / den);
             } else {
                 float* pt = pc + (c * GQ + g) * PS;
                 pt[e] = num;
@@ -1093,16 +862,10 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
             __syncthreads();
             if (threadIdx.x == 0) {
                 fence_gpu();
-                if (TAGS) {  // no grid barrier orders a reset before the next layer's adds: the count runs on, and
-                             // the launch's last block out zeroes it
-                    *last = atomicAdd(cnt + m * NKV + h, 1u) == (u32)((l + 1) * nch - 1);
-                    if (*last) fence_gpu();
-                } else {
-                    *last = atomicAdd(cnt + m * NKV + h, 1u) == (u32)(nch - 1);
-                    if (*last) {
-                        fence_gpu();
-                        atomicExch(cnt + m * NKV + h, 0u);  // for the next layer
-                    }
+                *last = atomicAdd(cnt + m * NKV + h, 1u) == (u32)(nch - 1);
+                if (*last) {
+                    fence_gpu();
+                    atomicExch(cnt + m * NKV + h, 0u);  // for the next layer
                 }
             }
             __syncthreads();
@@ -1110,11 +873,7 @@ __device__ __noinline__ void attention_long(int l, int M, const long long* pos_p
                 for (int i = threadIdx.x; i < GQ * D; i += NTHREADS) {
                     const int g = i / D, e = i % D;
                     const bf16 v = b16(combine_chunks(pc, g, e, nch));
-                    if (TAGS) {
-                        st_tag((u32*)abuf + m * QD + (h * GQ + g) * D + e, v, ta);
-                    } else {
-                        abuf[m * QD + (h * GQ + g) * D + e] = v;
-                    }
+                    abuf[m * QD + (h * GQ + g) * D + e] = v;
                 }
             }
         }
@@ -1127,7 +886,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
                   bf16* vc, const bf16* ln1, const bf16* wqkv, const bf16* qkn, const bf16* wo, const bf16* ln2,
                   const bf16* wgu, const bf16* wd, const bf16* normw, const float* inv_freq, bf16* qkvbuf,
                   bf16* abuf, bf16* gbuf, float* apart, u32* bar, int M, float eps, float scale, long long scl,
-                  long long scs, long long sch, long long sct, int stop, u64* tl, u32* epoch_p) {
+                  long long scs, long long sch, long long sct, int stop, u64* tl) {
     bf16* act = (bf16*)(smem + 2 * SLOT_BYTES);
     // Shared memory is carved for MAXR rows whatever MAXM (a one-row build's arrays use the first of their space),
     // so every region starts where the MAXR-row build's does, as aligned.
@@ -1141,15 +900,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     bf16* nrm = qknw + 2 * D;  // (H) NORMPF: the next norm's weights, copied in while the grid waits
     const int b = blockIdx.x;
     u32 target = 0;  // arrivals every block has made so far: the barrier's next wait
-    // TAGS: the launch's epoch (the last block out of the previous launch counted it on, modulo 65535) and phase
-    // give the tag its words carry: 1 to 65535, never the zeroed workspace's 0, and never the same for two phases of
-    // this launch or the one before (5 L + 1 phases a launch). The workspace's buffers: every word of MAXM rows is
-    // written every launch (rows past M as zeros), so no word is older than the launch before.
-    const u32 epoch = TAGS ? ld_word(epoch_p) : 0u;
-    auto tagof = [&](int phase) -> u32 { return 1u + (epoch * (u32)(5 * L + 1) + (u32)phase) % 65535u; };
-    u32* xst = (u32*)xs;
-    u32* qkt = (u32*)qkvbuf;
-    u32* gbt = (u32*)gbuf;
     int ph = 0;  // phases run (stop: profiling, the kernel cut after that many phases; the output is then partial)
     int issued = -1, awaited = -1;  // the last matmul phase whose weights were asked for, and waited for
     // TIMELINE (profiling): thread 0 of the first and the last block stamps its SM's clock at six points of each
@@ -1201,12 +951,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         return nrm;
     };
     auto end_phase = [&]() {
-        if (TAGS) {
-            __syncthreads();  // the next phase's use of shared memory after this one's
-        } else {
-            grid_arrive(bar);
-            target += NBLK;
-        }
+        grid_arrive(bar);
+        target += NBLK;
     };
     // The o and down phases: xs = x + src @ w.T over this block's H rows (the product rounded first, as
     // `x + F.linear(...)` rounds), x the residual stream as it stood (the pass input before layer 0's o adds to it).
@@ -1214,32 +960,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     auto open_matmul = [&](int f) -> const bf16* {
         mark(0);
         prefetch(f + 1);
-        if (!TAGS) grid_wait(bar, target);
+        grid_wait(bar, target);
         mark(1);
         const bf16* w = await_weights(f);
         mark(2);
         return w;
     };
-    // TAGS: src's words carry tsrc, x's tx (0: x is the bf16 pass input), and xs's words get tout.
-    auto residual = [&](int f, const bf16* src, u32 tsrc, int K, const bf16* x, u32 tx, u32 tout) {
+    auto residual = [&](int f, const bf16* src, int K, const bf16* x) {
         const bf16* w = open_matmul(f);
-        load_rows(act, src, tsrc, 0, M, K, false, eps, inv, red);
+        load_rows(act, src, 0, M, K, false, eps, inv, red);
         mark(3);
         const int r0 = lo(H, b), r1 = lo(H, b + 1);
         block_matmul(w, r1 - r0, K, act, M, res);
         mark(4);
-        if (TAGS) {
-            for (int i = threadIdx.x; i < (r1 - r0) * MAXM; i += NTHREADS) {
-                const int r = i / MAXM, m = i - r * MAXM, at = m * H + r0 + r;
-                bf16 v = 0;
-                if (m < M) v = b16(rnd(res[r * MAXM + m]) + f32(tx ? ld_tag1((const u32*)x + at, tx) : ldcg1(x + at)));
-                st_tag(xst + at, v, tout);
-            }
-        } else {
-            for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
-                const int r = i / M, m = i - r * M, at = m * H + r0 + r;
-                xs[at] = b16(rnd(res[r * MAXM + m]) + f32(ldcg1(x + at)));
-            }
+        for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
+            const int r = i / M, m = i - r * M, at = m * H + r0 + r;
+            xs[at] = b16(rnd(res[r * MAXM + m]) + f32(ldcg1(x + at)));
         }
         end_phase();
         mark(5);
@@ -1254,25 +990,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             mark(0);
             prefetch(f + 1);
             const bf16* g = stage_norm(ln1 + l * H);
-            if (!TAGS && target) grid_wait(bar, target);
+            if (target) grid_wait(bar, target);
             mark(1);
             const bf16* w = await_weights(f);
             mark(2);
-            load_rows(act, xcur, TAGS && l ? tagof(5 * l - 1) : 0u, g, M, H, true, eps, inv, red);
+            load_rows(act, xcur, g, M, H, true, eps, inv, red);
             mark(3);
             const int r0 = lo(NQKV * D, b), r1 = lo(NQKV * D, b + 1);
             block_matmul(w, r1 - r0, H, act, M, res);
             mark(4);
-            if (TAGS) {
-                for (int i = threadIdx.x; i < (r1 - r0) * MAXM; i += NTHREADS) {
-                    const int r = i / MAXM, m = i - r * MAXM;
-                    st_tag(qkt + m * NQKV * D + r0 + r, m < M ? b16(res[r * MAXM + m]) : (bf16)0, tagof(5 * l));
-                }
-            } else {
-                for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
-                    const int r = i / M, m = i - r * M;
-                    qkvbuf[m * NQKV * D + r0 + r] = b16(res[r * MAXM + m]);
-                }
+            for (int i = threadIdx.x; i < (r1 - r0) * M; i += NTHREADS) {
+                const int r = i / M, m = i - r * M;
+                qkvbuf[m * NQKV * D + r0 + r] = b16(res[r * MAXM + m]);
             }
             end_phase();
             mark(5);
@@ -1282,69 +1011,51 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             // STAGE: the q|k|v slot is free until o's phase asks for gate|up's weights: the unit's cached keys there
             if (STAGE) stage_kv(l, M, pos_p, slot_p, kc, vc, scl, scs, sch, sct);
             for (int i = threadIdx.x; i < 2 * D; i += NTHREADS) qknw[i] = qkn[l * 2 * D + i];  // weights: before
-            if (TAGS) {
-                __syncthreads();  // no grid wait (the unit polls its words): a block barrier publishes them
-            } else {
-                grid_wait(bar, target);  // the wait, whose block barrier publishes them
-            }
+            grid_wait(bar, target);  // the wait, whose block barrier publishes them
             mark(1);
             if (LONG) {
                 if (TIMELINE && threadIdx.x == 0) att_stamps((float*)act)[0] = att_stamps((float*)act)[1] = 0;
                 attention_long(l, M, pos_p, slot_p, kc, vc, qknw, rope, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
-                               (float*)act, apart, bar + 32 * MAXNARRIVE, tagof(5 * l), tagof(5 * l + 1));
+                               (float*)act, apart, bar + 32 * MAXNARRIVE);
                 if (TIMELINE) {
                     stamp(2, att_stamps((float*)act)[0]);
                     stamp(3, att_stamps((float*)act)[1]);
                 }
             } else {
                 attention(l, M, pos_p, slot_p, kc, vc, qknw, rope, qkvbuf, abuf, eps, scale, scl, scs, sch, sct,
-                          (float*)act, tagof(5 * l), tagof(5 * l + 1));
+                          (float*)act);
             }
             mark(4);
             end_phase();
             mark(5);
         }
         // x = x + attn @ w_o.T
-        if (ph++ < stop) residual(4 * l + 1, abuf, tagof(5 * l + 1), QD, xcur, TAGS && l ? tagof(5 * l - 1) : 0u,
-                                  tagof(5 * l + 2));
+        if (ph++ < stop) residual(4 * l + 1, abuf, QD, xcur);
         // SiLU(gate) * up of rms_norm(x) @ w_gate_up.T
         if (ph++ < stop) {
             const bf16* g = stage_norm(ln2 + l * H);
             const bf16* w = open_matmul(4 * l + 2);
-            load_rows(act, xs, TAGS ? tagof(5 * l + 2) : 0u, g, M, H, true, eps, inv, red);
+            load_rows(act, xs, g, M, H, true, eps, inv, red);
             mark(3);
             const int j0 = lo(I, b), nj = lo(I, b + 1) - j0;
             block_matmul(w, 2 * nj, H, act, M, res);  // nj gate rows, then their up rows
             mark(4);
-            if (TAGS) {  // rows past M as tagged zeros
-                for (int i = threadIdx.x; i < nj * MAXM; i += NTHREADS) {
-                    const int j = i / MAXM, m = i - j * MAXM;
-                    bf16 v = 0;
-                    if (m < M) {
-                        const float gate = rnd(res[j * MAXM + m]);
-                        v = b16(rnd(gate / (1.f + expf(-gate))) * rnd(res[(nj + j) * MAXM + m]));
-                    }
-                    st_tag(gbt + m * I + j0 + j, v, tagof(5 * l + 3));
-                }
-            } else {
-                for (int i = threadIdx.x; i < nj * M; i += NTHREADS) {
-                    const int j = i / M, m = i - j * M;
-                    const float gate = rnd(res[j * MAXM + m]);
-                    const float a = rnd(gate / (1.f + expf(-gate)));
-                    gbuf[m * I + j0 + j] = b16(a * rnd(res[(nj + j) * MAXM + m]));
-                }
+            for (int i = threadIdx.x; i < nj * M; i += NTHREADS) {
+                const int j = i / M, m = i - j * M;
+                const float gate = rnd(res[j * MAXM + m]);
+                const float a = rnd(gate / (1.f + expf(-gate)));
+                gbuf[m * I + j0 + j] = b16(a * rnd(res[(nj + j) * MAXM + m]));
             }
             end_phase();
             mark(5);
         }
         // x = x + act @ w_down.T
-        if (ph++ < stop) residual(4 * l + 3, gbuf, tagof(5 * l + 3), I, xs, tagof(5 * l + 2), tagof(5 * l + 4));
+        if (ph++ < stop) residual(4 * l + 3, gbuf, I, xs);
     }
     // The final norm: block m < M its row.
     if (ph < stop && b < M) {
-        if (!TAGS) grid_wait(bar, target);
-        load_rows(act, TAGS ? (const void*)(xst + b * H) : (const void*)(xs + b * H), TAGS ? tagof(5 * L - 1) : 0u,
-                  normw, 1, H, true, eps, inv, red);
+        grid_wait(bar, target);
+        load_rows(act, xs + b * H, normw, 1, H, true, eps, inv, red);
         for (int k = threadIdx.x; k < H; k += NTHREADS) out[b * H + k] = act[k];
     }
     // Copies still in flight (a cut run's next phase) land before the block leaves its shared memory.
@@ -1361,11 +1072,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 #pragma unroll
             for (int k = 0; k < NARRIVE; ++k) atomicExch(bar + 32 * k, 0u);
             atomicExch(bar + 1, 0u);
-            if (TAGS) {
-                atomicExch(epoch_p, (epoch + 1u) % 65535u);  // the next launch's tags
-                if (LONG)  // attention_long's counts, run on over the layers
-                    for (int k = 0; k < MAXM * NKV; ++k) atomicExch(bar + 32 * MAXNARRIVE + k, 0u);
-            }
         }
     }
 }

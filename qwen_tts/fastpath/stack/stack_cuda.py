@@ -24,12 +24,6 @@ The arithmetic rounds where the eager layers round; matmul sums are float32 in a
 row's result does not depend on the other rows (batch invariant). bf16 only. The kernel is compiled by NVRTC on
 first use for each shape (cuda_rtc.py) and launched on the current stream, so CUDA graphs capture it. The grid is
 one block per SM and every block must be resident: the barrier would otherwise wait for a block that cannot start.
-
-The `tags` option (opt-in; on an H200 a little faster at one row, slower at four) drops the grid barriers: every
-activation the kernel writes is a 32-bit word holding the bf16 and the tag of the phase and launch that wrote it, in
-a workspace of the stack's own (`workspace`), and each block polls the words it reads until they carry the tag it
-waits for. Each phase reads the whole of the one before, so one copy of each buffer suffices (docs/history/benchmarks-diary.md,
-seventeenth and nineteenth rounds).
 """
 
 from __future__ import annotations
@@ -38,7 +32,6 @@ import ctypes
 import dataclasses
 import functools
 import math
-import weakref
 from pathlib import Path
 
 import torch
@@ -48,9 +41,7 @@ MAX_ROWS = 4  # rows a pass: their activations share the block's shared memory w
 MAX_POSITIONS = 32  # a longer cache (the talker's) takes attention_long: chunks, combined by the last to finish
 CHUNK = 64  # attention_long: positions a chunk at least; chunks a (row, kv head) at most: Layout.max_chunks
 ATT_COUNTERS = 64  # attention_long's (row, kv head) counters: MAX_ROWS x kv heads at most
-WPAD = 8  # the `mma` option: a weight row's padding in its slot (bf16 elements, 16 bytes)
 MAX_ARRIVE = 4  # the grid barrier's arrival counters, a 128-byte line each (the first line also holds the exit count)
-EPOCH_WORDS = 32  # the tagged workspace's first 128-byte line: the epoch (the `tags` option)
 BARRIER_INTS = 32 * MAX_ARRIVE + ATT_COUNTERS  # the barrier tensor stack_pass needs: the counters' lines, then those
 NTHREADS = 256  # a block's threads unless the `threads` option says otherwise
 _SOURCE = Path(__file__).with_name("stack_cuda.cu")
@@ -70,7 +61,6 @@ class Layout:
     nblk: int
     bulk: bool = True  # the weights by the copy engine (cp.async.bulk); False: 16-byte cp.async by every thread
     weights: bool = True  # False: no weight copies (profiling only: the phases' cost without their bytes)
-    mma: bool = False  # the matmuls on the tensor cores (mma.sync from padded weight rows); False: on the CUDA cores
     timeline: bool = False  # profiling: clock stamps of each phase's steps by two blocks (stack_pass's `timeline`)
     light_barrier: bool = True  # the grid barrier's release as fence.acq_rel + a relaxed add; False: __threadfence
     chunked: bool = False  # a short cache's attention by attention_long too (lane groups), not a unit's shared memory
@@ -81,7 +71,6 @@ class Layout:
     vector_attention: bool = True  # a short cache's cached keys and values by 16-byte loads in one round
     chunk: int = CHUNK  # attention_long: positions a chunk at least
     split: int = 0  # attention_long past `chunk` positions: chunks of at least this many (0: `chunk`)
-    tags: bool = False  # a pass without grid barriers: the activations as tagged words, polled (`workspace`)
     evict_first: bool = True  # the weight copies marked first to leave L2, so caches and activations stay there
     threads: int = NTHREADS  # a block's threads (a multiple of 32, at most 1024): more warps share a phase's rows
     stage: bool = False  # a long cache: a unit's cached keys and values copied into the free slot before the wait
@@ -89,12 +78,9 @@ class Layout:
 
     @property
     def slot_bytes(self) -> int:
-        """The largest share of one matmul's weights a block copies (q|k|v, o, gate|up, down), 16-byte aligned; with
-        `mma` each row WPAD (8) elements longer in the slot, so the rows an ldmatrix reads start in different banks."""
+        """The largest share of one matmul's weights a block copies (q|k|v, o, gate|up, down), 16-byte aligned."""
         H, I, D, NQ, NKV, n = self.H, self.I, self.D, self.NQ, self.NKV, self.nblk  # noqa: E741
-        p = WPAD if self.mma else 0
-        rows = max(_most(NQ * D + 2 * NKV * D, n) * (H + p), _most(H, n) * (NQ * D + p), 2 * _most(I, n) * (H + p),
-                   _most(H, n) * (I + p))  # fmt: skip
+        rows = max(_most(NQ * D + 2 * NKV * D, n) * H, _most(H, n) * NQ * D, 2 * _most(I, n) * H, _most(H, n) * I)
         return _align16(2 * rows)
 
     @property
@@ -136,14 +122,8 @@ class Layout:
         return self.H, (self.NQ + 2 * self.NKV) * self.D, self.NQ * self.D, self.I
 
     @property
-    def workspace_words(self) -> int:
-        """The tagged workspace (int32 words): the epoch's line, then MAX_ROWS rows of each buffer."""
-        return EPOCH_WORDS + MAX_ROWS * sum(self.buffer_widths)
-
-    @property
     def act_bytes(self) -> int:
-        """Activations (MAX_ROWS rows of the widest K, bf16), attention's float32 scratch or (`mma`) the warps'
-        partial sums of a matmul phase, whichever is larger."""
+        """Activations (MAX_ROWS rows of the widest K, bf16) or attention's float32 scratch, whichever is larger."""
         acts = 2 * MAX_ROWS * max(self.H, self.NQ * self.D, self.I)
         g, D = self.NQ // self.NKV, self.D
         if self.long:  # this pass's keys and values (bf16), queries, a vector a warp, the warps' partials, a flag
@@ -152,8 +132,7 @@ class Layout:
             attn = 2 * 2 * MAX_ROWS * D + 4 * (g * D + self.warps * D + self.att_warps * g * (D + 2) + flag)
         else:
             attn = 4 * (2 * self.T * D + g * D + g * self.T + self.warps * D)
-        part = 4 * self.warps * self.res_rows * MAX_ROWS if self.mma else 0  # mma: the warps' partial sums (float32)
-        return _align16(max(acts, attn, part))
+        return _align16(max(acts, attn))
 
     @property
     def max_chunks(self) -> int:
@@ -180,12 +159,12 @@ class Layout:
         consts = dict(H=self.H, I=self.I, D=self.D, NQ=self.NQ, NKV=self.NKV, L=self.L, T=self.T, MAXM=self.rows,
                       MAXR=MAX_ROWS,
                       NBLK=self.nblk, SLOT_BYTES=self.slot_bytes, ACT_BYTES=self.act_bytes, BULK=int(self.bulk),
-                      WEIGHTS=int(self.weights), MMA=int(self.mma), WPAD=WPAD if self.mma else 0, RES_ROWS=self.res_rows,
+                      WEIGHTS=int(self.weights), RES_ROWS=self.res_rows,
                       LONG=int(self.long), CHUNK=self.chunk, SPLIT=self.split or self.chunk, NCHUNK=self.max_chunks,
                       TIMELINE=int(self.timeline), LIGHTBAR=int(self.light_barrier),
                       NARRIVE=MAX_ARRIVE if self.split_barrier else 1, MAXNARRIVE=MAX_ARRIVE,
                       TWO_ROWS=int(self.two_rows), NORMPF=int(self.norm_prefetch),
-                      VECATT=int(self.vector_attention), TAGS=int(self.tags),
+                      VECATT=int(self.vector_attention),
                       EVICT_FIRST=int(self.evict_first), NTHREADS=self.threads, ATTW=self.att_warps,
                       STAGE=int(self.staged),
                       STAGE_POS=max(1, self.stage_positions))  # fmt: skip
@@ -203,90 +182,66 @@ def _align16(n: int) -> int:
     return -(-n // 16) * 16
 
 
-# The kernel's choices, process-wide (`set_options`; CUDA graphs keep the kernel they were captured with).
-_options = {"bulk": True, "weights": True, "mma": False, "timeline": False, "light_barrier": True, "chunked": False,
-            "split_barrier": False, "two_rows": True, "lean_grid": True,
-            "norm_prefetch": True, "vector_attention": True, "chunk": CHUNK, "split": 0,
-            "tags": False, "long_tags": False, "evict_first": True, "threads": NTHREADS, "long_threads": 0,
-            "stage": False, "long_mma": False, "exact_rows": 0}  # fmt: skip
-_DEFAULTS = dict(_options)
+@dataclasses.dataclass(frozen=True)
+class StackOptions:
+    """The kernel's choices (the fast path's object holds them; CUDA graphs keep the kernel they were captured with).
 
+    bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling only
+    (no weight copies: the matmuls read stale shared memory); timeline: profiling, each phase's steps stamped
+    (stack_pass's `timeline`); light_barrier: the grid barrier's release by an acquire-release fence (else a
+    sequentially consistent one); chunked: a short cache's attention by the long cache's code; split_barrier: the
+    barrier's arrivals over four counters (else one); two_rows: the products two weight rows a warp at once;
+    lean_grid: a block on only as many SMs as keep each block's largest share of every phase (`lean_blocks`), the
+    others left to kernels on other streams (Code2Wav's); norm_prefetch: each norm's weights copied into shared
+    memory during the grid wait before it; vector_attention: a short cache's cached keys and values by 16-byte
+    loads, all in one round; chunk: a long cache's chunks take at least this many positions (a multiple of 32), and
+    a row's positions up to it are one chunk; split: past `chunk` positions, chunks of at least this many (a multiple
+    of 32 up to `chunk`; 0: `chunk`), so a row just past `chunk` gets more, shorter chunks (other sums, batch
+    invariant); evict_first: the weight copies with an L2 evict-first policy, so the caches' keys and values and the
+    activations are not pushed out of L2 by the weight stream (the same bits); threads: a block's threads (a long
+    cache's positions stay on 8 warps, so the same bits); long_threads: a long cache's stack's (the talker's) block
+    threads, whatever `threads` says of the others (0: as `threads`); stage: a long cache's attention unit has the
+    copy engine bring its chunk's cached keys and values (as many positions as a weight slot holds) into the weight
+    slot the attention phase leaves free, before the phase's grid wait, and reads them from shared memory (the same
+    bits; needs `bulk`); exact_rows (0 to MAX_ROWS - 1): a pass of M <= exact_rows rows launches a build of the
+    kernel compiled for M rows (`Layout.rows`: the same sums in the same order, the rows' loops and registers for M
+    rows only), a pass of more rows the build for MAX_ROWS. docs/performance.md has what each measured."""
 
-def reset_options() -> dict:
-    """Every option back to the module's default (an engine sets its own, process-wide); returns them."""
-    _options.clear()
-    _options.update(_DEFAULTS)
-    return dict(_options)
+    bulk: bool = True
+    weights: bool = True
+    timeline: bool = False
+    light_barrier: bool = True
+    chunked: bool = False
+    split_barrier: bool = False
+    two_rows: bool = True
+    lean_grid: bool = True
+    norm_prefetch: bool = True
+    vector_attention: bool = True
+    chunk: int = CHUNK
+    split: int = 0
+    evict_first: bool = True
+    threads: int = NTHREADS
+    long_threads: int = 0
+    stage: bool = False
+    exact_rows: int = 0
 
-
-def set_options(
-    bulk: bool | None = None, weights: bool | None = None, mma: bool | None = None, timeline: bool | None = None,
-    light_barrier: bool | None = None, chunked: bool | None = None, split_barrier: bool | None = None,
-    two_rows: bool | None = None, lean_grid: bool | None = None,
-    norm_prefetch: bool | None = None, vector_attention: bool | None = None, chunk: int | None = None,
-    split: int | None = None, tags: bool | None = None, long_tags: bool | None = None,
-    evict_first: bool | None = None, threads: int | None = None, long_threads: int | None = None,
-    stage: bool | None = None, long_mma: bool | None = None,
-    exact_rows: int | None = None,
-) -> dict:  # fmt: skip
-    """bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling
-    only (no weight copies: the matmuls read stale shared memory); mma: a short cache's stack's (the code
-    predictor's) matmuls on the tensor cores, 16 weight rows by ldmatrix from slots whose rows are padded by 16 bytes
-    (else dot products on the CUDA cores; other sums, batch invariant); long_mma: the same for a long cache's stack
-    (the talker's), whatever `mma` says of the others; timeline: profiling, each phase's steps stamped (stack_pass's `timeline`);
-    light_barrier: the grid barrier's release by an acquire-release fence (else a sequentially consistent one);
-    chunked: a short cache's attention by the long cache's code; split_barrier: the barrier's arrivals over four
-    counters (else one; four measured slower); two_rows: the products two weight rows a warp at once; lean_grid: a
-    block on only as many SMs as keep each block's largest share of every phase (`lean_blocks`), the others left to
-    kernels on other streams (Code2Wav's); norm_prefetch: each norm's weights copied into shared memory during the
-    grid wait before it; vector_attention: a short cache's cached keys and values by 16-byte loads, all in one
-    round; chunk: a long cache's chunks take at least this many positions (a multiple of 32), and a row's positions
-    up to it are one chunk; split: past `chunk` positions, chunks of at least this many (a multiple of 32 up to
-    `chunk`; 0: `chunk`), so a row just past `chunk` gets more, shorter chunks (other sums, batch invariant);
-    tags: a pass with no grid barrier, each activation word carrying its phase's tag and polled by the blocks that
-    read it (the same bits; on an H200 faster at one row, slower at four: off); long_tags:
-    tags for a long cache's stack only (the talker's), whatever `tags` says of the others; evict_first: the weight
-    copies with an L2 evict-first policy, so the caches' keys and values and the activations are not pushed out of
-    L2 by the weight stream (the same bits; on an H200 one stream 4% faster for the 0.6B, 2% for the 1.7B: on);
-    threads: a block's threads (256 or 512 tested; a long cache's positions stay on 8 warps, so the same bits);
-    long_threads: a long cache's stack's (the talker's) block threads, whatever `threads` says of the others (0: as
-    `threads`); stage: a long cache's attention unit has the copy engine bring its chunk's cached keys
-    and values (as many positions as a weight slot holds, 192 at the 0.6B talker's shape) into the weight slot the
-    attention phase leaves free, before the phase's grid wait, and reads them from shared memory (the same bits;
-    needs `bulk`; with `chunk` 192 a row's positions up to 192 are one chunk, no combine); exact_rows (0 to
-    MAX_ROWS - 1): a pass of M <= exact_rows rows launches a build of the kernel compiled for M rows (`Layout.rows`:
-    the same sums in the same order, the rows' loops and registers for M rows only: a quarter less code for one
-    row), a pass of more rows the build for MAX_ROWS (always with `tags`, whose workspace words every launch must
-    rewrite). Returns the options now in force."""
-    given = dict(bulk=bulk, weights=weights, mma=mma, timeline=timeline, light_barrier=light_barrier, chunked=chunked,
-                 split_barrier=split_barrier, two_rows=two_rows, lean_grid=lean_grid, norm_prefetch=norm_prefetch,
-                 vector_attention=vector_attention, tags=tags, long_tags=long_tags,
-                 evict_first=evict_first, stage=stage, long_mma=long_mma)  # fmt: skip
-    for k, v in given.items():
-        if v is not None:
-            _options[k] = bool(v)
-    if exact_rows is not None:
-        if not 0 <= exact_rows < MAX_ROWS:
-            raise ValueError(f"exact_rows must be 0 to {MAX_ROWS - 1} rows, not {exact_rows}")
-        _options["exact_rows"] = int(exact_rows)
-    if threads is not None:
-        if err := _threads_error(threads):
+    def __post_init__(self) -> None:
+        if not 0 <= self.exact_rows < MAX_ROWS:
+            raise ValueError(f"exact_rows must be 0 to {MAX_ROWS - 1} rows, not {self.exact_rows}")
+        if err := _threads_error(self.threads):
             raise ValueError(err)
-        _options["threads"] = int(threads)
-    if long_threads is not None:
-        if long_threads and (err := _threads_error(long_threads)):
+        if self.long_threads and (err := _threads_error(self.long_threads)):
             raise ValueError(err)
-        _options["long_threads"] = int(long_threads)
-    if chunk is not None and (chunk < 32 or chunk % 32):
-        raise ValueError(f"chunk must be a multiple of 32 positions, not {chunk}")
-    if split is not None and (split < 0 or split % 32):
-        raise ValueError(f"split must be 0 or a multiple of 32 positions, not {split}")
-    new_chunk = _options["chunk"] if chunk is None else int(chunk)
-    new_split = _options["split"] if split is None else int(split)
-    if new_split > new_chunk:
-        raise ValueError(f"split ({new_split}) must not exceed chunk ({new_chunk})")
-    _options["chunk"], _options["split"] = new_chunk, new_split
-    return dict(_options)
+        if self.chunk < 32 or self.chunk % 32:
+            raise ValueError(f"chunk must be a multiple of 32 positions, not {self.chunk}")
+        if self.split < 0 or self.split % 32:
+            raise ValueError(f"split must be 0 or a multiple of 32 positions, not {self.split}")
+        if self.split > self.chunk:
+            raise ValueError(f"split ({self.split}) must not exceed chunk ({self.chunk})")
+
+    def replace(self, **changes) -> StackOptions:
+        """These options with `changes` (checked as a new object is)."""
+        return dataclasses.replace(self, **changes)
 
 
 def _threads_error(threads: int) -> str | None:
@@ -296,20 +251,19 @@ def _threads_error(threads: int) -> str | None:
     return None
 
 
-def layout(sw, max_len: int, nblk: int, rows: int = MAX_ROWS) -> Layout:
+DEFAULT_OPTIONS = StackOptions()
+
+
+def layout(sw, max_len: int, nblk: int, rows: int = MAX_ROWS, options: StackOptions = DEFAULT_OPTIONS) -> Layout:
     """The layout of a `stack_kernel.StackWeights` stack with a cache of max_len positions on nblk SMs, for a pass of
     `rows` rows (the build for that many rows where the `exact_rows` option takes it, else the MAX_ROWS build)."""
-    opts = dict(_options)
-    long_tags, long_threads, long_mma = opts.pop("long_tags"), opts.pop("long_threads"), opts.pop("long_mma")
+    opts = dataclasses.asdict(options)
+    long_threads = opts.pop("long_threads")
     exact_rows = opts.pop("exact_rows")
     lay = Layout(H=sw.H, I=sw.I, D=sw.D, NQ=sw.NQ, NKV=sw.NKV, L=sw.L, T=max_len, nblk=nblk, **opts)
-    if lay.long:  # a long cache's stack takes long_mma, not mma
-        lay = dataclasses.replace(lay, mma=long_mma)
-    if lay.long and long_tags:
-        lay = dataclasses.replace(lay, tags=True)
     if lay.long and long_threads:
         lay = dataclasses.replace(lay, threads=long_threads)
-    if 1 <= rows <= exact_rows and not lay.tags:
+    if 1 <= rows <= exact_rows:
         lay = dataclasses.replace(lay, rows=rows)
     return lay
 
@@ -328,10 +282,6 @@ def why_not(lay: Layout, max_shared: int) -> str | None:
         return err
     if not 1 <= lay.rows <= MAX_ROWS:
         return f"a build for {lay.rows} rows: 1 to {MAX_ROWS}"
-    if lay.rows < MAX_ROWS and lay.tags:
-        return "the tags option needs the MAX_ROWS build (every launch rewrites every row of its workspace)"
-    if lay.mma and not lay.bulk:
-        return "the tensor cores' padded weight rows need the copy engine (bulk)"
     if lay.staged and not lay.bulk:
         return "staging the cached keys and values needs the copy engine (bulk)"
     if lay.warps < lay.NQ // lay.NKV:
@@ -347,10 +297,12 @@ def _device_limits(device: torch.device) -> tuple[int, int]:
     return props.multi_processor_count, props.shared_memory_per_block_optin
 
 
-def device_layout(sw, max_len: int, device: torch.device, rows: int = MAX_ROWS) -> tuple[Layout, str | None]:
+def device_layout(
+    sw, max_len: int, device: torch.device, rows: int = MAX_ROWS, options: StackOptions = DEFAULT_OPTIONS
+) -> tuple[Layout, str | None]:
     """The layout on this device for a pass of `rows` rows and why the kernel cannot take it (None: it can); asked on
     every pass, so the arithmetic runs once per shape, device, row build and options."""
-    return _checked_layout(layout(sw, max_len, 1, rows), device)
+    return _checked_layout(layout(sw, max_len, 1, rows, options), device)
 
 
 def _shares(lay: Layout) -> tuple[int, ...]:
@@ -379,25 +331,6 @@ def _checked_layout(shape: Layout, device: torch.device) -> tuple[Layout, str | 
     return lay, why_not(lay, max_shared)
 
 
-# The tagged workspaces (the `tags` option): per stack, per device; only the kernel writes them once they are made.
-_workspaces: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def workspace(sw, lay: Layout, device: torch.device) -> Tensor:
-    """The stack's tagged workspace on the device (`Layout.workspace_words` int32, zeros when made). Its words must
-    hold nothing but what the kernel wrote (a stray word with a current tag would be read as written), so it is the
-    stack's own, made once before any graph capture (`prepare`), and never freed while the stack lives."""
-    per = _workspaces.setdefault(sw, {})
-    ws = per.get(device)
-    if ws is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("stack_cuda.prepare must run before CUDA graph capture with the tags option")
-        ws = per[device] = torch.zeros(lay.workspace_words, dtype=torch.int32, device=device)
-    if ws.numel() < lay.workspace_words:
-        raise ValueError(f"the stack's workspace holds {ws.numel()} words, the layout needs {lay.workspace_words}")
-    return ws
-
-
 @functools.cache
 def _kernel(device: torch.device, lay: Layout):
     from qwen_tts.fastpath import cuda_rtc
@@ -407,20 +340,19 @@ def _kernel(device: torch.device, lay: Layout):
     return k
 
 
-def blocks(sw, max_len: int, device: torch.device | str) -> int:
-    """The blocks a pass of this stack launches on the device with the options now in force."""
-    return device_layout(sw, max_len, _index(torch.device(device)))[0].nblk
+def blocks(sw, max_len: int, device: torch.device | str, options: StackOptions = DEFAULT_OPTIONS) -> int:
+    """The blocks a pass of this stack launches on the device with these options."""
+    return device_layout(sw, max_len, _index(torch.device(device)), MAX_ROWS, options)[0].nblk
 
 
-def prepare(sw, max_len: int, device: torch.device | str) -> str | None:
+def prepare(sw, max_len: int, device: torch.device | str, options: StackOptions = DEFAULT_OPTIONS) -> str | None:
     """Compile and load the kernel for this stack, a cache of max_len positions and the device, before any graph
     capture; returns why it cannot run there (None: it can). A machine without NVRTC, or one whose SMs cannot hold
     the layout, gets the reason instead of an error, so the caller can fall back."""
     dev = _index(torch.device(device))
     if dev.type != "cuda":
         return "not a CUDA device"
-    builds = [device_layout(sw, max_len, dev, m) for m in range(MAX_ROWS, 0, -1)]  # the same one past exact_rows
-    lay = builds[0][0]
+    builds = [device_layout(sw, max_len, dev, m, options) for m in range(MAX_ROWS, 0, -1)]  # one past exact_rows
     if reason := next((r for _, r in builds if r), None):
         return reason
     try:
@@ -428,12 +360,10 @@ def prepare(sw, max_len: int, device: torch.device | str) -> str | None:
             _kernel(dev, build)
     except (OSError, RuntimeError) as e:
         return f"{type(e).__name__}: {str(e)[:500]}"
-    if lay.tags:
-        workspace(sw, lay, dev)
     return None
 
 
-def runs(sw, x: Tensor, cache) -> bool:
+def runs(sw, x: Tensor, cache, options: StackOptions = DEFAULT_OPTIONS) -> bool:
     """Whether `stack_pass` can take this pass: CUDA, bf16, at most MAX_ROWS rows, a layout the device fits, a cache
     whose head vectors start on 16 bytes (its keys and values are read 16 bytes at a time)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and cache.k.dtype == torch.bfloat16):
@@ -442,7 +372,7 @@ def runs(sw, x: Tensor, cache) -> bool:
         return False
     if any(s % 8 for s in cache.k.stride()[:4]) or cache.k.data_ptr() % 16 or cache.v.data_ptr() % 16:
         return False
-    return device_layout(sw, cache.max_len, _index(x.device))[1] is None
+    return device_layout(sw, cache.max_len, _index(x.device), MAX_ROWS, options)[1] is None
 
 
 def _index(device: torch.device) -> torch.device:
@@ -458,7 +388,7 @@ def timeline_stamps(sw) -> int:
 
 def stack_pass(
     sw, x: Tensor, positions: Tensor, cache, slots: Tensor, barrier: Tensor, stop: int | None = None,
-    timeline: Tensor | None = None,
+    timeline: Tensor | None = None, options: StackOptions = DEFAULT_OPTIONS,
 ) -> Tensor:  # fmt: skip
     """One token per row through the whole stack and its final norm: x (M, H) -> (M, H); each row's K/V written into
     its slot at its position (rows may share a slot at different positions). barrier: BARRIER_INTS int32 zeros on
@@ -472,7 +402,7 @@ def stack_pass(
     if M > MAX_ROWS:
         raise ValueError(f"{M} rows > MAX_ROWS ({MAX_ROWS})")
     dev = _index(x.device)
-    lay, reason = device_layout(sw, cache.max_len, dev, M)
+    lay, reason = device_layout(sw, cache.max_len, dev, M, options)
     if reason:
         raise ValueError(f"stack_cuda cannot take this stack: {reason}")
     if x.dtype != torch.bfloat16:
@@ -484,11 +414,7 @@ def stack_pass(
     slots = slots.to(torch.long).contiguous()
     kc, vc = cache.k, cache.v
     out = torch.empty_like(x)
-    if lay.tags:  # the stack's own workspace: the epoch's line, then MAX_ROWS rows of each buffer as tagged words
-        ws = workspace(sw, lay, dev)
-        xs, qkvbuf, abuf, gbuf = ws[EPOCH_WORDS : lay.workspace_words].split([MAX_ROWS * w for w in lay.buffer_widths])
-    else:
-        xs, qkvbuf, abuf, gbuf = (torch.empty((M, w), device=dev, dtype=x.dtype) for w in lay.buffer_widths)
+    xs, qkvbuf, abuf, gbuf = (torch.empty((M, w), device=dev, dtype=x.dtype) for w in lay.buffer_widths)
     apart = torch.empty(max(lay.partial_floats, 1), device=dev, dtype=torch.float32)
     if barrier.numel() < BARRIER_INTS:
         raise ValueError(f"the barrier needs {BARRIER_INTS} int32 zeros, not {barrier.numel()}")
@@ -501,6 +427,5 @@ def stack_pass(
     if lay.timeline and (timeline is None or timeline.numel() < timeline_stamps(sw) or timeline.dtype != torch.int64):
         raise ValueError(f"the timeline option needs an int64 tensor of {timeline_stamps(sw)} stamps")
     args.append(ctypes.c_void_p(timeline.data_ptr() if lay.timeline else 0))
-    args.append(ctypes.c_void_p(ws.data_ptr() if lay.tags else 0))  # the epoch: the workspace's first word
     _kernel(dev, lay).launch(lay.nblk, lay.threads, args, lay.shared_bytes)
     return out
