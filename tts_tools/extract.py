@@ -213,17 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    options = vars(build_parser().parse_args(argv))
     try:
-        jobs = collect_jobs(args.ref_audio, args.output_name, args.ref_text)
-        results = extract_voices(
-            jobs,
-            model=args.model,
-            output_dir=args.output_dir,
-            device=args.device,
-            force=args.force,
-            progress=args.progress,
-        )
+        jobs = collect_jobs(options.pop("ref_audio"), options.pop("output_name"), options.pop("ref_text"))
+        results = extract_voices(jobs, **options)  # the other destinations are its keyword arguments
     except CliError as e:
         for line in str(e).splitlines():
             print(f"error: {line}", file=sys.stderr)
