@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
+import pytest
 import torch
 from fastapi import FastAPI
 
@@ -26,11 +28,32 @@ from tts_server.runtime import Runtime
 from tts_server.settings import ServerSettings, load_settings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+VO_PYTHON = REPO_ROOT / ".venv-vllm-omni" / "bin" / "python"
+
+
+def needs_vllm_omni() -> pytest.MarkDecorator:
+    """The skip mark of tests that run .venv-vllm-omni's python; in CI a missing environment is an error."""
+    if not VO_PYTHON.exists() and os.environ.get("CI") == "true":
+        raise RuntimeError(f"{VO_PYTHON} is missing: CI must run scripts/setup_vllm_omni.sh before the tests")
+    return pytest.mark.skipif(not VO_PYTHON.exists(), reason="no .venv-vllm-omni (run scripts/setup_vllm_omni.sh)")
 
 
 def write_voice(profiles_dir: Path, speaker_id: str, dim: int, seed: int = 0) -> Path:
     x = torch.randn(dim, generator=torch.Generator().manual_seed(seed))
     return save_profile(profile_path(profiles_dir, speaker_id), VoiceProfile(x_vector=x, model="test"), overwrite=True)
+
+
+def pcm16(data: bytes) -> np.ndarray:
+    """The samples of a `pcm` response body (16-bit little-endian mono)."""
+    return np.frombuffer(data, "<i2")
+
+
+def metric(text: str, name: str) -> float:
+    """The value of the sample `name` (with its labels) in a /metrics page; 0.0 where it is absent."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def clean_settings(**overrides: Any) -> ServerSettings:
@@ -88,6 +111,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def demo_env(root: Path, **extra: str) -> dict[str, str]:
+    """The variables of a server on the demo checkpoint in `root`/demo-tiny (written at its first start) with its
+    voice profiles in `root`/voices, plus `extra`."""
+    return {"TTS_DEMO_DIR": str(root / "demo-tiny"), "TTS_PROFILES_DIR": str(root / "voices"), **extra}
+
+
 class ServerProcess:
     """`python inference_server.py` on 127.0.0.1:<free port>; stdout+stderr go to `log_path`."""
 
@@ -126,6 +155,19 @@ class ServerProcess:
             time.sleep(0.1)
         raise TimeoutError(f"server not ready within {timeout} s:\n{self.log()}")
 
+    def health(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def wait_idle(self, limit: float = 60.0) -> dict[str, Any]:
+        """Poll /health until nothing is running, queued or admitted (fails after `limit` s: work was left over)."""
+        deadline = time.monotonic() + limit
+        while True:
+            health = self.health()
+            if health["running"] == 0 and health["waiting"] == 0 and health["admitted"] == 0:
+                return health
+            assert time.monotonic() < deadline, f"engine still busy: {health}"
+            time.sleep(0.05)
+
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
@@ -149,3 +191,8 @@ def server_process(env: dict[str, str], log_path: Path, startup_timeout: float =
         yield server
     finally:
         server.kill()
+
+
+def demo_server(root: Path, **extra: str) -> contextlib.AbstractContextManager[ServerProcess]:
+    """`server_process` over `demo_env(root, **extra)`, logging to `root`/server.log."""
+    return server_process(demo_env(root, **extra), root / "server.log")

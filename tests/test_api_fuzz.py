@@ -21,7 +21,7 @@ import pytest
 import schemathesis
 from schemathesis import Case
 
-from server_helpers import ServerProcess, clean_settings, server_process
+from server_helpers import ServerProcess, clean_settings, demo_server
 from tts_server.app import create_app
 
 pytestmark = pytest.mark.slow
@@ -33,18 +33,15 @@ STATS: dict = {"started": None, "calls": 0, "statuses": Counter(), "skipped": 0}
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    root = tmp_path_factory.mktemp("fuzz")
-    env = {
-        "TTS_DEMO_DIR": str(root / "demo-tiny"),
-        "TTS_PROFILES_DIR": str(root / "voices"),
-        # Small limits so that generated requests that reach the engine stay short.
-        "TTS_MAX_NEW_TOKENS": "6",
-        "TTS_MAX_TEXT_CHARS": "300",
-        "TTS_MAX_CONCURRENT": "4",
-        "TTS_MAX_QUEUE": "8",
-        "TTS_REQUEST_TIMEOUT": "60",
-    }
-    with server_process(env, root / "server.log") as srv:
+    # Small limits so that generated requests that reach the engine stay short.
+    with demo_server(
+        tmp_path_factory.mktemp("fuzz"),
+        TTS_MAX_NEW_TOKENS="6",
+        TTS_MAX_TEXT_CHARS="300",
+        TTS_MAX_CONCURRENT="4",
+        TTS_MAX_QUEUE="8",
+        TTS_REQUEST_TIMEOUT="60",
+    ) as srv:
         yield srv
 
 

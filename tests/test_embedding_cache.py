@@ -163,12 +163,14 @@ def test_non_string_id_is_refused() -> None:
         validate_speaker_id(5)
 
 
+def _linked_from(folder: Path, profiles: Path, name: str, target: str, seed: int) -> EmbeddingCacheManager:
+    """A cache over `profiles`, in which `name` is a link to the profile `target` written in `folder`."""
+    (profiles / f"{name}.safetensors").symlink_to(_write(folder, target, _vec(seed)))
+    return EmbeddingCacheManager(profiles, xvector_dim=DIM)
+
+
 def test_symlink_pointing_outside_the_directory_is_not_served(tmp_path: Path, profiles: Path) -> None:
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    _write(outside, "secret", _vec(11))
-    (profiles / "escape.safetensors").symlink_to(outside / "secret.safetensors")
-    cache = EmbeddingCacheManager(profiles, xvector_dim=DIM)
+    cache = _linked_from(tmp_path / "outside", profiles, "escape", "secret", 11)
     report = cache.load_all()
     assert "escape" not in report.loaded
     assert "escape.safetensors" in dict(report.skipped)
@@ -186,11 +188,7 @@ def test_symlinked_directory_of_profiles_is_contained_by_its_real_path(tmp_path:
 
 def test_sibling_directory_with_a_common_prefix_is_outside(tmp_path: Path, profiles: Path) -> None:
     # /x/voices-evil starts with /x/voices but is not inside it: commonpath, not startswith.
-    sibling = tmp_path / "voices-evil"
-    sibling.mkdir()
-    _write(sibling, "mallory", _vec(12))
-    (profiles / "mallory.safetensors").symlink_to(sibling / "mallory.safetensors")
-    cache = EmbeddingCacheManager(profiles, xvector_dim=DIM)
+    cache = _linked_from(tmp_path / "voices-evil", profiles, "mallory", "mallory", 12)
     with pytest.raises(UnknownSpeakerError):
         cache.get("mallory")
 

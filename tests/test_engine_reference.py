@@ -37,6 +37,9 @@ CASES = [
     ("And a cold sampled run.", dict(temperature=0.3, top_k=3, repetition_penalty=2.0, min_frames=41)),
 ]
 MAX_FRAMES = 40
+# The request's fields that generate_codes takes under the same names (`reference` maps the others).
+SAME_NAMES = ("language", "greedy", "temperature", "top_k", "top_p", "repetition_penalty",
+              "cp_temperature", "cp_top_k", "cp_top_p", "seed")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -62,25 +65,17 @@ def request(model, i: int, text: str, opts: dict) -> SynthesisRequest:
 
 
 def reference(model, req: SynthesisRequest) -> torch.Tensor:
+    same = {name: getattr(req, name) for name in SAME_NAMES}
     return generate_codes(
         model.talker,
         model.config,
         model.tokenizer,
         req.text,
         req.xvector,
-        language=req.language,
         non_streaming=req.non_streaming_text,
         max_frames=MAX_FRAMES,
-        greedy=req.greedy,
-        temperature=req.temperature,
-        top_k=req.top_k,
-        top_p=req.top_p,
-        repetition_penalty=req.repetition_penalty,
-        cp_temperature=req.cp_temperature,
-        cp_top_k=req.cp_top_k,
-        cp_top_p=req.cp_top_p,
-        seed=req.seed,
         min_new_tokens=req.min_frames,
+        **same,
     )
 
 

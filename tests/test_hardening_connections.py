@@ -16,9 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_hardening_process import assert_error_shape, assert_response_error, read_response
+from test_hardening_process import assert_error_shape, assert_response_error, hostile_server, read_response
 
-from server_helpers import ServerProcess, server_process
+from server_helpers import ServerProcess, demo_server
 
 pytestmark = pytest.mark.slow
 
@@ -34,19 +34,8 @@ CLOSED_WITHIN = 8.0
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("round2")
-    env = {
-        "TTS_DEMO_DIR": str(root / "demo-tiny"),
-        "TTS_PROFILES_DIR": str(root / "voices"),
-        "TTS_API_KEYS": KEY,
-        "TTS_MAX_CONCURRENT": "4",
-        "TTS_MAX_QUEUE": "4",
-        "TTS_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
-        "TTS_MAX_CONNECTIONS_PER_CLIENT": str(PER_CLIENT),
-        "TTS_HEADER_TIMEOUT": "5",
-        "TTS_BODY_TIMEOUT": "3",
-        "TTS_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT),
-    }
-    with server_process(env, root / "server.log") as srv:
+    timeouts = {"TTS_HEADER_TIMEOUT": "5", "TTS_BODY_TIMEOUT": "3", "TTS_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT)}
+    with hostile_server(root, KEY, MAX_CONNECTIONS, PER_CLIENT, **timeouts) as srv:
         yield srv
 
 
@@ -77,20 +66,6 @@ def ended_by_server(s: socket.socket, within: float) -> bool:
             return True
 
 
-def health(server: ServerProcess) -> dict:
-    return httpx.get(server.url + "/health", timeout=10).json()
-
-
-def wait_idle(server: ServerProcess, within: float) -> dict:
-    deadline = time.monotonic() + within
-    while True:
-        h = health(server)
-        if h["running"] == 0 and h["waiting"] == 0 and h["admitted"] == 0:
-            return h
-        assert time.monotonic() < deadline, h
-        time.sleep(0.1)
-
-
 def post_head(path: str, length: int | None, *, auth: bool = True, extra: bytes = b"") -> bytes:
     head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
     if auth:
@@ -116,7 +91,7 @@ def test_a_client_that_stops_reading_is_cut_at_the_request_timeout_and_its_rows_
 ) -> None:
     """Streams: a whole file blocked on its send is cut the same way (tests/test_request_deadline.py), but the tiny
     model cannot make more audio than the kernel buffers hold within a short timeout."""
-    wait_idle(server, 30)
+    server.wait_idle(30)
     timeouts_before = _timeouts(server)
     started = time.monotonic()
     stalled = []
@@ -126,10 +101,10 @@ def test_a_client_that_stops_reading_is_cut_at_the_request_timeout_and_its_rows_
         stalled.append(s)
     try:
         time.sleep(1.0)
-        assert health(server)["admitted"] == 2
+        assert server.health()["admitted"] == 2
         # Nobody reads. By the deadline (+1 s of grace for the route's own message) their engine work is cancelled and
         # /health shows them gone, while their sockets are still full of audio nobody took.
-        h = wait_idle(server, REQUEST_TIMEOUT + CLOSED_WITHIN)
+        h = server.wait_idle(REQUEST_TIMEOUT + CLOSED_WITHIN)
         assert time.monotonic() - started < REQUEST_TIMEOUT + CLOSED_WITHIN, h
         assert _timeouts(server) == timeouts_before + 2
         # The connections were cut with a reset, not ended in order: a client cannot take a truncated stream for a
@@ -331,16 +306,14 @@ def _multipart_head(length: int) -> bytes:
 
 def test_upload_bytes_in_flight_are_bounded_with_429(tmp_path: Path) -> None:
     mib = 1024 * 1024
-    env = {
-        "TTS_DEMO_DIR": str(tmp_path / "demo-tiny"),
-        "TTS_PROFILES_DIR": str(tmp_path / "voices"),
-        "TTS_API_KEYS": KEY,
-        "TTS_VOICE_UPLOAD": "true",
-        "TTS_VOICE_UPLOAD_MAX_BYTES": str(mib),
-        "TTS_VOICE_UPLOAD_INFLIGHT_BYTES": str(2 * mib),
-        "TTS_BODY_TIMEOUT": "30",
-    }
-    with server_process(env, tmp_path / "server.log") as srv:
+    with demo_server(
+        tmp_path,
+        TTS_API_KEYS=KEY,
+        TTS_VOICE_UPLOAD="true",
+        TTS_VOICE_UPLOAD_MAX_BYTES=str(mib),
+        TTS_VOICE_UPLOAD_INFLIGHT_BYTES=str(2 * mib),
+        TTS_BODY_TIMEOUT="30",
+    ) as srv:
         holding = [connect(srv) for _ in range(2)]
         try:
             for s in holding:  # two uploads of the largest size, their bodies still coming

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_helpers import ServerProcess, server_process
+from server_helpers import ServerProcess, demo_env, demo_server, metric, server_process
 
 pytestmark = pytest.mark.slow
 
@@ -29,23 +29,31 @@ MAX_CONNECTIONS = 20
 PER_CLIENT = 12
 
 
+def hostile_server(
+    root: Path, key: str, max_connections: int, per_client: int, **extra: str
+) -> contextlib.AbstractContextManager[ServerProcess]:
+    """A demo server behind `key` with small caps (4 running, 4 queued, `max_connections` connections, `per_client`
+    of them a client): what the hostile clients here and in test_hardening_connections meet."""
+    return demo_server(
+        root,
+        TTS_API_KEYS=key,
+        TTS_MAX_CONCURRENT="4",
+        TTS_MAX_QUEUE="4",
+        TTS_MAX_CONNECTIONS=str(max_connections),
+        TTS_MAX_CONNECTIONS_PER_CLIENT=str(per_client),
+        **extra,
+    )
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     root = tmp_path_factory.mktemp("hardening")
-    env = {
-        "TTS_DEMO_DIR": str(root / "demo-tiny"),
-        "TTS_PROFILES_DIR": str(root / "voices"),
-        "TTS_API_KEYS": KEY,
-        "TTS_CORS_ORIGINS": ORIGIN,
-        "TTS_MAX_CONCURRENT": "4",
-        "TTS_MAX_QUEUE": "4",
-        "TTS_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
-        "TTS_MAX_CONNECTIONS_PER_CLIENT": str(PER_CLIENT),
+    timeouts = {
         "TTS_HEADER_TIMEOUT": str(HEADER_TIMEOUT),
         "TTS_KEEP_ALIVE_TIMEOUT": str(KEEP_ALIVE_TIMEOUT),
         "TTS_BODY_TIMEOUT": "20",
     }
-    with server_process(env, root / "server.log") as srv:
+    with hostile_server(root, KEY, MAX_CONNECTIONS, PER_CLIENT, TTS_CORS_ORIGINS=ORIGIN, **timeouts) as srv:
         yield srv
 
 
@@ -282,23 +290,6 @@ def test_a_refused_cors_preflight_gets_400_in_the_error_shape(client: httpx.Clie
 
 
 # --- synthesis defects over the socket --------------------------------------------------------------------
-def _metric(text: str, line_prefix: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(line_prefix + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def _wait_idle(c: httpx.Client, limit: float = 30.0) -> None:
-    deadline = time.monotonic() + limit
-    while True:
-        h = c.get("/health").json()
-        if h["running"] == 0 and h["waiting"] == 0 and h["admitted"] == 0:
-            return
-        assert time.monotonic() < deadline, h
-        time.sleep(0.05)
-
-
 def test_min_new_tokens_equal_to_max_fixes_the_length_beyond_the_text_budget(client: httpx.Client) -> None:
     # "Hi." has a text budget of 25 + 8 per token, well under 100 frames: the explicit length must win.
     body = {"speaker_id": "demo", "text": "Hi.", "min_new_tokens": 100, "max_new_tokens": 100, "seed": 3}
@@ -345,14 +336,14 @@ def test_a_stream_cut_by_its_client_is_counted_499_not_200(server: ServerProcess
     ):
         assert r.status_code == 200
         next(r.iter_raw())  # audio is flowing; hang up
-    _wait_idle(client)
+    server.wait_idle(30)
     deadline = time.monotonic() + 5
-    while _metric(client.get("/metrics").text, label % "499") == _metric(before, label % "499"):
+    while metric(client.get("/metrics").text, label % "499") == metric(before, label % "499"):
         assert time.monotonic() < deadline, "the cut stream was never counted as 499"
         time.sleep(0.05)
     after = client.get("/metrics").text
-    assert _metric(after, label % "499") - _metric(before, label % "499") == 1
-    assert _metric(after, label % "200") == _metric(before, label % "200")
+    assert metric(after, label % "499") - metric(before, label % "499") == 1
+    assert metric(after, label % "200") == metric(before, label % "200")
 
 
 def test_the_server_sets_torch_threads(server: ServerProcess) -> None:
@@ -364,12 +355,7 @@ def test_the_server_sets_torch_threads(server: ServerProcess) -> None:
 
 
 def test_an_sse_timeout_is_logged_once(tmp_path: Path) -> None:
-    env = {
-        "TTS_DEMO_DIR": str(tmp_path / "demo-tiny"),
-        "TTS_PROFILES_DIR": str(tmp_path / "voices"),
-        "TTS_REQUEST_TIMEOUT": "1.5",
-    }
-    with server_process(env, tmp_path / "server.log") as srv:
+    with demo_server(tmp_path, TTS_REQUEST_TIMEOUT="1.5") as srv:
         long = {"model": "tts-1", "voice": "demo", "input": "A long story. " * 25, "response_format": "pcm",
                 "stream_format": "sse", "min_new_tokens": 2048, "max_new_tokens": 2048}  # fmt: skip
         rid = "sse-deadline-1"
@@ -397,15 +383,15 @@ SHORT = {"speaker_id": "demo", "text": "Hello after a fault.", "min_new_tokens":
          "seed": 5, "response_format": "pcm"}  # fmt: skip
 
 
-def _fault_env(root: Path, fault_file: Path) -> dict[str, str]:
-    return {
-        "TTS_DEMO_DIR": str(root / "demo-tiny"),
-        "TTS_PROFILES_DIR": str(root / "voices"),
-        "TTS_FAULT_FILE": str(fault_file),
-        "TTS_ENGINE_RESTART_DELAY": "1.5",
-        "TTS_MAX_CONCURRENT": "4",
-        "TTS_MAX_QUEUE": "4",
-    }
+def _fault_server(root: Path) -> contextlib.AbstractContextManager[ServerProcess]:
+    """A demo server whose engine fails as root/fault says (tts_server/faults.py)."""
+    return demo_server(
+        root,
+        TTS_FAULT_FILE=str(root / "fault"),
+        TTS_ENGINE_RESTART_DELAY="1.5",
+        TTS_MAX_CONCURRENT="4",
+        TTS_MAX_QUEUE="4",
+    )
 
 
 def _stream_until_cut(c: httpx.Client) -> tuple[int, bool]:
@@ -440,9 +426,8 @@ def _inject_under_load(srv: ServerProcess, fault_file: Path, kind: str) -> tuple
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
     root = tmp_path_factory.mktemp("faults")
-    fault_file = root / "fault"
-    with server_process(_fault_env(root, fault_file), root / "server.log") as srv:
-        yield srv, fault_file
+    with _fault_server(root) as srv:
+        yield srv, root / "fault"
 
 
 @pytest.mark.parametrize("kind", ["oom", "loop"])
@@ -455,7 +440,7 @@ def test_an_engine_fault_fails_in_flight_requests_in_shape_then_the_engine_resta
         assert before.status_code == 200
         restarts = c.get("/health").json()["engine_restarts"]
         stream_500 = 'tts_http_requests_total{route="/synthesize/stream",status="500"}'
-        cut_before = _metric(c.get("/metrics").text, stream_500)
+        cut_before = metric(c.get("/metrics").text, stream_500)
 
         failed, (received, cut) = _inject_under_load(srv, fault_file, kind)
         for r in failed:  # every request the fault touched: a 500 in the documented shape, with its id
@@ -463,7 +448,7 @@ def test_an_engine_fault_fails_in_flight_requests_in_shape_then_the_engine_resta
             assert doc["error"]["code"] == "synthesis_failed" and doc["request_id"] in doc["error"]["message"]
         # The stream had started: it is cut (an incomplete chunked body, never a clean end), and counted as a 500.
         assert cut and 0 < received < 2048 * 1920 * 4
-        assert _metric(c.get("/metrics").text, stream_500) == cut_before + 1
+        assert metric(c.get("/metrics").text, stream_500) == cut_before + 1
         # Not ready while the engine is replaced; new work is refused in shape with Retry-After, never hangs.
         assert c.get("/ready").status_code == 503
         health = c.get("/health")
@@ -491,7 +476,7 @@ def test_an_engine_fault_fails_in_flight_requests_in_shape_then_the_engine_resta
 
 def test_a_sticky_cuda_error_exits_non_zero_for_the_supervisor(tmp_path: Path) -> None:
     fault_file = tmp_path / "fault"
-    with server_process(_fault_env(tmp_path, fault_file), tmp_path / "server.log") as srv:
+    with _fault_server(tmp_path) as srv:
         failed, _ = _inject_under_load(srv, fault_file, "cuda")
         for r in failed:
             assert_response_error(r, 500)
@@ -531,25 +516,14 @@ def test_by_default_the_same_request_batched_is_within_one_lsb_of_it_alone(serve
 
 
 def test_batch_invariant_decode_makes_the_same_request_bit_identical(tmp_path: Path) -> None:
-    env = {
-        "TTS_DEMO_DIR": str(tmp_path / "demo-tiny"),
-        "TTS_PROFILES_DIR": str(tmp_path / "voices"),
-        "TTS_API_KEYS": KEY,
-        "TTS_MAX_CONCURRENT": "4",
-        "TTS_BATCH_INVARIANT_DECODE": "1",
-    }
-    with server_process(env, tmp_path / "server.log") as srv:
+    with demo_server(tmp_path, TTS_API_KEYS=KEY, TTS_MAX_CONCURRENT="4", TTS_BATCH_INVARIANT_DECODE="1") as srv:
         for _ in range(2):
             alone, batched = _alone_then_batched(srv.url)
             assert batched[0] == alone
 
 
 def test_an_open_bind_address_without_keys_is_warned_about(tmp_path: Path) -> None:
-    env = {
-        "TTS_DEMO_DIR": str(tmp_path / "demo-tiny"),
-        "TTS_PROFILES_DIR": str(tmp_path / "voices"),
-        "TTS_HOST": "0.0.0.0",
-    }
+    env = demo_env(tmp_path, TTS_HOST="0.0.0.0")
     with server_process(env, tmp_path / "server.log") as srv:
         assert "listening on 0.0.0.0 with no API keys" in srv.log()
     with server_process({**env, "TTS_API_KEYS": KEY}, tmp_path / "server-keys.log") as srv:

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from server_helpers import ServerProcess, server_process
+from server_helpers import ServerProcess, demo_server
 
 pytestmark = pytest.mark.slow
 
@@ -39,18 +39,15 @@ _server: ServerProcess | None = None
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     global _server
-    root = tmp_path_factory.mktemp("fuzz")
-    env = {
-        "TTS_DEMO_DIR": str(root / "demo-tiny"),
-        "TTS_PROFILES_DIR": str(root / "voices"),
-        "TTS_API_KEYS": KEY,
-        "TTS_HEADER_TIMEOUT": "1",
-        "TTS_BODY_TIMEOUT": "1",
-        "TTS_KEEP_ALIVE_TIMEOUT": "0.5",
-        "TTS_MAX_NEW_TOKENS": "6",  # a fuzzed request that reaches synthesis is short
-        "TTS_MAX_CONNECTIONS_PER_CLIENT": "64",
-    }
-    with server_process(env, root / "server.log") as srv:
+    with demo_server(
+        tmp_path_factory.mktemp("fuzz"),
+        TTS_API_KEYS=KEY,
+        TTS_HEADER_TIMEOUT="1",
+        TTS_BODY_TIMEOUT="1",
+        TTS_KEEP_ALIVE_TIMEOUT="0.5",
+        TTS_MAX_NEW_TOKENS="6",  # a fuzzed request that reaches synthesis is short
+        TTS_MAX_CONNECTIONS_PER_CLIENT="64",
+    ) as srv:
         _server = srv
         yield srv
         _server = None

@@ -100,12 +100,17 @@ def test_wrong_shape_names_expected_and_found(tiny_copy):
         load_model(tiny_copy)
 
 
-def test_config_wider_than_the_weights_is_a_shape_error(tiny_copy):
-    def widen(cfg):
-        cfg["talker_config"]["intermediate_size"] = 96
-
-    _edit_config(tiny_copy, widen)
-    with pytest.raises(CheckpointError, match=r"mlp\.gate_proj\.weight expected \(96, 32\) found \(64, 32\)"):
+@pytest.mark.parametrize(
+    ("section", "change", "message"),
+    [
+        ("talker_config", {"intermediate_size": 96}, r"mlp\.gate_proj\.weight expected \(96, 32\) found \(64, 32\)"),
+        ("speaker_encoder_config", {"enc_dim": 48}, r"enc_dim 48 != talker hidden_size 32"),
+    ],
+    ids=["wider-than-the-weights", "xvector-width-not-the-talker-width"],
+)
+def test_config_that_disagrees_with_the_weights_is_refused(tiny_copy, section: str, change: dict, message: str):
+    _edit_config(tiny_copy, lambda cfg: cfg[section].update(change))
+    with pytest.raises(CheckpointError, match=message):
         load_model(tiny_copy)
 
 
@@ -115,15 +120,6 @@ def test_missing_config_key_is_named(tiny_copy):
         load_model(tiny_copy)
     with pytest.raises(CheckpointError, match="codec_bos_id"):
         load_speaker_encoder(tiny_copy)
-
-
-def test_xvector_width_other_than_talker_width_is_refused(tiny_copy):
-    def widen(cfg):
-        cfg["speaker_encoder_config"]["enc_dim"] = 48
-
-    _edit_config(tiny_copy, widen)
-    with pytest.raises(CheckpointError, match=r"enc_dim 48 != talker hidden_size 32"):
-        load_model(tiny_copy)
 
 
 def test_speaker_encoder_tensors_required_only_when_asked(tiny_copy):

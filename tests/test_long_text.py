@@ -20,7 +20,7 @@ from qwen_tts.engines.fake import FakeEngine
 from qwen_tts.engines.native import NativeEngine
 from qwen_tts.model.model_paths import resolve_model_path
 from qwen_tts.voices import ensure_demo_voice
-from server_helpers import in_process, server_process, write_voice
+from server_helpers import demo_server, in_process, write_voice
 from tts_server.long_text import FADE_SAMPLES, MIN_PIECE_BYTES, PIECE_BYTES, PieceChain, split_text
 
 _EN_SENTENCES = [
@@ -371,12 +371,8 @@ async def test_the_server_caps_a_4096_character_request_at_max_new_tokens(tmp_pa
 def test_a_real_server_caps_a_long_request_at_max_new_tokens(tmp_path: Path) -> None:
     """Issue 46, item 5, against `python inference_server.py` on the demo checkpoint: with max_new_tokens=50 a
     4096-character request gave 64 s of audio (16 pieces of 50 frames), and "Hi.\\n\\n" x 819 made 819 pieces."""
-    env = {
-        "TTS_DEMO_DIR": str(tmp_path / "demo-tiny"),
-        "TTS_PROFILES_DIR": str(tmp_path / "voices"),
-        "TTS_LOG_LEVEL": "debug",  # the chain's summary line: pieces submitted, frames, finish reason
-    }
-    with server_process(env, tmp_path / "server.log") as srv, httpx.Client(base_url=srv.url, timeout=300) as c:
+    # Debug logging: the chain's summary line (pieces submitted, frames, finish reason).
+    with demo_server(tmp_path, TTS_LOG_LEVEL="debug") as srv, httpx.Client(base_url=srv.url, timeout=300) as c:
         for text, pieces in [(english_text(4096), 20), ("Hi.\n\n" * 819, 11)]:
             assert len(text) >= 4095 and len(split_text(text)) == pieces
             body = {"speaker_id": "demo", "text": text, "max_new_tokens": 50, "seed": 1, "response_format": "pcm"}

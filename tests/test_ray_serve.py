@@ -195,10 +195,16 @@ def test_requests_spread_over_both_replicas(ray_server: RayServer) -> None:
     assert all(r.headers.get_list("x-request-id") == [r.headers["x-request-id"]] for r in responses)
 
 
+def _whole_pcm(c: httpx.Client, frames: int) -> bytes:
+    """The PCM of `_body(frames=frames)` as one file: what the same request streamed must carry."""
+    r = c.post("/synthesize", json=_body(frames=frames, response_format="pcm"))
+    assert r.status_code == 200
+    return r.content
+
+
 def test_streaming_through_the_proxy(ray_server: RayServer) -> None:
     with httpx.Client(base_url=ray_server.url, timeout=60) as c:
-        whole = c.post("/synthesize", json=_body(frames=40, response_format="pcm"))
-        assert whole.status_code == 200
+        whole = _whole_pcm(c, 40)
         with c.stream("POST", "/synthesize/stream", json=_body(frames=40, response_format="pcm")) as r:
             assert r.status_code == 200
             assert r.headers["transfer-encoding"] == "chunked"
@@ -206,7 +212,7 @@ def test_streaming_through_the_proxy(ray_server: RayServer) -> None:
             pieces = [p for p in r.iter_raw() if p]
         # Same seed, same request: the stream carries the same samples as the whole file, in several pieces.
         assert len(pieces) >= 2
-        assert b"".join(pieces) == whole.content
+        assert b"".join(pieces) == whole
 
         with c.stream(
             "POST", "/v1/audio/speech", json={"model": "x", "input": "hello there", "voice": "demo", "seed": 1,
@@ -398,14 +404,13 @@ def test_killing_a_replica_under_load(ray_server: RayServer) -> None:
 def test_shutdown_drains_the_streams_in_flight(ray_server: RayServer) -> None:
     """SIGTERM (last test: it stops the server): a stream in flight finishes whole, then the process exits 0."""
     with httpx.Client(base_url=ray_server.url, timeout=60) as c:
-        whole = c.post("/synthesize", json=_body(frames=80, response_format="pcm"))
-        assert whole.status_code == 200
+        whole = _whole_pcm(c, 80)
         with c.stream("POST", "/synthesize/stream", json=_body(frames=80, response_format="pcm")) as r:
             assert r.status_code == 200
             pieces = r.iter_raw()
             first = next(pieces)
             ray_server.proc.send_signal(signal.SIGTERM)
             data = first + b"".join(pieces)
-    assert data == whole.content
+    assert data == whole
     assert ray_server.proc.wait(timeout=90) == 0
     assert "stopping: draining the replicas" in ray_server.log()

@@ -249,6 +249,15 @@ async def test_dead_engine_fails_liveness(voices: Path) -> None:
 
 
 # --- timeouts ----------------------------------------------------------------------------------------------
+async def _until_nothing_runs(engine: FakeEngine) -> None:
+    """Wait up to a second for the engine to drop its cancelled request (at its next frame), then assert it did."""
+    for _ in range(100):
+        if engine.num_running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.num_running == 0
+
+
 async def test_timeout_is_a_504_and_cancels_the_engine_request(voices: Path) -> None:
     engine = FakeEngine(xvector_dim=DIM, frame_delay=0.05)
     async with in_process(engine, profiles_dir=voices, request_timeout=0.2) as s:
@@ -257,11 +266,7 @@ async def test_timeout_is_a_504_and_cancels_the_engine_request(voices: Path) -> 
         assert "limit of 0.2 s" in _error(r)["message"]
         assert engine.cancelled == ["slow-1"]
         assert s.runtime.admission.active == 0
-        for _ in range(100):
-            if engine.num_running == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert engine.num_running == 0
+        await _until_nothing_runs(engine)
 
 
 async def test_stream_timeout_before_first_audio_is_a_504(voices: Path) -> None:
@@ -335,11 +340,7 @@ async def test_client_disconnect_cancels_the_engine_request_and_frees_the_slot(v
         sent = await _call_and_disconnect(s.app, path, body, disconnect_after=0.3)
         assert engine.cancelled == ["gone-1"]
         assert s.runtime.admission.active == 0
-        for _ in range(100):
-            if engine.num_running == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert engine.num_running == 0
+        await _until_nothing_runs(engine)
         # A whole-file request ends as 499 (nginx's "client closed", for logs and metrics; nobody receives it);
         # a stream had started with 200 and is cut before its end.
         if path == "/synthesize":

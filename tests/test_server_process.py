@@ -25,7 +25,7 @@ import openai
 import pytest
 import soundfile as sf
 
-from server_helpers import REPO_ROOT, ServerProcess, server_process
+from server_helpers import REPO_ROOT, ServerProcess, metric, pcm16, server_process
 from tts_server.audio_encoding import to_int16
 
 pytestmark = pytest.mark.slow
@@ -80,22 +80,7 @@ def client(server: ServerProcess):
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as c:
         yield c
         # Whatever a test did, the server must be idle and healthy afterwards.
-        _wait_idle(c)
-
-
-def _wait_idle(c: httpx.Client, limit: float = 60.0) -> dict:
-    """Poll /health until nothing is running, queued or admitted (fails after `limit` s: work was left over)."""
-    deadline = time.monotonic() + limit
-    while True:
-        health = c.get("/health").json()
-        if health["running"] == 0 and health["waiting"] == 0 and health["admitted"] == 0:
-            return health
-        assert time.monotonic() < deadline, f"engine still busy: {health}"
-        time.sleep(0.05)
-
-
-def _pcm16(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, "<i2")
+        server.wait_idle()
 
 
 # --- basic serving --------------------------------------------------------------------------------------
@@ -127,7 +112,7 @@ def test_whole_file_over_the_socket(client: httpx.Client) -> None:
 
 
 def test_stream_arrives_in_several_chunks_and_equals_the_whole_file(client: httpx.Client) -> None:
-    whole = _pcm16(client.post("/synthesize", json=_body(response_format="pcm")).content)
+    whole = pcm16(client.post("/synthesize", json=_body(response_format="pcm")).content)
     chunks: list[bytes] = []
     with client.stream("POST", "/synthesize/stream", json=_body()) as r:
         assert r.status_code == 200
@@ -185,13 +170,13 @@ def test_40_concurrent_requests_get_only_200_or_429_and_every_200_is_complete(
     assert set(statuses) <= {200, 429}, statuses
     # 40 arrive at once and 8 fit (4 decoding + 4 queued): most must be refused, never crash or queue unboundedly.
     assert statuses[200] >= 4 and statuses[429] >= 1
-    expected = _pcm16(client.post("/synthesize", json=_body(response_format="pcm")).content)
+    expected = pcm16(client.post("/synthesize", json=_body(response_format="pcm")).content)
     for r in responses:
         if r.status_code == 200:
             assert len(r.content) == FRAMES * FRAME * 2  # complete
             # ...and not mixed with anyone else's: equal to the same request alone, up to the float rounding of a
             # batched decode (a sample or two of int16).
-            assert np.abs(_pcm16(r.content).astype(int) - expected).max() <= 4
+            assert np.abs(pcm16(r.content).astype(int) - expected).max() <= 4
         else:
             assert r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "rate_limit_error"
@@ -210,10 +195,10 @@ def test_client_that_disconnects_mid_stream_frees_its_slot(server: ServerProcess
         ):
             assert r.status_code == 200
             next(r.iter_raw())  # audio is flowing; now hang up
-    health = _wait_idle(client, limit=30)
+    health = server.wait_idle(30)
     assert health["ready"] is True
     after = client.get("/metrics").text
-    assert _metric(after, "tts_client_disconnects_total") - _metric(before, "tts_client_disconnects_total") == 8
+    assert metric(after, "tts_client_disconnects_total") - metric(before, "tts_client_disconnects_total") == 8
     assert client.post("/synthesize", json=_body()).status_code == 200
 
 
@@ -223,14 +208,7 @@ def test_client_that_disconnects_from_a_whole_file_request_frees_its_slot(
     long = _body(frames=2048, text=LONG_TEXT)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/synthesize", json=long, headers=AUTH, timeout=1.0)
-    _wait_idle(client, limit=30)
-
-
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
+    server.wait_idle(30)
 
 
 # --- bad input over the socket ----------------------------------------------------------------------------
@@ -270,7 +248,7 @@ def test_openai_sdk_whole_and_streamed(server: ServerProcess, client: httpx.Clie
     sdk = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     extra = {"seed": 11, "min_new_tokens": FRAMES, "max_new_tokens": FRAMES}
     text = "Hello from the demo voice, over a real socket."
-    expected = _pcm16(client.post("/synthesize", json=_body(response_format="pcm")).content)
+    expected = pcm16(client.post("/synthesize", json=_body(response_format="pcm")).content)
 
     wav = sdk.audio.speech.create(model="tts-1", voice="demo", input=text, response_format="wav", extra_body=extra)
     x, sr = sf.read(io.BytesIO(wav.content), dtype="int16")
@@ -285,7 +263,7 @@ def test_openai_sdk_whole_and_streamed(server: ServerProcess, client: httpx.Clie
     ) as resp:
         parts = [p for p in resp.iter_bytes() if p]
     assert len(parts) >= 2
-    np.testing.assert_array_equal(_pcm16(b"".join(parts)), expected)
+    np.testing.assert_array_equal(pcm16(b"".join(parts)), expected)
 
     with sdk.audio.speech.with_streaming_response.create(
         model="tts-1", voice="demo", input=text, response_format="pcm", stream_format="sse", extra_body=extra
@@ -293,7 +271,7 @@ def test_openai_sdk_whole_and_streamed(server: ServerProcess, client: httpx.Clie
         events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
     assert events[-1]["type"] == "speech.audio.done"
     audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
-    np.testing.assert_array_equal(_pcm16(audio), expected)
+    np.testing.assert_array_equal(pcm16(audio), expected)
 
 
 def test_openai_sdk_sees_our_errors(server: ServerProcess) -> None:

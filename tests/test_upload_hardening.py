@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from server_helpers import ServerProcess, server_process
+from server_helpers import ServerProcess, demo_server
 
 pytestmark = pytest.mark.slow
 
@@ -28,14 +28,9 @@ MAX_EXTRA_PEAK_MIB = 600
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    root = tmp_path_factory.mktemp("upload-hardening")
-    env = {
-        "TTS_DEMO_DIR": str(root / "demo-tiny"),
-        "TTS_PROFILES_DIR": str(root / "voices"),
-        "TTS_VOICE_UPLOAD": "true",
-        "TTS_MAX_NEW_TOKENS": "32",
-    }
-    with server_process(env, root / "server.log") as srv:
+    with demo_server(
+        tmp_path_factory.mktemp("upload-hardening"), TTS_VOICE_UPLOAD="true", TTS_MAX_NEW_TOKENS="32"
+    ) as srv:
         yield srv
 
 

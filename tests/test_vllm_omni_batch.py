@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -12,15 +11,9 @@ import soundfile as sf
 import torch
 
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
-from server_helpers import REPO_ROOT, write_voice
+from server_helpers import REPO_ROOT, VO_PYTHON, needs_vllm_omni, write_voice
 
-VO_PYTHON = REPO_ROOT / ".venv-vllm-omni" / "bin" / "python"
-if not VO_PYTHON.exists() and os.environ.get("CI") == "true":
-    raise RuntimeError(f"{VO_PYTHON} is missing: CI must run scripts/setup_vllm_omni.sh before the tests")
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not VO_PYTHON.exists(), reason="no .venv-vllm-omni (run scripts/setup_vllm_omni.sh)"),
-]
+pytestmark = [pytest.mark.slow, needs_vllm_omni()]
 
 
 def test_batch_cli_with_stage_configs_path(tmp_path: Path) -> None:

@@ -3,20 +3,15 @@ against the installed versions' own classes and sources)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
-from server_helpers import REPO_ROOT
+from server_helpers import REPO_ROOT, VO_PYTHON, needs_vllm_omni
 
-VO_PYTHON = REPO_ROOT / ".venv-vllm-omni" / "bin" / "python"
 CONFIGS = ["stage_config_optimized.yaml", "stage_config_cpu.yaml"]
-if not VO_PYTHON.exists() and os.environ.get("CI") == "true":
-    raise RuntimeError(f"{VO_PYTHON} is missing: CI must run scripts/setup_vllm_omni.sh before the tests")
-needs_env = pytest.mark.skipif(not VO_PYTHON.exists(), reason="no .venv-vllm-omni (run scripts/setup_vllm_omni.sh)")
+needs_env = needs_vllm_omni()
 
 
 def _check(*paths: str | Path) -> subprocess.CompletedProcess:

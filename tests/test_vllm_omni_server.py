@@ -22,15 +22,9 @@ from safetensors.torch import save_file
 
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
 from qwen_tts.voices import TENSOR_NAME
-from server_helpers import REPO_ROOT, ServerProcess, write_voice
+from server_helpers import REPO_ROOT, VO_PYTHON, ServerProcess, needs_vllm_omni, pcm16, write_voice
 
-VO_PYTHON = REPO_ROOT / ".venv-vllm-omni" / "bin" / "python"
-if not VO_PYTHON.exists() and os.environ.get("CI") == "true":
-    raise RuntimeError(f"{VO_PYTHON} is missing: CI must run scripts/setup_vllm_omni.sh before the tests")
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not VO_PYTHON.exists(), reason="no .venv-vllm-omni (run scripts/setup_vllm_omni.sh)"),
-]
+pytestmark = [pytest.mark.slow, needs_vllm_omni()]
 
 SR, FRAME = 24000, 1920
 FRAMES = 24
@@ -88,20 +82,6 @@ def client(server: ServerProcess):
         yield c
 
 
-def _wait_idle(c: httpx.Client, limit: float = 60.0) -> dict:
-    deadline = time.monotonic() + limit
-    while True:
-        health = c.get("/health").json()
-        if health["running"] == 0 and health["waiting"] == 0 and health["admitted"] == 0:
-            return health
-        assert time.monotonic() < deadline, f"engine still busy: {health}"
-        time.sleep(0.05)
-
-
-def _pcm(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, "<i2")
-
-
 def test_started_with_the_asked_transport(server: ServerProcess, client: httpx.Client) -> None:
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["ready"] is True
@@ -112,7 +92,7 @@ def test_started_with_the_asked_transport(server: ServerProcess, client: httpx.C
 def test_whole_file_and_stream_carry_the_same_audio(client: httpx.Client) -> None:
     whole = client.post("/synthesize", json=_body(response_format="pcm"))
     assert whole.status_code == 200, whole.text
-    audio = _pcm(whole.content)
+    audio = pcm16(whole.content)
     assert audio.size == FRAMES * FRAME
     assert int(np.abs(audio.astype(np.int32)).max()) > 300  # not silence
     chunks = []
@@ -120,7 +100,7 @@ def test_whole_file_and_stream_carry_the_same_audio(client: httpx.Client) -> Non
         assert r.status_code == 200
         chunks = [c for c in r.iter_raw() if c]
     assert len(chunks) >= 2  # a small first chunk, then more
-    np.testing.assert_array_equal(_pcm(b"".join(chunks)), audio)  # greedy: same codes, same waveform
+    np.testing.assert_array_equal(pcm16(b"".join(chunks)), audio)  # greedy: same codes, same waveform
 
 
 def test_concurrent_requests_all_complete(server: ServerProcess, client: httpx.Client) -> None:
@@ -131,8 +111,8 @@ def test_concurrent_requests_all_complete(server: ServerProcess, client: httpx.C
 
     responses = asyncio.run(burst())
     assert [r.status_code for r in responses] == [200] * 4
-    assert [_pcm(r.content).size for r in responses] == [(16 + 4 * i) * FRAME for i in range(4)]
-    _wait_idle(client)
+    assert [pcm16(r.content).size for r in responses] == [(16 + 4 * i) * FRAME for i in range(4)]
+    server.wait_idle()
 
 
 def test_cancelled_stream_is_aborted_in_the_pipeline(server: ServerProcess, client: httpx.Client) -> None:
@@ -144,7 +124,7 @@ def test_cancelled_stream_is_aborted_in_the_pipeline(server: ServerProcess, clie
     ):
         assert r.status_code == 200
         next(r.iter_raw())  # audio is flowing; hang up
-    health = _wait_idle(client, limit=30)
+    health = server.wait_idle(30)
     assert health["ready"] is True
     deadline = time.monotonic() + 10
     while f"Aborted request(s) ['{rid}" not in server.log():  # vLLM-Omni's orchestrator dropped it
@@ -248,5 +228,5 @@ def test_a_killed_stage_gives_503_then_the_pipeline_recovers(server: ServerProce
         time.sleep(1.0)
     r = client.post("/synthesize", json=_body(response_format="pcm"))
     assert r.status_code == 200
-    assert _pcm(r.content).size == FRAMES * FRAME
+    assert pcm16(r.content).size == FRAMES * FRAME
     assert "vLLM-Omni pipeline restarted" in server.log()

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from qwen_tts.model.model_paths import resolve_model_path
-from server_helpers import REPO_ROOT, in_process, server_process, write_voice
+from server_helpers import REPO_ROOT, demo_env, in_process, server_process, write_voice
 
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
 CHROMIUM_FLAGS = [
@@ -48,13 +48,8 @@ async def test_the_page_is_served_without_a_key_and_uses_only_the_public_api(tmp
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("web")
-    demo_dir = resolve_model_path("demo", demo_dir=root / "demo-tiny")
-    env = {
-        "TTS_DEMO_DIR": str(demo_dir),
-        "TTS_PROFILES_DIR": str(root / "voices"),
-        "TTS_MAX_NEW_TOKENS": str(CAP),
-        "TTS_REQUEST_TIMEOUT": "120",
-    }
+    resolve_model_path("demo", demo_dir=root / "demo-tiny")
+    env = demo_env(root, TTS_MAX_NEW_TOKENS=str(CAP), TTS_REQUEST_TIMEOUT="120")
     with server_process(env, root / "server.log") as srv:
         yield srv
 

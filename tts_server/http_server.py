@@ -37,7 +37,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Any, ClassVar
 
 import h11
 
@@ -63,12 +63,14 @@ CONNECTION_EXTENSION = "tts.connection"
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    header_timeout: float = 10.0
-    keep_alive_timeout: float = 5.0
-    max_header_bytes: int = 16384
-    max_connections: int = 1024
-    max_connections_per_client: int = 64
-    retry_after: int = 1
+    """The TTS_* settings of the same names (their defaults and ranges live in settings.py)."""
+
+    header_timeout: float
+    keep_alive_timeout: float
+    max_header_bytes: int
+    max_connections: int
+    max_connections_per_client: int
+    retry_after: int
     # Told the reason of each refusal or close this layer makes (the server counts them in tts_rejections_total).
     on_refusal: Callable[[str], None] | None = field(default=None, compare=False)
 
@@ -155,7 +157,7 @@ class _LingeringTransport:
 class HygienicH11Protocol(H11Protocol):
     """uvicorn's H11Protocol plus the limits above. `limits` is set on a subclass by `protocol_class`."""
 
-    limits: ConnectionLimits = ConnectionLimits()
+    limits: ClassVar[ConnectionLimits]
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)

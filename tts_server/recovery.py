@@ -19,6 +19,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,17 +37,29 @@ _POLL_S = 0.05
 _WINDOW_S = 3600.0
 
 
+@dataclass(frozen=True)
+class EngineFacts:
+    """What an engine knows from construction on (`Engine`'s docstring), copied off it."""
+
+    xvector_dim: int
+    languages: tuple[str, ...]
+    sample_rate: int
+    device: torch.device
+    model_info: dict[str, Any]
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineFacts:
+        info = dict(engine.model_info)
+        return cls(engine.xvector_dim, tuple(engine.languages), engine.sample_rate, engine.device, info)
+
+
 class EngineStandIn(Engine):
     """Holds an engine's place while it is replaced: its facts (x-vector width, languages, rate, device, model
     info), never ready, refusing work as a stopped engine does, and no reference to it, so the old engine and its
     device memory are freed before the next one loads (a restart after running out of memory needs that room)."""
 
     def __init__(self, old: Engine, reason: str = "the engine is restarting") -> None:
-        self._xvector_dim = old.xvector_dim
-        self._languages = list(old.languages)
-        self._sample_rate = old.sample_rate
-        self._device = old.device
-        self._model_info = dict(old.model_info)
+        self._facts = EngineFacts.of(old)
         self._reason = reason
         self.fault: BaseException | None = None
 
@@ -68,23 +81,23 @@ class EngineStandIn(Engine):
 
     @property
     def xvector_dim(self) -> int:
-        return self._xvector_dim
+        return self._facts.xvector_dim
 
     @property
     def languages(self) -> list[str]:
-        return list(self._languages)
+        return list(self._facts.languages)
 
     @property
     def sample_rate(self) -> int:
-        return self._sample_rate
+        return self._facts.sample_rate
 
     @property
     def device(self) -> torch.device:
-        return self._device
+        return self._facts.device
 
     @property
     def model_info(self) -> dict[str, Any]:
-        return dict(self._model_info)
+        return dict(self._facts.model_info)
 
 
 def needs_new_process(fault: BaseException | None) -> bool:

@@ -41,7 +41,7 @@ from qwen_tts.voices import (
     profile_path,
 )
 
-from .common import CliError
+from .common import CliError, add_model_options
 from .manifest import AUDIO_FORMATS, ManifestError, ManifestItem, check_items, collect_items, load_json, resolve_output
 
 # soundfile (libsndfile) container and sample encoding per output format.
@@ -378,8 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = BatchOptions  # the defaults, as class attributes
     p.add_argument("--profiles-dir", type=Path, default=d.profiles_dir, help="voice profiles folder")
     p.add_argument("--output-dir", type=Path, default=d.output_dir, help="where audio files go")
-    p.add_argument("--model", default=d.model, help="checkpoint folder, hub id in the local HF cache, or 'demo'")
-    p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N (default: auto)")
+    add_model_options(p, model=d.model, device=d.device)
     p.add_argument("--dtype", default=d.dtype, help="float32 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument(
         "--backend",
@@ -403,29 +402,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=None, help="base seed: items without a seed get one derived from it")
     p.add_argument("--resume", action="store_true", help="skip items whose output file already exists")
-    p.add_argument("--summary", type=Path, default=None, help=f"summary path (default: <output-dir>/{SUMMARY_NAME})")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--summary",
+        dest="summary_path",
+        metavar="SUMMARY",
+        type=Path,
+        default=None,
+        help=f"summary path (default: <output-dir>/{SUMMARY_NAME})",
+    )
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
 
 def options_from_args(args: argparse.Namespace) -> BatchOptions:
-    backend = args.backend or ("vllm-omni" if args.stage_configs_path else BatchOptions.backend)
-    return BatchOptions(
-        manifest=args.manifest,
-        profiles_dir=args.profiles_dir,
-        output_dir=args.output_dir,
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        backend=backend,
-        stage_configs_path=args.stage_configs_path,
-        concurrency=args.concurrency,
-        format=args.format,
-        seed=args.seed,
-        resume=args.resume,
-        summary_path=args.summary,
-        progress=not args.no_progress,
-    )
+    """The parser's destinations are BatchOptions' fields; only the backend is derived when not given."""
+    fields = dict(vars(args))
+    fields["backend"] = args.backend or ("vllm-omni" if args.stage_configs_path else BatchOptions.backend)
+    return BatchOptions(**fields)
 
 
 def main(argv: Sequence[str] | None = None, engine: Engine | None = None) -> int:

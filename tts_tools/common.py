@@ -1,7 +1,9 @@
-"""Helpers shared by the command-line tools: user-facing errors, model and device resolution."""
+"""Helpers shared by the command-line tools: user-facing errors, the --model and --device options, model and
+device resolution."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -12,6 +14,12 @@ from qwen_tts.model.model_paths import resolve_model_path
 
 class CliError(Exception):
     """Bad input from the user: printed as `error: <line>` lines, exit status 1, no traceback."""
+
+
+def add_model_options(p: argparse.ArgumentParser, *, model: str, device: str) -> None:
+    """--model and --device with these defaults, spelt alike in every tool."""
+    p.add_argument("--model", default=model, help="checkpoint folder, hub id in the local HF cache, or 'demo'")
+    p.add_argument("--device", default=device, help="auto | cpu | cuda | cuda:N (default: auto)")
 
 
 def resolve_model(spec: str) -> Path:

@@ -30,7 +30,7 @@ from qwen_tts.voices import (
     sha256_file,
 )
 
-from .common import CliError, model_label, resolve_device, resolve_model
+from .common import CliError, add_model_options, model_label, resolve_device, resolve_model
 
 AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".oga", ".mp3")
 LIST_SEPARATOR = "|"
@@ -198,8 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
             "optional). Exit status: 0 all written, 1 any clip refused or failed or bad arguments."
         ),
     )
-    p.add_argument("--model", default=DEMO, help="checkpoint folder, hub id in the local HF cache, or 'demo'")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    add_model_options(p, model=DEMO, device="auto")
     p.add_argument(
         "--ref-audio", required=True, nargs="+", metavar="PATH", help="audio file(s), folder(s) or list file(s)"
     )
@@ -209,22 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-dir", default=str(DEFAULT_PROFILES_DIR), help="where profiles go (default: voice_profiles)"
     )
     p.add_argument("--force", action="store_true", help="overwrite existing profiles")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    options = vars(build_parser().parse_args(argv))
     try:
-        jobs = collect_jobs(args.ref_audio, args.output_name, args.ref_text)
-        results = extract_voices(
-            jobs,
-            model=args.model,
-            output_dir=args.output_dir,
-            device=args.device,
-            force=args.force,
-            progress=not args.no_progress,
-        )
+        jobs = collect_jobs(options.pop("ref_audio"), options.pop("output_name"), options.pop("ref_text"))
+        results = extract_voices(jobs, **options)  # the other destinations are its keyword arguments
     except CliError as e:
         for line in str(e).splitlines():
             print(f"error: {line}", file=sys.stderr)
