@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from server_helpers import REPO_ROOT, VO_PYTHON, needs_vllm_omni
