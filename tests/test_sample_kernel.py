@@ -154,7 +154,7 @@ def test_greedy_rows_branch_around_the_draw_with_the_same_ids(top_p) -> None:
 
 @pytest.mark.parametrize("feed", [True, False], ids=["feeds-the-next-pass", "last-pass"])
 def test_sample_feed_draws_as_sample_and_adds_and_gathers_the_drawn_rows(feed) -> None:
-    """`sample_feed` (EngineSettings.cp_fused_feed): the ids are `sampling.sample`'s (greedy and sampled rows
+    """`sample_feed` (FastPath.cp_fused_feed): the ids are `sampling.sample`'s (greedy and sampled rows
     mixed), written into a column of a wider codes tensor and nowhere else; the codec sum gains each id's embedding
     row as `codec_sum + emb[ids]` does, bit for bit; the next input is each id's table row (rows wider than one
     block of the kernel's loop, and of two widths), and without a table nothing else is written."""

@@ -268,7 +268,7 @@ def test_code_predictor_without_projection_has_no_projection_tensors() -> None:
 
 
 def test_code_predictor_input_tables_hold_the_projected_rows_and_leave_the_codes_alone(cfg: ModelConfig) -> None:
-    """CodePredictor.build_input_tables (EngineSettings.cp_input_tables): 14 tables, each row the projection of its
+    """CodePredictor.build_input_tables (FastPath.cp_input_tables): 14 tables, each row the projection of its
     embedding row; a frame's codes and embedding sum with the tables equal those without; an Identity projection
     builds nothing."""
     talker = random_talker(cfg, seed=3)
@@ -313,7 +313,7 @@ def _argmax_feed(calls: list):
 
 @pytest.mark.parametrize("shape", ["projected-tables", "no-projection"])
 def test_a_feed_hook_gives_the_codes_and_sums_of_the_sampling_path(shape) -> None:
-    """CodePredictor.forward's `feed` (EngineSettings.cp_fused_feed): each pass hands the hook its logits, its
+    """CodePredictor.forward's `feed` (FastPath.cp_fused_feed): each pass hands the hook its logits, its
     column of the codes, codebook j's embedding table, the codec sum and the next input's table (the projected
     input table, or the embedding table itself without a projection; none at the last pass). The codes and sums
     equal the sampling path's. Behind a projection without input tables the hook is not used."""

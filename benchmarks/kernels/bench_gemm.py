@@ -6,8 +6,8 @@ count it captures `--reps` calls into a CUDA graph, each on its own copy of the 
 so the weights come from memory as in the step), replays it back to back (CUDA events) and reports microseconds
 per call and the weight bytes read per second. Each kernel configuration is checked against float64 first. Last,
 the step's total over its calls (the talker's layers once, the code predictor's 16 times) for cuBLAS, cuBLASLt and
-the best single kernel configuration: the figure that decides `EngineSettings.small_m_gemm` and its block sizes.
-`--max-splits` adds split K (`EngineSettings.small_m_split_k`): a configuration "16x256x4k4" splits each narrow
+the best single kernel configuration: the figure that decides `FastPath.small_m_gemm` and its block sizes.
+`--max-splits` adds split K (`FastPath.small_m_split_k`): a configuration "16x256x4k4" splits each narrow
 weight over up to 4 programs per column block, as `small_m_gemm.split_k_for` chooses on this GPU.
 
     python3 benchmarks/kernels/bench_gemm.py --size 1.7b --rows 2,4,8,16 --max-splits 1,2,4 --out gemm.json

@@ -193,7 +193,7 @@ if HAVE_TRITON:
 
 # Row elements per warp: a program gets max(1, BLOCK // this) warps (512: the code predictor's 2048-wide row on 4
 # warps, the talker's 3072 padded to 4096 on 8; bench_sampler.py, docs/performance.md). A launch's `warp_elements`
-# argument (EngineSettings.kernel_sampler_warp_elements), read when the launch is made (so when a graph is captured).
+# argument (FastPath.kernel_sampler_warp_elements), read when the launch is made (so when a graph is captured).
 WARP_ELEMENTS = 512
 
 

@@ -9,12 +9,12 @@ over K in BLOCK_K steps; narrow column blocks give more programs than SMs for ev
 A row's result does not depend on how many rows came with it: every row sees the same K order and the same tiles,
 so a row gets the same bits alone as in a batch of up to SMALL_M_MAX rows. Larger batches go to `F.linear` (whose
 reduction order differs), so the switch at SMALL_M_MAX is a boundary of batch invariance (the CUDA batch-invariance
-test crosses it). On by default (`EngineSettings.small_m_gemm`), as measured on an H200 (docs/history/benchmarks-diary.md).
+test crosses it). On by default (`FastPath.small_m_gemm`), as measured on an H200 (docs/history/benchmarks-diary.md).
 
 `linear(x, w)` is `F.linear(x, w)` for 2-D x: under torch.compile it is one opaque call (a custom op with a fake
 implementation), so the compiled blocks keep their fusions around it and the step still captures into a graph.
 
-Split K (`max_split_k`, an argument of `linear`; the engine passes EngineSettings.small_m_split_k, 4 by default;
+Split K (`max_split_k`, an argument of `linear`; the engine passes FastPath.small_m_split_k, 4 by default;
 docs/performance.md). A weight whose output gives fewer column blocks than the GPU has SMs (the code predictor's 1024-wide o and
 down projections: 32 programs on 132 SMs) leaves SMs idle and too few loads in flight. With split K, S programs
 share a column block, each over its own run of K tiles; each writes its float32 partial sums and bumps the block's counter, and the program that bumps it last adds

@@ -46,7 +46,7 @@ class CodePredictor(nn.Module):
             self.small_to_mtp_projection = nn.Identity()
         # (num_residual - 1, vocab, hidden) small_to_mtp_projection(codec_embedding[j].weight): the next pass's input
         # as one row gathered from a table instead of an embedding row through the projection's matmul and bias
-        # (`build_input_tables`; EngineSettings.cp_input_tables). None: the projection runs every pass.
+        # (`build_input_tables`; FastPath.cp_input_tables). None: the projection runs every pass.
         self.input_tables: Tensor | None = None
         # Scratch cache reused across frames (not module state); grown by reserve().
         self._cache: KVCache | None = None
