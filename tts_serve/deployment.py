@@ -75,13 +75,12 @@ class TTSReplica:
         torch.set_num_threads(torch_threads(settings))  # Ray sets OMP_NUM_THREADS from the replica's num_cpus
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.fatal: str | None = None
-        self.runtime = await Runtime.start(settings)
+        self.runtime = await Runtime.start(settings, fault_hook=faults.hook(settings.fault_file))
         self.supervisor = EngineSupervisor(
             self.runtime,
             self._on_fatal,
             restart_delay=settings.engine_restart_delay,
             max_restarts=settings.engine_max_restarts,
-            on_engine=faults.installer(settings.fault_file),
         )
         self.supervisor.start()
         freeze_startup_heap()  # the engine and app live as long as the replica: out of the collector's full walks
