@@ -45,19 +45,24 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-async def one_level(engine: Engine, n: int, frames: int, dim: int, greedy: bool) -> dict:
-    before = dict(engine.timings)
-    reqs = [
+def fixed_requests(n: int, frames: int, dim: int, greedy: bool) -> list[SynthesisRequest]:
+    """`n` requests of exactly `frames` frames each (end-of-speech masked: every request does the same work)."""
+    return [
         SynthesisRequest(
             text=TEXT,
             xvector=torch.randn(dim, generator=torch.Generator().manual_seed(i)),
             seed=i,
             greedy=greedy,
             max_frames=frames,
-            min_frames=frames + 1,  # end-of-speech masked: every request does the same work
+            min_frames=frames + 1,
         )
         for i in range(n)
     ]
+
+
+async def one_level(engine: Engine, n: int, frames: int, dim: int, greedy: bool) -> dict:
+    before = dict(engine.timings)
+    reqs = fixed_requests(n, frames, dim, greedy)
     t0 = time.perf_counter()
     handles = [engine.submit(r) for r in reqs]
     audio = await asyncio.gather(*(h.collect() for h in handles))

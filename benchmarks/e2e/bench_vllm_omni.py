@@ -35,9 +35,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
-from bench_engine import TEXT, pct  # the same text and percentile as the native engine's bench
+from bench_engine import fixed_requests, pct  # the same requests and percentile as the native engine's bench
 
-from qwen_tts.engine_api import FRAME_SAMPLES, Engine, EngineSettings, SynthesisRequest
+from qwen_tts.engine_api import FRAME_SAMPLES, Engine, EngineSettings
 from qwen_tts.engines import create_engine
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
@@ -98,17 +98,7 @@ def stage_summary(handles: list, frames: int) -> dict:
 
 
 async def level(engine: Engine, n: int, frames: int, dim: int, greedy: bool) -> dict:
-    reqs = [
-        SynthesisRequest(
-            text=TEXT,
-            xvector=torch.randn(dim, generator=torch.Generator().manual_seed(i)),
-            seed=i,
-            greedy=greedy,
-            max_frames=frames,
-            min_frames=frames + 1,  # end-of-speech masked: every request does the same work
-        )
-        for i in range(n)
-    ]
+    reqs = fixed_requests(n, frames, dim, greedy)
     t0 = time.perf_counter()
     handles = [engine.submit(r) for r in reqs]
     audio = await asyncio.gather(*(h.collect() for h in handles))

@@ -30,16 +30,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qwen_tts.fastpath")
 
-# The options `FastStep` reads (FastPath's fields).
-OPTION_NAMES = (
-    "fused_kernels", "split_attention", "small_m_gemm", "small_m_split_k", "small_m_heads", "fused_emulate_casts",
-    "cp_input_tables", "cp_prompt_one_pass", "cp_stack_kernel", "talker_stack_kernel",
-    "stack_lean_grid", "stack_evict_first", "cp_stack_threads", "talker_stack_threads", "stack_exact_rows",
-    "talker_stack_stage", "talker_stack_chunk", "talker_stack_split", "kernel_sampler", "cp_fused_feed",
-    "kernel_sampler_warp_elements", "fused_decoder", "decoder_snake_kernel", "decoder_channels_last",
-    "decoder_polyphase_dilation",
-)  # fmt: skip
-
 
 class FastStep:
     """The CUDA fast path of one engine: the kernels' options, the re-laid weights (keyed by the stack they belong
