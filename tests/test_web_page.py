@@ -45,6 +45,23 @@ async def test_the_page_is_served_without_a_key_and_uses_only_the_public_api(tmp
     assert "/synthesize" not in r.text.split("<script>")[1]  # the page speaks the OpenAI route only
 
 
+async def test_languages_lists_what_synthesis_accepts(tmp_path: Path) -> None:
+    from qwen_tts.engines.fake import FakeEngine
+
+    write_voice(tmp_path, "alice", 16)
+    engine = FakeEngine(languages=("auto", "english", "italian"))
+    async with in_process(engine, profiles_dir=tmp_path) as s:
+        r = await s.client.get("/languages")
+        assert r.status_code == 200
+        assert r.json() == {"languages": ["Auto", "English", "Italian"], "default": "Auto"}
+        body = {"model": "qwen3-tts", "input": "Hi.", "voice": "alice", "response_format": "pcm"}
+        for name in r.json()["languages"]:
+            ok = await s.client.post("/v1/audio/speech", json={**body, "language": name, "max_new_tokens": 2})
+            assert ok.status_code == 200, (name, ok.text)
+        refused = await s.client.post("/v1/audio/speech", json={**body, "language": "French"})
+        assert refused.status_code == 422 and refused.json()["error"]["code"] == "unsupported_language"
+
+
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("web")

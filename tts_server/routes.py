@@ -1,4 +1,4 @@
-"""HTTP routes: /synthesize, /synthesize/stream, /v1/audio/speech, /speakers, /health, /ready, /metrics.
+"""HTTP routes: /synthesize, /synthesize/stream, /v1/audio/speech, /speakers, /languages, /health, /ready, /metrics.
 
 Bodies are parsed here (not by FastAPI) so that malformed JSON, wrong types and unknown fields all get the
 same error shape, whatever the content type the client sent; a synthesis route then makes one call into the service
@@ -20,7 +20,7 @@ from . import service
 from .errors import BadRequest, NotReady, validation_error
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .runtime import Runtime
-from .schemas import SpeechRequest, StreamRequest, SynthesizeRequest, allowed_fields
+from .schemas import SpeechRequest, StreamRequest, SynthesisOptions, SynthesizeRequest, allowed_fields
 
 logger = logging.getLogger("tts_server")
 
@@ -34,6 +34,7 @@ ROUTES = (
     "/v1/audio/speech",
     "/v1/models",
     "/speakers",
+    "/languages",
     *PUBLIC_PATHS,
 )
 
@@ -101,6 +102,16 @@ async def speakers(request: Request) -> dict[str, Any]:
     runtime = runtime_of(request)
     found = await anyio.to_thread.run_sync(runtime.voices.list_speakers)
     return {"speakers": [s.as_dict() for s in found], "count": len(found)}
+
+
+@router.get("/languages")
+async def languages(request: Request) -> dict[str, Any]:
+    """What a synthesis body's `language` takes (any case): the served model's languages, 'Auto' among them."""
+    runtime = runtime_of(request)
+    return {
+        "languages": [name.capitalize() for name in runtime.engine.languages],
+        "default": SynthesisOptions.model_fields["language"].default,
+    }
 
 
 @router.get("/health")
