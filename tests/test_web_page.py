@@ -6,6 +6,7 @@ screenshot goes to test-output/web/ (TTS_TEST_OUTPUT overrides the folder)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -60,6 +61,28 @@ async def test_languages_lists_what_synthesis_accepts(tmp_path: Path) -> None:
             assert ok.status_code == 200, (name, ok.text)
         refused = await s.client.post("/v1/audio/speech", json={**body, "language": "French"})
         assert refused.status_code == 422 and refused.json()["error"]["code"] == "unsupported_language"
+
+
+ASSET_TYPES = {".js": ("text/javascript", "application/javascript"), ".css": ("text/css",), ".png": ("image/png",)}
+
+
+@pytest.mark.parametrize(("path", "assets"), [("/docs", 3), ("/redoc", 2)])
+async def test_the_docs_pages_load_only_assets_this_server_serves(path: str, assets: int) -> None:
+    from qwen_tts.engines.fake import FakeEngine
+
+    async with in_process(FakeEngine()) as s:
+        r = await s.client.get(path)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+        assert not re.search(r"https?:|//[a-z]", r.text, flags=re.I), r.text  # no other host, no protocol-relative URL
+        referenced = re.findall(r'(?:src|href)="([^"]+)"', r.text)
+        assert len(referenced) == assets and all(u.startswith("/docs/assets/") for u in referenced), referenced
+        for url in referenced:
+            asset = await s.client.get(url)
+            assert asset.status_code == 200, url
+            assert asset.headers["content-type"].split(";")[0] in ASSET_TYPES[Path(url).suffix], asset.headers
+            assert len(asset.content) > 1000, url
+        assert "'/openapi.json'" in r.text or '"/openapi.json"' in r.text  # the schema is this server's
+        assert (await s.client.get("/docs/assets/missing.js")).status_code == 404
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from starlette.routing import WebSocketRoute
 
 from qwen_tts.engine_api import Engine
 
-from . import openapi
+from . import docs, openapi
 from .errors import Forbidden, install_error_handlers
 from .heap import freeze_startup_heap, thaw_and_collect
 from .middleware import (
@@ -81,12 +81,15 @@ def create_app(
         version="0.1.0",
         summary="Text + voice id -> speech, for Qwen3-TTS-12Hz Base checkpoints.",
         lifespan=lifespan,
+        docs_url=None,  # docs.install serves /docs and /redoc from packaged assets, not a CDN
+        redoc_url=None,
     )
     app.state.runtime = runtime
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(voice_router)  # /v1/audio/voices, /v1/models/{id}
     app.include_router(web_router)  # the page at /
+    docs.install(app)  # /docs, /redoc and their assets, offline
     # A malformed multipart body is the client's error, answered 400 and logged once by the access line; the parser's
     # own ERROR lines would let any client write to the error log.
     logging.getLogger("python_multipart").setLevel(logging.CRITICAL)
