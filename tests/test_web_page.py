@@ -74,6 +74,7 @@ async def test_the_docs_pages_load_only_assets_this_server_serves(path: str, ass
         r = await s.client.get(path)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
         assert not re.search(r"https?:|//[a-z]", r.text, flags=re.I), r.text  # no other host, no protocol-relative URL
+        assert r.headers["content-security-policy"] == "img-src 'self' data:"  # nor an image the page script adds
         referenced = re.findall(r'(?:src|href)="([^"]+)"', r.text)
         assert len(referenced) == assets and all(u.startswith("/docs/assets/") for u in referenced), referenced
         for url in referenced:
