@@ -1,13 +1,25 @@
-"""The page at `/` (tts_server/static/index.html) in a real headless Chromium (Debian's `chromium`, driven by
-Playwright; no browser is downloaded): synthesize with the demo voice over the real server process, hear it
-streamed through Web Audio to its end, read time to first audio and the real-time factor off the page. The
-screenshot goes to test-output/web/ (TTS_TEST_OUTPUT overrides the folder)."""
+"""The page at `/` (tts_server/static/index.html) and the API docs pages.
+
+Without a browser (httpx over ASGI): the page is served without a key and writes no voice or language into itself,
+`/languages` lists what synthesis accepts, `/docs` and `/redoc` reference only assets this server serves.
+
+In a real headless Chromium (Debian's `chromium`, driven by Playwright; no browser is downloaded), over real server
+processes: synthesize with the demo voice, hear it streamed through Web Audio to its end, read time to first audio
+and the real-time factor off the page, pick any of the model's languages, download the result as a WAV file; on a
+server with no `demo` voice and voice management on, start with no voices (the page says how to enrol one, Speak is
+off), then pick up voices enrolled by hand, speak with the first one and delete voices after a confirm; `/docs` and
+`/redoc` render with no request to another host. Screenshots go to test-output/web/ (TTS_TEST_OUTPUT overrides the
+folder)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import struct
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -41,9 +53,12 @@ async def test_the_page_is_served_without_a_key_and_uses_only_the_public_api(tmp
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
         assert "<title>Qwen3-TTS server</title>" in r.text
         assert (await s.client.get("/speakers")).status_code == 401  # the API behind it still needs the key
-    for path in ('"/speakers"', '"/v1/audio/speech"', '"/v1/audio/voices"'):
-        assert path in r.text
-    assert "/synthesize" not in r.text.split("<script>")[1]  # the page speaks the OpenAI route only
+    script = r.text.split("<script>")[1]
+    for path in ('"/languages"', '"/v1/audio/speech"', '"/v1/audio/voices"', '"/v1/audio/voices/"'):
+        assert path in script
+    assert "/synthesize" not in script  # the page speaks the OpenAI route only
+    # Nothing the server decides is written into the page: the voices and the languages come from the API.
+    assert "demo" not in r.text and "<option" not in r.text
 
 
 async def test_languages_lists_what_synthesis_accepts(tmp_path: Path) -> None:
@@ -88,6 +103,7 @@ async def test_the_docs_pages_load_only_assets_this_server_serves(path: str, ass
 
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory: pytest.TempPathFactory):
+    """The demo checkpoint and its `demo` voice, voice management off (the default)."""
     root = tmp_path_factory.mktemp("web")
     resolve_model_path("demo", demo_dir=root / "demo-tiny")
     env = demo_env(root, TTS_MAX_NEW_TOKENS=str(CAP), TTS_REQUEST_TIMEOUT="120")
@@ -95,81 +111,239 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory):
         yield srv
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium; .ci/run does)")
-def test_the_page_plays_a_streamed_result_in_headless_chromium(demo_server, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def managed_server(tmp_path_factory: pytest.TempPathFactory):
+    """A checkpoint served by its folder (as a real one is: no `demo` voice is written), an empty profiles folder,
+    voice management on (TTS_VOICE_UPLOAD=true)."""
+    root = tmp_path_factory.mktemp("web-managed")
+    checkpoint = resolve_model_path("demo", demo_dir=root / "demo-tiny")
+    env = {
+        "TTS_MODEL_PATH": str(checkpoint),
+        "TTS_PROFILES_DIR": str(root / "voices"),
+        "TTS_VOICE_UPLOAD": "true",
+        "TTS_MAX_NEW_TOKENS": str(CAP),
+        "TTS_REQUEST_TIMEOUT": "120",
+    }
+    (root / "voices").mkdir()
+    with server_process(env, root / "server.log") as srv:
+        srv.profiles = root / "voices"
+        yield srv
+
+
+@contextlib.contextmanager
+def chromium(tmp_path: Path) -> Iterator:
+    """A page in a fresh headless Chromium profile that may play audio without a gesture; its console is collected
+    in `page.console`."""
     from playwright.sync_api import sync_playwright
 
-    assert httpx.get(demo_server.url + "/speakers").json()["count"] >= 1
-    OUTPUT.mkdir(parents=True, exist_ok=True)
-    console: list[str] = []
     with sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
-            str(tmp_path / "profile"),  # a fresh profile
+            str(tmp_path / "profile"),
             executable_path=CHROMIUM,
             headless=True,
+            accept_downloads=True,
             args=[*CHROMIUM_FLAGS, "--autoplay-policy=no-user-gesture-required"],
         )
         try:
             page = context.new_page()
-            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-            requests: list[str] = []
-            page.on("request", lambda r: requests.append(r.url.removeprefix(demo_server.url)))
-            page.goto(demo_server.url + "/")
-            page.wait_for_function("() => document.getElementById('status').textContent === 'ready'", timeout=30_000)
-            assert page.input_value("#voice") == "demo"
-            assert page.is_hidden("#upload")  # this server reports no upload
-            page.fill("#text", "Hello from the demo voice.")
-            page.click("#speak")
-            page.wait_for_function(
-                "() => ['played'].includes(document.getElementById('status').textContent)"
-                " || document.getElementById('status').className === 'error'",
-                timeout=60_000,
-            )
-            page.screenshot(path=str(OUTPUT / "page-played.png"), full_page=True)
-            status = page.text_content("#status")
-            assert status == "played", (status, console)
-            samples = int(page.evaluate("() => document.body.dataset.samples"))
-            assert 0 < samples <= CAP * FRAME and samples % FRAME == 0
-            played_until = float(page.evaluate("() => document.body.dataset.played"))
-            assert played_until >= samples / 24000  # the audio clock ran through the whole result
-            ttfa = page.text_content("#ttfa")
-            assert ttfa.endswith(" ms") and 0 < int(ttfa.removesuffix(" ms")) < 60_000
-            assert float(page.text_content("#rtf")) > 0
-            assert page.is_visible("#result")  # the whole result, for replay or download
-            api = [u for u in requests if u != "/" and not u.startswith("blob:")]  # blob: the page's own WAV
-            assert set(api) <= {"/speakers", "/v1/audio/voices", "/v1/audio/speech"}, api
-            assert "/v1/audio/speech" in api
-            # The page's own script and style run under its Content-Security-Policy, and nothing it does is refused.
-            assert not [m for m in console if "Content Security Policy" in m], console
-
-            # A server that reports uploads gets the upload control (the feature check, on stubbed answers), and
-            # the upload is the voices API's multipart form: name, audio_sample, ref_text.
-            uploads: list[bytes] = []
-
-            def voices_api(route) -> None:
-                if route.request.method == "POST":
-                    uploads.append(route.request.post_data_buffer)
-                    route.fulfill(status=201, json={"id": "newvoice", "object": "voice"})
-                else:
-                    route.fulfill(json={"object": "list", "voices": ["demo"], "data": [], "upload_enabled": True})
-
-            page.route("**/v1/audio/voices", voices_api)
-            page.reload()
-            page.wait_for_function("() => document.getElementById('status').textContent === 'ready'", timeout=30_000)
-            page.wait_for_selector("#upload", state="visible", timeout=10_000)
-            clip = tmp_path / "clip.wav"
-            clip.write_bytes(b"RIFF-not-really-a-wav")
-            page.fill("#upname", "newvoice")
-            page.set_input_files("#upfile", str(clip))
-            page.fill("#uptext", "what the clip says")
-            page.click("#upsend")
-            page.wait_for_function("() => document.getElementById('upstatus').textContent === 'added newvoice'")
-            assert len(uploads) == 1
-            form = uploads[0]
-            for part in (b'name="name"', b"newvoice", b'name="audio_sample"; filename="clip.wav"', b'name="ref_text"'):
-                assert part in form, part
-            # (the intercepted copy of a multipart body carries file parts empty: only the text parts are checked)
-            assert b"what the clip says" in form and b"Content-Type: audio/wav" in form
+            page.console = []
+            page.on("console", lambda m: page.console.append(f"{m.type}: {m.text}"))
+            yield page
         finally:
             context.close()
+
+
+def wait_status(page, *texts: str, timeout: float = 30_000) -> str:
+    """Wait until #status reads one of `texts` or is an error; the status."""
+    page.wait_for_function(
+        "(texts) => texts.includes(document.getElementById('status').textContent)"
+        " || document.getElementById('status').className === 'error'",
+        arg=list(texts),
+        timeout=timeout,
+    )
+    status = page.text_content("#status")
+    assert status in texts, (status, page.console)
+    return status
+
+
+def speak_and_check(page, voice: str, tmp_path: Path) -> int:
+    """Click Speak, wait until the result has played through, download it; check figures and file; the samples."""
+    page.click("#speak")
+    wait_status(page, "played", timeout=60_000)
+    samples = int(page.evaluate("() => document.body.dataset.samples"))
+    assert 0 < samples <= CAP * FRAME and samples % FRAME == 0
+    played_until = float(page.evaluate("() => document.body.dataset.played"))
+    assert played_until >= samples / 24000  # the audio clock ran through the whole result
+    ttfa = page.text_content("#ttfa")
+    assert ttfa.endswith(" ms") and 0 < int(ttfa.removesuffix(" ms")) < 60_000
+    assert float(page.text_content("#rtf")) > 0
+    assert page.is_visible("#result")  # the whole result, for replay
+    # ... and for download: a WAV file named after the voice, the same samples as played.
+    with page.expect_download() as info:
+        page.click("#download")
+    download, name = info.value, info.value.suggested_filename
+    assert re.fullmatch(rf"qwen3-tts-{voice}-\d{{8}}-\d{{6}}\.wav", name), name
+    saved = tmp_path / name
+    download.save_as(saved)
+    wav = saved.read_bytes()
+    assert wav[:4] == b"RIFF" and wav[8:16] == b"WAVEfmt "
+    channels, rate, bits = struct.unpack("<HI", wav[22:28]) + struct.unpack("<H", wav[34:36])
+    assert (channels, rate, bits) == (1, 24000, 16)
+    assert wav[36:40] == b"data" and struct.unpack("<I", wav[40:44])[0] == samples * 2 == len(wav) - 44
+    assert any(struct.unpack(f"<{samples}h", wav[44:]))  # not silence
+    return samples
+
+
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+
+
+@needs_chromium
+def test_the_page_plays_a_streamed_result_in_headless_chromium(demo_server, tmp_path: Path) -> None:
+    languages = httpx.get(demo_server.url + "/languages").json()["languages"]
+    assert len(languages) == 11 and {"Auto", "English", "Italian", "Portuguese", "Russian"} <= set(languages)
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    with chromium(tmp_path) as page:
+        requests: list[str] = []
+        sent: list[dict] = []
+        page.on("request", lambda r: requests.append(r.url.removeprefix(demo_server.url)))
+        page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/v1/audio/speech") else None)
+        page.goto(demo_server.url + "/")
+        wait_status(page, "ready")
+        assert page.input_value("#voice") == "demo"
+        # Every language of the served model, from the server, its default selected.
+        assert page.eval_on_selector_all("#language option", "os => os.map(o => o.value)") == languages
+        assert page.input_value("#language") == "Auto"
+        assert page.is_hidden("#upload") and page.is_hidden("#delete")  # this server does not manage voices
+        assert page.is_hidden("#novoices") and page.is_enabled("#speak")
+        page.select_option("#language", "Italian")
+        page.fill("#text", "Hello from the demo voice.")
+        speak_and_check(page, "demo", tmp_path)
+        page.screenshot(path=str(OUTPUT / "page-played.png"), full_page=True)
+        assert sent == [
+            {"model": "qwen3-tts", "input": "Hello from the demo voice.", "voice": "demo", "language": "Italian",
+             "response_format": "pcm", "speed": 1}
+        ]  # fmt: skip
+        api = [u for u in requests if u != "/" and not u.startswith("blob:")]  # blob: the page's own WAV
+        assert set(api) == {"/languages", "/v1/audio/voices", "/v1/audio/speech"}, api
+        # The page's own script and style run under its Content-Security-Policy, and nothing it does is refused.
+        assert not [m for m in page.console if "Content Security Policy" in m], page.console
+
+        # A server that reports uploads gets the upload control (the feature check, on stubbed answers), and
+        # the upload is the voices API's multipart form: name, audio_sample, ref_text.
+        uploads: list[bytes] = []
+
+        def voices_api(route) -> None:
+            if route.request.method == "POST":
+                uploads.append(route.request.post_data_buffer)
+                route.fulfill(status=201, json={"id": "newvoice", "object": "voice"})
+            else:
+                route.fulfill(json={"object": "list", "voices": ["demo"], "data": [], "upload_enabled": True})
+
+        page.route("**/v1/audio/voices", voices_api)
+        page.reload()
+        wait_status(page, "ready")
+        page.wait_for_selector("#upload", state="visible", timeout=10_000)
+        assert page.is_visible("#delete")
+        clip = tmp_path / "clip.wav"
+        clip.write_bytes(b"RIFF-not-really-a-wav")
+        page.fill("#upname", "newvoice")
+        page.set_input_files("#upfile", str(clip))
+        page.fill("#uptext", "what the clip says")
+        page.click("#upsend")
+        page.wait_for_function("() => document.getElementById('upstatus').textContent === 'added newvoice'")
+        assert len(uploads) == 1
+        form = uploads[0]
+        for part in (b'name="name"', b"newvoice", b'name="audio_sample"; filename="clip.wav"', b'name="ref_text"'):
+            assert part in form, part
+        # (the intercepted copy of a multipart body carries file parts empty: only the text parts are checked)
+        assert b"what the clip says" in form and b"Content-Type: audio/wav" in form
     assert (OUTPUT / "page-played.png").stat().st_size > 1000
+
+
+def _wait_speakers(server, count: int) -> None:
+    deadline = time.monotonic() + 15
+    while server.health()["speakers"] != count:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.05)
+
+
+@needs_chromium
+def test_the_page_works_with_any_voices_and_deletes_them(managed_server, tmp_path: Path) -> None:
+    srv = managed_server
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    with chromium(tmp_path) as page:
+        speech: list[str] = []
+        page.on("request", lambda r: speech.append(r.post_data) if r.url.endswith("/v1/audio/speech") else None)
+        page.goto(srv.url + "/")
+        # No voices at all: the page says so and how to enrol one (here also by upload), and Speak is off.
+        wait_status(page, "no voices on this server yet")
+        assert page.is_visible("#novoices") and page.is_visible("#novoices-upload")
+        assert page.is_hidden("#novoices-noupload")
+        assert "extract_speaker_embedding.py" in page.text_content("#novoices")
+        assert page.is_disabled("#speak") and page.is_disabled("#voice") and page.is_hidden("#delete")
+        assert page.is_visible("#upload")
+        page.screenshot(path=str(OUTPUT / "page-no-voices.png"), full_page=True)
+        page.evaluate("() => speak()")  # even called directly, nothing is sent without a voice
+        assert page.text_content("#status") == "no voice selected: enrol one first"
+        assert speech == []
+
+        # Voices enrolled by hand (as the extractor writes them), none of them `demo`: the first is selected.
+        dim = srv.health()["model"]["xvector_dim"]
+        for seed, name in enumerate(("bob", "alice")):
+            write_voice(srv.profiles, name, dim, seed=seed)
+        _wait_speakers(srv, 2)
+        page.reload()
+        wait_status(page, "ready")
+        assert page.eval_on_selector_all("#voice option", "os => os.map(o => o.value)") == ["alice", "bob"]
+        assert page.input_value("#voice") == "alice"
+        assert page.is_hidden("#novoices") and page.is_enabled("#speak") and page.is_visible("#delete")
+        page.fill("#text", "Hello from Alice.")
+        speak_and_check(page, "alice", tmp_path)
+        assert len(speech) == 1 and '"voice":"alice"' in speech[0]
+
+        # Delete asks first; declined, nothing changes.
+        page.once("dialog", lambda d: d.dismiss())
+        page.click("#delete")
+        assert page.input_value("#voice") == "alice" and (srv.profiles / "alice.safetensors").exists()
+        # Accepted: the profile is gone, the list is refreshed and the next voice selected.
+        messages: list[str] = []
+        page.once("dialog", lambda d: (messages.append(d.message), d.accept()))
+        page.click("#delete")
+        wait_status(page, "deleted alice")
+        assert messages and '"alice"' in messages[0]
+        assert page.eval_on_selector_all("#voice option", "os => os.map(o => o.value)") == ["bob"]
+        assert page.input_value("#voice") == "bob" and not (srv.profiles / "alice.safetensors").exists()
+        # The last one: back to no voices.
+        page.once("dialog", lambda d: d.accept())
+        page.click("#delete")
+        wait_status(page, "no voices on this server yet")
+        assert page.is_visible("#novoices") and page.is_disabled("#speak") and page.is_hidden("#delete")
+        assert httpx.get(srv.url + "/v1/audio/voices").json()["voices"] == []
+        assert len(speech) == 1
+        assert not [m for m in page.console if "Content Security Policy" in m], page.console
+
+
+@needs_chromium
+@pytest.mark.parametrize(("path", "rendered"), [("/docs", ".opblock"), ("/redoc", "[data-section-id]")])
+def test_the_docs_render_offline(demo_server, tmp_path: Path, path: str, rendered: str) -> None:
+    with chromium(tmp_path) as page:
+        foreign: list[str] = []
+
+        def only_this_server(route) -> None:
+            if route.request.url.startswith(demo_server.url) or route.request.url.startswith(("data:", "blob:")):
+                route.continue_()
+            else:
+                foreign.append(route.request.url)
+                route.abort()
+
+        page.route("**/*", only_this_server)
+        page.goto(demo_server.url + path)
+        page.wait_for_selector(rendered, timeout=30_000)
+        page.wait_for_load_state("networkidle")
+        assert "/v1/audio/speech" in page.inner_text("body")
+        assert "/languages" in page.inner_text("body")
+        page.screenshot(path=str(OUTPUT / f"docs{path.replace('/', '-')}.png"))
+        refused = [m for m in page.console if "Content Security Policy" in m]
+    assert foreign == []
+    # The one thing the policy stops: ReDoc's logo from its maker's CDN.
+    assert all("cdn.redoc.ly" in m for m in refused) and (path == "/redoc") == bool(refused), refused

@@ -1,7 +1,9 @@
-"""The page at `/`: pick a voice, type, hear it streamed, see time to first audio and the real-time factor.
+"""The page at `/`: pick a voice, type, hear it streamed, see time to first audio and the real-time factor, download
+the result; where the server manages voices (TTS_VOICE_UPLOAD), add and delete voices.
 
-One static file (`static/index.html`, no build step) that uses only the public API. It carries no secret, so it
-is served without a key; the API calls it makes send the key typed into the page."""
+One static file (`static/index.html`, no build step) that uses only the public API: the voices, the languages and
+whether voices may be managed all come from it, none is written into the page. It carries no secret, so it is
+served without a key; the API calls it makes send the key typed into the page."""
 
 from __future__ import annotations
 
