@@ -194,7 +194,9 @@ def speak_and_check(page, voice: str, tmp_path: Path) -> int:
     return samples
 
 
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed (apt-get install chromium; .ci/run does)"
+)
 
 
 @needs_chromium
