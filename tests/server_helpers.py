@@ -57,10 +57,10 @@ def metric(text: str, name: str) -> float:
 
 
 def clean_settings(**overrides: Any) -> ServerSettings:
-    """Settings from defaults and `overrides` only, whatever TTS_* variables the test runner has."""
+    """Settings from defaults and `overrides` only, whatever TTS_* variables or .env file the test runner has."""
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("TTS_")}
     try:
-        return load_settings(**overrides)
+        return load_settings(env_file=None, **overrides)
     finally:
         os.environ.update(saved)
 
