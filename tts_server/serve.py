@@ -124,7 +124,7 @@ def warn_if_open(settings: ServerSettings) -> None:
     if not loopback and not settings.api_keys:
         logger.warning(
             "listening on %s with no API keys: anyone who can reach port %d can synthesize with every voice; "
-            "set TTS_API_KEYS, or TTS_HOST=127.0.0.1 behind a proxy that authenticates",
+            "set TTS_API_KEYS or TTS_API_KEYS_FILE, or TTS_HOST=127.0.0.1 behind a proxy that authenticates",
             settings.host,
             settings.port,
         )
