@@ -1,7 +1,8 @@
-"""Qwen3-TTS voice-cloning HTTP server: `python inference_server.py` (configured by TTS_* variables).
+"""Qwen3-TTS voice-cloning HTTP server: `python inference_server.py`, the same as the `qwen3-tts-server` command
+(flags, TTS_* variables, a .env file: `--help`).
 
-A thin entry point over `tts_server` (app factory, routes, admission, auth, metrics) and `qwen_tts` (the
-engine). Also usable as `uvicorn --factory inference_server:create_app`.
+A thin entry point over `tts_server` (command line, app factory, routes, admission, auth, metrics) and `qwen_tts`
+(the engine). Also usable as `uvicorn --factory inference_server:create_app`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 from fastapi import FastAPI
 
 from tts_server import app as _app
-from tts_server.serve import main
+from tts_server.cli import main
 
 __all__ = ["create_app", "main"]
 

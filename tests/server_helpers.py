@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,10 +57,10 @@ def metric(text: str, name: str) -> float:
 
 
 def clean_settings(**overrides: Any) -> ServerSettings:
-    """Settings from defaults and `overrides` only, whatever TTS_* variables the test runner has."""
+    """Settings from defaults and `overrides` only, whatever TTS_* variables or .env file the test runner has."""
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("TTS_")}
     try:
-        return load_settings(**overrides)
+        return load_settings(env_file=None, **overrides)
     finally:
         os.environ.update(saved)
 
@@ -118,20 +118,35 @@ def demo_env(root: Path, **extra: str) -> dict[str, str]:
 
 
 class ServerProcess:
-    """`python inference_server.py` on 127.0.0.1:<free port>; stdout+stderr go to `log_path`."""
+    """`python inference_server.py [args]` on 127.0.0.1:<free port> (given as TTS_PORT, or as --port with
+    `port_flag`), in `cwd` (default: the repository); stdout+stderr go to `log_path`."""
 
-    def __init__(self, env: dict[str, str], log_path: Path, startup_timeout: float = 120.0, python: str | None = None):
+    def __init__(
+        self,
+        env: dict[str, str],
+        log_path: Path,
+        startup_timeout: float = 120.0,
+        python: str | None = None,
+        *,
+        args: Sequence[str] = (),
+        cwd: Path | None = None,
+        port_flag: bool = False,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         # Not TRITON_INTERPRET either (conftest sets it for this process's CPU kernel tests).
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("TTS_") and k != "TRITON_INTERPRET"}
-        full_env.update({"TTS_HOST": "127.0.0.1", "TTS_PORT": str(self.port), "PYTHONUNBUFFERED": "1"})
+        full_env.update({"TTS_HOST": "127.0.0.1", "PYTHONUNBUFFERED": "1"})
+        if port_flag:
+            args = [*args, "--port", str(self.port)]
+        else:
+            full_env["TTS_PORT"] = str(self.port)
         full_env.update(env)
         self._log = open(self.log_path, "wb")  # noqa: SIM115  (closed in stop)
         self.proc = subprocess.Popen(
-            [python or sys.executable, str(REPO_ROOT / "inference_server.py")],
-            cwd=REPO_ROOT,
+            [python or sys.executable, str(REPO_ROOT / "inference_server.py"), *args],
+            cwd=cwd or REPO_ROOT,
             env=full_env,
             stdout=self._log,
             stderr=subprocess.STDOUT,

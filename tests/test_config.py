@@ -1,4 +1,5 @@
-"""inference_config: the seed's variables and defaults, list parsing, and one-line errors for bad values."""
+"""inference_config: the seed's variables and defaults, list parsing, the .env file and the API keys file, and
+one-line errors for bad values."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from inference_config import SettingsError, load_settings, unknown_env_vars
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No TTS_* variable, and a working directory of the test's own (so no .env file but the test's)."""
     import os
 
     for key in list(os.environ):
         if key.startswith("TTS_"):
             monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
 
 
 def test_defaults_match_the_seed_and_serve_the_demo() -> None:
@@ -174,6 +177,87 @@ def test_upload_bytes_in_flight_must_hold_one_largest_upload(monkeypatch: pytest
     monkeypatch.setenv("TTS_VOICE_UPLOAD_INFLIGHT_BYTES", str(4 * 1024 * 1024))
     with pytest.raises(SettingsError, match="TTS_VOICE_UPLOAD_INFLIGHT_BYTES must be at least"):
         load_settings()
+
+
+# --- the .env file --------------------------------------------------------------------------------------------
+def test_a_dotenv_file_in_the_working_directory_is_read_below_the_environment_and_the_flags(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Other programs' lines (a container's) are not ours and stay unread; comments and quotes as in a shell.
+    (tmp_path / ".env").write_text(
+        "# the server\nTTS_PORT=9001\nTTS_PROFILES_DIR='voices from dotenv'\nCUDA_VISIBLE_DEVICES=1\nHOME=/x\n"
+    )
+    s = load_settings()
+    assert (s.port, s.profiles_dir) == (9001, Path("voices from dotenv"))
+    monkeypatch.setenv("TTS_PORT", "9002")  # the environment wins over the file, for that variable only
+    s = load_settings()
+    assert (s.port, s.profiles_dir) == (9002, Path("voices from dotenv"))
+    assert load_settings(port=9003, flags={"port": "--port"}).port == 9003  # a flag wins over both
+    assert load_settings(env_file=None).profiles_dir == Path("voice_profiles")  # no file: the default
+
+
+def test_another_env_file_replaces_the_one_in_the_working_directory(tmp_path: Path) -> None:
+    (tmp_path / ".env").write_text("TTS_PORT=9001\nTTS_LOG_FORMAT=json\n")
+    other = tmp_path / "conf" / "server.env"
+    other.parent.mkdir()
+    other.write_text("TTS_PORT=9100\n")
+    s = load_settings(env_file=other)
+    assert (s.port, s.log_format) == (9100, "text")
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        ("TTS_PORT=eighty\n", "invalid configuration: TTS_PORT='eighty' (in .env): Input should be a valid integer"),
+        # A misspelt variable in the file is an error, not silence: TTS_API_KEY would leave the server open.
+        ("TTS_API_KEY=secret-key-123\n", "invalid configuration: TTS_API_KEY (in .env): no such setting"),
+    ],
+)
+def test_a_bad_line_of_the_dotenv_file_names_the_variable_and_the_file(
+    tmp_path: Path, lines: str, expected: str
+) -> None:
+    (tmp_path / ".env").write_text(lines)
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert str(info.value).startswith(expected)
+    assert "secret-key" not in str(info.value)
+
+
+def test_a_bad_flag_value_names_the_flag_as_typed() -> None:
+    with pytest.raises(SettingsError) as info:
+        load_settings(port=0, flags={"port": "--port"})
+    assert str(info.value) == "invalid configuration: --port 0: Input should be greater than or equal to 1"
+
+
+# --- the API keys file ------------------------------------------------------------------------------------------
+def test_the_api_keys_file_adds_its_keys_to_those_of_the_variable(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# one key a line\nkey-from-file-1\n\n  key-from-file-2  \n")
+    monkeypatch.setenv("TTS_API_KEYS", "key-from-env-1")
+    monkeypatch.setenv("TTS_API_KEYS_FILE", str(keys))
+    s = load_settings()
+    assert [k.get_secret_value() for k in s.api_keys] == ["key-from-env-1", "key-from-file-1", "key-from-file-2"]
+    assert s.public_dict()["api_keys"] == 3
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, "cannot read the file (No such file or directory)"),
+        ("long-enough-key\nshort\n", "line 2: each API key must be at least 8 characters"),
+        ("# only a comment\n\n", "the file holds no key (an empty file would leave the server without authentication)"),
+    ],
+)
+def test_an_unusable_api_keys_file_stops_startup_naming_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, content: str | None, expected: str
+) -> None:
+    if content is not None:
+        (tmp_path / "keys").write_text(content)
+    monkeypatch.setenv("TTS_API_KEYS_FILE", "keys")  # relative to the working directory, tmp_path
+    with pytest.raises(SettingsError) as info:
+        load_settings()
+    assert str(info.value) == f"invalid configuration: TTS_API_KEYS_FILE='keys': {expected}"
+    assert "long-enough-key" not in str(info.value)
 
 
 def test_unknown_tts_variables_are_reported() -> None:

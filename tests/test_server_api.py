@@ -201,12 +201,22 @@ async def test_speakers_lists_ids_with_width_and_file(server: InProcess) -> None
     assert demo["dim"] == server.runtime.engine.xvector_dim and demo["model"] == "demo"
 
 
-async def test_health_and_ready(server: InProcess) -> None:
+async def test_health_and_ready(server: InProcess, demo_model: Path) -> None:
     health = (await server.client.get("/health")).json()
     assert health["status"] == "ok" and health["ready"] is True
-    assert health["model"]["xvector_dim"] == server.runtime.engine.xvector_dim
-    assert "path" not in health["model"]
+    # The top level is what an operator reads (docs/api.md); the engine's whole description is under "engine" only.
+    assert set(health) == {
+        "status", "ready", "model", "backend", "speakers", "running", "waiting", "admitted", "uptime_s",
+        "engine_restarts", "engine",
+    }  # fmt: skip
+    dim = server.runtime.engine.xvector_dim
+    name = demo_model.name  # the checkpoint folder's name (the engine here is given its path, not "demo")
+    assert health["model"] == {"name": name, "size": "tiny", "xvector_dim": dim, "device": "cpu", "dtype": "float32"}
     assert health["speakers"] == 1 and health["backend"] == "native"
+    engine = health["engine"]
+    assert {k: engine[k] for k in health["model"]} == health["model"]  # the summary is taken from it
+    assert engine["max_slots"] == 4 and engine["cuda_graphs"] is False  # and it has the engine's own keys
+    assert "path" not in engine and not any(str(v).startswith("/") for v in engine.values())  # public: no paths
     assert (await server.client.get("/ready")).json() == {"status": "ready"}
 
 

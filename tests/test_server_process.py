@@ -86,10 +86,26 @@ def client(server: ServerProcess):
 # --- basic serving --------------------------------------------------------------------------------------
 def test_startup_logs_the_seed_sequence(server: ServerProcess) -> None:
     log = server.log()
-    steps = ["Loaded 1 voice profiles", "Engine initialised", "Ready with 1 speakers", "Uvicorn running"]
+    steps = ["Loaded 1 voice profiles", "Engine initialised", "Ready with 1 speakers", "serving model="]
     positions = [log.find(s) for s in steps]
     assert all(p >= 0 for p in positions), log
     assert positions == sorted(positions)
+
+
+def test_startup_is_summed_up_in_one_line_and_the_engine_description_is_not_logged_at_info(
+    server: ServerProcess,
+) -> None:
+    log = server.log()
+    (summary,) = [line for line in log.splitlines() if "serving model=" in line]
+    assert summary.endswith(
+        " INFO tts_server: serving model=demo backend=native device=cpu dtype=float32 voices=1 "
+        f"listen=http://127.0.0.1:{server.port} auth=on"
+    )
+    assert "engine initialised: {" not in log  # the engine's whole description: DEBUG only, and /health's `engine`
+    assert max(map(len, log.splitlines())) < 300, max(log.splitlines(), key=len)  # no other line dumps a dict
+    health = server.health()
+    assert health["model"] == {"name": "demo", "size": "tiny", "xvector_dim": 32, "device": "cpu", "dtype": "float32"}
+    assert health["engine"]["max_slots"] == 4 and "path" not in health["engine"]
 
 
 def test_the_startup_heap_is_frozen_before_the_server_serves(server: ServerProcess) -> None:
@@ -99,7 +115,7 @@ def test_the_startup_heap_is_frozen_before_the_server_serves(server: ServerProce
     match = re.search(r"startup heap frozen: (\d+) objects", log)
     assert match, log
     assert int(match.group(1)) > 50_000  # torch and the app alone leave ~200,000 tracked objects
-    assert match.start() < log.find("Uvicorn running")
+    assert match.start() < log.find("serving model=")
 
 
 def test_whole_file_over_the_socket(client: httpx.Client) -> None:
@@ -373,3 +389,64 @@ def test_bad_configuration_fails_at_startup_with_one_clear_line(env: dict, code:
     assert done.returncode == code, done.stderr
     assert line in done.stderr
     assert "Traceback" not in done.stderr
+
+
+# --- command line, .env file, log format, the port ---------------------------------------------------------------
+def test_the_port_flag_and_a_dotenv_file_configure_the_server_flag_first(demo_dir: Path, tmp_path: Path) -> None:
+    """--port serves on its port although the .env file names another (one held by this test: the server would fail
+    there); the .env file in the working directory sets the profiles folder and the JSON log format."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        (tmp_path / ".env").write_text(
+            f"# read by the server from its working directory\nTTS_PORT={taken}\nTTS_PROFILES_DIR=voices-from-dotenv\n"
+            "TTS_LOG_FORMAT=json\nTTS_API_KEYS_FILE=keys\n"
+        )
+        (tmp_path / "keys").write_text(f"{KEY}\n")
+        srv = ServerProcess({"TTS_DEMO_DIR": str(demo_dir)}, tmp_path / "server.log", cwd=tmp_path, port_flag=True)
+        try:
+            assert srv.port != taken
+            r = httpx.get(srv.url + "/speakers", headers={**AUTH, "X-Request-Id": "dotenv-1"}, timeout=30)
+            assert r.status_code == 200 and [v["id"] for v in r.json()["speakers"]] == ["demo"]
+            assert httpx.get(srv.url + "/speakers", timeout=30).status_code == 401  # the keys file's key is needed
+            assert (tmp_path / "voices-from-dotenv" / "demo.safetensors").is_file()
+            assert srv.terminate() == 0
+            log = srv.log()
+        finally:
+            srv.kill()
+    lines = [json.loads(line) for line in log.splitlines() if line.strip()]  # every line is one JSON object
+    assert all({"time", "level", "logger", "message"} <= set(line) for line in lines)
+    (summary,) = [line for line in lines if line["message"].startswith("serving model=")]
+    assert summary["message"].endswith(f"listen=http://127.0.0.1:{srv.port} auth=on") and summary["level"] == "INFO"
+    access = [line for line in lines if line["logger"] == "tts_server.access" and "/speakers" in line["message"]]
+    assert access[0]["request_id"] == "dotenv-1"
+    assert any(line["logger"].startswith("uvicorn") for line in lines)  # uvicorn's own records too
+
+
+def test_a_port_in_use_fails_at_once_with_one_line_before_any_model_loads(tmp_path: Path) -> None:
+    import socket
+
+    demo = tmp_path / "demo-tiny"  # not written yet: the demo checkpoint is written when the model is loaded
+    full = {k: v for k, v in os.environ.items() if not k.startswith("TTS_") and k != "TRITON_INTERPRET"}
+    env = {**full, "TTS_DEMO_DIR": str(demo), "TTS_PROFILES_DIR": str(tmp_path / "voices"), "TTS_HOST": "127.0.0.1"}
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, str(REPO_ROOT / "inference_server.py"), "--port", str(port)],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        elapsed = time.monotonic() - started
+    assert done.returncode == 1, done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if "startup failed" in line]
+    assert line.endswith(f"ERROR tts_server: startup failed: port {port} on 127.0.0.1 is in use")
+    for loading in ("demo checkpoint", "voice profiles", "Engine initialised", "Ready with"):
+        assert loading not in done.stderr
+    assert not demo.exists() and not (tmp_path / "voices").exists()
+    assert "Traceback" not in done.stderr
+    assert elapsed < 60, elapsed  # the imports only (a few seconds), not a model load

@@ -1,4 +1,4 @@
 """Internals of the HTTP server (settings, app factory, routes, errors, auth, admission, metrics, audio encoding).
 
-The top-level `inference_server.py` is the entry point; this package keeps it thin.
+The entry point is `cli.main` (the `qwen3-tts-server` command; `inference_server.py` delegates to it).
 """

@@ -14,6 +14,7 @@ from qwen_tts.engine_api import Engine
 from . import docs, openapi
 from .errors import Forbidden, install_error_handlers
 from .heap import freeze_startup_heap, thaw_and_collect
+from .logs import configure_logging
 from .middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -63,8 +64,8 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned: Runtime | None = None
         if app.state.runtime is None:
-            if not logging.getLogger().handlers:  # under plain uvicorn: make our startup lines visible too
-                logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+            # Under plain uvicorn (no root handler yet): our startup lines visible too, in TTS_LOG_FORMAT.
+            configure_logging(settings.log_level, settings.log_format, force=False)
             owned = app.state.runtime = await Runtime.start(settings, engine=engine)
             if freeze_heap:
                 freeze_startup_heap()

@@ -24,6 +24,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from . import logs
 from .errors import (
     ApiError,
     BodyTimeout,
@@ -122,6 +123,13 @@ class RequestContextMiddleware:
             await self.app(scope, receive, send)
             return
         request_id = self._request_id(scope)
+        logged_as = logs.request_id.set(request_id)  # this task's log records carry the id (tts_server/logs.py)
+        try:
+            await self._http(scope, receive, send, request_id)
+        finally:
+            logs.request_id.reset(logged_as)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send, request_id: str) -> None:
         started = time.monotonic()
         state = scope.setdefault("state", {})
         state["request_id"], state["received_at"] = request_id, started
@@ -199,6 +207,13 @@ class RequestContextMiddleware:
         """A handshake: refused in the error shape (404 where no route takes WebSockets, 403 where the route closes
         before accepting), with an access line like any request."""
         request_id = self._request_id(scope)
+        logged_as = logs.request_id.set(request_id)
+        try:
+            await self._websocket_handshake(scope, receive, send, request_id)
+        finally:
+            logs.request_id.reset(logged_as)
+
+    async def _websocket_handshake(self, scope: Scope, receive: Receive, send: Send, request_id: str) -> None:
         started = time.monotonic()
         scope.setdefault("state", {})["request_id"] = request_id
         status = 0

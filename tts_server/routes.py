@@ -126,7 +126,7 @@ async def health(request: Request) -> JSONResponse:
     body = {
         "status": status,
         "ready": runtime.ready,
-        "model": runtime.public_model_info(),
+        "model": runtime.model_summary(),
         "backend": runtime.settings.backend,
         "speakers": len(runtime.voices),
         "running": runtime.engine.num_running,
@@ -134,6 +134,7 @@ async def health(request: Request) -> JSONResponse:
         "admitted": runtime.admission.active,
         "uptime_s": round(time.monotonic() - runtime.started_at, 1),
         "engine_restarts": runtime.engine_restarts,
+        "engine": runtime.engine_description(),  # everything the engine says of itself, for debugging
     }
     return JSONResponse(body, status_code=200 if runtime.alive else 503)
 

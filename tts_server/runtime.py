@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from qwen_tts.engine_api import Engine, EngineSettingsError
 from qwen_tts.engines import create_engine
@@ -22,6 +23,8 @@ from .settings import ServerSettings, unknown_env_vars
 from .voice_watch import ProfileWatcher
 
 logger = logging.getLogger("tts_server")
+# The keys of /health's `model`, from the engine's model_info: the documented, stable part (docs/api.md).
+MODEL_SUMMARY = ("name", "size", "xvector_dim", "device", "dtype")
 
 
 class StartupError(RuntimeError):
@@ -98,7 +101,15 @@ class Runtime:
             logger.info("draining: refusing new requests, finishing %d in flight", self.admission.active)
         self.draining = True
 
-    def public_model_info(self) -> dict:
+    def model_summary(self) -> dict[str, Any]:
+        """/health's `model`: what is served, in the terms an operator knows (MODEL_SUMMARY; None where the engine
+        does not say, e.g. the fake engine's size)."""
+        info = self.engine.model_info
+        return {key: info.get(key) for key in MODEL_SUMMARY}
+
+    def engine_description(self) -> dict[str, Any]:
+        """/health's `engine`: the engine's whole description (its model_info: kernels, graphs, decoder, ...), for
+        debugging; its keys are the engine's own and vary by backend and version."""
         info = self.engine.model_info
         info.pop("path", None)  # /health is public: no file system paths
         return info

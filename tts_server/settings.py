@@ -1,9 +1,10 @@
-"""Server configuration from the environment (`TTS_*` variables), one typed pydantic-settings object.
+"""Server configuration: `TTS_*` variables, from the environment or a `.env` file, one typed pydantic-settings object.
 
 The seed's variables keep their names and defaults (TTS_MODEL_PATH, TTS_STAGE_CONFIG, TTS_PROFILES_DIR,
 TTS_DEVICE, TTS_HOST, TTS_PORT=8090, TTS_MAX_CONCURRENT=16, TTS_STAGE_INIT_TIMEOUT, TTS_TEMPERATURE,
 TTS_TOP_K, TTS_MAX_NEW_TOKENS); the rest are the limits and switches of the hardened server.
-`load_settings()` turns any bad value into one `SettingsError` line naming the variable.
+`load_settings()` turns any bad value into one `SettingsError` line naming the variable (or the command-line flag,
+tts_server/cli.py, that gave it). Precedence: flags, then the environment, then the `.env` file, then the defaults.
 
 Engine defaults are not repeated here: they come from `EngineSettings` and `SynthesisRequest`, and
 `ServerSettings.engine_settings()` is the one mapping from these variables to the engine's settings.
@@ -13,16 +14,26 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    DotEnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from qwen_tts.engine_api import EngineSettings, SynthesisRequest
 from qwen_tts.voices import DEFAULT_PROFILES_DIR, MAX_CLIP_SECONDS, MIN_CLIP_SECONDS
 
 ENV_PREFIX = "TTS_"
+# Read from the working directory when present (load_settings' env_file names another, or None for none).
+ENV_FILE = Path(".env")
 _ENGINE = EngineSettings()  # the engine's defaults, read below
 # Server setting -> EngineSettings field: the one mapping (engine_settings() and error messages both use it). A
 # "backend_options." target is a key of EngineSettings.backend_options (an option of the vllm-omni backend's own).
@@ -59,6 +70,27 @@ class SettingsError(ValueError):
     """A configuration value is unusable; the message is one line naming the variable."""
 
 
+def read_key_file(path: Path) -> list[str]:
+    """The keys of a TTS_API_KEYS_FILE: one a line, blank lines and `#` comments skipped. ValueError (never echoing a
+    key) where it cannot be read or a key is shorter than 8 characters."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise ValueError(f"cannot read the file ({reason})") from None
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        key = line.strip()
+        if not key or key.startswith("#"):
+            continue
+        if len(key) < 8:
+            raise ValueError(f"line {number}: each API key must be at least 8 characters")
+        keys.append(key)
+    if not keys:
+        raise ValueError("the file holds no key (an empty file would leave the server without authentication)")
+    return keys
+
+
 def _split_list(value: Any) -> Any:
     """Accept `a,b,c` as well as a JSON list, so shell users need no quoting gymnastics."""
     if isinstance(value, str):
@@ -74,7 +106,28 @@ def _split_list(value: Any) -> Any:
 class ServerSettings(BaseSettings):
     """Every knob of the server. Each field: what it controls and why it has its default."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, env_file=ENV_FILE, env_file_encoding="utf-8"
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """pydantic-settings' own order (arguments, environment, .env file); of a .env file only the TTS_* lines
+        are ours: it may hold other programs' variables too (a container's, a shell's). A TTS_* line that is no
+        setting stays an error (extra="forbid"): a misspelt TTS_API_KEYS must not leave a server open."""
+        if isinstance(dotenv_settings, DotEnvSettingsSource):
+            prefix = ENV_PREFIX.lower()
+            dotenv_settings.env_vars = {
+                k: v for k, v in dotenv_settings.env_vars.items() if k.lower().startswith(prefix)
+            }
+        return init_settings, env_settings, dotenv_settings, file_secret_settings
 
     # --- model and engine --------------------------------------------------------------------
     # "demo" (the built-in tiny random checkpoint, written on first use), a checkpoint directory, or a hub id
@@ -154,7 +207,13 @@ class ServerSettings(BaseSettings):
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Bearer keys; empty disables auth. /health, /ready and /metrics stay public.
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list)
+    # A file of more keys, one a line (blank lines and # comments skipped): keeps keys out of the environment and
+    # the command line, where other users of the machine may read them. Its keys join TTS_API_KEYS'.
+    api_keys_file: Path | None = None
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    # text: one human-readable line per record; json: one JSON object per line (time, level, logger, message,
+    # request_id within a request) for log collectors. tts_server/logs.py.
+    log_format: Literal["text", "json"] = "text"
 
     # --- admission and limits -------------------------------------------------------------------
     # Requests decoding at once in the engine (its batch slots).
@@ -225,6 +284,13 @@ class ServerSettings(BaseSettings):
                 raise ValueError("each API key must be at least 8 characters")
         return value
 
+    @field_validator("api_keys_file")
+    @classmethod
+    def _keys_file(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            read_key_file(value)  # unreadable, or a key too short: the error names this setting
+        return value
+
     @field_validator("cors_origins")
     @classmethod
     def _origins(cls, value: list[str]) -> list[str]:
@@ -237,6 +303,8 @@ class ServerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> ServerSettings:
+        if self.api_keys_file is not None:
+            self.api_keys = [*self.api_keys, *(SecretStr(k) for k in read_key_file(self.api_keys_file))]
         if self.first_chunk_frames > self.chunk_frames:
             raise ValueError("TTS_FIRST_CHUNK_FRAMES must not exceed TTS_CHUNK_FRAMES")
         if self.max_queue is None:
@@ -262,7 +330,7 @@ class ServerSettings(BaseSettings):
     def public_dict(self) -> dict[str, Any]:
         """The settings for the startup log, with secrets reduced to a count."""
         d = self.model_dump(mode="json")
-        d["api_keys"] = len(self.api_keys)
+        d["api_keys"] = len(self.api_keys)  # those of TTS_API_KEYS_FILE included
         return d
 
     def engine_settings(self) -> EngineSettings:
@@ -283,32 +351,62 @@ class ServerSettings(BaseSettings):
         return f"engine setting {engine_field}"
 
 
-def _describe(err: dict[str, Any]) -> str:
+def _describe(err: dict[str, Any], env_file: Path | None, flags: Mapping[str, str], given: Mapping[str, Any]) -> str:
+    """One error as the operator wrote it: the flag, the variable, or the variable in the .env file, with its value
+    (never a key's)."""
     loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
     field = loc[0] if loc else ""
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    if err.get("type") == "extra_forbidden":
+        msg = "no such setting"
     if not field:
         return msg
-    name = ENV_PREFIX + field.upper()
-    raw = os.environ.get(name)
-    if field == "api_keys" or raw is None:
-        return f"{name}: {msg}"
+    if field in flags:  # as typed: --port 0
+        raw = given.get(field)
+        return f"{flags[field]}: {msg}" if raw is None else f"{flags[field]} {shlex.quote(str(raw))}: {msg}"
+    if field in given:
+        name, raw, where = ENV_PREFIX + field.upper(), given[field], ""
+    else:
+        # A .env line that is no setting keeps its whole name (TTS_TYPO) as its location.
+        name, where = field.upper() if field.upper().startswith(ENV_PREFIX) else ENV_PREFIX + field.upper(), ""
+        raw = os.environ.get(name)
+        if raw is None and env_file is not None:
+            raw = _dotenv_value(env_file, name)
+            where = f" (in {env_file})" if raw is not None else ""
+    if field == "api_keys" or err.get("type") == "extra_forbidden" or raw is None:  # keys, or maybe one misspelt
+        return f"{name}{where}: {msg}"
+    raw = str(raw)
     shown = raw if len(raw) <= 60 else raw[:57] + "..."
-    return f"{name}={shown!r}: {msg}"
+    return f"{name}={shown!r}{where}: {msg}"
 
 
-def load_settings(**overrides: Any) -> ServerSettings:
-    """Read the environment (overrides win); raise SettingsError with one line per the first bad value."""
+def _dotenv_value(env_file: Path, name: str) -> str | None:
+    """`name`'s value in the .env file, as pydantic-settings reads it (python-dotenv; names are case-insensitive)."""
+    from dotenv import dotenv_values
+
+    try:
+        values = dotenv_values(env_file, encoding="utf-8")
+    except OSError:
+        return None
+    return next((v for k, v in values.items() if k.upper() == name and v is not None), None)
+
+
+def load_settings(
+    *, env_file: Path | None = ENV_FILE, flags: Mapping[str, str] | None = None, **overrides: Any
+) -> ServerSettings:
+    """Read the environment and `env_file` (overrides win); raise SettingsError with one line per the first bad
+    value. `env_file`: the .env file (ENV_FILE, read where it exists; None: none). `flags`: for a field in
+    `overrides` that came from the command line, the flag that gave it, for the error line."""
     if replaced := [name for name in REPLACED_BY_FAST_PATH if name in os.environ]:
         raise SettingsError(
             f"invalid configuration: {', '.join(replaced)}: replaced by TTS_FAST_PATH (default, one-stream: both "
             "stack kernels and the few-row heads, eager); unset it"
         )
     try:
-        return ServerSettings(**overrides)
+        return ServerSettings(_env_file=env_file, **overrides)  # type: ignore[call-arg]
     except ValidationError as e:
         errors = e.errors()
-        first = _describe(errors[0])
+        first = _describe(errors[0], env_file, flags or {}, overrides)
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise SettingsError(f"invalid configuration: {first}{more}") from None
     except ValueError as e:  # a JSON list that does not parse, raised before validation

@@ -40,6 +40,7 @@ from qwen_tts.voices import (
     atomic_write,
     profile_path,
 )
+from tts_server.cli import program_name
 
 from .common import CliError, add_model_options
 from .manifest import AUDIO_FORMATS, ManifestError, ManifestItem, check_items, collect_items, load_json, resolve_output
@@ -362,14 +363,14 @@ async def _serve(engine: Engine, plan: BatchPlan, opts: BatchOptions) -> list[It
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="batch_inference.py",
+        prog=program_name("qwen3-tts-batch"),  # qwen3-tts-batch, batch_inference.py, python -m ...: as it was run
         description=(
             "Synthesize every item of a JSON manifest with enrolled voices, concurrently, through the same "
             "engine as the server. The whole manifest is checked first and every problem is listed at once."
         ),
         epilog=(
             'Manifest: a list of items, or {"defaults": {...}, "items": [...]}; an item has speaker_id, '
-            "text and optionally id (default: from output), language, seed, format, output, options (see docs/tools.md). "
+            "text and optionally id (default: from output), language, seed, format, output, options. "
             f"A summary JSON is written to <output-dir>/{SUMMARY_NAME}. "
             "Exit status: 0 all items written, 1 bad input or any item failed."
         ),

@@ -29,6 +29,7 @@ from qwen_tts.voices import (
     save_profile,
     sha256_file,
 )
+from tts_server.cli import program_name
 
 from .common import CliError, add_model_options, model_label, resolve_device, resolve_model
 
@@ -186,11 +187,13 @@ def extract_voices(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="extract_speaker_embedding.py",
+        prog=program_name(
+            "qwen3-tts-extract"
+        ),  # qwen3-tts-extract, extract_speaker_embedding.py, python -m ...: as it was run
         description=(
             "Enroll voices: compute the speaker x-vector of reference clips (wav/flac/ogg/mp3, any rate and "
             "channel count; 5-30 s of clean speech is best) and write voice profiles that the server and "
-            "batch_inference.py load by name. Only the speaker encoder is loaded from the checkpoint."
+            "the batch tool load by name. Only the speaker encoder is loaded from the checkpoint."
         ),
         epilog=(
             "Several clips: pass a folder (every audio file; <stem>.txt beside a clip is its reference text) or "

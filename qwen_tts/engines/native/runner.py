@@ -230,7 +230,7 @@ class ModelRunner:
             self._timings,
             gpu_guard=self._capture_guard,
         )
-        log.info("engine initialised: %s", self._model_info)
+        log.debug("engine initialised: %s", self._model_info)  # model_info in full: for debugging
 
     def admit(self, admitted: list[RequestState]) -> None:
         """Build prompts and prefill newly admitted requests, batched (padded at the end) to spare launches. Each

@@ -203,7 +203,7 @@ class VllmOmniEngine(Engine):
             speaker_transport=self._transport,
             startup_s=round(time.monotonic() - t0, 1),
         )
-        log.info("vLLM-Omni pipeline started: %s", self.model_info)
+        log.debug("vLLM-Omni pipeline started: %s", self.model_info)  # model_info in full: for debugging
 
     async def _warmup(self) -> None:
         x = torch.zeros(self.xvector_dim)
