@@ -62,11 +62,6 @@ PY
 venv_torch() {
   local venv=$1 label=$2 spec variant=${TORCH_VARIANT:-auto} found source
   local -a index=()
-  if [ ! -x "$venv/bin/python" ]; then
-    echo "$label: creating $venv with $($PYTHON --version)"
-    "$PYTHON" -m venv "$venv"
-  fi
-  PIP=("$venv/bin/python" -m pip --disable-pip-version-check -q)
   if [ "$variant" = auto ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
       variant=cuda
@@ -83,6 +78,11 @@ venv_torch() {
   esac
   # shellcheck disable=SC2034  # read by scripts/install.sh
   TORCH_VARIANT_USED=$variant
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "$label: creating $venv with $($PYTHON --version)"
+    "$PYTHON" -m venv "$venv"
+  fi
+  PIP=("$venv/bin/python" -m pip --disable-pip-version-check -q)
   if "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
     return 0
   fi
