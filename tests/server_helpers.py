@@ -118,9 +118,18 @@ def demo_env(root: Path, **extra: str) -> dict[str, str]:
 
 
 class ServerProcess:
-    """`python inference_server.py` on 127.0.0.1:<free port>; stdout+stderr go to `log_path`."""
+    """`python inference_server.py` (or the command `argv`, run in `cwd`) on 127.0.0.1:<free port>; stdout+stderr go
+    to `log_path`."""
 
-    def __init__(self, env: dict[str, str], log_path: Path, startup_timeout: float = 120.0, python: str | None = None):
+    def __init__(
+        self,
+        env: dict[str, str],
+        log_path: Path,
+        startup_timeout: float = 120.0,
+        python: str | None = None,
+        argv: list[str] | None = None,
+        cwd: Path | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
@@ -130,8 +139,8 @@ class ServerProcess:
         full_env.update(env)
         self._log = open(self.log_path, "wb")  # noqa: SIM115  (closed in stop)
         self.proc = subprocess.Popen(
-            [python or sys.executable, str(REPO_ROOT / "inference_server.py")],
-            cwd=REPO_ROOT,
+            argv or [python or sys.executable, str(REPO_ROOT / "inference_server.py")],
+            cwd=cwd or REPO_ROOT,
             env=full_env,
             stdout=self._log,
             stderr=subprocess.STDOUT,
