@@ -8,8 +8,8 @@
 # Python packages are installed by scripts/install.sh only, the script tests/test_install.py runs in a fresh
 # environment on every CI run; nothing else here installs a Python package (a test checks that too). The build
 # context is the package sources and that script (.dockerignore). Each image runs as the unprivileged user `tts`
-# (uid 1000, named by number so Kubernetes' runAsNonRoot can verify it), keeps voices in /data/voices and reads a
-# checkpoint from /models: mount volumes there.
+# (uid 1000, named by number so Kubernetes' runAsNonRoot can verify it), keeps voices in /data/voice_profiles and
+# reads a checkpoint from /models: mount volumes there.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 # --- the environments: /opt/venv, built by scripts/install.sh ---------------------------------------------------
@@ -32,18 +32,19 @@ RUN TORCH_VARIANT=cuda scripts/install.sh --extras ray --pin "ray==${RAY_VERSION
 # --- what every image shares: the user, the data directories, the settings -------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
 RUN useradd --uid 1000 --create-home --shell /bin/bash tts \
-    && mkdir -p /data/voices /models \
+    && mkdir -p /data/voice_profiles /models \
     && chown -R tts:tts /data
-# TTS_PROFILES_DIR: the voice profiles (a volume: voices outlive the container). TTS_DEMO_DIR: where the tiny demo
+# TTS_PROFILES_DIR: the voice profiles (a volume: voices outlive the container); in the working directory /data, so
+# the extractor's default --output-dir (voice_profiles) is the same folder. TTS_DEMO_DIR: where the tiny demo
 # checkpoint is written when TTS_MODEL_PATH is unset. Set TTS_MODEL_PATH=/models/<checkpoint> for a real model.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     TTS_HOST=0.0.0.0 \
     TTS_PORT=8090 \
-    TTS_PROFILES_DIR=/data/voices \
+    TTS_PROFILES_DIR=/data/voice_profiles \
     TTS_DEMO_DIR=/data/demo-tiny
 WORKDIR /data
-VOLUME ["/data/voices"]
+VOLUME ["/data/voice_profiles"]
 EXPOSE 8090
 # SIGTERM drains: requests in flight finish (up to TTS_DRAIN_TIMEOUT, 30 s), then exit 0. Give the container
 # longer than that to stop (docker stop -t 60, compose's stop_grace_period).

@@ -311,7 +311,7 @@ def test_dockerfile_settings_are_server_settings() -> None:
     assert env_names == {"TTS_HOST", "TTS_PORT", "TTS_PROFILES_DIR", "TTS_DEMO_DIR"}
     assert env_names <= SETTINGS_VARS
     text = DOCKERFILE.read_text(encoding="utf-8")
-    assert "TTS_PROFILES_DIR=/data/voices" in text and 'VOLUME ["/data/voices"]' in text
+    assert "TTS_PROFILES_DIR=/data/voice_profiles" in text and 'VOLUME ["/data/voice_profiles"]' in text
 
 
 def test_hadolint_passes() -> None:
@@ -335,7 +335,7 @@ def test_compose_services_match_the_dockerfile() -> None:
     assert set(services) == {"tts", "tts-cpu"}
     for name, service in services.items():
         assert service["build"]["target"] in stages, name
-        assert "voices:/data/voices" in service["volumes"], name
+        assert "voices:/data/voice_profiles" in service["volumes"], name
         assert float(service["stop_grace_period"].rstrip("s")) > DRAIN_TIMEOUT
         assert set(service["environment"]) <= SETTINGS_VARS, name
     assert services["tts"]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
