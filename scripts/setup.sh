@@ -1,19 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv and install the project with its dev extras. Idempotent: re-runs only when pyproject.toml changed.
-# On a machine without an NVIDIA GPU it installs a CPU build of torch first (TORCH_SPEC / TORCH_INDEX_URL override).
+# The development environment: .venv with the project in place (editable) and its `dev` extra (the test and lint
+# tools, and the speed extra whose tests run). scripts/test.sh runs it; scripts/install.sh does the work
+# (idempotent: it re-runs only when its inputs change). On a machine without an NVIDIA GPU torch is the CPU build
+# (TORCH_VARIANT / TORCH_SPEC / TORCH_INDEX_URL override: scripts/venv_torch.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
-PYTHON=${PYTHON:-python3}
-VENV=${VENV:-.venv}
-# shellcheck source=scripts/venv_torch.sh
-source scripts/venv_torch.sh
-venv_torch "$VENV" setup
-
-stamp="$VENV/.project-installed"
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "setup: installing the project and its dependencies"
-  "${PIP[@]}" install -e ".[dev]"
-  echo "$want" > "$stamp"
-fi
+exec bash scripts/install.sh --extras dev --editable "${VENV:-.venv}"

@@ -118,8 +118,9 @@ def demo_env(root: Path, **extra: str) -> dict[str, str]:
 
 
 class ServerProcess:
-    """`python inference_server.py [args]` on 127.0.0.1:<free port> (given as TTS_PORT, or as --port with
-    `port_flag`), in `cwd` (default: the repository); stdout+stderr go to `log_path`."""
+    """`python inference_server.py [args]` (or the command `argv` followed by `args`) on 127.0.0.1:<free port>
+    (given as TTS_PORT, or as --port with `port_flag`), in `cwd` (default: the repository); stdout+stderr go to
+    `log_path`."""
 
     def __init__(
         self,
@@ -129,6 +130,7 @@ class ServerProcess:
         python: str | None = None,
         *,
         args: Sequence[str] = (),
+        argv: Sequence[str] | None = None,
         cwd: Path | None = None,
         port_flag: bool = False,
     ):
@@ -145,7 +147,7 @@ class ServerProcess:
         full_env.update(env)
         self._log = open(self.log_path, "wb")  # noqa: SIM115  (closed in stop)
         self.proc = subprocess.Popen(
-            [python or sys.executable, str(REPO_ROOT / "inference_server.py"), *args],
+            [*(argv or (python or sys.executable, str(REPO_ROOT / "inference_server.py"))), *args],
             cwd=cwd or REPO_ROOT,
             env=full_env,
             stdout=self._log,
