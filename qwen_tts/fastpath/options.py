@@ -47,8 +47,6 @@ class FastPath:
     # Launch each step before reading the codes of the one before, so the GPU steps while the host handles codes.
     # None: on where a launch returns before the step has run (CUDA, not the eager step), else off.
     overlap_steps: bool | None = None
-    # Run the engine loop's work on a high-priority CUDA stream, so Code2Wav's kernels fill the SMs a step leaves.
-    step_stream_priority: bool = True
 
     # --- the decoder layers (qwen_tts/fastpath/fused.py) -----------------------------------------------------
     # One-token decoder steps on fused weights, compiled blocks and in-place Triton attention: fewer kernels.
@@ -120,8 +118,6 @@ class FastPath:
     decode_thread: bool = True
     # With graphed frame steps, replay Code2Wav from a CUDA graph per (batch bucket, chunk length).
     decode_graphs: bool = True
-    # Graphed Code2Wav's inputs and audio through pinned host buffers, so the copy back does not block the loop.
-    decode_pinned_io: bool = True
 
     def __post_init__(self) -> None:
         if self.frame_step not in ("auto", "eager", "padded", "graphs"):

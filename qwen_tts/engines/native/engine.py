@@ -260,8 +260,9 @@ class NativeEngine(Engine):
         torch.set_grad_enabled(False)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
-        if self.device.type == "cuda" and self.fast.step_stream_priority:
-            # Negative is higher; graph replays take the priority of the stream they are launched into.
+        if self.device.type == "cuda":
+            # A high-priority stream, so Code2Wav's kernels fill the SMs a step leaves. Negative is higher; graph
+            # replays take the priority of the stream they are launched into.
             stream = torch.cuda.Stream(self.device, priority=-1)
             stream.wait_stream(torch.cuda.current_stream(self.device))  # what _load and the warm-up wrote
             with torch.cuda.stream(stream):
