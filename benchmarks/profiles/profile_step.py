@@ -92,8 +92,6 @@ STEP_VARIANTS = {
     # and with the heads by the few-row kernel: where both stacks run on the kernel, a lone row's step is one row
     # (frame_step.one_row_steps), as the engine runs one stream with its three opt-in settings.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda": _BOTH,
-    # and the weight copies without the L2 evict-first policy.
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+no-evict-first": _BOTH,
     # and with the attention units' cached keys staged in shared memory (stack_cuda's stage), with the talker's chunks
     # of 192 positions too.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage": _BOTH,
@@ -127,7 +125,6 @@ def step_options(variant: str) -> FastPath:
         cp_input_tables="+tables" in variant,
         cp_stack_kernel="cuda" if "+stack-cuda" in variant else "off",
         talker_stack_kernel="cuda" if "+talker-cuda" in variant else "off",
-        stack_evict_first="+no-evict-first" not in variant,
         talker_stack_stage="+stage" in variant,
         talker_stack_chunk=192 if "+chunk192" in variant else default.talker_stack_chunk,
         stack_exact_rows=0,

@@ -87,10 +87,6 @@ class FastPath:
     cp_stack_kernel: Literal["off", "cuda"] = "off"
     # The same kernel for the talker's passes, where its layer fits the kernel (a warning and the fused path where not).
     talker_stack_kernel: Literal["off", "cuda"] = "off"
-    # Launch the kernel on only as many SMs as keep each block's largest share, leaving the rest to Code2Wav.
-    stack_lean_grid: bool = True
-    # Mark the kernel's weight copies first to leave L2, so they do not push the caches and activations out.
-    stack_evict_first: bool = True
     # Threads per block of the code predictor's and the talker's kernel (256 or 512; the same bits either way).
     cp_stack_threads: int = 512
     talker_stack_threads: int = 256
