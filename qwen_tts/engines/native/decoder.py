@@ -32,7 +32,7 @@ from torch import Tensor
 
 from qwen_tts.model.codec_decoder import Code2Wav, Code2WavStream
 
-from .frame_step import batch_buckets, bucket, capture_stream
+from .frame_step import batch_buckets, bucket, capture_graph, capture_stream
 
 log = logging.getLogger("qwen_tts.decoder")
 
@@ -157,15 +157,10 @@ class SlotDecoder:
             "fresh": torch.ones(B, dtype=torch.bool, device=dev),
             "codes": torch.zeros(B, self.num_quantizers, T, dtype=torch.long, device=dev),
         }
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm up (cuDNN plans, lazy init); touches the scratch row only
-            for _ in range(2):
-                self._chunk(buf["idx"], buf["fresh"], buf["codes"])
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
-            buf["wav"] = self._chunk(buf["idx"], buf["fresh"], buf["codes"])
+        # Two warm-up calls (cuDNN plans, lazy init) touch the scratch row only.
+        graph, buf["wav"] = capture_graph(
+            lambda: self._chunk(buf["idx"], buf["fresh"], buf["codes"]), self._side, self._pool, dev, warmups=2
+        )
         self._graphs[(B, T)] = (graph, buf)
         return graph, buf
 
