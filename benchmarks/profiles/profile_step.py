@@ -26,8 +26,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))  # bench_attention
 
 import torch
+from bench_attention import replay_seconds
 
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.native.frame_step import FrameStepRunner, SlotState, bucket
@@ -162,15 +164,7 @@ def time_replays(runner: FrameStepRunner, B: int, args, iters: int) -> dict:
     runner.step(*args)  # captures this bucket
     kv = bucket(max(args[3]) + 1, runner.kv_buckets)
     graph = runner._graphs[(bucket(B, runner.batch_buckets), kv)]
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    replay_ms = start.elapsed_time(end) / iters
+    replay_ms = 1000 * replay_seconds(graph, iters, warmups=5)
     t0 = time.perf_counter()
     for _ in range(iters):
         runner.step(*args)  # the engine's call: upload inputs, replay, read the codes back (one sync)
