@@ -172,21 +172,26 @@ def test_chunk_schedule_grows_to_the_chunk_size():
         EngineSettings(admission_step_budget_ms=-1.0)
 
 
-@pytest.mark.parametrize("greedy", [True, False])
-async def test_batch_invariance(tiny_model, greedy):
-    eng = make_engine(tiny_model, max_slots=8)
+async def alone_and_among_seven(eng, model, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's codes run alone, then run again as the fourth of eight (the engine started and stopped here)."""
     await eng.start()
     try:
-        target = req(tiny_model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
+        target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
         (alone,), _ = await run(eng, [target])
-        others = [req(tiny_model, t, seed=100 + i, greedy=greedy, max_frames=12 + i) for i, t in enumerate(TEXTS[:7])]
+        others = [req(model, t, seed=100 + i, greedy=greedy, max_frames=12 + i) for i, t in enumerate(TEXTS[:7])]
         handles, _ = await run(
-            eng, [*others[:3], req(tiny_model, TEXTS[1], seed=5, greedy=greedy, max_frames=20), *others[3:]]
+            eng, [*others[:3], req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20), *others[3:]]
         )
     finally:
         await eng.stop()
-    assert torch.equal(codes_of(alone), codes_of(handles[3]))
-    assert codes_of(alone).shape[0] > 0
+    return codes_of(alone), codes_of(handles[3])
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+async def test_batch_invariance(tiny_model, greedy):
+    alone, batched = await alone_and_among_seven(make_engine(tiny_model, max_slots=8), tiny_model, greedy)
+    assert torch.equal(alone, batched)
+    assert alone.shape[0] > 0
 
 
 def test_fast_path_is_the_cuda_path_only(tiny_checkpoint):
@@ -669,18 +674,9 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
         model=model,
         fast_path=FastPath(**variant),
     )
-    await eng.start()
-    try:
-        target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
-        (alone,), _ = await run(eng, [target])
-        others = [req(model, t, seed=100 + i, greedy=greedy, max_frames=12 + i) for i, t in enumerate(TEXTS[:7])]
-        handles, _ = await run(
-            eng, [*others[:3], req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20), *others[3:]]
-        )
-    finally:
-        await eng.stop()
+    alone, batched = await alone_and_among_seven(eng, model, greedy)
     assert eng._runner._frame_step is not None and eng._runner._frame_step.num_graphs > 1
-    assert torch.equal(codes_of(alone), codes_of(handles[3]))
+    assert torch.equal(alone, batched)
     fast = model.talker.kernels
     for name, on in (("split_attention", fast.split_attention), ("small_m_gemm", fast.regions.small_m > 0)):
         want = variant.get(name, getattr(FastPath, name))  # the default is both kernels on
