@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["PRESETS", "FastPath", "FastPathError", "FrameStepMode", "warp_elements_error"]
+__all__ = ["EAGER_OFF", "PRESETS", "FastPath", "FastPathError", "FrameStepMode", "warp_elements_error"]
 
 FrameStepMode = Literal["auto", "eager", "padded", "graphs"]
 PRESETS = ("default", "one-stream", "eager")
@@ -34,6 +34,15 @@ def warp_elements_error(n: object) -> str | None:
     if isinstance(n, int) and 32 <= n <= 4096 and n & (n - 1) == 0:
         return None
     return f"must be a power of two from 32 to 4096, not {n!r}"
+
+
+# What the eager preset turns off besides the graphed frame step and the polyphase convs: steps launched one ahead,
+# every compiled or custom kernel, Code2Wav's graphs and the code predictor's restructured passes (its prompt in one
+# pass, its input tables).
+EAGER_OFF = (
+    "overlap_steps", "fused_kernels", "split_attention", "small_m_gemm", "cp_prompt_one_pass", "cp_input_tables",
+    "kernel_sampler", "cp_fused_feed", "fused_decoder", "decoder_snake_kernel", "decode_graphs",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -162,21 +171,7 @@ class FastPath:
         if name == "one-stream":
             return cls(cp_stack_kernel="cuda", talker_stack_kernel="cuda", small_m_heads=True)
         if name == "eager":
-            return cls(
-                frame_step="eager",
-                overlap_steps=False,
-                fused_kernels=False,
-                split_attention=False,
-                small_m_gemm=False,
-                cp_prompt_one_pass=False,
-                cp_input_tables=False,
-                kernel_sampler=False,
-                cp_fused_feed=False,
-                fused_decoder=False,
-                decoder_snake_kernel=False,
-                decoder_polyphase_dilation=0,
-                decode_graphs=False,
-            )
+            return cls(frame_step="eager", decoder_polyphase_dilation=0, **dict.fromkeys(EAGER_OFF, False))
         raise FastPathError("fast_path", f"fast_path must be {', '.join(PRESETS)}, not {name!r}")
 
     @classmethod
