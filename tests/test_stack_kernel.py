@@ -24,6 +24,7 @@ from qwen_tts.fastpath.stack.stack_cuda import StackOptions
 from qwen_tts.fastpath.stack.stack_kernel import StackKernel
 from qwen_tts.model.config import DecoderLayersConfig
 from qwen_tts.model.layers import DecoderStack
+from qwen_tts.model.random_checkpoint import layer_stack
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,12 +41,9 @@ SHAPES = {
 
 
 def make_stack(shape, dtype, seed=0):
-    H, inter, L, nq, nkv, D = shape
     cfg = DecoderLayersConfig(
-        hidden_size=H, intermediate_size=inter, num_hidden_layers=L, num_attention_heads=nq,
-        num_key_value_heads=nkv, head_dim=D, rms_norm_eps=1e-6, rope_theta=10000.0,
-        max_position_embeddings=64, vocab_size=8,
-    )  # fmt: skip
+        **layer_stack(*shape), rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, vocab_size=8
+    )
     torch.manual_seed(seed)
     ref = DecoderStack(cfg)
     with torch.no_grad():

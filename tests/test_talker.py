@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from qwen_tts.model.config import ModelConfig
 from qwen_tts.model.layers import DecoderStack, apply_rope
 from qwen_tts.model.prompt import build_prompt, normalize_language
+from qwen_tts.model.random_checkpoint import CODEC_IDS, layer_stack
 from qwen_tts.model.reference_loop import generate_codes
 from qwen_tts.model.talker import Talker
 
@@ -17,32 +18,22 @@ LANGS = {"english": 2050, "german": 2053, "chinese": 2055, "sichuan_dialect": 20
 
 def tiny_config(hidden: int = 32, cp_hidden: int = 32, text_hidden: int = 48, layers: int = 2) -> ModelConfig:
     """Talker hidden 32, head_dim 32, 2 heads, 1 kv head; codec vocab and special ids as released."""
-    blocks = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6)
+    norm_rope = dict(rms_norm_eps=1e-6, rope_theta=1e6)
     talker = dict(
-        **blocks,
+        **layer_stack(hidden, 2 * hidden, layers, 2, 1, 32),
+        **norm_rope,
         vocab_size=3072,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
         max_position_embeddings=32768,
         num_code_groups=16,
         text_hidden_size=text_hidden,
         text_vocab_size=151936,
-        codec_eos_token_id=2150,
-        codec_think_id=2154,
-        codec_nothink_id=2155,
-        codec_think_bos_id=2156,
-        codec_think_eos_id=2157,
-        codec_pad_id=2148,
-        codec_bos_id=2149,
+        **CODEC_IDS,
         codec_language_id=LANGS,
         rope_scaling={"interleaved": True, "mrope_section": [8, 4, 4], "rope_type": "default"},
         code_predictor_config=dict(
-            **blocks,
+            **layer_stack(cp_hidden, 2 * cp_hidden, 2, 2, 1, 32),
+            **norm_rope,
             vocab_size=2048,
-            hidden_size=cp_hidden,
-            intermediate_size=2 * cp_hidden,
-            num_hidden_layers=2,
             max_position_embeddings=65536,
             num_code_groups=16,
         ),

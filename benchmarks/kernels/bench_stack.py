@@ -32,6 +32,7 @@ from qwen_tts.fastpath.stack.stack_cuda import StackOptions
 from qwen_tts.fastpath.stack.stack_kernel import StackKernel
 from qwen_tts.model.config import DecoderLayersConfig
 from qwen_tts.model.layers import DecoderStack
+from qwen_tts.model.random_checkpoint import layer_stack
 
 PASSES = 15  # positions 1..15 of a frame
 CACHE_LEN = 16
@@ -39,12 +40,9 @@ CACHE_LEN = 16
 
 @torch.no_grad()
 def build(dims: tuple[int, ...], seed: int = 0) -> DecoderStack:
-    H, inter, L, nq, nkv, D = dims
     cfg = DecoderLayersConfig(
-        hidden_size=H, intermediate_size=inter, num_hidden_layers=L, num_attention_heads=nq,
-        num_key_value_heads=nkv, head_dim=D, rms_norm_eps=1e-6, rope_theta=10000.0,
-        max_position_embeddings=65536, vocab_size=2048,
-    )  # fmt: skip
+        **layer_stack(*dims), rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=65536, vocab_size=2048
+    )
     torch.manual_seed(seed)
     with torch.device("cuda"):
         stack = DecoderStack(cfg)

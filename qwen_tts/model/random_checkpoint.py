@@ -226,7 +226,8 @@ def _copy_tokenizer(src: Path, root: Path) -> dict[str, int]:
 # Configs.
 
 
-def _layer_stack(hidden: int, inter: int, layers: int, heads: int, kv: int, head_dim: int) -> dict[str, int]:
+def layer_stack(hidden: int, inter: int, layers: int, heads: int, kv: int, head_dim: int) -> dict[str, int]:
+    """A decoder stack's six widths and counts as config keys (a config.json's, or DecoderLayersConfig's)."""
     return dict(
         hidden_size=hidden,
         intermediate_size=inter,
@@ -241,10 +242,10 @@ def _sizes(size: str) -> dict[str, Any]:
     """Per-size architecture numbers (official values for 0.6b / 1.7b, reference doc section 1)."""
     if size in TINY_SIZES:
         return dict(
-            talker=_layer_stack(32, 64, 2, 2, 1, 32),
+            talker=layer_stack(32, 64, 2, 2, 1, 32),
             mrope_section=[8, 4, 4],
             text_hidden_size=64,
-            predictor=_layer_stack(32, 64, 2, 2, 1, 16) if size == "tiny" else _layer_stack(24, 48, 2, 2, 1, 16),
+            predictor=layer_stack(32, 64, 2, 2, 1, 16) if size == "tiny" else layer_stack(24, 48, 2, 2, 1, 16),
             speaker=dict(
                 enc_channels=[32, 32, 32, 32, 96],
                 enc_kernel_sizes=[5, 3, 3, 3, 1],
@@ -254,7 +255,7 @@ def _sizes(size: str) -> dict[str, Any]:
                 enc_se_channels=16,
             ),
             decoder=dict(
-                _layer_stack(32, 64, 2, 2, 2, 16),
+                layer_stack(32, 64, 2, 2, 2, 16),
                 latent_dim=64,
                 decoder_dim=96,
                 codebook_dim=16,
@@ -278,12 +279,12 @@ def _sizes(size: str) -> dict[str, Any]:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
     hidden, inter = (2048, 6144) if size == "1.7b" else (1024, 3072)
     return dict(
-        talker=_layer_stack(hidden, inter, 28, 16, 8, 128),
+        talker=layer_stack(hidden, inter, 28, 16, 8, 128),
         mrope_section=[24, 20, 20],
         text_hidden_size=2048,
-        predictor=_layer_stack(1024, 3072, 5, 16, 8, 128),
+        predictor=layer_stack(1024, 3072, 5, 16, 8, 128),
         speaker={},
-        decoder=dict(_layer_stack(512, 1024, 8, 16, 16, 64), latent_dim=1024, decoder_dim=1536, codebook_dim=512),
+        decoder=dict(layer_stack(512, 1024, 8, 16, 16, 64), latent_dim=1024, decoder_dim=1536, codebook_dim=512),
         encoder=dict(
             num_filters=64,
             hidden_size=512,
