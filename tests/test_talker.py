@@ -377,12 +377,18 @@ ROLE = [151644, 271, 198]
 TEXT = [272, 320, 332, 290]
 
 
+def _prompt_parts(cfg: ModelConfig, talker: Talker, language: str, non_streaming: bool):
+    """build_prompt of TEXT with a random x-vector, and what its rows are made of: the x-vector, the text pad, bos and
+    eos embeddings, and the codec embedding of an id."""
+    xv = torch.randn(cfg.talker.hidden_size)
+    p = build_prompt(cfg, talker, TEXT, ROLE, xv, language, non_streaming=non_streaming)
+    tpad, tbos, teos = (_embed_text(talker, i) for i in (151671, 151672, 151673))
+    return p, xv, tpad, tbos, teos, lambda i: _embed_codec(talker, i)
+
+
 def test_non_streaming_prompt_puts_the_whole_text_in_the_prefill(cfg: ModelConfig, talker: Talker) -> None:
     tc = cfg.talker
-    xv = torch.randn(tc.hidden_size)
-    p = build_prompt(cfg, talker, TEXT, ROLE, xv, "English", non_streaming=True)
-    tpad, tbos, teos = (_embed_text(talker, i) for i in (151671, 151672, 151673))
-    C = lambda i: _embed_codec(talker, i)  # noqa: E731
+    p, xv, tpad, tbos, teos, C = _prompt_parts(cfg, talker, "English", non_streaming=True)
     m = len(TEXT)
     assert p.prefill.shape == (3 + 6 + m + 1 + 1, tc.hidden_size)
     assert p.trailing.shape == (0, tc.hidden_size)
@@ -394,11 +400,7 @@ def test_non_streaming_prompt_puts_the_whole_text_in_the_prefill(cfg: ModelConfi
 
 
 def test_streaming_auto_prompt_feeds_the_rest_of_the_text_as_trailing(cfg: ModelConfig, talker: Talker) -> None:
-    tc = cfg.talker
-    xv = torch.randn(tc.hidden_size)
-    p = build_prompt(cfg, talker, TEXT, ROLE, xv, "auto", non_streaming=False)
-    tpad, tbos, teos = (_embed_text(talker, i) for i in (151671, 151672, 151673))
-    C = lambda i: _embed_codec(talker, i)  # noqa: E731
+    p, xv, tpad, tbos, teos, C = _prompt_parts(cfg, talker, "auto", non_streaming=False)
     expected = [_embed_text(talker, i) for i in ROLE]
     expected += [tpad + C(i) for i in (2155, 2156, 2157)] + [tpad + xv, tbos + C(2148)]
     expected += [_embed_text(talker, TEXT[0]) + C(2149)]
