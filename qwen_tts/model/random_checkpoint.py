@@ -302,6 +302,19 @@ def _sizes(size: str) -> dict[str, Any]:
     )
 
 
+# What the talker's and the code predictor's entries of config.json share, in the released files' order: the
+# activation, norm and RoPE base, then (after each one's RoPE scaling and positions) the attention's settings.
+_ACT_NORM_ROPE = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1000000)
+_ATTENTION = dict(
+    attention_bias=False,
+    attention_dropout=0.0,
+    initializer_range=0.02,
+    use_cache=True,
+    use_sliding_window=False,
+    sliding_window=None,
+)
+
+
 def model_config_dict(size: str, text_ids: dict[str, int], text_vocab_size: int) -> dict[str, Any]:
     """The top-level config.json, shaped like the released one."""
     s = _sizes(size)
@@ -310,17 +323,10 @@ def model_config_dict(size: str, text_ids: dict[str, int], text_vocab_size: int)
         s["predictor"],
         vocab_size=2048,
         num_code_groups=16,
-        hidden_act="silu",
-        rms_norm_eps=1e-6,
-        rope_theta=1000000,
+        **_ACT_NORM_ROPE,
         rope_scaling=None,
         max_position_embeddings=65536,
-        attention_bias=False,
-        attention_dropout=0.0,
-        initializer_range=0.02,
-        use_cache=True,
-        use_sliding_window=False,
-        sliding_window=None,
+        **_ATTENTION,
         max_window_layers=28,
         layer_types=["full_attention"] * s["predictor"]["num_hidden_layers"],
         model_type="qwen3_tts_talker_code_predictor",
@@ -332,17 +338,10 @@ def model_config_dict(size: str, text_ids: dict[str, int], text_vocab_size: int)
         text_vocab_size=text_vocab_size,
         text_hidden_size=s["text_hidden_size"],
         num_code_groups=16,
-        hidden_act="silu",
-        rms_norm_eps=1e-6,
-        rope_theta=1000000,
+        **_ACT_NORM_ROPE,
         rope_scaling={"interleaved": True, "mrope_section": s["mrope_section"], "rope_type": "default"},
         max_position_embeddings=32768,
-        attention_bias=False,
-        attention_dropout=0.0,
-        initializer_range=0.02,
-        use_cache=True,
-        use_sliding_window=False,
-        sliding_window=None,
+        **_ATTENTION,
         position_id_per_seconds=13,
         **CODEC_IDS,
         codec_language_id=dict(CODEC_LANGUAGE_ID),
