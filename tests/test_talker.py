@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from qwen_tts.model.config import ModelConfig
 from qwen_tts.model.layers import DecoderStack, apply_rope
 from qwen_tts.model.prompt import build_prompt, normalize_language
-from qwen_tts.model.random_checkpoint import CODEC_IDS, layer_stack
+from qwen_tts.model.random_checkpoint import CODEC_IDS, OFFICIAL_SPECIAL_IDS, layer_stack, token_id_keys
 from qwen_tts.model.reference_loop import generate_codes
 from qwen_tts.model.talker import Talker
 
@@ -43,11 +43,7 @@ def tiny_config(hidden: int = 32, cp_hidden: int = 32, text_hidden: int = 48, la
             talker_config=talker,
             speaker_encoder_config=dict(enc_dim=hidden, sample_rate=24000),
             tts_model_type="base",
-            im_start_token_id=151644,
-            im_end_token_id=151645,
-            tts_pad_token_id=151671,
-            tts_bos_token_id=151672,
-            tts_eos_token_id=151673,
+            **token_id_keys(OFFICIAL_SPECIAL_IDS),
         )
     )
 

@@ -315,6 +315,19 @@ _ATTENTION = dict(
 )
 
 
+# config.json's special-token keys and the tokens they name.
+_TOKEN_ID_KEYS = (
+    ("assistant_token_id", "assistant"), ("im_start_token_id", "<|im_start|>"), ("im_end_token_id", "<|im_end|>"),
+    ("tts_pad_token_id", "<tts_pad>"), ("tts_bos_token_id", "<tts_text_bos>"), ("tts_eos_token_id", "<tts_text_eod>"),
+)  # fmt: skip
+
+
+def token_id_keys(text_ids: dict[str, int]) -> dict[str, int]:
+    """config.json's special-token id keys for a tokenizer's ids, in the released order (assistant_token_id only
+    where `text_ids` has "assistant")."""
+    return {key: text_ids[token] for key, token in _TOKEN_ID_KEYS if token in text_ids}
+
+
 def model_config_dict(size: str, text_ids: dict[str, int], text_vocab_size: int) -> dict[str, Any]:
     """The top-level config.json, shaped like the released one."""
     s = _sizes(size)
@@ -354,12 +367,7 @@ def model_config_dict(size: str, text_ids: dict[str, int], text_vocab_size: int)
     return {
         "architectures": ["Qwen3TTSForConditionalGeneration"],
         "model_type": "qwen3_tts",
-        "assistant_token_id": text_ids["assistant"],
-        "im_start_token_id": text_ids["<|im_start|>"],
-        "im_end_token_id": text_ids["<|im_end|>"],
-        "tts_pad_token_id": text_ids["<tts_pad>"],
-        "tts_bos_token_id": text_ids["<tts_text_bos>"],
-        "tts_eos_token_id": text_ids["<tts_text_eod>"],
+        **token_id_keys(text_ids),
         "speaker_encoder_config": speaker,
         "talker_config": talker,
         "tokenizer_type": "qwen3_tts_tokenizer_12hz",
