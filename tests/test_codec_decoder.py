@@ -9,6 +9,7 @@ from torch import nn
 
 from qwen_tts.model.codec_decoder import CausalConv1d, Code2Wav, Code2WavStream
 from qwen_tts.model.config import Code2WavConfig
+from qwen_tts.model.random_checkpoint import layer_stack
 
 
 def tiny_config(**overrides) -> Code2WavConfig:
@@ -17,12 +18,7 @@ def tiny_config(**overrides) -> Code2WavConfig:
         codebook_dim=16,
         latent_dim=24,
         decoder_dim=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
+        **layer_stack(16, 32, 3, 4, 2, 8),
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         sliding_window=4,

@@ -141,17 +141,26 @@ def test_secret_values_are_not_echoed_in_errors(monkeypatch: pytest.MonkeyPatch)
     assert "good-key" not in str(info.value) and "tiny" not in str(info.value)
 
 
-def test_inconsistent_chunk_sizes_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TTS_FIRST_CHUNK_FRAMES", "20")
-    monkeypatch.setenv("TTS_CHUNK_FRAMES", "10")
-    with pytest.raises(SettingsError, match="TTS_FIRST_CHUNK_FRAMES must not exceed TTS_CHUNK_FRAMES"):
-        load_settings()
-
-
-def test_connection_limit_must_leave_room_for_admitted_requests(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TTS_MAX_CONCURRENT", "1000")
-    monkeypatch.setenv("TTS_MAX_QUEUE", "100")
-    with pytest.raises(SettingsError, match=r"TTS_MAX_CONNECTIONS \(1024\) must exceed .* \(1000 \+ 100\)"):
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        # chunk sizes that contradict each other
+        (
+            {"TTS_FIRST_CHUNK_FRAMES": "20", "TTS_CHUNK_FRAMES": "10"},
+            "TTS_FIRST_CHUNK_FRAMES must not exceed TTS_CHUNK_FRAMES",
+        ),
+        # a connection limit that leaves no room for the admitted requests
+        (
+            {"TTS_MAX_CONCURRENT": "1000", "TTS_MAX_QUEUE": "100"},
+            r"TTS_MAX_CONNECTIONS \(1024\) must exceed .* \(1000 \+ 100\)",
+        ),
+    ],
+    ids=["chunk-sizes", "connection-limit"],
+)
+def test_inconsistent_settings_are_refused(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], match: str) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SettingsError, match=match):
         load_settings()
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import time
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -72,6 +74,16 @@ async def run(engine: NativeEngine, requests: list[SynthesisRequest]):
     return handles, audio
 
 
+@contextlib.asynccontextmanager
+async def started(engine: NativeEngine) -> AsyncIterator[NativeEngine]:
+    """The engine started for the block, stopped after it whatever happens."""
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
 def codes_of(handle) -> torch.Tensor:
     return torch.cat(handle.codes) if handle.codes else torch.zeros(0, 16, dtype=torch.long)
 
@@ -105,12 +117,9 @@ async def test_stream_equals_whole_decode(tiny_model):
 @pytest.mark.parametrize(("growth", "expected"), [(2, [3, 6, 12, 9]), (4, [3, 12, 12, 3]), (3, [3, 9, 12, 6])])
 async def test_chunks_small_first_then_growing(tiny_model, growth, expected):
     eng = make_engine(tiny_model, first_chunk_frames=3, chunk_frames=12, chunk_growth=growth)
-    await eng.start()
-    try:
+    async with started(eng):
         h = eng.submit(req(tiny_model, TEXTS[0], greedy=True, max_frames=30))
         sizes = [c.shape[0] // 1920 async for c in h]
-    finally:
-        await eng.stop()
     assert sizes == expected
     assert h.stats.time_to_first_audio is not None and h.stats.time_to_first_audio > 0
 
@@ -124,14 +133,11 @@ async def test_admission_budget_keeps_new_requests_queued_while_frames_come_slow
         time.sleep(0.03)
 
     eng = make_engine(tiny_model, fault_hook=slow, max_slots=4, admission_step_budget_ms=budget_ms)
-    await eng.start()
-    try:
+    async with started(eng):
         a = eng.submit(req(tiny_model, TEXTS[0], greedy=True, max_frames=15, min_frames=15))
         await a.__anext__()  # a's first chunk: it runs, and its steps have been timed
         b = eng.submit(req(tiny_model, TEXTS[1], greedy=True, max_frames=6, min_frames=6))
         await asyncio.gather(a.collect(), b.collect())
-    finally:
-        await eng.stop()
     assert a.stats.finish_reason is b.stats.finish_reason is FinishReason.BUDGET
     assert (a.stats.frames, b.stats.frames) == (15, 6)
     if budget_ms:
@@ -147,14 +153,11 @@ async def test_the_loop_times_its_waits_for_a_slow_decoder(tiny_model):
     request's generation waits on every chunk: the loop counts that time as decoder_wait_s (at least 4 chunks' worth
     of the 6), and it is not counted as frame steps; the request still gets all its frames."""
     eng = make_engine(tiny_model, first_chunk_frames=1, chunk_frames=1, decode_lookahead=1)
-    await eng.start()
-    try:
+    async with started(eng):
         dec = eng._runner.decoder.decoder
         real = dec.decode
         dec.decode = lambda *a, **k: (time.sleep(0.04), real(*a, **k))[1]
         (h,), _ = await run(eng, [req(tiny_model, TEXTS[0], greedy=True, max_frames=6, min_frames=6)])
-    finally:
-        await eng.stop()
     assert h.stats.frames == 6
     assert eng.timings["decoder_wait_s"] >= 4 * 0.04
     assert eng.timings["step_s"] < eng.timings["decoder_wait_s"]
@@ -172,21 +175,23 @@ def test_chunk_schedule_grows_to_the_chunk_size():
         EngineSettings(admission_step_budget_ms=-1.0)
 
 
+async def alone_and_among_seven(eng, model, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's codes run alone, then run again as the fourth of eight (the engine started and stopped here)."""
+    async with started(eng):
+        target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
+        (alone,), _ = await run(eng, [target])
+        others = [req(model, t, seed=100 + i, greedy=greedy, max_frames=12 + i) for i, t in enumerate(TEXTS[:7])]
+        handles, _ = await run(
+            eng, [*others[:3], req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20), *others[3:]]
+        )
+    return codes_of(alone), codes_of(handles[3])
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 async def test_batch_invariance(tiny_model, greedy):
-    eng = make_engine(tiny_model, max_slots=8)
-    await eng.start()
-    try:
-        target = req(tiny_model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
-        (alone,), _ = await run(eng, [target])
-        others = [req(tiny_model, t, seed=100 + i, greedy=greedy, max_frames=12 + i) for i, t in enumerate(TEXTS[:7])]
-        handles, _ = await run(
-            eng, [*others[:3], req(tiny_model, TEXTS[1], seed=5, greedy=greedy, max_frames=20), *others[3:]]
-        )
-    finally:
-        await eng.stop()
-    assert torch.equal(codes_of(alone), codes_of(handles[3]))
-    assert codes_of(alone).shape[0] > 0
+    alone, batched = await alone_and_among_seven(make_engine(tiny_model, max_slots=8), tiny_model, greedy)
+    assert torch.equal(alone, batched)
+    assert alone.shape[0] > 0
 
 
 def test_fast_path_is_the_cuda_path_only(tiny_checkpoint):
@@ -266,8 +271,7 @@ def test_fast_path_presets_and_the_setting_that_names_them():
 
 async def test_different_inputs_give_different_codes(tiny_model):
     eng = make_engine(tiny_model, max_slots=4)
-    await eng.start()
-    try:
+    async with started(eng):
         hs, _ = await run(
             eng,
             [
@@ -277,8 +281,6 @@ async def test_different_inputs_give_different_codes(tiny_model):
                 req(tiny_model, TEXTS[0], seed=1, greedy=True, max_frames=16, language="german"),
             ],
         )
-    finally:
-        await eng.stop()
     c = [codes_of(h) for h in hs]
     assert not torch.equal(c[0], c[1])  # text
     assert not torch.equal(c[0], c[2])  # x-vector
@@ -309,8 +311,7 @@ async def test_cancel_frees_slot(tiny_model, overlap):
 @OVERLAP
 async def test_budget_from_text_length_and_cap(tiny_model, overlap):
     eng = make_engine(tiny_model, overlap_steps=overlap, max_frames=80)
-    await eng.start()
-    try:
+    async with started(eng):
         assert len(tiny_model.tokenizer.text_ids("Hi.")) == 3  # "H", "i", "."
         text_budget = 49  # 25 frames + 8 per text token
         assert text_budget == scheduler_mod.BUDGET_BASE_FRAMES + scheduler_mod.BUDGET_FRAMES_PER_TOKEN * 3
@@ -323,8 +324,6 @@ async def test_budget_from_text_length_and_cap(tiny_model, overlap):
         (a, b), (wa, wb) = await run(
             eng, [req(tiny_model, "Hi.", min_frames=60), req(tiny_model, TEXTS[1] * 3, min_frames=10_000)]
         )
-    finally:
-        await eng.stop()
     assert a.stats.finish_reason is FinishReason.BUDGET and a.stats.frames == 60
     assert wa.shape == (60 * 1920,)
     assert b.stats.finish_reason is FinishReason.BUDGET and b.stats.frames == 80  # capped by max_frames
@@ -334,12 +333,9 @@ async def test_budget_from_text_length_and_cap(tiny_model, overlap):
 @OVERLAP
 async def test_many_concurrent_requests_through_few_slots(tiny_model, overlap):
     eng = make_engine(tiny_model, overlap_steps=overlap, max_slots=4, max_queue=64, chunk_frames=6)
-    await eng.start()
-    try:
+    async with started(eng):
         rs = [req(tiny_model, TEXTS[i % len(TEXTS)], seed=i, max_frames=4 + i % 9) for i in range(32)]
         hs, audio = await run(eng, rs)
-    finally:
-        await eng.stop()
     for r, h, a in zip(rs, hs, audio, strict=True):
         assert h.stats.finish_reason in (FinishReason.EOS, FinishReason.BUDGET)
         assert 1 <= h.stats.frames <= r.max_frames
@@ -399,22 +395,18 @@ async def test_prefill_failure_is_isolated(tiny_model, monkeypatch):
 
 async def test_queue_full_is_refused(tiny_model):
     eng = make_engine(tiny_model, max_slots=1, max_queue=1)
-    await eng.start()
-    try:
+    async with started(eng):
         with eng._cv:  # hold the worker off so admission is decided by the counts alone
             h1 = eng.submit(req(tiny_model, TEXTS[0], max_frames=3))
             h2 = eng.submit(req(tiny_model, TEXTS[0], max_frames=3))
             with pytest.raises(QueueFullError):
                 eng.submit(req(tiny_model, TEXTS[0], max_frames=3))
         await asyncio.gather(h1.collect(), h2.collect())
-    finally:
-        await eng.stop()
 
 
 async def test_bad_requests_are_rejected(tiny_model):
     eng = make_engine(tiny_model, max_text_tokens=16)
-    await eng.start()
-    try:
+    async with started(eng):
         with pytest.raises(ValueError, match="language"):
             eng.submit(req(tiny_model, "hi", language="klingon"))
         with pytest.raises(ValueError, match="xvector"):
@@ -425,8 +417,6 @@ async def test_bad_requests_are_rejected(tiny_model):
             eng.submit(req(tiny_model, "   "))
         with pytest.raises(ValueError, match="limit is 16"):
             eng.submit(req(tiny_model, "word " * 100))
-    finally:
-        await eng.stop()
 
 
 @OVERLAP
@@ -619,11 +609,8 @@ async def test_a_stopped_engine_leaves_a_cublas_workspace_per_stream_not_per_gra
     base = torch.cuda.memory_allocated()
     model = load_model(tiny_model.path, device="cuda")
     eng = NativeEngine(EngineSettings(model_path=str(model.path), device="cuda", max_slots=8), model=model)
-    await eng.start()
-    try:
+    async with started(eng):
         await run(eng, [req(model, TEXTS[1], seed=5, max_frames=20)])
-    finally:
-        await eng.stop()
     r = eng._runner
     graphs = r._frame_step.num_graphs + r._prefiller.num_graphs + r.decoder.decoder.num_graphs
     del eng, model, r
@@ -669,18 +656,9 @@ async def test_cuda_graphs_batch_invariance(tiny_model, greedy, variant):
         model=model,
         fast_path=FastPath(**variant),
     )
-    await eng.start()
-    try:
-        target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
-        (alone,), _ = await run(eng, [target])
-        others = [req(model, t, seed=100 + i, greedy=greedy, max_frames=12 + i) for i, t in enumerate(TEXTS[:7])]
-        handles, _ = await run(
-            eng, [*others[:3], req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20), *others[3:]]
-        )
-    finally:
-        await eng.stop()
+    alone, batched = await alone_and_among_seven(eng, model, greedy)
     assert eng._runner._frame_step is not None and eng._runner._frame_step.num_graphs > 1
-    assert torch.equal(codes_of(alone), codes_of(handles[3]))
+    assert torch.equal(alone, batched)
     fast = model.talker.kernels
     for name, on in (("split_attention", fast.split_attention), ("small_m_gemm", fast.regions.small_m > 0)):
         want = variant.get(name, getattr(FastPath, name))  # the default is both kernels on
@@ -708,15 +686,12 @@ async def test_cuda_stack_kernel_keeps_graphs_equal_eager_and_a_request_alone_eq
             model=model,
             fast_path=FastPath(frame_step=frame_step, cp_stack_kernel="cuda"),
         )
-        await eng.start()
-        try:
+        async with started(eng):
             target = req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20)
             (alone,), _ = await run(eng, [target])
             (pair, _), _ = await run(
                 eng, [req(model, TEXTS[1], seed=5, greedy=greedy, max_frames=20), req(model, TEXTS[2], seed=9)]
             )
-        finally:
-            await eng.stop()
         assert eng.model_info["cp_stack_kernel"] == "cuda"
         assert model.talker.kernels.kernel("code_predictor") is not None
         assert torch.equal(codes_of(alone), codes_of(pair)), frame_step
@@ -767,8 +742,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
             fast_path=FastPath(frame_step=frame_step, cp_stack_kernel="cuda", talker_stack_kernel="cuda",
                                small_m_heads=heads, stack_exact_rows=int(exact), **widen),
         )  # fmt: skip
-        await eng.start()
-        try:
+        async with started(eng):
             fast = model.talker.kernels
             opts = dataclasses.asdict(fast.stack_options)
             # the code predictor's blocks of 512 threads (the default), the talker's of 256 unless wide
@@ -794,8 +768,6 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
                     req(model, TEXTS[2], seed=9),
                 ],
             )
-        finally:
-            await eng.stop()
         assert eng.model_info["talker_stack_kernel"] == "cuda" and eng.model_info["cp_stack_kernel"] == "cuda"
         assert eng.model_info["one_row_steps"] == heads
         assert eng.model_info["stack_exact_rows"] == int(exact)
@@ -815,8 +787,7 @@ async def test_cuda_talker_stack_kernel_keeps_graphs_equal_eager_and_a_request_a
 async def test_batched_prefill_matches_prefill_alone(tiny_model, monkeypatch):
     texts = [TEXTS[0], TEXTS[1] * 2, TEXTS[4]]  # different prompt lengths: the batch is padded
     eng = make_engine(tiny_model, max_slots=4)
-    await eng.start()
-    try:
+    async with started(eng):
         alone = []
         for i, t in enumerate(texts):
             (h,), _ = await run(eng, [req(tiny_model, t, seed=i, greedy=True, max_frames=12)])
@@ -827,8 +798,6 @@ async def test_batched_prefill_matches_prefill_alone(tiny_model, monkeypatch):
         with eng._cv:  # the worker sees all three at once
             hs = [eng.submit(req(tiny_model, t, seed=i, greedy=True, max_frames=12)) for i, t in enumerate(texts)]
         await asyncio.gather(*(h.collect() for h in hs))
-    finally:
-        await eng.stop()
     assert sizes == [3]
     for a, h in zip(alone, hs, strict=True):
         assert torch.equal(a, codes_of(h))
@@ -910,8 +879,7 @@ async def test_a_prefill_group_gives_each_slot_its_own_request_settings(tiny_mod
 
 async def test_cancel_while_queued_leaves_the_queue_at_once(tiny_model):
     eng = make_engine(tiny_model, max_slots=1, max_queue=1, first_chunk_frames=1)
-    await eng.start()
-    try:
+    async with started(eng):
         running = eng.submit(req(tiny_model, TEXTS[1], max_frames=2000, min_frames=10_000))
         await running.__anext__()  # it holds the only slot
         queued = eng.submit(req(tiny_model, TEXTS[0], max_frames=5))
@@ -924,8 +892,6 @@ async def test_cancel_while_queued_leaves_the_queue_at_once(tiny_model):
         again = eng.submit(req(tiny_model, TEXTS[0], max_frames=5))
         eng.cancel(running)
         assert (await again.collect()).shape == (5 * 1920,)
-    finally:
-        await eng.stop()
 
 
 async def test_burst_arriving_at_an_idle_engine_shares_one_prefill(tiny_model, monkeypatch):

@@ -37,6 +37,12 @@ def on(device: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.to(device) for t in tensors]
 
 
+def draw_args(seed: int, rows: int, vocab: int, top_p: bool) -> list[torch.Tensor]:
+    """Continuous logits (scale 3) and `settings` for a draw, from one generator, on DEVICE."""
+    g = torch.Generator().manual_seed(seed)
+    return on(DEVICE, torch.randn(rows, vocab, generator=g) * 3, *settings(rows, g, top_p))
+
+
 @pytest.mark.parametrize(
     ("vocab", "dtype"),
     [(2048, torch.bfloat16), (3072, torch.float32), (1000, torch.float32)],
@@ -65,10 +71,7 @@ def test_top_k_draws_equal_the_sorting_sampler(vocab, dtype) -> None:
 def test_top_p_draws_equal_the_sorting_sampler_on_untied_logits() -> None:
     """With top-p < 1 the kernel's cut (the largest logit whose mass is <= 1 - top_p) drops the ids HF's sorted
     cumulative sum drops; on continuous logits (no ties) the draws are the same."""
-    g = torch.Generator().manual_seed(3)
-    rows, vocab = 64, 2048
-    logits = torch.randn(rows, vocab, generator=g) * 3
-    args = on(DEVICE, logits, *settings(rows, g, top_p=True))
+    args = draw_args(3, rows=64, vocab=2048, top_p=True)
     want = sampling.sample(*args)
     got = sample_kernel.sample(*args)
     assert torch.equal(got, want), (got != want).nonzero().flatten().tolist()
@@ -95,9 +98,7 @@ def test_top_p_keeps_exactly_the_nucleus() -> None:
 
 
 def test_a_row_draws_the_same_alone_and_in_a_batch() -> None:
-    g = torch.Generator().manual_seed(11)
-    rows, vocab = 24, 2048
-    args = on(DEVICE, torch.randn(rows, vocab, generator=g) * 3, *settings(rows, g, top_p=True))
+    args = draw_args(11, rows=24, vocab=2048, top_p=True)
     batch = sample_kernel.sample(*args)
     for i in (0, 17):
         alone = sample_kernel.sample(*(a[i : i + 1] for a in args))
@@ -116,9 +117,8 @@ def test_reads_a_strided_view_and_an_empty_batch() -> None:
 
 
 def test_the_warp_count_leaves_the_draws_alone_and_bad_sizes_are_refused() -> None:
-    g = torch.Generator().manual_seed(13)
-    rows, vocab = 8, 2048
-    args = on(DEVICE, torch.randn(rows, vocab, generator=g) * 3, *settings(rows, g, top_p=False))
+    vocab = 2048
+    args = draw_args(13, rows=8, vocab=vocab, top_p=False)
     want = sampling.sample(*args)
     for n in (2048, 256):
         assert sample_kernel.num_warps(vocab, n) == 2048 // n

@@ -24,6 +24,7 @@ from qwen_tts.fastpath.stack.stack_cuda import StackOptions
 from qwen_tts.fastpath.stack.stack_kernel import StackKernel
 from qwen_tts.model.config import DecoderLayersConfig
 from qwen_tts.model.layers import DecoderStack
+from qwen_tts.model.random_checkpoint import layer_stack
 
 pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,12 +41,9 @@ SHAPES = {
 
 
 def make_stack(shape, dtype, seed=0):
-    H, inter, L, nq, nkv, D = shape
     cfg = DecoderLayersConfig(
-        hidden_size=H, intermediate_size=inter, num_hidden_layers=L, num_attention_heads=nq,
-        num_key_value_heads=nkv, head_dim=D, rms_norm_eps=1e-6, rope_theta=10000.0,
-        max_position_embeddings=64, vocab_size=8,
-    )  # fmt: skip
+        **layer_stack(*shape), rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, vocab_size=8
+    )
     torch.manual_seed(seed)
     ref = DecoderStack(cfg)
     with torch.no_grad():
@@ -191,7 +189,7 @@ def test_cuda_kernel_layout_fits_an_h200_with_the_code_predictor() -> None:
     assert lay.slot_bytes == 48 * 1024 * 2
     assert lay.act_bytes == 4 * 3072 * 2
     assert lay.res_rows == 48  # the gate|up share
-    # ... and the norm weights staged during the grid wait (norm_prefetch): 2 KiB, 5.6 KiB to spare.
+    # ... and the norm weights staged during the grid wait: 2 KiB, 5.6 KiB to spare.
     assert lay.shared_bytes == 2 * 98304 + 24576 + 32 + 48 * 16 + 8 * 16 + 16 * 128 + 4 * 128 + 2048 <= 232448
     assert stack_cuda.why_not(lay, 232448) is None
     # 512 threads: sixteen warps' sums of squares and raw vectors (the short cache's scratch outgrows the rows'
@@ -225,11 +223,9 @@ def assert_builds_for_hopper_without_spills(lay, tmp_path) -> None:
     "opts",
     [
         {},
-        {"bulk": False},
-        {"evict_first": False},
         {"threads": 512},
     ],
-    ids=["default", "cpasync", "noevict", "t512"],
+    ids=["default", "t512"],
 )
 @pytest.mark.parametrize("shape", ["full", "tiny-mtp"])
 def test_cuda_kernel_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
@@ -292,15 +288,8 @@ def cuda_options():
 
 # A case's option (non-default) for the CUDA kernel: the name in the test's id, then the stack_cuda option.
 OPTION_CASES = {
-    "cpasync": {"bulk": False},
     "chunked": {"chunked": True},
-    "heavybar": {"light_barrier": False},
     "splitbar": {"split_barrier": True},
-    "onerow": {"two_rows": False},
-    "fullgrid": {"lean_grid": False},
-    "nonormpf": {"norm_prefetch": False},
-    "scalaratt": {"vector_attention": False},
-    "noevict": {"evict_first": False},
     "t512": {"threads": 512},
 }
 # And a long cache's: chunks of at least 128 positions; its cached keys staged, with chunks of 64 (the default), 192
@@ -329,11 +318,8 @@ def test_cuda_kernel_equals_the_eager_stack_over_positions(shape, rows, opts, cu
     and the K/V it writes are as close to float32 as the eager bf16 stack's (relative RMS within 1.5x, largest
     difference within 2x, the eager error floored at one bf16 rounding); the barrier is back at zero, unwritten slots
     stay zero. (Against the eager bf16 stack itself two implementations' roundings add up: at the code predictor's
-    five layers and four rows the largest difference reached 0.094 at an output scale of 5.) Options: the weights by
-    16-byte cp.async instead of the copy engine; attention by the long cache's
-    code; the barrier's release by __threadfence; four arrival counters; one weight row a warp (the default: two);
-    every SM (the default: the lean grid); the norm weights from L2 (the default: staged in shared memory); the
-    short cache's keys by 2-byte loads (the default: 16-byte)."""
+    five layers and four rows the largest difference reached 0.094 at an output scale of 5.) Options: attention by
+    the long cache's code; four arrival counters; blocks of 512 threads."""
 
     cuda_options(**OPTION_CASES.get(opts, {}))
     dims = FULL if shape == "full" else SHAPES[shape]
@@ -425,13 +411,12 @@ def test_cuda_kernel_layout_takes_the_06b_talker_with_its_long_cache() -> None:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize(
     ("shape", "opts"),
-    [("talker", ""), ("tiny-mtp", ""), ("split", ""), ("talker", "noevict"), ("talker", "stage"), ("split", "stage"),
+    [("talker", ""), ("tiny-mtp", ""), ("split", ""), ("talker", "stage"), ("split", "stage"),
      ("talker", "stage+split32")],
 )  # fmt: skip
 def test_cuda_kernel_long_cache_source_compiles_for_hopper_without_spills(shape, opts, tmp_path) -> None:
     """The long-cache source (attention_long) for the 0.6B talker's shape and two small head widths (16 and 64:
-    lanes without an element, two elements a lane) builds for sm_90 without spills; without evict_first, with the
-    cached keys staged."""
+    lanes without an element, two elements a lane) builds for sm_90 without spills; with the cached keys staged."""
     from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B if shape == "talker" else SHAPES[shape]
@@ -548,7 +533,7 @@ def test_cuda_kernel_with_a_long_cache_gives_a_row_the_same_bits_alone_in_a_batc
 
 
 def test_the_lean_grid_keeps_every_blocks_largest_share() -> None:
-    """stack_lean_grid's block count: on an H200's 132 SMs the code predictor's layer and the 0.6B talker's (4,096
+    """The lean grid's block count: on an H200's 132 SMs the code predictor's layer and the 0.6B talker's (4,096
     q|k|v, 1,024 o and down, 3,072 gate and 3,072 up rows) keep 32, 8, 24 and 24 rows a block and 4 attention chunks
     on 128 blocks, and one block fewer would give some block more; the 1.7B talker's layer (6,144 gate rows: 47 a
     block) needs 131; a device with fewer SMs than that keeps them all."""
@@ -570,44 +555,21 @@ def test_the_lean_grid_keeps_every_blocks_largest_share() -> None:
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
 @pytest.mark.parametrize("long", [False, True], ids=["short-cache", "long-cache"])
-def test_cuda_kernel_on_the_lean_grid_gives_the_full_grids_bits(long, cuda_options) -> None:
-    """Four rows over three passes on every SM and on the lean grid (fewer blocks where that keeps each block's
-    largest share): the same output and K/V bits, each row's sums being one warp's whatever the grid; the short
-    cache (the code predictor's) and the long one (the talker's: chunked attention)."""
+def test_cuda_kernel_launches_on_the_lean_grid(long) -> None:
+    """The kernel's grid on this device is the lean grid (the fewest blocks that keep each block's largest share of
+    every phase), for the short cache (the code predictor's) and the long one (the talker's)."""
     from qwen_tts.fastpath.stack import stack_cuda
 
     dims = LONG_SHAPE if long else FULL
     _, kern = make_cuda_stack(dims)
-    H, rows = dims[0], 4
-    slot_list = [5, 0, 3, 2]
-    slots = torch.tensor(slot_list, device=DEVICE)
-    results, grids = [], []
-    for lean in (False, True):
-        cuda_options(lean_grid=lean)
-        if long:
-            (cache,) = filled_caches((kern,), rows, long_positions(rows, 0), slot_list, seed=11)
-        else:
-            cache = kern.new_cache(rows + 2, CACHE_LEN, DEVICE, torch.bfloat16)
-        grids.append(blocks(weights(kern), cache.max_len, DEVICE))
-        g = torch.Generator().manual_seed(5)
-        outs = []
-        with torch.no_grad():
-            for step in range(3):
-                x = torch.randn(rows, H, generator=g).to(DEVICE, torch.bfloat16)
-                pos = torch.tensor(long_positions(rows, step) if long else [step] * rows, device=DEVICE)
-                outs.append(stack_pass(kern, x, pos, cache, slots))
-        results.append((torch.stack(outs), cache.k.clone(), cache.v.clone()))
-    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     T = LONG_LEN if long else CACHE_LEN
-    lay = stack_cuda.Layout(H=H, I=dims[1], D=dims[5], NQ=dims[3], NKV=dims[4], L=dims[2], T=T, nblk=1)
-    assert grids == [sms, stack_cuda.lean_blocks(lay, sms)]
-    for full, lean in zip(*results, strict=True):
-        assert torch.equal(full, lean)
-    assert not stack_kernel.prepare(DEVICE).any()
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    lay = stack_cuda.Layout(H=dims[0], I=dims[1], D=dims[5], NQ=dims[3], NKV=dims[4], L=dims[2], T=T, nblk=1)
+    assert blocks(weights(kern), T, DEVICE) == stack_cuda.lean_blocks(lay, sms)
 
 
 # Options that change how, not what: the same sums in the same order.
-SAME_BITS = ["nonormpf", "scalaratt", "onerow", "fullgrid", "noevict", "t512"]
+SAME_BITS = ["t512"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -616,9 +578,8 @@ SAME_BITS = ["nonormpf", "scalaratt", "onerow", "fullgrid", "noevict", "t512"]
 def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) -> None:
     """Each option that changes how the kernel works, not its sums, against the defaults: the same output and K/V
     bits over eight passes of four rows, two of them sharing a slot at consecutive positions (the second attends to
-    the first's key of the same pass), the others in scattered slots. nonormpf: the norm weights read from L2;
-    scalaratt: the cached keys and values by 2-byte loads; onerow: a weight row a warp; fullgrid: every SM; noevict: the weight copies without the L2
-    evict-first policy; t512: blocks of 512 threads (each warp fewer rows)."""
+    the first's key of the same pass), the others in scattered slots. t512: blocks of 512 threads (each warp fewer
+    rows)."""
     dims = FULL if shape == "full" else SHAPES[shape]
     _, kern = make_cuda_stack(dims)
     H = dims[0]
@@ -643,7 +604,7 @@ def test_cuda_kernel_options_give_the_defaults_bits(shape, opt, cuda_options) ->
 
 
 # The same for a long cache (the talker's attention in chunks).
-LONG_SAME_BITS = ["noevict", "t512", "stage", "split64"]
+LONG_SAME_BITS = ["t512", "stage", "split64"]
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA kernel needs a GPU")
@@ -652,8 +613,7 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
     """Options that change how a long cache's attention works, not its sums, against the defaults, over five passes
     of four rows in a 700-position cache of random keys: rows with one and three chunks, and two rows of one slot at
     consecutive positions in the first round of one chunk (the second attends to the first's key of the same pass,
-    which the cache does not hold yet). noevict: the weight copies without the L2 evict-first policy; t512: blocks of 512 threads (attention's positions
-    still over 8 warps); stage: the cached keys and values staged in shared memory (never the one the second row
+    which the cache does not hold yet). t512: blocks of 512 threads (attention's positions still over 8 warps); stage: the cached keys and values staged in shared memory (never the one the second row
     reads from the pass); split64: past the chunk of 64, chunks of 64 (the default's rule by the other expression)."""
     _, kern = make_cuda_stack(LONG_SHAPE)
     H = LONG_SHAPE[0]
@@ -681,8 +641,7 @@ def test_cuda_kernel_long_cache_options_give_the_defaults_bits(opt, cuda_options
 def test_the_stage_option_stages_a_long_caches_keys_in_a_free_weight_slot(cuda_options) -> None:
     """stage: the 0.6B talker's unit stages up to 192 positions (a 96 KiB slot of 128-wide keys and values); the
     layout adds the staged keys' mbarrier and count (16 bytes) and still fits an H200's shared memory; a short cache
-    (the code predictor's, measured slower staged) is not staged and its layout is the default's; the copies need the
-    copy engine."""
+    (the code predictor's, measured slower staged) is not staged and its layout is the default's."""
     from qwen_tts.fastpath.stack import stack_cuda
 
     H, inter, L, nq, nkv, D = TALKER_06B
@@ -695,7 +654,6 @@ def test_the_stage_option_stages_a_long_caches_keys_in_a_free_weight_slot(cuda_o
     short = stack_cuda.Layout(H=H, I=inter, D=D, NQ=nq, NKV=nkv, L=5, T=17, nblk=128, stage=True)
     assert not short.staged and not short.long and "constexpr int STAGE = 0;" in short.source()
     assert short.shared_bytes == dataclasses.replace(short, stage=False).shared_bytes
-    assert "copy engine" in stack_cuda.why_not(dataclasses.replace(staged, bulk=False), 232448)
     cuda_options(stage=True, chunk=192)
     lay = layout(staged, 3088, 128)
     assert lay.staged and lay.chunk == 192 and "constexpr int CHUNK = 192;" in lay.source()

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from qwen_tts.model.config import ModelConfig
 from qwen_tts.model.layers import DecoderStack, apply_rope
 from qwen_tts.model.prompt import build_prompt, normalize_language
+from qwen_tts.model.random_checkpoint import CODEC_IDS, OFFICIAL_SPECIAL_IDS, layer_stack, token_id_keys
 from qwen_tts.model.reference_loop import generate_codes
 from qwen_tts.model.talker import Talker
 
@@ -17,32 +18,22 @@ LANGS = {"english": 2050, "german": 2053, "chinese": 2055, "sichuan_dialect": 20
 
 def tiny_config(hidden: int = 32, cp_hidden: int = 32, text_hidden: int = 48, layers: int = 2) -> ModelConfig:
     """Talker hidden 32, head_dim 32, 2 heads, 1 kv head; codec vocab and special ids as released."""
-    blocks = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6)
+    norm_rope = dict(rms_norm_eps=1e-6, rope_theta=1e6)
     talker = dict(
-        **blocks,
+        **layer_stack(hidden, 2 * hidden, layers, 2, 1, 32),
+        **norm_rope,
         vocab_size=3072,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
         max_position_embeddings=32768,
         num_code_groups=16,
         text_hidden_size=text_hidden,
         text_vocab_size=151936,
-        codec_eos_token_id=2150,
-        codec_think_id=2154,
-        codec_nothink_id=2155,
-        codec_think_bos_id=2156,
-        codec_think_eos_id=2157,
-        codec_pad_id=2148,
-        codec_bos_id=2149,
+        **CODEC_IDS,
         codec_language_id=LANGS,
         rope_scaling={"interleaved": True, "mrope_section": [8, 4, 4], "rope_type": "default"},
         code_predictor_config=dict(
-            **blocks,
+            **layer_stack(cp_hidden, 2 * cp_hidden, 2, 2, 1, 32),
+            **norm_rope,
             vocab_size=2048,
-            hidden_size=cp_hidden,
-            intermediate_size=2 * cp_hidden,
-            num_hidden_layers=2,
             max_position_embeddings=65536,
             num_code_groups=16,
         ),
@@ -52,11 +43,7 @@ def tiny_config(hidden: int = 32, cp_hidden: int = 32, text_hidden: int = 48, la
             talker_config=talker,
             speaker_encoder_config=dict(enc_dim=hidden, sample_rate=24000),
             tts_model_type="base",
-            im_start_token_id=151644,
-            im_end_token_id=151645,
-            tts_pad_token_id=151671,
-            tts_bos_token_id=151672,
-            tts_eos_token_id=151673,
+            **token_id_keys(OFFICIAL_SPECIAL_IDS),
         )
     )
 
@@ -386,12 +373,18 @@ ROLE = [151644, 271, 198]
 TEXT = [272, 320, 332, 290]
 
 
+def _prompt_parts(cfg: ModelConfig, talker: Talker, language: str, non_streaming: bool):
+    """build_prompt of TEXT with a random x-vector, and what its rows are made of: the x-vector, the text pad, bos and
+    eos embeddings, and the codec embedding of an id."""
+    xv = torch.randn(cfg.talker.hidden_size)
+    p = build_prompt(cfg, talker, TEXT, ROLE, xv, language, non_streaming=non_streaming)
+    tpad, tbos, teos = (_embed_text(talker, i) for i in (151671, 151672, 151673))
+    return p, xv, tpad, tbos, teos, lambda i: _embed_codec(talker, i)
+
+
 def test_non_streaming_prompt_puts_the_whole_text_in_the_prefill(cfg: ModelConfig, talker: Talker) -> None:
     tc = cfg.talker
-    xv = torch.randn(tc.hidden_size)
-    p = build_prompt(cfg, talker, TEXT, ROLE, xv, "English", non_streaming=True)
-    tpad, tbos, teos = (_embed_text(talker, i) for i in (151671, 151672, 151673))
-    C = lambda i: _embed_codec(talker, i)  # noqa: E731
+    p, xv, tpad, tbos, teos, C = _prompt_parts(cfg, talker, "English", non_streaming=True)
     m = len(TEXT)
     assert p.prefill.shape == (3 + 6 + m + 1 + 1, tc.hidden_size)
     assert p.trailing.shape == (0, tc.hidden_size)
@@ -403,11 +396,7 @@ def test_non_streaming_prompt_puts_the_whole_text_in_the_prefill(cfg: ModelConfi
 
 
 def test_streaming_auto_prompt_feeds_the_rest_of_the_text_as_trailing(cfg: ModelConfig, talker: Talker) -> None:
-    tc = cfg.talker
-    xv = torch.randn(tc.hidden_size)
-    p = build_prompt(cfg, talker, TEXT, ROLE, xv, "auto", non_streaming=False)
-    tpad, tbos, teos = (_embed_text(talker, i) for i in (151671, 151672, 151673))
-    C = lambda i: _embed_codec(talker, i)  # noqa: E731
+    p, xv, tpad, tbos, teos, C = _prompt_parts(cfg, talker, "auto", non_streaming=False)
     expected = [_embed_text(talker, i) for i in ROLE]
     expected += [tpad + C(i) for i in (2155, 2156, 2157)] + [tpad + xv, tbos + C(2148)]
     expected += [_embed_text(talker, TEXT[0]) + C(2149)]

@@ -1214,35 +1214,32 @@ class Run:
     def baselines(self) -> None:
         a, b = self.a, self.results["baselines"]
         env = {} if a.baseline_gpu is None else {"CUDA_VISIBLE_DEVICES": str(a.baseline_gpu)}
+        wrapper = [sys.executable, str(REPO / "benchmarks" / "baselines" / "reference_full_length.py")]
         if "reference" in a.parts and a.reference_script and self.time_left("reference"):
             batches = ",".join(map(str, a.reference_batches))
             # Through our wrapper: rows cut at a sampled end-of-speech padded back to the length generated.
-            cmd = [sys.executable, str(REPO / "benchmarks" / "baselines" / "reference_full_length.py")]
-            cmd += [str(Path(a.reference_script).resolve()), "--size", a.reference_size]
+            cmd = [*wrapper, str(Path(a.reference_script).resolve()), "--size", a.reference_size]
             cmd += ["--frames", str(a.frames), "--batches", batches, "--text-tokens", "40"]
-            log("bench: reference baseline:", " ".join(cmd))
-            res = run_baseline("reference", cmd, a.reference_site, env, self.baseline_timeout())
-            with self._save_lock:
-                b["reference"] = res
-            for r in b["reference"]["rows"]:
-                emit({"part": "reference", **r})
-            self.save()
+            self._baseline("reference", cmd, a.reference_site, env)
         if "peer" in a.parts and a.peer_script and self.time_left("peer"):
             # Its official (transformers-5 build) rows come from the same generate, so through the same wrapper;
             # faster-qwen3-tts's own generation does not call it.
-            cmd = [sys.executable, str(REPO / "benchmarks" / "baselines" / "reference_full_length.py")]
-            cmd += [str(Path(a.peer_script).resolve())]
-            log("bench: peer baseline:", " ".join(cmd))
-            env = {**env, "FRAMES": str(a.frames)}
-            res = run_baseline("peer", cmd, a.peer_site, env, self.baseline_timeout())
-            with self._save_lock:
-                b["peer"] = res
-            for r in b["peer"]["rows"]:
-                emit({"part": "peer", **r})
-            self.save()
+            cmd = [*wrapper, str(Path(a.peer_script).resolve())]
+            self._baseline("peer", cmd, a.peer_site, {**env, "FRAMES": str(a.frames)})
         for k, v in b.items():
             if v.get("error"):
                 log(f"bench: {k} baseline error: {v['error']}")
+
+    def _baseline(self, part: str, cmd: list[str], site: str | None, env: dict[str, str]) -> None:
+        """Run one baseline's command, keep its result under `part`, emit its rows and save."""
+        log(f"bench: {part} baseline:", " ".join(cmd))
+        res = run_baseline(part, cmd, site, env, self.baseline_timeout())
+        b = self.results["baselines"]
+        with self._save_lock:
+            b[part] = res
+        for r in b[part]["rows"]:
+            emit({"part": part, **r})
+        self.save()
 
     async def main(self) -> None:
         # With --baseline-gpu the baselines run on that GPU beside our engine's parts, in this same run; else after.

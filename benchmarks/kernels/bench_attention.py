@@ -43,7 +43,12 @@ def time_calls(run, device: str, iters: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    for _ in range(3):
+    return replay_seconds(graph, iters)
+
+
+def replay_seconds(graph: torch.cuda.CUDAGraph, iters: int, warmups: int = 3) -> float:
+    """Seconds per replay of a captured graph: `warmups` replays, then `iters` back to back timed by CUDA events."""
+    for _ in range(warmups):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

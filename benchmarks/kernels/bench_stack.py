@@ -32,6 +32,7 @@ from qwen_tts.fastpath.stack.stack_cuda import StackOptions
 from qwen_tts.fastpath.stack.stack_kernel import StackKernel
 from qwen_tts.model.config import DecoderLayersConfig
 from qwen_tts.model.layers import DecoderStack
+from qwen_tts.model.random_checkpoint import layer_stack
 
 PASSES = 15  # positions 1..15 of a frame
 CACHE_LEN = 16
@@ -39,12 +40,9 @@ CACHE_LEN = 16
 
 @torch.no_grad()
 def build(dims: tuple[int, ...], seed: int = 0) -> DecoderStack:
-    H, inter, L, nq, nkv, D = dims
     cfg = DecoderLayersConfig(
-        hidden_size=H, intermediate_size=inter, num_hidden_layers=L, num_attention_heads=nq,
-        num_key_value_heads=nkv, head_dim=D, rms_norm_eps=1e-6, rope_theta=10000.0,
-        max_position_embeddings=65536, vocab_size=2048,
-    )  # fmt: skip
+        **layer_stack(*dims), rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=65536, vocab_size=2048
+    )
     torch.manual_seed(seed)
     with torch.device("cuda"):
         stack = DecoderStack(cfg)
@@ -82,12 +80,9 @@ REGIONS = fused.Regions(small_m=FastPath().small_m_split_k)
 def options(mode: str) -> StackOptions:
     """The kernel's options a mode names (module defaults otherwise)."""
     parts = mode.split("+")[1:]
-    opts = StackOptions(bulk="cpasync" not in parts, weights="noweights" not in parts,
-                        light_barrier="heavybar" not in parts, chunked="chunked" in parts,
-                        split_barrier="splitbar" in parts, two_rows="onerow" not in parts,
-                        lean_grid="fullgrid" not in parts, norm_prefetch="nonormpf" not in parts,
-                        vector_attention="scalaratt" not in parts, evict_first="noevict" not in parts,
-                        stage="stage" in parts, exact_rows=3 if "exact" in parts else 0)  # fmt: skip
+    opts = StackOptions(weights="noweights" not in parts, chunked="chunked" in parts,
+                        split_barrier="splitbar" in parts, stage="stage" in parts,
+                        exact_rows=3 if "exact" in parts else 0)  # fmt: skip
     for p in parts:
         if p.startswith("t") and p[1:].isdigit():  # t512: blocks of 512 threads
             opts = opts.replace(threads=int(p[1:]))
@@ -169,17 +164,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4")
     ap.add_argument("--modes", default="fused,cuda",
-                    help="fused or cuda, cuda with options: +cpasync "
-                    "(16-byte cp.async, not the copy engine), +noweights (no weight "
-                    "copies: profiling only), +heavybar (the barrier's release by __threadfence), +chunked (a short "
-                    "cache's attention by the long cache's code), +splitbar (four arrival counters), +onerow (one "
-                    "weight row a warp, not two), +fullgrid (every SM, not only those that keep each block's largest "
-                    "share), +nonormpf (the norms' weights "
-                    "from L2, not staged in shared memory during the wait), +scalaratt (the short cache's keys by "
-                    "2-byte loads), +chunkN (a long cache's chunks of at least N positions), +splitN (past the chunk, chunks of at "
-                    "least N positions), +noevict (the weight copies "
-                    "without the L2 evict-first policy), +tN (blocks of "
-                    "N threads), +stage (a long cache's cached keys and values copied into the free "
+                    help="fused or cuda, cuda with options: +noweights (no weight copies: profiling only), +chunked (a "
+                    "short cache's attention by the long cache's code), +splitbar (four arrival counters), +chunkN (a "
+                    "long cache's chunks of at least N positions), +splitN (past the chunk, chunks of at least N "
+                    "positions), +tN (blocks of N threads), +stage (a long cache's cached keys and values copied into the free "
                     "weight slot before attention's wait), +exact (a pass of M rows by the kernel's M-row build)")  # fmt: skip
     ap.add_argument("--dims", default="1024,3072,5,16,8,128", help="hidden,intermediate,layers,heads,kv heads,head dim")
     ap.add_argument(

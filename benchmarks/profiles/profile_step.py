@@ -26,8 +26,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))  # bench_attention
 
 import torch
+from bench_attention import replay_seconds
 
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.native.frame_step import FrameStepRunner, SlotState, bucket
@@ -92,8 +94,6 @@ STEP_VARIANTS = {
     # and with the heads by the few-row kernel: where both stacks run on the kernel, a lone row's step is one row
     # (frame_step.one_row_steps), as the engine runs one stream with its three opt-in settings.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda": _BOTH,
-    # and the weight copies without the L2 evict-first policy.
-    "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+no-evict-first": _BOTH,
     # and with the attention units' cached keys staged in shared memory (stack_cuda's stage), with the talker's chunks
     # of 192 positions too.
     "fused-split+small-m+cp-one-pass+kernel-sampler+tables+heads+stack-cuda+talker-cuda+stage": _BOTH,
@@ -127,7 +127,6 @@ def step_options(variant: str) -> FastPath:
         cp_input_tables="+tables" in variant,
         cp_stack_kernel="cuda" if "+stack-cuda" in variant else "off",
         talker_stack_kernel="cuda" if "+talker-cuda" in variant else "off",
-        stack_evict_first="+no-evict-first" not in variant,
         talker_stack_stage="+stage" in variant,
         talker_stack_chunk=192 if "+chunk192" in variant else default.talker_stack_chunk,
         stack_exact_rows=0,
@@ -165,15 +164,7 @@ def time_replays(runner: FrameStepRunner, B: int, args, iters: int) -> dict:
     runner.step(*args)  # captures this bucket
     kv = bucket(max(args[3]) + 1, runner.kv_buckets)
     graph = runner._graphs[(bucket(B, runner.batch_buckets), kv)]
-    for _ in range(5):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    replay_ms = start.elapsed_time(end) / iters
+    replay_ms = 1000 * replay_seconds(graph, iters, warmups=5)
     t0 = time.perf_counter()
     for _ in range(iters):
         runner.step(*args)  # the engine's call: upload inputs, replay, read the codes back (one sync)

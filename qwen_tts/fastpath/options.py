@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["PRESETS", "FastPath", "FastPathError", "FrameStepMode", "warp_elements_error"]
+__all__ = ["EAGER_OFF", "PRESETS", "FastPath", "FastPathError", "FrameStepMode", "warp_elements_error"]
 
 FrameStepMode = Literal["auto", "eager", "padded", "graphs"]
 PRESETS = ("default", "one-stream", "eager")
@@ -36,6 +36,15 @@ def warp_elements_error(n: object) -> str | None:
     return f"must be a power of two from 32 to 4096, not {n!r}"
 
 
+# What the eager preset turns off besides the graphed frame step and the polyphase convs: steps launched one ahead,
+# every compiled or custom kernel, Code2Wav's graphs and the code predictor's restructured passes (its prompt in one
+# pass, its input tables).
+EAGER_OFF = (
+    "overlap_steps", "fused_kernels", "split_attention", "small_m_gemm", "cp_prompt_one_pass", "cp_input_tables",
+    "kernel_sampler", "cp_fused_feed", "fused_decoder", "decoder_snake_kernel", "decode_graphs",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class FastPath:
     """The fast path's options; the defaults are the `default` preset (the one the server runs)."""
@@ -47,8 +56,6 @@ class FastPath:
     # Launch each step before reading the codes of the one before, so the GPU steps while the host handles codes.
     # None: on where a launch returns before the step has run (CUDA, not the eager step), else off.
     overlap_steps: bool | None = None
-    # Run the engine loop's work on a high-priority CUDA stream, so Code2Wav's kernels fill the SMs a step leaves.
-    step_stream_priority: bool = True
 
     # --- the decoder layers (qwen_tts/fastpath/fused.py) -----------------------------------------------------
     # One-token decoder steps on fused weights, compiled blocks and in-place Triton attention: fewer kernels.
@@ -89,10 +96,6 @@ class FastPath:
     cp_stack_kernel: Literal["off", "cuda"] = "off"
     # The same kernel for the talker's passes, where its layer fits the kernel (a warning and the fused path where not).
     talker_stack_kernel: Literal["off", "cuda"] = "off"
-    # Launch the kernel on only as many SMs as keep each block's largest share, leaving the rest to Code2Wav.
-    stack_lean_grid: bool = True
-    # Mark the kernel's weight copies first to leave L2, so they do not push the caches and activations out.
-    stack_evict_first: bool = True
     # Threads per block of the code predictor's and the talker's kernel (256 or 512; the same bits either way).
     cp_stack_threads: int = 512
     talker_stack_threads: int = 256
@@ -120,8 +123,6 @@ class FastPath:
     decode_thread: bool = True
     # With graphed frame steps, replay Code2Wav from a CUDA graph per (batch bucket, chunk length).
     decode_graphs: bool = True
-    # Graphed Code2Wav's inputs and audio through pinned host buffers, so the copy back does not block the loop.
-    decode_pinned_io: bool = True
 
     def __post_init__(self) -> None:
         if self.frame_step not in ("auto", "eager", "padded", "graphs"):
@@ -170,21 +171,7 @@ class FastPath:
         if name == "one-stream":
             return cls(cp_stack_kernel="cuda", talker_stack_kernel="cuda", small_m_heads=True)
         if name == "eager":
-            return cls(
-                frame_step="eager",
-                overlap_steps=False,
-                fused_kernels=False,
-                split_attention=False,
-                small_m_gemm=False,
-                cp_prompt_one_pass=False,
-                cp_input_tables=False,
-                kernel_sampler=False,
-                cp_fused_feed=False,
-                fused_decoder=False,
-                decoder_snake_kernel=False,
-                decoder_polyphase_dilation=0,
-                decode_graphs=False,
-            )
+            return cls(frame_step="eager", decoder_polyphase_dilation=0, **dict.fromkeys(EAGER_OFF, False))
         raise FastPathError("fast_path", f"fast_path must be {', '.join(PRESETS)}, not {name!r}")
 
     @classmethod

@@ -48,8 +48,7 @@ class FastStep:
         self.cp_input_tables = bool(o.cp_input_tables)
         self.cp_stack_kernel, self.talker_stack_kernel = str(o.cp_stack_kernel), str(o.talker_stack_kernel)
         self.stack_options = StackOptions(
-            lean_grid=bool(o.stack_lean_grid), evict_first=bool(o.stack_evict_first), threads=int(o.cp_stack_threads),
-            long_threads=int(o.talker_stack_threads), stage=bool(o.talker_stack_stage),
+            threads=int(o.cp_stack_threads), long_threads=int(o.talker_stack_threads), stage=bool(o.talker_stack_stage),
             chunk=int(o.talker_stack_chunk), split=int(o.talker_stack_split), exact_rows=int(o.stack_exact_rows),
         )  # fmt: skip
         self.kernel_sampler = bool(o.kernel_sampler)

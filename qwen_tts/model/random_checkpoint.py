@@ -226,7 +226,8 @@ def _copy_tokenizer(src: Path, root: Path) -> dict[str, int]:
 # Configs.
 
 
-def _layer_stack(hidden: int, inter: int, layers: int, heads: int, kv: int, head_dim: int) -> dict[str, int]:
+def layer_stack(hidden: int, inter: int, layers: int, heads: int, kv: int, head_dim: int) -> dict[str, int]:
+    """A decoder stack's six widths and counts as config keys (a config.json's, or DecoderLayersConfig's)."""
     return dict(
         hidden_size=hidden,
         intermediate_size=inter,
@@ -241,10 +242,10 @@ def _sizes(size: str) -> dict[str, Any]:
     """Per-size architecture numbers (official values for 0.6b / 1.7b, reference doc section 1)."""
     if size in TINY_SIZES:
         return dict(
-            talker=_layer_stack(32, 64, 2, 2, 1, 32),
+            talker=layer_stack(32, 64, 2, 2, 1, 32),
             mrope_section=[8, 4, 4],
             text_hidden_size=64,
-            predictor=_layer_stack(32, 64, 2, 2, 1, 16) if size == "tiny" else _layer_stack(24, 48, 2, 2, 1, 16),
+            predictor=layer_stack(32, 64, 2, 2, 1, 16) if size == "tiny" else layer_stack(24, 48, 2, 2, 1, 16),
             speaker=dict(
                 enc_channels=[32, 32, 32, 32, 96],
                 enc_kernel_sizes=[5, 3, 3, 3, 1],
@@ -254,7 +255,7 @@ def _sizes(size: str) -> dict[str, Any]:
                 enc_se_channels=16,
             ),
             decoder=dict(
-                _layer_stack(32, 64, 2, 2, 2, 16),
+                layer_stack(32, 64, 2, 2, 2, 16),
                 latent_dim=64,
                 decoder_dim=96,
                 codebook_dim=16,
@@ -278,12 +279,12 @@ def _sizes(size: str) -> dict[str, Any]:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
     hidden, inter = (2048, 6144) if size == "1.7b" else (1024, 3072)
     return dict(
-        talker=_layer_stack(hidden, inter, 28, 16, 8, 128),
+        talker=layer_stack(hidden, inter, 28, 16, 8, 128),
         mrope_section=[24, 20, 20],
         text_hidden_size=2048,
-        predictor=_layer_stack(1024, 3072, 5, 16, 8, 128),
+        predictor=layer_stack(1024, 3072, 5, 16, 8, 128),
         speaker={},
-        decoder=dict(_layer_stack(512, 1024, 8, 16, 16, 64), latent_dim=1024, decoder_dim=1536, codebook_dim=512),
+        decoder=dict(layer_stack(512, 1024, 8, 16, 16, 64), latent_dim=1024, decoder_dim=1536, codebook_dim=512),
         encoder=dict(
             num_filters=64,
             hidden_size=512,
@@ -301,6 +302,32 @@ def _sizes(size: str) -> dict[str, Any]:
     )
 
 
+# What the talker's and the code predictor's entries of config.json share, in the released files' order: the
+# activation, norm and RoPE base, then (after each one's RoPE scaling and positions) the attention's settings.
+_ACT_NORM_ROPE = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1000000)
+_ATTENTION = dict(
+    attention_bias=False,
+    attention_dropout=0.0,
+    initializer_range=0.02,
+    use_cache=True,
+    use_sliding_window=False,
+    sliding_window=None,
+)
+
+
+# config.json's special-token keys and the tokens they name.
+_TOKEN_ID_KEYS = (
+    ("assistant_token_id", "assistant"), ("im_start_token_id", "<|im_start|>"), ("im_end_token_id", "<|im_end|>"),
+    ("tts_pad_token_id", "<tts_pad>"), ("tts_bos_token_id", "<tts_text_bos>"), ("tts_eos_token_id", "<tts_text_eod>"),
+)  # fmt: skip
+
+
+def token_id_keys(text_ids: dict[str, int]) -> dict[str, int]:
+    """config.json's special-token id keys for a tokenizer's ids, in the released order (assistant_token_id only
+    where `text_ids` has "assistant")."""
+    return {key: text_ids[token] for key, token in _TOKEN_ID_KEYS if token in text_ids}
+
+
 def model_config_dict(size: str, text_ids: dict[str, int], text_vocab_size: int) -> dict[str, Any]:
     """The top-level config.json, shaped like the released one."""
     s = _sizes(size)
@@ -309,17 +336,10 @@ def model_config_dict(size: str, text_ids: dict[str, int], text_vocab_size: int)
         s["predictor"],
         vocab_size=2048,
         num_code_groups=16,
-        hidden_act="silu",
-        rms_norm_eps=1e-6,
-        rope_theta=1000000,
+        **_ACT_NORM_ROPE,
         rope_scaling=None,
         max_position_embeddings=65536,
-        attention_bias=False,
-        attention_dropout=0.0,
-        initializer_range=0.02,
-        use_cache=True,
-        use_sliding_window=False,
-        sliding_window=None,
+        **_ATTENTION,
         max_window_layers=28,
         layer_types=["full_attention"] * s["predictor"]["num_hidden_layers"],
         model_type="qwen3_tts_talker_code_predictor",
@@ -331,17 +351,10 @@ def model_config_dict(size: str, text_ids: dict[str, int], text_vocab_size: int)
         text_vocab_size=text_vocab_size,
         text_hidden_size=s["text_hidden_size"],
         num_code_groups=16,
-        hidden_act="silu",
-        rms_norm_eps=1e-6,
-        rope_theta=1000000,
+        **_ACT_NORM_ROPE,
         rope_scaling={"interleaved": True, "mrope_section": s["mrope_section"], "rope_type": "default"},
         max_position_embeddings=32768,
-        attention_bias=False,
-        attention_dropout=0.0,
-        initializer_range=0.02,
-        use_cache=True,
-        use_sliding_window=False,
-        sliding_window=None,
+        **_ATTENTION,
         position_id_per_seconds=13,
         **CODEC_IDS,
         codec_language_id=dict(CODEC_LANGUAGE_ID),
@@ -354,12 +367,7 @@ def model_config_dict(size: str, text_ids: dict[str, int], text_vocab_size: int)
     return {
         "architectures": ["Qwen3TTSForConditionalGeneration"],
         "model_type": "qwen3_tts",
-        "assistant_token_id": text_ids["assistant"],
-        "im_start_token_id": text_ids["<|im_start|>"],
-        "im_end_token_id": text_ids["<|im_end|>"],
-        "tts_pad_token_id": text_ids["<tts_pad>"],
-        "tts_bos_token_id": text_ids["<tts_text_bos>"],
-        "tts_eos_token_id": text_ids["<tts_text_eod>"],
+        **token_id_keys(text_ids),
         "speaker_encoder_config": speaker,
         "talker_config": talker,
         "tokenizer_type": "qwen3_tts_tokenizer_12hz",

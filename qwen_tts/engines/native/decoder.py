@@ -32,7 +32,7 @@ from torch import Tensor
 
 from qwen_tts.model.codec_decoder import Code2Wav, Code2WavStream
 
-from .frame_step import batch_buckets, bucket, capture_stream
+from .frame_step import batch_buckets, bucket, capture_graph, capture_stream
 
 log = logging.getLogger("qwen_tts.decoder")
 
@@ -80,19 +80,13 @@ class SlotDecoder:
         self._pool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
         self._side = capture_stream(self.device) if mode == "graphs" else None
         # Pinned host buffers of the largest bucket for the graphs' inputs and audio (views of them serve smaller
-        # buckets). None: pageable copies (set_pinned_io(False), A/B runs).
-        self._host: dict[str, Tensor] | None = None
-        if mode == "graphs":
-            self.set_pinned_io(True)
+        # buckets), so the copy back does not block the engine loop.
+        self._host: dict[str, Tensor] = self._pinned_buffers() if mode == "graphs" else {}
 
-    def set_pinned_io(self, on: bool) -> None:
-        """Whether graph replays move their inputs and audio through pinned host buffers (the default)."""
-        if not on or self.mode != "graphs":
-            self._host = None
-            return
+    def _pinned_buffers(self) -> dict[str, Tensor]:
         B, T = self.batch_buckets[-1], max(self.chunk_lens)
         pin = dict(pin_memory=True)
-        self._host = {
+        return {
             "idx": torch.zeros(B, dtype=torch.long, **pin),
             "fresh": torch.zeros(B, dtype=torch.bool, **pin),
             "codes": torch.zeros(B * self.num_quantizers * T, dtype=torch.long, **pin),
@@ -134,8 +128,6 @@ class SlotDecoder:
             wav = self._chunk(idx.to(self.device), fr.to(self.device), codes.to(self.device))
             return wav[:n].float().cpu()
         graph, buf = self._graphs.get((B, T)) or self._capture(B, T)
-        if self._host is None:
-            return self._replay_pageable(graph, buf, idx, fr, codes, n)
         h = self._host
         h["idx"][:B].copy_(idx)
         h["fresh"][:B].copy_(fr)
@@ -158,14 +150,6 @@ class SlotDecoder:
         done.synchronize()
         return out.clone()  # the pinned buffer is the next call's
 
-    def _replay_pageable(self, graph, buf: dict[str, Tensor], idx: Tensor, fr: Tensor, codes: Tensor, n: int) -> Tensor:
-        """The replay with pageable copies (decode's path before pinned buffers; A/B runs)."""
-        buf["idx"].copy_(idx)
-        buf["fresh"].copy_(fr)
-        buf["codes"].copy_(codes)
-        graph.replay()
-        return buf["wav"][:n].float().cpu()
-
     def _capture(self, B: int, T: int) -> tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]:
         dev = self.device
         buf = {
@@ -173,15 +157,10 @@ class SlotDecoder:
             "fresh": torch.ones(B, dtype=torch.bool, device=dev),
             "codes": torch.zeros(B, self.num_quantizers, T, dtype=torch.long, device=dev),
         }
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm up (cuDNN plans, lazy init); touches the scratch row only
-            for _ in range(2):
-                self._chunk(buf["idx"], buf["fresh"], buf["codes"])
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
-            buf["wav"] = self._chunk(buf["idx"], buf["fresh"], buf["codes"])
+        # Two warm-up calls (cuDNN plans, lazy init) touch the scratch row only.
+        graph, buf["wav"] = capture_graph(
+            lambda: self._chunk(buf["idx"], buf["fresh"], buf["codes"]), self._side, self._pool, dev, warmups=2
+        )
         self._graphs[(B, T)] = (graph, buf)
         return graph, buf
 

@@ -43,7 +43,6 @@ import numpy as np
 import torch
 
 from qwen_tts.engine_api import (
-    Engine,
     EngineNotReadyError,
     EngineSettings,
     EngineSettingsError,
@@ -51,6 +50,7 @@ from qwen_tts.engine_api import (
     RequestHandle,
     SynthesisRequest,
 )
+from qwen_tts.engines.checkpoint import CheckpointEngine
 from qwen_tts.fastpath.options import FastPath
 from qwen_tts.model.config import ConfigError, ModelConfig
 from qwen_tts.model.loading import Qwen3TTS, resolve_device, resolve_dtype
@@ -66,7 +66,7 @@ log = logging.getLogger("qwen_tts.engine")
 __all__ = ["NativeEngine", "talker_cache_len"]
 
 
-class NativeEngine(Engine):
+class NativeEngine(CheckpointEngine):
     """The default engine: our PyTorch model with continuous batching and streaming decode.
 
     The checkpoint's config is read at construction (model path resolved, the demo checkpoint written if asked),
@@ -200,20 +200,8 @@ class NativeEngine(Engine):
         return self._ready and self._dead is None
 
     @property
-    def xvector_dim(self) -> int:
-        return self._cfg.xvector_dim
-
-    @property
-    def languages(self) -> list[str]:
-        return self._cfg.languages
-
-    @property
     def device(self) -> torch.device:
         return self._device
-
-    @property
-    def model_info(self) -> dict[str, Any]:
-        return dict(self._model_info)
 
     @property
     def timings(self) -> dict[str, float]:
@@ -260,8 +248,9 @@ class NativeEngine(Engine):
         torch.set_grad_enabled(False)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
-        if self.device.type == "cuda" and self.fast.step_stream_priority:
-            # Negative is higher; graph replays take the priority of the stream they are launched into.
+        if self.device.type == "cuda":
+            # A high-priority stream, so Code2Wav's kernels fill the SMs a step leaves. Negative is higher; graph
+            # replays take the priority of the stream they are launched into.
             stream = torch.cuda.Stream(self.device, priority=-1)
             stream.wait_stream(torch.cuda.current_stream(self.device))  # what _load and the warm-up wrote
             with torch.cuda.stream(stream):

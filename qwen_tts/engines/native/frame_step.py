@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -203,6 +205,23 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
+def capture_graph(
+    run: Callable[[], Any], side: torch.cuda.Stream, pool, device: torch.device | None = None, warmups: int = 1
+) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Warm `run` up on the runner's side stream (`warmups` calls, so library handles, plans and workspaces are made
+    outside the capture), then capture one call of it into a graph on that stream and the memory pool `pool`;
+    returns the graph and what the captured call returned (its output buffers)."""
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+        out = run()
+    return graph, out
+
+
 def batch_buckets(max_rows: int) -> list[int]:
     """Powers of two below max_rows, then max_rows."""
     out, b = [], 1
@@ -311,14 +330,7 @@ class FrameStepRunner:
         # Every row on the scratch slot: the warm-up run and the capture touch no live request.
         self._inputs[:, :B].zero_()
         self._inputs[0, :B].fill_(self.scratch)
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._run(B, kv_len)  # warm-up: library handles and workspaces are made outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
-            self._run(B, kv_len)
+        graph, _ = capture_graph(lambda: self._run(B, kv_len), self._side, self._pool)
         self._graphs[(B, kv_len)] = graph
         log.info("captured the frame step for batch %d, kv_len %d in %.2fs", B, kv_len, time.perf_counter() - t0)
         return graph

@@ -25,7 +25,7 @@ from torch import Tensor
 from qwen_tts.model.layers import KVCache, upload
 from qwen_tts.model.talker import Talker
 
-from .frame_step import batch_buckets, bucket, capture_stream, kv_buckets
+from .frame_step import batch_buckets, bucket, capture_graph, capture_stream, kv_buckets
 
 log = logging.getLogger("qwen_tts.prefill")
 
@@ -117,16 +117,10 @@ class PrefillRunner:
             "slots": torch.full((B,), self.scratch, dtype=torch.long, device=dev),
             "last": torch.zeros(B, dtype=torch.long, device=dev),
         }
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream(dev))
-        try:
-            with torch.cuda.stream(side):  # warm up (library plans, lazy init): writes the scratch slot only
-                for _ in range(2):
-                    self._forward(buf["embeds"], buf["slots"], buf["last"])
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
-                buf["out"] = self._forward(buf["embeds"], buf["slots"], buf["last"])
+        try:  # two warm-up calls (library plans, lazy init) write the scratch slot only
+            graph, buf["out"] = capture_graph(
+                lambda: self._forward(buf["embeds"], buf["slots"], buf["last"]), self._side, self._pool, dev, warmups=2
+            )
         except RuntimeError as e:  # prefill eagerly rather than not at all
             log.warning("prefill graph (%d, %d) not captured; uncaptured buckets run eagerly: %s", B, T, e)
             torch.cuda.synchronize(dev)

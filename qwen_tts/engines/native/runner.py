@@ -203,7 +203,6 @@ class ModelRunner:
                 mode,
                 max_batch=self._decode_batch,
             )
-            slot_decoder.set_pinned_io(self.fast.decode_pinned_io)
             if self.config.warmup:
                 slot_decoder.capture_all()
         self._model_info["decode_graphs"] = mode == "graphs"

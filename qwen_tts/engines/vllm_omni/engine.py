@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from qwen_tts.engine_api import (
-    Engine,
     EngineNotReadyError,
     EngineSettings,
     EngineSettingsError,
@@ -32,6 +31,7 @@ from qwen_tts.engine_api import (
     RequestHandle,
     SynthesisRequest,
 )
+from qwen_tts.engines.checkpoint import CheckpointEngine
 from qwen_tts.model.config import ConfigError, ModelConfig
 from qwen_tts.model.model_paths import DEMO, ModelPathError, resolve_model_path
 from qwen_tts.model.prompt import normalize_language
@@ -87,7 +87,7 @@ def fast_path_installed() -> bool:
     return any(e.name == FAST_PATH_PLUGIN for e in entry_points(group="vllm_omni.general_plugins"))
 
 
-class VllmOmniEngine(Engine):
+class VllmOmniEngine(CheckpointEngine):
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> VllmOmniEngine:
         """From the one engine-settings type; the model path is resolved as for the native engine ('demo' too).
@@ -283,20 +283,8 @@ class VllmOmniEngine(Engine):
         return torch.device("cpu")  # speaker vectors are sent from host memory
 
     @property
-    def model_info(self) -> dict[str, Any]:
-        return dict(self._model_info)
-
-    @property
     def ready(self) -> bool:
         return self._ready and self._dead is None and self._omni is not None
-
-    @property
-    def xvector_dim(self) -> int:
-        return self._cfg.xvector_dim
-
-    @property
-    def languages(self) -> list[str]:
-        return self._cfg.languages
 
     @property
     def num_running(self) -> int:

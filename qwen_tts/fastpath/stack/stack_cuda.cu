@@ -15,14 +15,13 @@
 // header's names are touched): the shapes H, I, D, NQ, NKV, L, T, MAXM (the most rows a pass of this build takes),
 // MAXR (the rows shared memory is carved for: four, whatever MAXM; a build for fewer rows uses the first of each
 // region), NBLK, SLOT_BYTES, ACT_BYTES, RES_ROWS (the most weight rows a block has in one phase), and the options:
-// BULK (1: the weights by the copy engine, cp.async.bulk, one instruction a range, completion on an mbarrier; 0:
-// 16-byte cp.async by every thread); WEIGHTS (0: no weight copies at all, the matmuls read whatever the slots hold;
-// for profiling only, to see what the phases cost without their bytes); TWO_ROWS (the matmuls' dot products on the
-// CUDA cores two weight rows a warp at once; 0: one); TIMELINE (profiling: clock stamps); LIGHTBAR (the barrier's release by an
-// acquire-release fence); NARRIVE (arrival counters, of MAXNARRIVE lines); NORMPF (each norm's weights copied into
-// shared memory during the grid wait before it); VECATT (a short cache's cached keys and values by 16-byte loads in
-// one round); EVICT_FIRST (the weight copies with an L2 evict-first policy). NBLK may be fewer than the SMs
-// (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the talker's), so attention is split over
+// WEIGHTS (0: no weight copies at all, the matmuls read whatever the slots hold; for profiling only, to see what the
+// phases cost without their bytes); TIMELINE (profiling: clock stamps); NARRIVE (arrival counters, of MAXNARRIVE
+// lines). The weights come by the copy engine (cp.async.bulk, one instruction a range, completion on an mbarrier)
+// with an L2 evict-first policy; the matmuls' dot products on the CUDA cores take two weight rows a warp at once; the
+// barrier's release is an acquire-release fence; each norm's weights are copied into shared memory during the grid
+// wait before it; a short cache's cached keys and values come by 16-byte loads in one round. NBLK may be fewer than
+// the SMs (stack_cuda.lean_blocks). LONG: the cache is longer than a warp has lanes (the talker's), so attention is split over
 // one chunk up to CHUNK positions, past it chunks of at least SPLIT, at most NCHUNK a (row, kv head), whose partial
 // softmax sums the last chunk to finish combines (`attention_long`); else one unit per (row, kv head) holds the
 // whole cache in shared memory (`attention`). STAGE (a long cache): at the start of each attention phase, before its
@@ -56,14 +55,6 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return (u32)a;
 }
 
-__device__ __forceinline__ void cp16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-__device__ __forceinline__ void cp_wait_all_but_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
-
 __device__ __forceinline__ void mbar_init(u64* bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
 }
@@ -74,20 +65,14 @@ __device__ __forceinline__ void mbar_expect(u64* bar, u32 bytes) {
 }
 
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
-    if (EVICT_FIRST) {  // the weights stream through L2 once a pass: let them leave it first
-        u64 policy;
-        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
-            "%4;" ::"r"(smem_addr(dst)),
-            "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
-            : "memory");
-    } else {
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                         smem_addr(dst)),
-                     "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                     : "memory");
-    }
+    // The weights stream through L2 once a pass: let them leave it first.
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
+        "%4;" ::"r"(smem_addr(dst)),
+        "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+        : "memory");
 }
 
 // A bulk copy of cached keys or values: no evict-first policy (the cache is read again by the next pass).
@@ -134,17 +119,10 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
 }
 
 // Order this thread's view of memory (what the block barrier gave it included) before what follows, device-wide.
-__device__ __forceinline__ void fence_gpu() {
-    if (LIGHTBAR) {
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    } else {
-        __threadfence();
-    }
-}
+__device__ __forceinline__ void fence_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
-// The block's phase is done: every thread's stores before the one release. LIGHTBAR: an acquire-release fence and a
-// relaxed add (the block's stores reach thread 0 through the block barrier, and the fence is cumulative); else the
-// sequentially consistent __threadfence and an atomic add.
+// The block's phase is done: every thread's stores before the one release, an acquire-release fence and a relaxed
+// add (the block's stores reach thread 0 through the block barrier, and the fence is cumulative).
 // NARRIVE counters, a 128-byte line apart (bar[0], bar[32], ...), take the arrivals, block b's at b % NARRIVE, so the
 // adds of a phase queue at NARRIVE addresses instead of one; a wait sums them. One by default: four measured slower
 // (the waits' polls of four lines cost more than the adds' queue saved).
@@ -152,12 +130,7 @@ __device__ __forceinline__ void grid_arrive(u32* bar) {
     __syncthreads();
     if (threadIdx.x == 0) {
         u32* ctr = bar + 32 * (blockIdx.x % NARRIVE);
-        if (LIGHTBAR) {
-            asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(ctr) : "memory");
-        } else {
-            __threadfence();
-            atomicAdd(ctr, 1u);
-        }
+        asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.u32 [%0], 1;" ::"l"(ctr) : "memory");
     }
 }
 
@@ -171,7 +144,6 @@ __device__ __forceinline__ void grid_wait(const u32* bar, u32 target) {
             for (int k = 0; k < NARRIVE; ++k) got += ld_acquire(bar + 32 * k);
             if (got >= target) break;
         }
-        if (!LIGHTBAR) __threadfence();
     }
     __syncthreads();
 }
@@ -189,15 +161,11 @@ __device__ __forceinline__ float warp_max(float v) {
 // Block b's share [lo(b), lo(b + 1)) of n rows.
 __device__ __forceinline__ int lo(int n, int b) { return (int)(((long long)n * b) / NBLK); }
 
-// Copy `bytes` (a multiple of 16) from global to shared memory, no wait: BULK, one copy-engine instruction by
-// thread 0 completing on `bar`; else every thread a part, 16 bytes a cp.async.
+// Copy `bytes` (a multiple of 16) from global to shared memory, no wait: one copy-engine instruction by thread 0
+// completing on `bar`.
 __device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes, u64* bar) {
     if (!WEIGHTS || bytes == 0) return;
-    if (BULK) {
-        if (threadIdx.x == 0) bulk_copy(dst, src, bytes, bar);
-    } else {
-        for (int i = threadIdx.x; i < bytes / 16; i += NTHREADS) cp16((char*)dst + 16 * i, (const char*)src + 16 * i);
-    }
+    if (threadIdx.x == 0) bulk_copy(dst, src, bytes, bar);
 }
 
 // `rows` weight rows of K from global (row stride K) into a slot: one contiguous range (copy_async).
@@ -214,12 +182,12 @@ __device__ __noinline__ int share_bytes(int f) {
     return (lo(H, b + 1) - lo(H, b)) * I * 2;
 }
 
-// Matmul phase f's weight share for block b into `dst` (f = 4 * layer + kind: q|k|v, o, gate|up, down); BULK: thread
-// 0 first tells the slot's mbarrier how many bytes will land.
+// Matmul phase f's weight share for block b into `dst` (f = 4 * layer + kind: q|k|v, o, gate|up, down); thread 0
+// first tells the slot's mbarrier how many bytes will land.
 __device__ __noinline__ void issue(int f, void* dst, u64* bar, const bf16* wqkv, const bf16* wo, const bf16* wgu,
                                    const bf16* wd) {
     const int b = blockIdx.x, layer = f / 4, kind = f % 4;
-    if (BULK && threadIdx.x == 0) {
+    if (threadIdx.x == 0) {
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the slot's last reads before the copy's writes
         mbar_expect(bar, WEIGHTS ? share_bytes(f) : 0);
     }
@@ -341,7 +309,7 @@ __device__ __forceinline__ void row_dot(const bf16* w, const bf16* act, int M, i
     row_dot_span(w, act, M, K, 0, K, acc);
 }
 
-// row_dot for two weight rows at once (TWO_ROWS): the same sums, each row's in the same order.
+// row_dot for two weight rows at once: the same sums, each row's in the same order.
 __device__ __forceinline__ void row_dot2(const bf16* w0, const bf16* w1, const bf16* act, int M, int K, float* a0,
                                          float* a1) {
     const int lane = threadIdx.x % 32;
@@ -371,33 +339,23 @@ __device__ __forceinline__ void row_dot2(const bf16* w0, const bf16* w1, const b
 // the CUDA cores. A sum's order depends on R and K only, never on M: a row's result is batch invariant.
 __device__ void block_matmul(const bf16* w, int R, int K, const bf16* act, int M, float* res) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (TWO_ROWS) {
-        float a0[MAXM], a1[MAXM];
-        int r = warp;
-        for (; r + NWARPS < R; r += 2 * NWARPS) {  // rows r and r + NWARPS together
-            row_dot2(w + r * K, w + (r + NWARPS) * K, act, M, K, a0, a1);
+    float a0[MAXM], a1[MAXM];
+    int r = warp;
+    for (; r + NWARPS < R; r += 2 * NWARPS) {  // rows r and r + NWARPS together
+        row_dot2(w + r * K, w + (r + NWARPS) * K, act, M, K, a0, a1);
 #pragma unroll
-            for (int m = 0; m < MAXM; ++m) {
-                if (m == lane && m < M) {
-                    res[r * MAXM + m] = a0[m];
-                    res[(r + NWARPS) * MAXM + m] = a1[m];
-                }
+        for (int m = 0; m < MAXM; ++m) {
+            if (m == lane && m < M) {
+                res[r * MAXM + m] = a0[m];
+                res[(r + NWARPS) * MAXM + m] = a1[m];
             }
         }
-        if (r < R) {  // the warp's odd row
-            row_dot(w + r * K, act, M, K, a0);
+    }
+    if (r < R) {  // the warp's odd row
+        row_dot(w + r * K, act, M, K, a0);
 #pragma unroll
-            for (int m = 0; m < MAXM; ++m)
-                if (m == lane && m < M) res[r * MAXM + m] = a0[m];
-        }
-    } else {
-        float acc[MAXM];
-        for (int r = warp; r < R; r += NWARPS) {
-            row_dot(w + r * K, act, M, K, acc);
-#pragma unroll
-            for (int m = 0; m < MAXM; ++m)
-                if (m == lane && m < M) res[r * MAXM + m] = acc[m];
-        }
+        for (int m = 0; m < MAXM; ++m)
+            if (m == lane && m < M) res[r * MAXM + m] = a0[m];
     }
     __syncthreads();
 }
@@ -472,17 +430,15 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
                 if (src < 0 && (int)slot_p[r] == s && (int)pos_p[r] == j) src = r;
             return src;
         };
-        if (VECATT) {  // the cached keys and values, 16 bytes a thread, all in one round
-            for (int i = threadIdx.x; i < (p + 1) * (D / 8); i += NTHREADS) {
-                const int j = i / (D / 8), c = 8 * (i % (D / 8));
-                if (source(j) >= 0) continue;
-                const uint4 kw = ldcg4(kc + at + j * sct + c), vw = ldcg4(vc + at + j * sct + c);
-                unpack8(kw, kf + j * D + c);
-                unpack8(vw, vf + j * D + c);
-            }
+        // The cached keys and values, 16 bytes a thread, all in one round.
+        for (int i = threadIdx.x; i < (p + 1) * (D / 8); i += NTHREADS) {
+            const int j = i / (D / 8), c = 8 * (i % (D / 8));
+            if (source(j) >= 0) continue;
+            const uint4 kw = ldcg4(kc + at + j * sct + c), vw = ldcg4(vc + at + j * sct + c);
+            unpack8(kw, kf + j * D + c);
+            unpack8(vw, vf + j * D + c);
         }
-        // Vectors: t < p + 1 keys (with their values; VECATT: those written in this pass only), then GQ queries; a
-        // warp each.
+        // Vectors: the keys (with their values) this pass writes among t < p + 1, then GQ queries; a warp each.
         for (int j = warp; j < p + 1 + GQ; j += NWARPS) {
             float* y = raw + warp * D;
             if (j <= p) {
@@ -500,11 +456,6 @@ __device__ __noinline__ void attention(int l, int M, const long long* pos_p, con
                             kc[at + j * sct + c] = b16(kf[j * D + c]);
                             vc[at + j * sct + c] = b16(vf[j * D + c]);
                         }
-                    }
-                } else if (!VECATT) {
-                    for (int c = lane; c < D; c += 32) {
-                        kf[j * D + c] = f32(ldcg1(kc + at + j * sct + c));
-                        vf[j * D + c] = f32(ldcg1(vc + at + j * sct + c));
                     }
                 }
             } else {
@@ -891,13 +842,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     // Shared memory is carved for MAXR rows whatever MAXM (a one-row build's arrays use the first of their space),
     // so every region starts where the MAXR-row build's does, as aligned.
     float* inv = (float*)(smem + 2 * SLOT_BYTES + ACT_BYTES);  // MAXM floats (MAXR's space)
-    u64* full = (u64*)(inv + MAXR);  // the two slots' mbarriers (BULK)
+    u64* full = (u64*)(inv + MAXR);  // the two slots' mbarriers
     // STAGE: then the staged keys' and values' mbarrier (stage_bar) and their count (16 bytes, keeping the alignment)
     float* res = (float*)(full + (STAGE ? 4 : 2));  // (RES_ROWS, MAXM) a phase's sums
     float* red = res + RES_ROWS * MAXR;  // (NWARPS, MAXM) the norms' sums of squares by warp
     float* rope = red + NWARPS * MAXR;  // (MAXM, D) each row's RoPE cosines and sines (rope_tables)
     bf16* qknw = (bf16*)(rope + MAXR * D);  // (2, D) the attention phase's q and k norm weights
-    bf16* nrm = qknw + 2 * D;  // (H) NORMPF: the next norm's weights, copied in while the grid waits
+    bf16* nrm = qknw + 2 * D;  // (H) the next norm's weights, copied in while the grid waits
     const int b = blockIdx.x;
     u32 target = 0;  // arrivals every block has made so far: the barrier's next wait
     int ph = 0;  // phases run (stop: profiling, the kernel cut after that many phases; the output is then partial)
@@ -916,7 +867,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         if (TIMELINE && threadIdx.x == 0 && (b == 0 || b == NBLK - 1))
             tl[((b == 0 ? 0 : 1) * (5 * L + 1) + ph - 1) * 6 + e] = t;
     };
-    if (BULK && threadIdx.x == 0) {
+    if (threadIdx.x == 0) {
         mbar_init(full);
         mbar_init(full + 1);
         if (STAGE) mbar_init(stage_bar());
@@ -929,23 +880,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             issue(f, smem + (f & 1) * SLOT_BYTES, full + (f & 1), wqkv, wo, wgu, wd);
             issued = f;
         }
-        if (!BULK) cp_commit();
     };
-    // Wait for matmul phase f's weights: the slot's (f / 2)-th fill, or all cp.async groups but the newest (f + 1's).
+    // Wait for matmul phase f's weights: the slot's (f / 2)-th fill.
     auto await_weights = [&](int f) -> const bf16* {
-        if (BULK) {
-            mbar_wait(full + (f & 1), (f >> 1) & 1);
-        } else {
-            cp_wait_all_but_one();
-        }
+        mbar_wait(full + (f & 1), (f >> 1) & 1);
         awaited = f;
         __syncthreads();
         return (const bf16*)(smem + (f & 1) * SLOT_BYTES);
     };
-    // NORMPF: a norm's weights into shared memory before the grid wait (by the warps that do not poll), so the rows'
-    // norm after it reads them there instead of waiting on L2; else the norm reads them from global memory.
+    // A norm's weights into shared memory before the grid wait (by the warps that do not poll), so the rows' norm
+    // after it reads them there instead of waiting on L2.
     auto stage_norm = [&](const bf16* g) -> const bf16* {
-        if (!NORMPF) return g;
         if (threadIdx.x >= 32)
             for (int i = threadIdx.x - 32; i < H / 8; i += NTHREADS - 32) ((uint4*)nrm)[i] = ((const uint4*)g)[i];
         return nrm;
@@ -1059,11 +1004,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         for (int k = threadIdx.x; k < H; k += NTHREADS) out[b * H + k] = act[k];
     }
     // Copies still in flight (a cut run's next phase) land before the block leaves its shared memory.
-    if (BULK) {
-        for (int f = awaited + 1; f <= issued; ++f) mbar_wait(full + (f & 1), (f >> 1) & 1);
-    } else {
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
-    }
+    for (int f = awaited + 1; f <= issued; ++f) mbar_wait(full + (f & 1), (f >> 1) & 1);
     // The last block out resets the barrier for the next launch (every block has passed its last wait).
     __syncthreads();
     if (threadIdx.x == 0) {

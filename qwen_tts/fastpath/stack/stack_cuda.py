@@ -59,19 +59,12 @@ class Layout:
     L: int
     T: int
     nblk: int
-    bulk: bool = True  # the weights by the copy engine (cp.async.bulk); False: 16-byte cp.async by every thread
     weights: bool = True  # False: no weight copies (profiling only: the phases' cost without their bytes)
     timeline: bool = False  # profiling: clock stamps of each phase's steps by two blocks (stack_pass's `timeline`)
-    light_barrier: bool = True  # the grid barrier's release as fence.acq_rel + a relaxed add; False: __threadfence
     chunked: bool = False  # a short cache's attention by attention_long too (lane groups), not a unit's shared memory
     split_barrier: bool = False  # arrivals over MAX_ARRIVE counters (block b at b % 4; measured slower); False: one
-    two_rows: bool = True  # the CUDA-core products two weight rows a warp at once (False: one; the same sums)
-    lean_grid: bool = True  # the fewest blocks that keep every block's largest share (nblk); the other SMs stay free
-    norm_prefetch: bool = True  # a norm's weights into shared memory while the grid waits (else read from L2 after)
-    vector_attention: bool = True  # a short cache's cached keys and values by 16-byte loads in one round
     chunk: int = CHUNK  # attention_long: positions a chunk at least
     split: int = 0  # attention_long past `chunk` positions: chunks of at least this many (0: `chunk`)
-    evict_first: bool = True  # the weight copies marked first to leave L2, so caches and activations stay there
     threads: int = NTHREADS  # a block's threads (a multiple of 32, at most 1024): more warps share a phase's rows
     stage: bool = False  # a long cache: a unit's cached keys and values copied into the free slot before the wait
     rows: int = MAX_ROWS  # the most rows a pass of this build takes (`exact_rows`; shared memory as MAX_ROWS')
@@ -149,23 +142,21 @@ class Layout:
     def shared_bytes(self) -> int:
         """Two weight slots, the activations, the rows' norms and the slots' mbarriers (32 bytes; 48 with the staged
         keys' mbarrier and its pad), a phase's sums, the norms' sums of squares by warp, the rows'
-        RoPE tables, a layer's q/k norm weights, a norm's weights (norm_prefetch)."""
+        RoPE tables, a layer's q/k norm weights, a norm's weights (staged while the grid waits)."""
         bars = 48 if self.staged else 32
         return (2 * self.slot_bytes + self.act_bytes + bars + 4 * MAX_ROWS * self.res_rows
                 + 4 * self.warps * MAX_ROWS + 4 * MAX_ROWS * self.D + 2 * 2 * self.D
-                + (2 * self.H if self.norm_prefetch else 0))  # fmt: skip
+                + 2 * self.H)  # fmt: skip
 
     def source(self) -> str:
         consts = dict(H=self.H, I=self.I, D=self.D, NQ=self.NQ, NKV=self.NKV, L=self.L, T=self.T, MAXM=self.rows,
                       MAXR=MAX_ROWS,
-                      NBLK=self.nblk, SLOT_BYTES=self.slot_bytes, ACT_BYTES=self.act_bytes, BULK=int(self.bulk),
+                      NBLK=self.nblk, SLOT_BYTES=self.slot_bytes, ACT_BYTES=self.act_bytes,
                       WEIGHTS=int(self.weights), RES_ROWS=self.res_rows,
                       LONG=int(self.long), CHUNK=self.chunk, SPLIT=self.split or self.chunk, NCHUNK=self.max_chunks,
-                      TIMELINE=int(self.timeline), LIGHTBAR=int(self.light_barrier),
+                      TIMELINE=int(self.timeline),
                       NARRIVE=MAX_ARRIVE if self.split_barrier else 1, MAXNARRIVE=MAX_ARRIVE,
-                      TWO_ROWS=int(self.two_rows), NORMPF=int(self.norm_prefetch),
-                      VECATT=int(self.vector_attention),
-                      EVICT_FIRST=int(self.evict_first), NTHREADS=self.threads, ATTW=self.att_warps,
+                      NTHREADS=self.threads, ATTW=self.att_warps,
                       STAGE=int(self.staged),
                       STAGE_POS=max(1, self.stage_positions))  # fmt: skip
         prelude = "".join(f"constexpr int {k} = {v};\n" for k, v in consts.items())
@@ -186,40 +177,32 @@ def _align16(n: int) -> int:
 class StackOptions:
     """The kernel's choices (the fast path's object holds them; CUDA graphs keep the kernel they were captured with).
 
-    bulk: the weights by the copy engine (else 16-byte cp.async by every thread); weights: False for profiling only
-    (no weight copies: the matmuls read stale shared memory); timeline: profiling, each phase's steps stamped
-    (stack_pass's `timeline`); light_barrier: the grid barrier's release by an acquire-release fence (else a
-    sequentially consistent one); chunked: a short cache's attention by the long cache's code; split_barrier: the
-    barrier's arrivals over four counters (else one); two_rows: the products two weight rows a warp at once;
-    lean_grid: a block on only as many SMs as keep each block's largest share of every phase (`lean_blocks`), the
-    others left to kernels on other streams (Code2Wav's); norm_prefetch: each norm's weights copied into shared
-    memory during the grid wait before it; vector_attention: a short cache's cached keys and values by 16-byte
-    loads, all in one round; chunk: a long cache's chunks take at least this many positions (a multiple of 32), and
-    a row's positions up to it are one chunk; split: past `chunk` positions, chunks of at least this many (a multiple
-    of 32 up to `chunk`; 0: `chunk`), so a row just past `chunk` gets more, shorter chunks (other sums, batch
-    invariant); evict_first: the weight copies with an L2 evict-first policy, so the caches' keys and values and the
-    activations are not pushed out of L2 by the weight stream (the same bits); threads: a block's threads (a long
-    cache's positions stay on 8 warps, so the same bits); long_threads: a long cache's stack's (the talker's) block
-    threads, whatever `threads` says of the others (0: as `threads`); stage: a long cache's attention unit has the
-    copy engine bring its chunk's cached keys and values (as many positions as a weight slot holds) into the weight
-    slot the attention phase leaves free, before the phase's grid wait, and reads them from shared memory (the same
-    bits; needs `bulk`); exact_rows (0 to MAX_ROWS - 1): a pass of M <= exact_rows rows launches a build of the
-    kernel compiled for M rows (`Layout.rows`: the same sums in the same order, the rows' loops and registers for M
-    rows only), a pass of more rows the build for MAX_ROWS. docs/performance.md has what each measured."""
+    Not choices, whatever the options: the weights by the copy engine (cp.async.bulk) marked evict-first in L2, the
+    grid barrier released by an acquire-release fence, two weight rows a warp, each norm's weights staged in shared
+    memory during the grid wait before it, a short cache's keys and values by 16-byte loads in one round, and a grid
+    of only as many blocks as keep each block's largest share of every phase (`lean_blocks`), the other SMs left to
+    kernels on other streams (Code2Wav's).
 
-    bulk: bool = True
+    weights: False for profiling only (no weight copies: the matmuls read stale shared memory); timeline: profiling,
+    each phase's steps stamped (stack_pass's `timeline`); chunked: a short cache's attention by the long cache's
+    code; split_barrier: the barrier's arrivals over four counters (else one); chunk: a long cache's chunks take at
+    least this many positions (a multiple of 32), and a row's positions up to it are one chunk; split: past `chunk`
+    positions, chunks of at least this many (a multiple of 32 up to `chunk`; 0: `chunk`), so a row just past `chunk`
+    gets more, shorter chunks (other sums, batch invariant); threads: a block's threads (a long cache's positions
+    stay on 8 warps, so the same bits); long_threads: a long cache's stack's (the talker's) block threads, whatever
+    `threads` says of the others (0: as `threads`); stage: a long cache's attention unit has the copy engine bring
+    its chunk's cached keys and values (as many positions as a weight slot holds) into the weight slot the attention
+    phase leaves free, before the phase's grid wait, and reads them from shared memory (the same bits); exact_rows
+    (0 to MAX_ROWS - 1): a pass of M <= exact_rows rows launches a build of the kernel compiled for M rows
+    (`Layout.rows`: the same sums in the same order, the rows' loops and registers for M rows only), a pass of more
+    rows the build for MAX_ROWS. docs/performance.md has what each measured."""
+
     weights: bool = True
     timeline: bool = False
-    light_barrier: bool = True
     chunked: bool = False
     split_barrier: bool = False
-    two_rows: bool = True
-    lean_grid: bool = True
-    norm_prefetch: bool = True
-    vector_attention: bool = True
     chunk: int = CHUNK
     split: int = 0
-    evict_first: bool = True
     threads: int = NTHREADS
     long_threads: int = 0
     stage: bool = False
@@ -282,8 +265,6 @@ def why_not(lay: Layout, max_shared: int) -> str | None:
         return err
     if not 1 <= lay.rows <= MAX_ROWS:
         return f"a build for {lay.rows} rows: 1 to {MAX_ROWS}"
-    if lay.staged and not lay.bulk:
-        return "staging the cached keys and values needs the copy engine (bulk)"
     if lay.warps < lay.NQ // lay.NKV:
         return f"more than {lay.warps} query heads a kv head"
     if lay.shared_bytes > max_shared:
@@ -327,7 +308,7 @@ def lean_blocks(shape: Layout, sms: int) -> int:
 @functools.cache
 def _checked_layout(shape: Layout, device: torch.device) -> tuple[Layout, str | None]:
     sms, max_shared = _device_limits(device)
-    lay = dataclasses.replace(shape, nblk=lean_blocks(shape, sms) if shape.lean_grid else sms)
+    lay = dataclasses.replace(shape, nblk=lean_blocks(shape, sms))
     return lay, why_not(lay, max_shared)
 
 
