@@ -26,7 +26,7 @@ SERVER_PACKAGES=(
   pydantic pydantic-core pydantic-settings python-dotenv typing-inspection annotated-types typing-extensions
   uvicorn h11 click anyio idna
   soundfile cffi pycparser soxr
-  tokenizers prometheus-client tqdm watchfiles python-multipart sentencex
+  tokenizers prometheus-client tqdm watchfiles python-multipart sentencex fastapi-offline
 )
 
 # The GPU machine has pytest but not the plugin that runs our async tests.
