@@ -44,8 +44,8 @@ class SynthesizeRequest(SynthesisOptions):
 
     speaker_id: str = Field(min_length=1, max_length=64)
     text: str = Field(min_length=1)
-    response_format: Literal["wav", "pcm", "mp3", "flac", "opus"] = Field(
-        "wav", description="pcm is raw signed 16-bit little-endian mono at 24 kHz."
+    response_format: Literal["wav", "pcm", "mp3", "flac", "opus", "aac"] = Field(
+        "wav", description="pcm is raw signed 16-bit little-endian mono at 24 kHz; aac is an ADTS stream."
     )
     # The seed's body has it: false (the default) is this route's whole file; true is answered as
     # /synthesize/stream answers (float32 LE unless response_format is pcm or wav).
