@@ -16,6 +16,7 @@ import pytest
 import pytest_asyncio
 import soundfile as sf
 import torch
+from media_helpers import ffmpeg_clip
 
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.fake import FakeEngine
@@ -137,6 +138,32 @@ async def test_upload_then_synthesize_with_it_then_delete(server: InProcess, dem
     assert again.status_code == 404 and again.json()["error"]["code"] == "voice_not_found"
 
 
+@pytest.mark.parametrize("kind", ["m4a", "webm"])
+async def test_a_phone_or_browser_recording_enrols(server: InProcess, demo_model: Path, kind: str) -> None:
+    clip = ffmpeg_clip(np.stack([speechlike(6.0, 44100)] * 2, axis=1), 44100, kind)
+    name = f"memo-{kind}"
+    files = {"audio_sample": (f"memo.{kind}", clip, "audio/mp4")}
+    r = await server.client.post("/v1/audio/voices", data={"name": name}, files=files)
+    assert r.status_code == 201, r.text
+    assert r.json()["voice"]["source_seconds"] == pytest.approx(6.0, abs=0.05)
+    expected, _ = embed_clip(VoiceEncoder(demo_model), io.BytesIO(clip))
+    torch.testing.assert_close(load_profile(server.runtime.voices.path_for(name)).x_vector, expected, rtol=0, atol=0)
+    assert (await server.client.post("/synthesize", json=_synth(name))).status_code == 200
+    assert (await server.client.delete(f"/v1/audio/voices/{name}")).status_code == 200
+
+
+async def test_a_broken_m4a_is_422_naming_the_file_and_format(server: InProcess) -> None:
+    clip = ffmpeg_clip(speechlike(3.0, 16000), 16000, "m4a")[:-200]  # the end (its index, 'moov') cut off
+    before = _profiles(server)
+    files = {"audio_sample": ("memo.m4a", clip)}
+    r = await server.client.post("/v1/audio/voices", data={"name": "broken"}, files=files)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["param"] == "audio_sample" and error["code"] == "invalid_audio"
+    assert error["message"].startswith("audio_sample: cannot decode 'memo.m4a' as MP4/M4A audio ("), error
+    assert _profiles(server) == before
+
+
 async def test_a_taken_name_is_a_conflict_and_the_first_voice_stays(server: InProcess) -> None:
     assert (await upload(server, "twice")).status_code == 201
     before = (server.runtime.voices.profiles_dir / "twice.safetensors").read_bytes()
@@ -160,7 +187,10 @@ async def test_a_taken_name_is_a_conflict_and_the_first_voice_stays(server: InPr
         (clip_bytes(speechlike(25.0, 8000), 8000), "audio_sample: too long (25.0 s; the limit is 20 s"),
         (clip_bytes(np.zeros(24000 * 3, np.float32), 24000), "audio_sample: silent or nearly"),
         (clip_bytes(np.clip(speechlike(4.0, 24000, amp=1.0) * 8, -1, 1), 24000), "audio_sample: heavily clipped"),
-        (b"RIFF\x00\x00not really a wave file at all" * 10, "audio_sample: not a readable audio file"),
+        (
+            b"RIFF\x00\x00not really a wave file at all" * 10,
+            "audio_sample: cannot decode 'me.wav' as audio (not one of",
+        ),
     ],
     ids=["short", "long", "silent", "clipped", "not-audio"],
 )

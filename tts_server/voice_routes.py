@@ -64,8 +64,8 @@ _UPLOAD_SCHEMA = {
                             "type": "string",
                             "format": "binary",
                             "description": f"The reference clip: {ACCEPTED_FORMATS}; at most {MAX_CHANNELS} "
-                            f"channels and {MAX_SAMPLE_RATE} Hz; 5-30 s of one speaker is best (AAC/m4a: convert it "
-                            "first, e.g. ffmpeg -i clip.m4a clip.wav)",
+                            f"channels and {MAX_SAMPLE_RATE} Hz, told apart by content (the file name is only "
+                            "quoted in errors); 5-30 s of one speaker is best",
                         },
                         "ref_text": {"type": "string", "description": "Transcript of the clip (kept as metadata)"},
                     },
@@ -211,7 +211,13 @@ async def upload_voice(request: Request) -> JSONResponse:
     async with runtime.enroll_lock:  # one clip through the encoder at a time; synthesis is not held up by it
         try:
             x, levels = await anyio.to_thread.run_sync(
-                lambda: embed_clip(encoder, io.BytesIO(upload.audio), "audio_sample", max_seconds=max_seconds)
+                lambda: embed_clip(
+                    encoder,
+                    io.BytesIO(upload.audio),
+                    "audio_sample",
+                    max_seconds=max_seconds,
+                    filename=upload.filename or None,
+                )
             )
         except ClipRefused as e:
             raise InvalidField(str(e), param="audio_sample", code="invalid_audio") from None
