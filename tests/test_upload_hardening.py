@@ -3,7 +3,8 @@ decompression bombs refused from the header and every accepted clip decoded in b
 process's peak RSS measured), error messages that never carry an object's repr, and only the documented audio
 formats accepted (m4a named, with how to convert it).
 
-One server process (demo checkpoint, uploads on, the default limits: 10 MiB, 60 s) serves every test here.
+One server process (demo checkpoint, uploads on, the default limits: 60 s, and the byte limit derived from it)
+serves every test here.
 """
 
 from __future__ import annotations

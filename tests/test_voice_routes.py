@@ -236,7 +236,12 @@ async def test_bad_forms_are_refused_naming_the_field(server: InProcess) -> None
 async def test_an_upload_over_the_size_limit_is_413_before_parsing(server: InProcess) -> None:
     big = clip_bytes(speechlike(19.0, 96000), 96000, channels=2)  # ~7 MB: over the 4 MiB set for this server
     r = await upload(server, "big", big)
-    assert r.status_code == 413 and "4194304 bytes" in r.json()["error"]["message"]
+    assert r.status_code == 413
+    assert r.json()["error"]["message"] == (
+        "request body is larger than the limit of 4194304 bytes (TTS_VOICE_UPLOAD_MAX_BYTES; clips are also limited "
+        "to TTS_VOICE_UPLOAD_MAX_SECONDS=20 s)"
+    )
+    assert r.json()["error"]["param"] == "audio_sample"
     # JSON routes keep their own, small limit.
     r = await server.client.post("/synthesize", json={"speaker_id": "demo", "text": "x" * 70000})
     assert r.status_code == 413 and "65536 bytes" in r.json()["error"]["message"]
@@ -254,6 +259,33 @@ async def test_delete_refuses_malformed_names_and_links_out(server: InProcess, t
         assert outside.exists() and link.is_symlink()
     finally:
         link.unlink()
+
+
+async def test_the_upload_byte_limit_follows_the_duration_limit(demo_model: Path, tmp_path: Path) -> None:
+    """Unset, TTS_VOICE_UPLOAD_MAX_BYTES fits the longest clip accepted in any format a recorder writes: 60 s of CD
+    stereo WAV (10.6 MB, over the former fixed 10 MiB) enrols, and a 413 names both limits."""
+    cd_wav = clip_bytes(speechlike(60.0, 44100), 44100, channels=2)
+    assert len(cd_wav) > 10 * 1024 * 1024
+    ensure_demo_voice(tmp_path, demo_model)
+    async with in_process(native(demo_model), profiles_dir=tmp_path, voice_upload=True) as s:
+        assert s.runtime.settings.voice_upload_max_bytes == 60 * 48_000 * 2 * 4 + 1024 * 1024
+        r = await upload(s, "long-cd", cd_wav)
+        assert r.status_code == 201, r.text
+        assert r.json()["voice"]["source_seconds"] == pytest.approx(60.0)
+    shorter = tmp_path / "shorter"
+    shorter.mkdir()
+    ensure_demo_voice(shorter, demo_model)
+    async with in_process(
+        native(demo_model), profiles_dir=shorter, voice_upload=True, voice_upload_max_seconds=20
+    ) as s:
+        limit = 20 * 48_000 * 2 * 4 + 1024 * 1024
+        assert s.runtime.settings.voice_upload_max_bytes == limit
+        r = await upload(s, "long-cd", cd_wav)
+        assert r.status_code == 413
+        assert r.json()["error"]["message"] == (
+            f"request body is larger than the limit of {limit} bytes (TTS_VOICE_UPLOAD_MAX_BYTES unset: derived "
+            "from TTS_VOICE_UPLOAD_MAX_SECONDS=20, that many seconds of 48 kHz stereo 32-bit audio plus 1024 KiB)"
+        )
 
 
 # --- off by default, keys, no encoder unless enabled ----------------------------------------------------------

@@ -39,8 +39,10 @@ from qwen_tts.voices import (
 )
 
 from .errors import BadRequest, Conflict, Forbidden, InvalidField, NotFound
+from .middleware import BodyLimit
 from .routes import openai_models, runtime_of
 from .runtime import Runtime
+from .settings import ServerSettings
 
 router = APIRouter()
 
@@ -75,6 +77,13 @@ _UPLOAD_SCHEMA = {
         },
     }
 }
+
+
+def upload_body_limit(settings: ServerSettings) -> BodyLimit:
+    """The upload route's body limit and its 413: TTS_VOICE_UPLOAD_MAX_BYTES (by default derived from
+    TTS_VOICE_UPLOAD_MAX_SECONDS, so a clip the duration limit accepts fits), named with where it comes from."""
+    assert settings.voice_upload_max_bytes is not None  # set by the settings' validation
+    return BodyLimit(settings.voice_upload_max_bytes, settings.upload_limit_reason(), param="audio_sample")
 
 
 def voice_object(info: SpeakerInfo) -> dict[str, Any]:
