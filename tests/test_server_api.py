@@ -20,6 +20,7 @@ import soundfile as sf
 
 from qwen_tts.engine_api import EngineSettings, SynthesisRequest
 from qwen_tts.engines.native import NativeEngine
+from qwen_tts.languages import describe_languages
 from qwen_tts.model.model_paths import resolve_model_path
 from qwen_tts.voices import ensure_demo_voice
 from server_helpers import InProcess, in_process
@@ -159,6 +160,29 @@ async def test_language_is_case_insensitive_and_auto_by_default(server: InProces
     for language in ("English", "ENGLISH", "auto", "Auto"):
         r = await server.client.post("/synthesize", json=_body(language=language))
         assert r.status_code == 200, (language, r.text)
+
+
+async def test_iso_639_1_codes_are_the_language_they_name(server: InProcess) -> None:
+    named = await server.client.post("/synthesize", json=_body(language="English", response_format="pcm"))
+    auto = await server.client.post("/synthesize", json=_body(language="auto", response_format="pcm"))
+    assert named.content != auto.content  # the language reaches the prompt: a wrong mapping would show
+    for code in ("en", "EN", "en-GB", "en_US"):
+        r = await server.client.post("/synthesize", json=_body(language=code, response_format="pcm"))
+        assert r.status_code == 200 and r.content == named.content, code
+    speech = await server.client.post("/v1/audio/speech", json=_speech(language="en", response_format="pcm"))
+    assert speech.status_code == 200 and speech.content == named.content
+
+
+async def test_an_unknown_language_code_lists_the_accepted_ones(server: InProcess) -> None:
+    r = await server.client.post("/synthesize", json=_body(language="xx"))
+    assert r.status_code == 422
+    error = r.json()["error"]
+    assert error["param"] == "language" and error["code"] == "unsupported_language"
+    accepted = describe_languages(server.runtime.engine.languages)
+    assert error["message"] == (
+        f"language: 'xx' is not supported (one of: {accepted}; a name in any case or its ISO 639-1 code)"
+    )
+    assert "English (en)" in accepted and "Chinese (zh)" in accepted and accepted.startswith("Auto, ")
 
 
 async def test_stream_is_float32_and_equals_the_whole_file(server: InProcess) -> None:
