@@ -522,7 +522,8 @@ def test_a_batch_item_replays_over_http_with_its_recorded_seed(tiny_setup, tmp_p
 
     text = "Replay this line over HTTP."
     out = tmp_path / "out"
-    assert run_real(tiny_setup, out, [{"id": "r1", "speaker_id": "alice", "text": text, "language": "en"}]) == 0
+    manifest = [{"id": "r1", "speaker_id": "alice", "text": text, "language": "en", "options": {"max_frames": 60}}]
+    assert run_real(tiny_setup, out, manifest) == 0
     (item,) = json.loads((out / "summary.json").read_text())["items"]
     assert item["status"] == "ok" and 0 <= item["seed"] <= MAX_SEED
     written, rate = sf.read(str(out / "r1.wav"), dtype="int16")
@@ -536,6 +537,7 @@ def test_a_batch_item_replays_over_http_with_its_recorded_seed(tiny_setup, tmp_p
                 "text": text,
                 "language": "en",
                 "seed": item["seed"],
+                "max_new_tokens": 60,
                 "response_format": "pcm",
             }
             r = await server.client.post("/synthesize", json=body)
@@ -545,8 +547,10 @@ def test_a_batch_item_replays_over_http_with_its_recorded_seed(tiny_setup, tmp_p
     assert status == 200
     replayed = np.frombuffer(pcm, "<i2")
     assert replayed.shape == written.shape
-    # The same codes; libsndfile's float-to-int16 rounding (the batch's wav) and ours may differ by one step.
-    assert np.abs(replayed.astype(np.int32) - written.astype(np.int32)).max() <= 1
+    # The same codes (so the same length); the decode may differ by one 16-bit step between engines of different
+    # batch sizes (docs/api.md, `seed`), and libsndfile's float-to-int16 rounding (the batch's wav) from ours by one.
+    diff = np.abs(replayed.astype(np.int32) - written.astype(np.int32))
+    assert diff.max() <= 2, (diff.max(), np.count_nonzero(diff))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm_omni") is not None, reason="vllm-omni is installed here")
