@@ -16,6 +16,7 @@ with `qwen_tts.engines.create_engine(EngineSettings(...))` and use only what is 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -32,9 +33,19 @@ from .audio import SAMPLE_RATE
 from .fastpath.options import PRESETS
 
 FRAME_SAMPLES = 1920  # 12.5 Hz codec frames at SAMPLE_RATE
+# Seeds are 0 ... MAX_SEED everywhere: the HTTP schemas' range, the batch manifest's, and what an engine draws for a
+# request without one, so a seed a summary or log reports can be sent back over HTTP to replay the request.
+MAX_SEED = 2**32 - 1
+
+
+def draw_seed() -> int:
+    """A random seed in 0 ... MAX_SEED, for a request that has none."""
+    return secrets.randbelow(MAX_SEED + 1)
+
 
 __all__ = [
     "FRAME_SAMPLES",
+    "MAX_SEED",
     "SAMPLE_RATE",
     "Engine",
     "EngineError",
@@ -47,6 +58,7 @@ __all__ = [
     "RequestHandle",
     "RequestStats",
     "SynthesisRequest",
+    "draw_seed",
 ]
 
 

@@ -724,19 +724,25 @@ def _clip_name(source: str | Path | BinaryIO) -> str:
 
 
 def load_clip(
-    source: str | Path | BinaryIO, label: str | None = None, *, max_seconds: float = MAX_CLIP_SECONDS
+    source: str | Path | BinaryIO,
+    label: str | None = None,
+    *,
+    max_seconds: float = MAX_CLIP_SECONDS,
+    filename: str | None = None,
 ) -> ClipAudio:
     """A file path or an open binary file (an upload's bytes) read for enrollment. `label` names the clip in
-    messages (default: the path). Refused (ClipRefused, one line) from the header before any sample is decoded:
-    a format outside the accepted list (m4a and WebM named, with how to convert them), too many channels, too
-    high a rate, longer than `max_seconds`; then decoded in blocks mixed to mono, so memory stays within the mono
-    signal's size whatever the file's channels (`qwen_tts.audio.read_mono`). The mono signal is then resampled
-    whole, as the model's own input path does."""
+    messages (default: the path); `filename` (an upload's own file name; a path's name by default) is quoted where
+    the file cannot be decoded. What the file is comes from its content (WAV, FLAC, Ogg, MP3 through libsndfile;
+    MP4/M4A, AAC, WebM, AMR through FFmpeg). Refused (ClipRefused, one line) from the header before any sample is
+    decoded: a format outside the accepted list, too many channels, too high a rate, longer than `max_seconds`;
+    then decoded in blocks mixed to mono, so memory stays within the mono signal's size whatever the file's
+    channels (`qwen_tts.audio.read_mono`). The mono signal is then resampled whole, as the model's own input path
+    does."""
     from . import audio
 
     label = label if label is not None else _clip_name(source)
     try:
-        read = audio.read_mono(source, max_seconds=max_seconds, clip_level=CLIP_LEVEL)
+        read = audio.read_mono(source, max_seconds=max_seconds, clip_level=CLIP_LEVEL, name=filename)
     except audio.AudioTooLong as e:
         raise _too_long(label, e.seconds, max_seconds) from None
     except audio.AudioError as e:  # one line saying what is wrong, without the file's name: ours goes first
@@ -755,10 +761,11 @@ def embed_clip(
     label: str | None = None,
     *,
     max_seconds: float = MAX_CLIP_SECONDS,
+    filename: str | None = None,
 ) -> tuple[torch.Tensor, ClipLevels]:
     """Read, check and embed one reference clip: (x-vector, its levels with any warnings), or ClipRefused."""
     label = label if label is not None else _clip_name(source)
-    clip = load_clip(source, label, max_seconds=max_seconds)
+    clip = load_clip(source, label, max_seconds=max_seconds, filename=filename)
     levels = check_clip(clip, label, max_seconds=max_seconds)
     x = encoder.embed(clip.mono)
     if x.shape[0] != encoder.xvector_dim:

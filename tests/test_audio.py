@@ -5,6 +5,7 @@ import io
 import numpy as np
 import pytest
 import soundfile as sf
+from media_helpers import ffmpeg_clip
 
 from qwen_tts.audio import (
     ACCEPTED_FORMATS,
@@ -17,6 +18,7 @@ from qwen_tts.audio import (
     load_mono_24k,
     read_mono,
     resample,
+    sniff_format,
     to_mono,
 )
 from qwen_tts.audio import SAMPLE_RATE as TARGET_SR
@@ -204,16 +206,20 @@ def _flac_of_unknown_length() -> io.BytesIO:
         ),
         (
             lambda: io.BytesIO(b"\x00\x00\x00\x1cftypisom\x00\x00\x02\x00isomiso2mp41" + bytes(100)),
-            "AAC/m4a (MP4) audio is not supported; convert it first, e.g. ffmpeg -i clip.m4a clip.wav",
+            "cannot decode this file as MP4/M4A audio (Invalid data found when processing input)",
         ),
         (
             lambda: io.BytesIO(b"\x1a\x45\xdf\xa3" + bytes(100)),
-            "WebM/Matroska audio is not supported; convert it first, e.g. ffmpeg -i clip.webm clip.wav",
+            "cannot decode this file as WebM/Matroska audio (Invalid data found when processing input)",
         ),
-        (lambda: io.BytesIO(b"this is not audio at all" * 10), "not a readable audio file (Format not recognised)"),
+        (
+            lambda: io.BytesIO(b"this is not audio at all" * 10),
+            f"cannot decode this file as audio (not one of {ACCEPTED_FORMATS}; libsndfile: Format not recognised)",
+        ),
         (
             lambda: io.BytesIO(encoded(tone(300.0, 16000, 0.5), 16000, "WAV").getvalue()[:30]),
-            "not a readable audio file (Error in WAV file. No 'data' chunk marker)",
+            f"cannot decode this file as audio (not one of {ACCEPTED_FORMATS}; libsndfile: Error in WAV file. No "
+            "'data' chunk marker)",
         ),
     ],
     ids=["aiff", "gsm-wav", "channels", "rate", "unknown-length", "m4a", "webm", "junk", "truncated"],
@@ -252,3 +258,81 @@ def test_accepted_subtypes_are_all_readable_here():
         assert fmt in sf.available_formats()
         assert subtypes <= set(sf.available_subtypes(fmt)), fmt
     assert MAX_CHANNELS == 8 and MAX_SAMPLE_RATE == 192_000
+
+
+# --- containers libsndfile cannot read, through FFmpeg (PyAV) ------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kind", "container", "codec", "rate", "slack"),
+    [
+        ("m4a", "MP4/M4A", "AAC", 44100, 2048),  # AAC: 1024 samples of priming and the last frame's padding
+        ("alac.m4a", "MP4/M4A", "ALAC", 44100, 0),
+        ("aac", "AAC (ADTS)", "AAC", 44100, 2048),
+        ("webm", "WebM/Matroska", "OPUS", 48000, 0),
+    ],
+)
+def test_read_mono_decodes_phone_and_browser_recordings(kind, container, codec, rate, slack):
+    x = tone(440.0, 44100, 2.0, channels=2)
+    clip = read_mono(io.BytesIO(ffmpeg_clip(x, 44100, kind)), max_seconds=60)
+    assert (clip.format, clip.subtype, clip.sample_rate, clip.channels) == (container, codec, rate, 2)
+    expected = round(len(x) * rate / 44100)
+    assert expected <= clip.frames <= expected + slack
+    # The channel mean of 0.5 and 0.25 sines is a 0.375 sine at 440 Hz: RMS 0.265.
+    assert np.sqrt(np.mean(clip.samples**2)) == pytest.approx(0.375 / np.sqrt(2), rel=0.05)
+    assert dominant_hz(clip.samples, rate) == pytest.approx(440.0, abs=2.0)
+    assert clip.clipped == 0
+
+
+def test_read_mono_refuses_a_long_m4a_from_its_header_and_a_live_webm_as_it_decodes(monkeypatch):
+    long_m4a = ffmpeg_clip(tone(300.0, 16000, 4.0), 16000, "m4a")
+    monkeypatch.setattr("av.container.InputContainer.demux", lambda *a, **k: pytest.fail("decoded a clip too long"))
+    with pytest.raises(AudioTooLong) as e:
+        read_mono(io.BytesIO(long_m4a), max_seconds=3.0)
+    assert e.value.seconds == pytest.approx(4.0, abs=0.1)
+    monkeypatch.undo()
+    # A browser's WebM states no duration: the decoded length is counted, and decoding stops just past the limit.
+    live = ffmpeg_clip(tone(300.0, 16000, 10.0), 16000, "webm", live=True)
+    with pytest.raises(AudioTooLong) as e:
+        read_mono(io.BytesIO(live), max_seconds=3.0)
+    assert 3.0 < e.value.seconds < 3.1
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: ffmpeg_clip(tone(300.0, 16000, 2.0), 16000, "m4a")[:400],
+            "cannot decode 'memo.m4a' as MP4/M4A audio (Invalid data found when processing input)",
+        ),
+        (
+            lambda: ffmpeg_clip(tone(300.0, 48000, 1.0), 48000, "ac3.mp4"),
+            f"MP4/M4A with ac3 audio is not an accepted format; accepted: {ACCEPTED_FORMATS}",
+        ),
+        (
+            lambda: b"\xff\xf1" + bytes(range(256)) * 4,
+            "cannot decode 'memo.m4a' as AAC (ADTS) audio (its header gives no sample rate or channel count)",
+        ),
+        (
+            lambda: ffmpeg_clip(tone(300.0, 16000, 1.0, channels=1), 16000, "webm")[:60],
+            "cannot decode 'memo.m4a' as WebM/Matroska audio (",  # then FFmpeg's reason, which varies by version
+        ),
+    ],
+    ids=["truncated-m4a", "ac3-in-mp4", "adts-garbage", "truncated-webm"],
+)
+def test_broken_or_unaccepted_ffmpeg_input_is_one_line_naming_file_and_format(make, message):
+    """What the file is comes from its content (an ADTS stream named .m4a is read as ADTS); the name is quoted."""
+    with pytest.raises(AudioError) as e:
+        read_mono(io.BytesIO(make()), max_seconds=60, name="memo.m4a")
+    assert str(e.value) == message if message.endswith(")") else str(e.value).startswith(message)
+    assert "0x" not in str(e.value) and "object at" not in str(e.value)
+
+
+def test_sniff_format_tells_audio_by_its_first_bytes():
+    x = tone(300.0, 16000, 0.5)
+    assert sniff_format(encoded(x, 16000, "WAV").getvalue()[:12]) == "WAV"
+    assert sniff_format(encoded(x, 16000, "FLAC").getvalue()[:12]) == "FLAC"
+    assert sniff_format(encoded(x, 16000, "MP3").getvalue()[:12]) == "MP3"
+    assert sniff_format(ffmpeg_clip(x, 16000, "m4a")[:12]) == "MP4/M4A"
+    assert sniff_format(ffmpeg_clip(x, 16000, "aac")[:12]) == "AAC (ADTS)"
+    assert sniff_format(ffmpeg_clip(x, 16000, "webm")[:12]) == "WebM/Matroska"
+    assert sniff_format(b"clip.wav|ann|Hello") is None
+    assert sniff_format("ünïcode list".encode()) is None

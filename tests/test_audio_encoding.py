@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import wave
 
+import av
 import numpy as np
 import pytest
 import soundfile as sf
@@ -33,12 +35,46 @@ def _decode(data: bytes) -> tuple[np.ndarray, int]:
 
 def test_all_formats_the_api_promises_are_available() -> None:
     # Fails loudly on a libsndfile without MP3/Opus, instead of the server refusing them at run time.
-    assert {"wav", "pcm", "f32le", "flac", "mp3", "opus"} <= set(FORMATS)
+    assert {"wav", "pcm", "f32le", "flac", "mp3", "opus", "aac"} <= set(FORMATS)
 
 
 def test_unknown_format_names_the_available_ones() -> None:
-    with pytest.raises(UnsupportedFormatError, match=r"'aac' is not supported.*mp3"):
-        get_format("aac")
+    with pytest.raises(UnsupportedFormatError, match=r"'m4a' is not supported.*aac.*mp3"):
+        get_format("m4a")
+
+
+def _decode_aac(data: bytes) -> np.ndarray:
+    """An ADTS stream decoded by FFmpeg, as float32 mono (the demuxer named, as a client's player picks it)."""
+    with av.open(io.BytesIO(data), format="aac") as container:
+        frames = [f.to_ndarray().reshape(-1) for f in container.decode(audio=0)]
+        assert container.streams.audio[0].sample_rate == SR
+    return np.concatenate(frames)
+
+
+def test_whole_wav_has_a_length_correct_header() -> None:
+    x = _tone(1.5)
+    data = encode(x, "wav", SR)
+    assert int.from_bytes(data[4:8], "little") == len(data) - 8  # RIFF size
+    with wave.open(io.BytesIO(data)) as w:
+        assert (w.getnframes(), w.getframerate(), w.getnchannels(), w.getsampwidth()) == (len(x), SR, 1, 2)
+
+
+def test_aac_is_adts_and_decodes_to_the_signal_length() -> None:
+    x = _tone(1.0)
+    data = encode(x, "aac", SR)
+    assert data[0] == 0xFF and data[1] & 0xF6 == 0xF0  # ADTS syncword, layer 0
+    assert get_format("aac").media_type == "audio/aac"
+    y = _decode_aac(data)
+    # AAC's 1024-sample priming and the last frame's padding: under 0.1 s.
+    assert len(x) <= len(y) < len(x) + 0.1 * SR
+    assert abs(np.sqrt(np.mean(y**2)) - np.sqrt(np.mean(x**2))) < 0.05
+
+
+def test_streamed_aac_is_incremental_and_equals_the_whole_file() -> None:
+    x = _tone(2.0)
+    parts = _stream("aac", x, 4800)
+    assert sum(len(p) for p in parts[:-1]) > 0.5 * sum(len(p) for p in parts)
+    assert b"".join(parts) == encode(x, "aac", SR)
 
 
 @pytest.mark.parametrize("fmt", ["wav", "flac"])

@@ -283,6 +283,37 @@ def test_invalid_manifest_reports_every_problem_and_runs_nothing(workdir: Path, 
     assert "Traceback" not in err
 
 
+def test_an_items_voice_and_language_are_reported_with_its_other_problems(workdir: Path, capsys):
+    """One run lists everything: the unknown voice and language of an item whose text is also empty (they came in
+    a second run, once the text was fixed), a wrong-width profile, an out-of-range seed."""
+    make_voice(workdir / "voices", "wide", dim=2 * DIM)
+    bad = [
+        {"id": "a", "speaker_id": "carol", "text": "", "language": "klingon"},
+        {"id": "b", "speaker_id": "wide", "text": "t", "seed": 2**40},
+    ]
+    rc, engine = run_fake(workdir, bad)
+    assert rc == 1 and not engine.started
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: item 0 ('a'): unknown speaker_id 'carol'",
+        "error: item 0 ('a'): 'text' is empty",
+        "error: item 0 ('a'): unknown language 'klingon' (known: Auto, English (en), German (de); a name in any case "
+        "or its ISO 639-1 code)",
+        f"error: item 1 ('b'): 'seed' must be an integer from 0 to 4294967295 (the HTTP API's range), got {2**40}",
+        f"error: voice 'wide' ({workdir / 'voices' / 'wide.safetensors'}): x_vector has width {2 * DIM}, the loaded "
+        f"model needs {DIM}",
+        "error: 5 problem(s) in the manifest or voices; nothing was run",
+    ]
+
+
+def test_iso_codes_name_languages_in_a_manifest(workdir: Path):
+    items = [{"id": "e", "speaker_id": "alice", "text": "Hello.", "language": "en"},
+             {"id": "g", "speaker_id": "alice", "text": "Hallo.", "language": "de-AT"}]  # fmt: skip
+    rc, engine = run_fake(workdir, items)
+    assert rc == 0
+    assert sorted(r.language for r in engine.submitted) == ["english", "german"]
+
+
 def test_output_dir_escape_through_symlink_is_refused(workdir: Path, capsys):
     (workdir / "out").mkdir()
     (workdir / "elsewhere").mkdir()
@@ -365,6 +396,13 @@ def test_bad_flags_are_one_line_errors(workdir: Path, capsys):
     rc, _ = run_fake(workdir, [{"id": "x", "speaker_id": "alice", "text": "t"}], "--stage-configs-path", "nope.yaml")
     assert rc == 1
     assert "--stage-configs-path nope.yaml: no such file" in capsys.readouterr().err
+    item = [{"id": "x", "speaker_id": "alice", "text": "t"}]
+    rc, _ = run_fake(workdir, item, "--concurrency", "0", "--seed", str(2**32))
+    assert rc == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --concurrency must be >= 1, got 0",
+        "error: --seed must be from 0 to 4294967295 (the HTTP API's seed range), got 4294967296",
+    ]
 
 
 def test_help_runs_as_a_script():
@@ -473,6 +511,46 @@ def test_the_seed_manifest_runs_as_written(tiny_setup, tmp_path):
         assert rate == SAMPLE_RATE and audio.ndim == 1
         assert audio.shape[0] > 0 and audio.shape[0] % FRAME_SAMPLES == 0
         assert np.isfinite(audio).all() and np.abs(audio).max() > 0
+
+
+def test_a_batch_item_replays_over_http_with_its_recorded_seed(tiny_setup, tmp_path):
+    """summary.json's seed (drawn by the engine here: no --seed, none in the item) is within the HTTP API's range,
+    and /synthesize with it, the item's voice, text and language gives the item's audio."""
+    from qwen_tts.engine_api import MAX_SEED, EngineSettings
+    from qwen_tts.engines.native import NativeEngine
+    from server_helpers import in_process
+
+    text = "Replay this line over HTTP."
+    out = tmp_path / "out"
+    manifest = [{"id": "r1", "speaker_id": "alice", "text": text, "language": "en", "options": {"max_frames": 60}}]
+    assert run_real(tiny_setup, out, manifest) == 0
+    (item,) = json.loads((out / "summary.json").read_text())["items"]
+    assert item["status"] == "ok" and 0 <= item["seed"] <= MAX_SEED
+    written, rate = sf.read(str(out / "r1.wav"), dtype="int16")
+    assert rate == SAMPLE_RATE and written.size > 0
+
+    async def over_http() -> tuple[int, bytes]:
+        engine = NativeEngine(EngineSettings(model_path=str(tiny_setup["model"]), device="cpu"))
+        async with in_process(engine, profiles_dir=tiny_setup["voices"]) as server:
+            body = {
+                "speaker_id": "alice",
+                "text": text,
+                "language": "en",
+                "seed": item["seed"],
+                "max_new_tokens": 60,
+                "response_format": "pcm",
+            }
+            r = await server.client.post("/synthesize", json=body)
+            return r.status_code, r.content
+
+    status, pcm = asyncio.run(over_http())
+    assert status == 200
+    replayed = np.frombuffer(pcm, "<i2")
+    assert replayed.shape == written.shape
+    # The same codes (so the same length); the decode may differ by one 16-bit step between engines of different
+    # batch sizes (docs/api.md, `seed`), and libsndfile's float-to-int16 rounding (the batch's wav) from ours by one.
+    diff = np.abs(replayed.astype(np.int32) - written.astype(np.int32))
+    assert diff.max() <= 2, (diff.max(), np.count_nonzero(diff))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm_omni") is not None, reason="vllm-omni is installed here")

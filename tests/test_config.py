@@ -181,6 +181,16 @@ def test_the_per_client_connection_cap_follows_a_lower_global_cap(monkeypatch: p
         load_settings()
 
 
+def test_the_upload_byte_limit_is_derived_from_the_duration_limit_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings().voice_upload_max_bytes == 60 * 384_000 + 1024 * 1024  # 60 s of 48 kHz stereo float32
+    monkeypatch.setenv("TTS_VOICE_UPLOAD_MAX_SECONDS", "120")
+    derived = load_settings()
+    assert derived.voice_upload_max_bytes == 120 * 384_000 + 1024 * 1024
+    assert derived.voice_upload_inflight_bytes == derived.voice_upload_max_bytes  # above the 32 MiB default
+    monkeypatch.setenv("TTS_VOICE_UPLOAD_MAX_BYTES", str(8 * 1024 * 1024))
+    assert load_settings().voice_upload_max_bytes == 8 * 1024 * 1024
+
+
 def test_upload_bytes_in_flight_must_hold_one_largest_upload(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TTS_VOICE_UPLOAD_MAX_BYTES", str(8 * 1024 * 1024))
     monkeypatch.setenv("TTS_VOICE_UPLOAD_INFLIGHT_BYTES", str(4 * 1024 * 1024))

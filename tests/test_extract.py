@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from media_helpers import ffmpeg_clip
 
 from qwen_tts.voices import ClipAudio, ClipRefused, ProfileError, check_clip, load_clip, load_profile, sha256_file
 from tts_tools import extract
@@ -142,6 +143,39 @@ def test_collect_jobs_from_folder_list_and_single_file(tmp_path: Path):
     assert (job.name, job.ref_text) == ("bee", "Hi.")
 
 
+def test_audio_is_told_from_list_files_by_extension_then_content(tmp_path: Path):
+    memo = tmp_path / "memo.m4a"
+    memo.write_bytes(ffmpeg_clip(speechlike(1.5, 16000), 16000, "m4a"))
+    odd = tmp_path / "memo.recording"  # an extension of neither kind: the content decides
+    odd.write_bytes(memo.read_bytes())
+    assert [(j.audio, j.name) for j in collect_jobs([memo])] == [(memo, "memo")]
+    assert [(j.audio, j.name) for j in collect_jobs([odd])] == [(odd, "memo")]
+    listed = tmp_path / "clips.csv"  # text under another extension: a list file
+    listed.write_text("memo.m4a|ann\n")
+    assert [(j.audio, j.name) for j in collect_jobs([listed])] == [(memo, "ann")]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.webm").write_bytes(ffmpeg_clip(speechlike(1.5, 16000), 16000, "webm"))
+    (folder / "b.aac").write_bytes(ffmpeg_clip(speechlike(1.5, 16000), 16000, "aac"))
+    assert [j.name for j in collect_jobs([folder])] == ["a", "b"]
+
+
+def test_a_file_that_is_neither_audio_nor_a_list_says_which_it_was_taken_for(tmp_path: Path):
+    blob = tmp_path / "clip.xyz"
+    blob.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(extract.CliError) as e:
+        collect_jobs([blob])
+    assert str(e.value).startswith(
+        f"{blob}: read as a list file (its content is not audio) but it is not UTF-8 text; a clip needs an audio "
+        "extension (.wav, .flac, .ogg, .oga, .opus, .mp3, .m4a,"
+    )
+    assert "codec" not in str(e.value)
+    bad_list = tmp_path / "voices.txt"
+    bad_list.write_bytes(b"\xff\xfe clip.wav")
+    with pytest.raises(extract.CliError, match=r"voices\.txt: read as a list file \(its extension '\.txt' names"):
+        collect_jobs([bad_list])
+
+
 def test_output_name_with_several_clips_is_refused(tmp_path: Path):
     write_clip(tmp_path / "a.wav", speechlike(1.5, 8000), 8000)
     write_clip(tmp_path / "b.wav", speechlike(1.5, 8000), 8000)
@@ -172,6 +206,28 @@ def test_extracts_a_profile_from_any_rate_channels_and_format(tiny_model, model_
     assert profile.source_seconds == pytest.approx(6.0, abs=0.06)  # mp3 adds encoder padding
     assert profile.model == f"{tiny_model.name} [tiny]"
     assert torch.isfinite(profile.x_vector).all() and profile.x_vector.abs().max() > 0
+
+
+def test_a_phone_m4a_is_enrolled_like_its_wav(tiny_model, model_dim, tmp_path):
+    x = speechlike(6.0, 44100, seed=5)
+    memo = tmp_path / "memo.m4a"
+    memo.write_bytes(ffmpeg_clip(np.stack([x, x], axis=1), 44100, "m4a"))
+    write_clip(tmp_path / "same.wav", x, 44100)
+    write_clip(tmp_path / "other.wav", speechlike(6.0, 44100, f0=95.0, seed=1), 44100)
+    out = tmp_path / "profiles"
+    clips = [str(memo), str(tmp_path / "same.wav"), str(tmp_path / "other.wav")]
+    assert run(tiny_model, out, "--ref-audio", *clips, "--no-progress") == 0
+    profile = load_profile(out / "memo.safetensors", expected_dim=model_dim)
+    assert profile.source_sha256 == sha256_file(memo)
+    assert profile.source_seconds == pytest.approx(6.0, abs=0.05)  # AAC priming and padding: under 50 ms
+    same, other = (load_profile(out / f"{n}.safetensors").x_vector for n in ("same", "other"))
+
+    def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+        return 1.0 - float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+
+    # AAC of the same speech lands next to its WAV, far closer than another voice does (the random tiny encoder
+    # puts every voice near the others, so the comparison is relative).
+    assert distance(profile.x_vector, same) < 0.1 * distance(other, same)
 
 
 def test_stereo_with_equal_channels_gives_the_mono_xvector(tiny_model, tmp_path):
@@ -242,7 +298,7 @@ def test_unreadable_audio_is_one_line(tiny_model, tmp_path, capsys):
     clip.write_bytes(b"RIFF not really a wave file")
     assert run(tiny_model, tmp_path / "p", "--ref-audio", str(clip)) == 1
     err = capsys.readouterr().err
-    assert f"error: {clip}: not a readable audio file" in err
+    assert f"error: {clip}: cannot decode 'fake.wav' as audio (not one of WAV" in err
     assert "Traceback" not in err
 
 
@@ -319,4 +375,5 @@ def test_a_clip_without_a_label_is_named_without_its_repr():
 
     with pytest.raises(ClipRefused) as e:
         load_clip(io.BytesIO(b"this is not audio at all" * 10))
-    assert str(e.value) == "<stream>: not a readable audio file (Format not recognised)"
+    assert str(e.value).startswith("<stream>: cannot decode this file as audio (not one of WAV")
+    assert str(e.value).endswith("; libsndfile: Format not recognised)")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from qwen_tts.engine_api import MAX_SEED
+from qwen_tts.languages import ISO_639_1
 from tts_tools.manifest import (
     ManifestError,
     check_items,
@@ -101,8 +103,46 @@ def test_every_problem_is_reported_at_once():
     assert "option 'top_k' must be an integer >= 0, got True" in joined
     assert "'speaker_id' is missing" in joined
     assert "unknown key(s) ['speaker']" in joined
-    assert "'seed' must be an integer >= 0" in joined
+    assert "'seed' must be an integer from 0 to 4294967295 (the HTTP API's range), got -1" in joined
     assert "item 13: must be an object" in joined
+
+
+def test_speakers_and_languages_are_checked_beside_every_other_problem():
+    """An item's unknown voice and language come with its other problems, not in a second round once those are
+    fixed (they were: only items without structural problems reached the speaker and language checks)."""
+    data = [
+        {"id": "a", "speaker_id": "carol", "text": "", "language": "klingon", "seed": 2**32},
+        {"id": "b", "speaker_id": "alice", "text": "fine", "language": "xx", "options": {"top_k": -1}},
+        {"id": "c", "speaker_id": "alice", "text": "fine", "language": "de"},
+    ]
+    problems = problems_of(data, speakers={"alice"}, languages=["auto", "english", "german"])
+    assert problems == [
+        "item 0 ('a'): unknown speaker_id 'carol'",
+        "item 0 ('a'): 'text' is empty",
+        "item 0 ('a'): unknown language 'klingon' (known: Auto, English (en), German (de); a name in any case or "
+        "its ISO 639-1 code)",
+        "item 0 ('a'): 'seed' must be an integer from 0 to 4294967295 (the HTTP API's range), got 4294967296",
+        "item 1 ('b'): unknown language 'xx' (known: Auto, English (en), German (de); a name in any case or its "
+        "ISO 639-1 code)",
+        "item 1 ('b'): option 'top_k' must be an integer >= 0, got -1",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("given", "name"),
+    [("en", "english"), ("EN", "english"), ("en-US", "english"), ("pt_BR", "portuguese"), ("zh", "chinese"),
+     ("ja", "japanese"), ("ko", "korean"), ("de", "german"), ("fr", "french"), ("ru", "russian"), ("es", "spanish"),
+     ("it", "italian"), ("German", "german"), ("auto", "auto")],
+)  # fmt: skip
+def test_iso_639_1_codes_map_onto_the_model_language_names(given: str, name: str):
+    data = {"defaults": {"language": given}, "items": [{"id": "a", "speaker_id": "s", "text": "t"}]}
+    (item,) = parse_manifest(data, languages=["auto", *sorted(ISO_639_1.values())])
+    assert item.language == name
+
+
+def test_derived_seeds_are_within_the_http_seed_range():
+    seeds = [derive_seed(base, f"item{i}") for base in (0, 1, 2**40) for i in range(200)]
+    assert all(0 <= s <= MAX_SEED for s in seeds) and len(set(seeds)) == len(seeds)
 
 
 def test_the_seed_manifest_needs_no_id_it_comes_from_the_output():

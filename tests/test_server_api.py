@@ -5,15 +5,22 @@ from __future__ import annotations
 import base64
 import io
 import json
+import shutil
+import subprocess
+import wave
 from pathlib import Path
 
+import av
+import httpx
 import numpy as np
+import openai
 import pytest
 import pytest_asyncio
 import soundfile as sf
 
 from qwen_tts.engine_api import EngineSettings, SynthesisRequest
 from qwen_tts.engines.native import NativeEngine
+from qwen_tts.languages import describe_languages
 from qwen_tts.model.model_paths import resolve_model_path
 from qwen_tts.voices import ensure_demo_voice
 from server_helpers import InProcess, in_process
@@ -85,10 +92,18 @@ async def test_temperature_zero_is_greedy_and_needs_no_seed(server: InProcess) -
     assert a.status_code == 200 and a.content == b.content
 
 
+def _aac(data: bytes) -> np.ndarray:
+    """An ADTS (`aac`) body decoded by FFmpeg: float32 mono samples."""
+    with av.open(io.BytesIO(data), format="aac") as container:
+        assert container.streams.audio[0].sample_rate == SR
+        return np.concatenate([f.to_ndarray().reshape(-1) for f in container.decode(audio=0)])
+
+
 @pytest.mark.parametrize(
     ("fmt", "media_type"),
-    [("wav", "audio/wav"), ("pcm", "audio/L16"), ("flac", "audio/flac"), ("mp3", "audio/mpeg"), ("opus", "audio/ogg")],
-)
+    [("wav", "audio/wav"), ("pcm", "audio/L16"), ("flac", "audio/flac"), ("mp3", "audio/mpeg"), ("opus", "audio/ogg"),
+     ("aac", "audio/aac")],
+)  # fmt: skip
 async def test_every_response_format_decodes_to_the_same_length(server: InProcess, fmt: str, media_type: str) -> None:
     ref = _int16((await server.client.post("/synthesize", json=_body())).content)
     r = await server.client.post("/synthesize", json=_body(response_format=fmt))
@@ -97,8 +112,18 @@ async def test_every_response_format_decodes_to_the_same_length(server: InProces
         np.testing.assert_array_equal(np.frombuffer(r.content, "<i2"), ref)
     elif fmt == "flac":
         np.testing.assert_array_equal(_int16(r.content), ref)
+    elif fmt == "aac":  # 1024 samples of priming and the last frame's padding, nothing lost
+        assert len(ref) <= len(_aac(r.content)) < len(ref) + 0.1 * SR
     else:  # lossy: codec delay/padding only
         assert abs(len(_wav(r.content)) - len(ref)) <= 0.1 * SR
+
+
+async def test_synthesize_wav_has_a_length_correct_header(server: InProcess) -> None:
+    r = await server.client.post("/synthesize", json=_body())
+    assert int(r.headers["content-length"]) == len(r.content)
+    assert int.from_bytes(r.content[4:8], "little") == len(r.content) - 8
+    with wave.open(io.BytesIO(r.content)) as w:
+        assert w.getnframes() == len(_int16(r.content)) > 0
 
 
 async def test_max_new_tokens_caps_the_audio_length(server: InProcess) -> None:
@@ -135,6 +160,29 @@ async def test_language_is_case_insensitive_and_auto_by_default(server: InProces
     for language in ("English", "ENGLISH", "auto", "Auto"):
         r = await server.client.post("/synthesize", json=_body(language=language))
         assert r.status_code == 200, (language, r.text)
+
+
+async def test_iso_639_1_codes_are_the_language_they_name(server: InProcess) -> None:
+    named = await server.client.post("/synthesize", json=_body(language="English", response_format="pcm"))
+    auto = await server.client.post("/synthesize", json=_body(language="auto", response_format="pcm"))
+    assert named.content != auto.content  # the language reaches the prompt: a wrong mapping would show
+    for code in ("en", "EN", "en-GB", "en_US"):
+        r = await server.client.post("/synthesize", json=_body(language=code, response_format="pcm"))
+        assert r.status_code == 200 and r.content == named.content, code
+    speech = await server.client.post("/v1/audio/speech", json=_speech(language="en", response_format="pcm"))
+    assert speech.status_code == 200 and speech.content == named.content
+
+
+async def test_an_unknown_language_code_lists_the_accepted_ones(server: InProcess) -> None:
+    r = await server.client.post("/synthesize", json=_body(language="xx"))
+    assert r.status_code == 422
+    error = r.json()["error"]
+    assert error["param"] == "language" and error["code"] == "unsupported_language"
+    accepted = describe_languages(server.runtime.engine.languages)
+    assert error["message"] == (
+        f"language: 'xx' is not supported (one of: {accepted}; a name in any case or its ISO 639-1 code)"
+    )
+    assert "English (en)" in accepted and "Chinese (zh)" in accepted and accepted.startswith("Auto, ")
 
 
 async def test_stream_is_float32_and_equals_the_whole_file(server: InProcess) -> None:
@@ -251,7 +299,7 @@ async def test_openai_speech_defaults_to_mp3(server: InProcess) -> None:
     assert len(_wav(r.content)) > 0
 
 
-@pytest.mark.parametrize("fmt", ["wav", "pcm", "flac", "opus"])
+@pytest.mark.parametrize("fmt", ["wav", "pcm", "flac", "opus", "aac"])
 async def test_openai_speech_formats_match_synthesize(server: InProcess, fmt: str) -> None:
     ref = np.frombuffer((await server.client.post("/synthesize", json=_body(response_format="pcm"))).content, "<i2")
     r = await server.client.post("/v1/audio/speech", json=_speech(response_format=fmt))
@@ -260,8 +308,58 @@ async def test_openai_speech_formats_match_synthesize(server: InProcess, fmt: st
         np.testing.assert_array_equal(np.frombuffer(r.content, "<i2"), ref)
     elif fmt in ("wav", "flac"):
         np.testing.assert_array_equal(_int16(r.content), ref)
+    elif fmt == "aac":
+        assert r.headers["content-type"] == "audio/aac"
+        assert len(ref) <= len(_aac(r.content)) < len(ref) + 0.1 * SR
     else:
         assert abs(len(_wav(r.content)) - len(ref)) <= 0.1 * SR
+
+
+async def test_openai_sdk_saves_a_wav_with_its_true_length(server: InProcess, tmp_path: Path) -> None:
+    """The documented `speech.create(..., response_format="wav").write_to_file(...)`: the saved file states its real
+    length to Python's wave, libsndfile and sox (a streaming header's 0xFFFFFFFF reads as 2**31-1 frames, 89,478 s)."""
+    ref = np.frombuffer((await server.client.post("/synthesize", json=_body(response_format="pcm"))).content, "<i2")
+    extra = {"seed": 7, "max_new_tokens": CAP}
+    transport = httpx.ASGITransport(app=server.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver/v1") as http:
+        sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+        speech = await sdk.audio.speech.create(
+            model="tts-1", voice="demo", input="Hello from the demo voice.", response_format="wav", extra_body=extra
+        )
+    assert int(speech.response.headers["content-length"]) == len(speech.content)
+    path = tmp_path / "hello.wav"
+    speech.write_to_file(path)
+    with wave.open(str(path)) as w:
+        assert (w.getnframes(), w.getframerate(), w.getnchannels()) == (len(ref), SR, 1)
+    assert sf.info(str(path)).frames == len(ref)
+    np.testing.assert_array_equal(sf.read(str(path), dtype="int16")[0], ref)
+    if shutil.which("sox") is None:
+        pytest.skip("sox is not installed (CI installs the apt package 'sox')")
+    samples = subprocess.run(["sox", "--i", "-s", str(path)], capture_output=True, text=True, check=True).stdout
+    assert int(samples) == len(ref)
+
+
+async def test_openai_sse_wav_is_the_streamed_form(server: InProcess) -> None:
+    """Asked for as a stream, wav keeps the streaming header (its length is unknown when the header leaves)."""
+    ref = np.frombuffer((await server.client.post("/synthesize", json=_body(response_format="pcm"))).content, "<i2")
+    r = await server.client.post("/v1/audio/speech", json=_speech(response_format="wav", stream_format="sse"))
+    events = [json.loads(line[len("data: ") :]) for line in r.text.split("\n\n") if line.startswith("data: ")]
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    assert audio[4:8] == b"\xff\xff\xff\xff" and audio[40:44] == b"\xff\xff\xff\xff"
+    np.testing.assert_array_equal(np.frombuffer(audio[44:], "<i2"), ref)
+
+
+async def test_openai_aac_streams_and_decodes_to_the_length(server: InProcess) -> None:
+    ref = np.frombuffer((await server.client.post("/synthesize", json=_body(response_format="pcm"))).content, "<i2")
+    async with server.client.stream("POST", "/v1/audio/speech", json=_speech(response_format="aac")) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "audio/aac"
+        assert "content-length" not in r.headers  # chunked: sent as it is encoded
+        data = b"".join([part async for part in r.aiter_bytes()])
+    decoded = _aac(data)
+    assert len(ref) <= len(decoded) < len(ref) + 0.1 * SR
+    # AAC at 64 kb/s keeps the waveform's level: the same RMS within 1 dB (priming delay aside).
+    ref_rms = np.sqrt(np.mean((ref / 32767.0) ** 2))
+    assert abs(20 * np.log10(np.sqrt(np.mean(decoded**2)) / ref_rms)) < 1.0
 
 
 async def test_openai_voice_may_be_an_object(server: InProcess) -> None:
@@ -284,7 +382,7 @@ async def test_openai_sse_stream_carries_base64_deltas_then_done(server: InProce
 @pytest.mark.parametrize(
     ("extra", "param", "fragment"),
     [
-        ({"response_format": "aac"}, "response_format", "'aac' is not supported by this server"),
+        ({"response_format": "m4a"}, "response_format", "'mp3', 'opus', 'aac', 'flac', 'wav' or 'pcm'"),
         ({"speed": 0.1}, "speed", "greater than or equal to 0.25"),
         ({"speed": 9.0}, "speed", "less than or equal to 4"),
         ({"instructions": "whisper"}, "instructions", "not supported by Base"),

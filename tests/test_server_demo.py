@@ -92,7 +92,10 @@ def test_hub_id_is_found_in_the_local_cache_only(tmp_path: Path, monkeypatch: py
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
     assert resolve_model_path("Qwen/Qwen3-TTS-12Hz-0.6B-Base") == snap
-    with pytest.raises(DemoError, match=r"huggingface-cli download Qwen/Qwen3-TTS-12Hz-1\.7B-Base"):
+    with pytest.raises(
+        DemoError,
+        match=r"run: hf download Qwen/Qwen3-TTS-12Hz-1\.7B-Base --local-dir \./models/Qwen3-TTS-12Hz-1\.7B-Base ",
+    ):
         resolve_model_path("Qwen/Qwen3-TTS-12Hz-1.7B-Base")
 
 

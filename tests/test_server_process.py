@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+import wave
 from collections import Counter
 from pathlib import Path
 
@@ -270,6 +271,8 @@ def test_openai_sdk_whole_and_streamed(server: ServerProcess, client: httpx.Clie
     x, sr = sf.read(io.BytesIO(wav.content), dtype="int16")
     assert sr == SR
     np.testing.assert_array_equal(x, expected)
+    with wave.open(io.BytesIO(wav.content)) as w:  # a length-correct header, not a streaming one
+        assert w.getnframes() == len(expected)
 
     mp3 = sdk.audio.speech.create(model="tts-1", voice="demo", input=text, extra_body=extra)
     assert mp3.response.headers["content-type"] == "audio/mpeg" and len(mp3.content) > 0
@@ -292,8 +295,8 @@ def test_openai_sdk_whole_and_streamed(server: ServerProcess, client: httpx.Clie
 
 def test_openai_sdk_sees_our_errors(server: ServerProcess) -> None:
     sdk = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-    with pytest.raises(openai.UnprocessableEntityError, match="'aac' is not supported"):
-        sdk.audio.speech.create(model="tts-1", voice="demo", input="hi", response_format="aac")
+    with pytest.raises(openai.UnprocessableEntityError, match=r"response_format: .*'aac', 'flac', 'wav' or 'pcm'"):
+        sdk.audio.speech.create(model="tts-1", voice="demo", input="hi", response_format="m4a")  # type: ignore[arg-type]
     with pytest.raises(openai.NotFoundError, match="unknown speaker 'alloy'"):
         sdk.audio.speech.create(model="tts-1", voice="alloy", input="hi")
     bad_key = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong-key-000", max_retries=0)

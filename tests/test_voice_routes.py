@@ -16,6 +16,7 @@ import pytest
 import pytest_asyncio
 import soundfile as sf
 import torch
+from media_helpers import ffmpeg_clip
 
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.fake import FakeEngine
@@ -137,6 +138,32 @@ async def test_upload_then_synthesize_with_it_then_delete(server: InProcess, dem
     assert again.status_code == 404 and again.json()["error"]["code"] == "voice_not_found"
 
 
+@pytest.mark.parametrize("kind", ["m4a", "webm"])
+async def test_a_phone_or_browser_recording_enrols(server: InProcess, demo_model: Path, kind: str) -> None:
+    clip = ffmpeg_clip(np.stack([speechlike(6.0, 44100)] * 2, axis=1), 44100, kind)
+    name = f"memo-{kind}"
+    files = {"audio_sample": (f"memo.{kind}", clip, "audio/mp4")}
+    r = await server.client.post("/v1/audio/voices", data={"name": name}, files=files)
+    assert r.status_code == 201, r.text
+    assert r.json()["voice"]["source_seconds"] == pytest.approx(6.0, abs=0.05)
+    expected, _ = embed_clip(VoiceEncoder(demo_model), io.BytesIO(clip))
+    torch.testing.assert_close(load_profile(server.runtime.voices.path_for(name)).x_vector, expected, rtol=0, atol=0)
+    assert (await server.client.post("/synthesize", json=_synth(name))).status_code == 200
+    assert (await server.client.delete(f"/v1/audio/voices/{name}")).status_code == 200
+
+
+async def test_a_broken_m4a_is_422_naming_the_file_and_format(server: InProcess) -> None:
+    clip = ffmpeg_clip(speechlike(3.0, 16000), 16000, "m4a")[:-200]  # the end (its index, 'moov') cut off
+    before = _profiles(server)
+    files = {"audio_sample": ("memo.m4a", clip)}
+    r = await server.client.post("/v1/audio/voices", data={"name": "broken"}, files=files)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["param"] == "audio_sample" and error["code"] == "invalid_audio"
+    assert error["message"].startswith("audio_sample: cannot decode 'memo.m4a' as MP4/M4A audio ("), error
+    assert _profiles(server) == before
+
+
 async def test_a_taken_name_is_a_conflict_and_the_first_voice_stays(server: InProcess) -> None:
     assert (await upload(server, "twice")).status_code == 201
     before = (server.runtime.voices.profiles_dir / "twice.safetensors").read_bytes()
@@ -160,7 +187,10 @@ async def test_a_taken_name_is_a_conflict_and_the_first_voice_stays(server: InPr
         (clip_bytes(speechlike(25.0, 8000), 8000), "audio_sample: too long (25.0 s; the limit is 20 s"),
         (clip_bytes(np.zeros(24000 * 3, np.float32), 24000), "audio_sample: silent or nearly"),
         (clip_bytes(np.clip(speechlike(4.0, 24000, amp=1.0) * 8, -1, 1), 24000), "audio_sample: heavily clipped"),
-        (b"RIFF\x00\x00not really a wave file at all" * 10, "audio_sample: not a readable audio file"),
+        (
+            b"RIFF\x00\x00not really a wave file at all" * 10,
+            "audio_sample: cannot decode 'me.wav' as audio (not one of",
+        ),
     ],
     ids=["short", "long", "silent", "clipped", "not-audio"],
 )
@@ -206,7 +236,12 @@ async def test_bad_forms_are_refused_naming_the_field(server: InProcess) -> None
 async def test_an_upload_over_the_size_limit_is_413_before_parsing(server: InProcess) -> None:
     big = clip_bytes(speechlike(19.0, 96000), 96000, channels=2)  # ~7 MB: over the 4 MiB set for this server
     r = await upload(server, "big", big)
-    assert r.status_code == 413 and "4194304 bytes" in r.json()["error"]["message"]
+    assert r.status_code == 413
+    assert r.json()["error"]["message"] == (
+        "request body is larger than the limit of 4194304 bytes (TTS_VOICE_UPLOAD_MAX_BYTES; clips are also limited "
+        "to TTS_VOICE_UPLOAD_MAX_SECONDS=20 s)"
+    )
+    assert r.json()["error"]["param"] == "audio_sample"
     # JSON routes keep their own, small limit.
     r = await server.client.post("/synthesize", json={"speaker_id": "demo", "text": "x" * 70000})
     assert r.status_code == 413 and "65536 bytes" in r.json()["error"]["message"]
@@ -224,6 +259,33 @@ async def test_delete_refuses_malformed_names_and_links_out(server: InProcess, t
         assert outside.exists() and link.is_symlink()
     finally:
         link.unlink()
+
+
+async def test_the_upload_byte_limit_follows_the_duration_limit(demo_model: Path, tmp_path: Path) -> None:
+    """Unset, TTS_VOICE_UPLOAD_MAX_BYTES fits the longest clip accepted in any format a recorder writes: 60 s of CD
+    stereo WAV (10.6 MB, over the former fixed 10 MiB) enrols, and a 413 names both limits."""
+    cd_wav = clip_bytes(speechlike(60.0, 44100), 44100, channels=2)
+    assert len(cd_wav) > 10 * 1024 * 1024
+    ensure_demo_voice(tmp_path, demo_model)
+    async with in_process(native(demo_model), profiles_dir=tmp_path, voice_upload=True) as s:
+        assert s.runtime.settings.voice_upload_max_bytes == 60 * 48_000 * 2 * 4 + 1024 * 1024
+        r = await upload(s, "long-cd", cd_wav)
+        assert r.status_code == 201, r.text
+        assert r.json()["voice"]["source_seconds"] == pytest.approx(60.0)
+    shorter = tmp_path / "shorter"
+    shorter.mkdir()
+    ensure_demo_voice(shorter, demo_model)
+    async with in_process(
+        native(demo_model), profiles_dir=shorter, voice_upload=True, voice_upload_max_seconds=20
+    ) as s:
+        limit = 20 * 48_000 * 2 * 4 + 1024 * 1024
+        assert s.runtime.settings.voice_upload_max_bytes == limit
+        r = await upload(s, "long-cd", cd_wav)
+        assert r.status_code == 413
+        assert r.json()["error"]["message"] == (
+            f"request body is larger than the limit of {limit} bytes (TTS_VOICE_UPLOAD_MAX_BYTES unset: derived "
+            "from TTS_VOICE_UPLOAD_MAX_SECONDS=20, that many seconds of 48 kHz stereo 32-bit audio plus 1024 KiB)"
+        )
 
 
 # --- off by default, keys, no encoder unless enabled ----------------------------------------------------------

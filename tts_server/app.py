@@ -25,7 +25,7 @@ from .middleware import (
 from .routes import PUBLIC_PATHS, ROUTES, router
 from .runtime import Runtime
 from .settings import ServerSettings, load_settings
-from .voice_routes import VOICE_ROUTES, VOICES_PATH
+from .voice_routes import VOICE_ROUTES, VOICES_PATH, upload_body_limit
 from .voice_routes import router as voice_router
 from .web import WEB_PATHS
 from .web import router as web_router
@@ -110,7 +110,7 @@ def create_app(
     # add_middleware wraps: the last added is the outermost.
     # An upload's clip may be larger than any JSON body, but only where uploads are on; where they are off, the route's
     # refusal comes before any of the body is read.
-    upload_limit = {VOICES_PATH: settings.voice_upload_max_bytes} if settings.voice_upload else {}
+    upload_limit = {VOICES_PATH: upload_body_limit(settings)} if settings.voice_upload else {}
     uploads_off = Forbidden(
         "voice upload and delete are disabled on this server (an operator enables them with TTS_VOICE_UPLOAD=true)",
         code="voice_management_disabled",

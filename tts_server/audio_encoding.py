@@ -1,13 +1,19 @@
-"""Float32 PCM -> response bytes: wav, pcm, flac, mp3, opus, whole or incrementally for streams.
+"""Float32 PCM -> response bytes: wav, pcm, flac, mp3, opus, aac, whole or incrementally for streams.
 
-Everything goes through libsndfile (soundfile), fed with our own int16 samples: clipped to [-1, 1] first
+wav, flac, mp3 and opus go through libsndfile (soundfile), aac (an ADTS stream, as OpenAI's `aac`) through FFmpeg's
+own AAC encoder (PyAV), which libsndfile lacks. Both are fed our own int16 samples: clipped to [-1, 1] first
 (libsndfile's float-to-integer conversion does not clip by default, so an out-of-range sample would wrap
-around into a full-scale click), and scaled once, so wav, flac and pcm carry identical samples. `pcm` means raw signed 16-bit little-endian mono (as OpenAI's `pcm`); `f32le` is raw
-float32 little-endian, the format of /synthesize/stream.
+around into a full-scale click), and scaled once, so wav, flac and pcm carry identical samples. `pcm` means raw
+signed 16-bit little-endian mono (as OpenAI's `pcm`); `f32le` is raw float32 little-endian, the format of
+/synthesize/stream.
+
+A whole wav file has a length-correct header; only a streamed one (`StreamEncoder`) starts with the sizes
+0xFFFFFFFF, since its length is not known when the header leaves.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import struct
 from dataclasses import dataclass
@@ -23,6 +29,9 @@ class AudioFormat:
     sf_format: str | None  # None: raw samples written by us
     sf_subtype: str | None
     options: tuple[tuple[str, object], ...] = ()  # extra soundfile arguments
+    av_codec: str | None = None  # encoded through PyAV (FFmpeg) with this encoder into `av_muxer`
+    av_muxer: str | None = None
+    bit_rate: int | None = None
 
     @property
     def sf_kwargs(self) -> dict:
@@ -40,16 +49,23 @@ _ALL = {
         "mp3", "audio/mpeg", "MP3", "MPEG_LAYER_III", (("bitrate_mode", "CONSTANT"), ("compression_level", 0.5))
     ),
     "opus": AudioFormat("opus", "audio/ogg", "OGG", "OPUS"),
+    # AAC-LC in ADTS: every frame carries its own header, so the stream needs no index and plays from any cut.
+    # 64 kb/s is transparent for 24 kHz mono speech.
+    "aac": AudioFormat("aac", "audio/aac", None, None, av_codec="aac", av_muxer="adts", bit_rate=64_000),
 }
 
 
 def _available(fmt: AudioFormat) -> bool:
+    if fmt.av_codec is not None:
+        # PyAV's wheels carry FFmpeg with its own AAC encoder and ADTS muxer; it is imported on first use, so a
+        # server that never encodes aac never loads FFmpeg.
+        return importlib.util.find_spec("av") is not None
     if fmt.sf_format is None:
         return True
     return fmt.sf_format in sf.available_formats() and fmt.sf_subtype in sf.available_subtypes(fmt.sf_format)
 
 
-# Formats this libsndfile build can write (MP3 needs libsndfile >= 1.1, Opus needs >= 1.0.29).
+# Formats this build can write (MP3 needs libsndfile >= 1.1, Opus needs >= 1.0.29; aac needs PyAV's FFmpeg).
 FORMATS: dict[str, AudioFormat] = {name: f for name, f in _ALL.items() if _available(f)}
 
 
@@ -78,6 +94,9 @@ def encode(pcm: np.ndarray, fmt: str | AudioFormat, sample_rate: int) -> bytes:
         return to_int16(pcm).tobytes()
     if f.name == "f32le":
         return np.asarray(pcm, dtype="<f4").tobytes()
+    if f.av_codec is not None:
+        encoder = _AvEncoder(f, sample_rate)
+        return encoder.feed(pcm) + encoder.close()
     buf = io.BytesIO()
     # libsndfile gets our int16 samples, so every format carries exactly the samples of `pcm`.
     sf.write(buf, to_int16(pcm), sample_rate, **f.sf_kwargs)
@@ -142,6 +161,40 @@ class _AppendOnlySink(io.RawIOBase):
         return data
 
 
+class _AvEncoder:
+    """A PyAV (FFmpeg) encoder and muxer writing into an append-only sink; `feed` and `close` return the bytes
+    the muxer has written since the last call (each packet is flushed as it is muxed)."""
+
+    def __init__(self, fmt: AudioFormat, sample_rate: int):
+        import av
+
+        self._frame = av.AudioFrame
+        self._sink = _AppendOnlySink()
+        self._container = av.open(self._sink, "w", format=fmt.av_muxer, container_options={"flush_packets": "1"})
+        self._stream = self._container.add_stream(fmt.av_codec, rate=sample_rate, layout="mono")
+        if fmt.bit_rate:
+            self._stream.bit_rate = fmt.bit_rate
+        self._rate = sample_rate
+        self._pts = 0
+
+    def feed(self, pcm: np.ndarray) -> bytes:
+        samples = to_int16(pcm)
+        if samples.size:
+            frame = self._frame.from_ndarray(samples[None, :], format="s16", layout="mono")
+            frame.sample_rate = self._rate
+            frame.pts = self._pts
+            self._pts += samples.size
+            for packet in self._stream.encode(frame):
+                self._container.mux(packet)
+        return self._sink.take()
+
+    def close(self) -> bytes:
+        for packet in self._stream.encode(None):
+            self._container.mux(packet)
+        self._container.close()
+        return self._sink.take()
+
+
 class StreamEncoder:
     """Encodes a signal chunk by chunk; `feed` and `close` return the bytes ready to send."""
 
@@ -151,7 +204,10 @@ class StreamEncoder:
         self._header_sent = False
         self._sink: _AppendOnlySink | None = None
         self._file: sf.SoundFile | None = None
-        if self.format.sf_format is not None and self.format.name != "wav":
+        self._av: _AvEncoder | None = None
+        if self.format.av_codec is not None:
+            self._av = _AvEncoder(self.format, sample_rate)
+        elif self.format.sf_format is not None and self.format.name != "wav":
             self._sink = _AppendOnlySink()
             self._file = sf.SoundFile(self._sink, "w", samplerate=sample_rate, channels=1, **self.format.sf_kwargs)
 
@@ -165,11 +221,16 @@ class StreamEncoder:
                 head = streaming_wav_header(self.sample_rate)
                 self._header_sent = True
             return head + to_int16(pcm).tobytes()
+        if self._av is not None:
+            return self._av.feed(pcm)
         assert self._file is not None and self._sink is not None
         self._file.write(to_int16(pcm))
         return self._sink.take()
 
     def close(self) -> bytes:
+        if self._av is not None:
+            encoder, self._av = self._av, None
+            return encoder.close()
         if self._file is None:
             if self.format.name == "wav" and not self._header_sent:
                 self._header_sent = True

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import random
 import re
 import time
 from collections.abc import AsyncIterator
@@ -38,6 +37,7 @@ from qwen_tts.engine_api import (
     RequestHandle,
     RequestStats,
     SynthesisRequest,
+    draw_seed,
 )
 
 logger = logging.getLogger("tts_server.long_text")
@@ -175,7 +175,7 @@ class PieceChain:
 
     def __init__(self, engine: Engine, request: SynthesisRequest, pieces: list[str], fade: int = FADE_SAMPLES):
         if request.seed is None:
-            request.seed = random.getrandbits(62)  # one seed for every piece: the same voice throughout
+            request.seed = draw_seed()  # one seed for every piece: the same voice throughout
         self.request = request
         self.request_id = request.request_id
         self.stats = RequestStats(request.request_id)

@@ -17,6 +17,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import anyio
 from starlette.datastructures import Headers
@@ -308,6 +309,22 @@ class UploadBudget:
         self.held -= n
 
 
+@dataclass(frozen=True)
+class BodyLimit:
+    """A path's own body limit, with what its 413 says beyond the number: where the limit comes from, and the
+    request field the bytes are for."""
+
+    max_bytes: int
+    reason: str = ""
+    param: str | None = None
+
+    def error(self) -> PayloadTooLarge:
+        why = f" ({self.reason})" if self.reason else ""
+        return PayloadTooLarge(
+            f"request body is larger than the limit of {self.max_bytes} bytes{why}", param=self.param
+        )
+
+
 class BodyLimitMiddleware:
     """Reads the whole request body up front (our bodies are small JSON) and answers 413 past `max_bytes`, or
     408 if it does not arrive within `timeout` s (a trickling client cannot hold a connection forever),
@@ -322,7 +339,7 @@ class BodyLimitMiddleware:
         app: ASGIApp,
         max_bytes: int,
         timeout: float,
-        per_path: dict[str, int] | None = None,
+        per_path: dict[str, int | BodyLimit] | None = None,
         budget: UploadBudget | None = None,
         refused: dict[str, ApiError] | None = None,
         retry_after: int = 1,
@@ -330,7 +347,7 @@ class BodyLimitMiddleware:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout = timeout
-        self.per_path = per_path or {}
+        self.per_path = {p: v if isinstance(v, BodyLimit) else BodyLimit(v) for p, v in (per_path or {}).items()}
         self.budget = budget
         self.refused = refused or {}
         self.retry_after = retry_after
@@ -344,8 +361,8 @@ class BodyLimitMiddleware:
         if scope.get("method") == "POST" and path in self.refused:  # other methods get the route's 405
             await send_error(send, self.refused[path], request_id)
             return
-        max_bytes = self.per_path.get(path, self.max_bytes)
-        too_large = PayloadTooLarge(f"request body is larger than the limit of {max_bytes} bytes")
+        limit = self.per_path.get(path, BodyLimit(self.max_bytes))
+        max_bytes, too_large = limit.max_bytes, limit.error()
         declared = dict(scope.get("headers", [])).get(b"content-length")
         size = max_bytes
         if declared is not None:

@@ -63,9 +63,9 @@ def _document(schema: dict[str, Any]) -> dict[str, Any]:
     components.update(components["ErrorResponse"].pop("$defs", {}))
     audio = {
         # With "stream": true, /synthesize answers as /synthesize/stream does (f32le among its formats).
-        "/synthesize": _audio_types(["wav", "pcm", "mp3", "flac", "opus", "f32le"]),
+        "/synthesize": _audio_types(["wav", "pcm", "mp3", "flac", "opus", "aac", "f32le"]),
         "/synthesize/stream": _audio_types(["f32le", "pcm", "wav"]),
-        "/v1/audio/speech": [*_audio_types(["mp3", "opus", "flac", "wav", "pcm"]), "text/event-stream"],
+        "/v1/audio/speech": [*_audio_types(["mp3", "opus", "aac", "flac", "wav", "pcm"]), "text/event-stream"],
     }
     for path, operations in schema.get("paths", {}).items():
         for operation in operations.values():

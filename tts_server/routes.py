@@ -82,7 +82,8 @@ async def synthesize_stream(request: Request) -> Response:
 # --- OpenAI-compatible ----------------------------------------------------------------------------------
 @router.post("/v1/audio/speech", openapi_extra=_body_schema(SpeechRequest), response_class=StreamingResponse)
 async def openai_speech(request: Request) -> Response:
-    """OpenAI `audio.speech.create`: `voice` is a speaker id; audio streams as it is generated."""
+    """OpenAI `audio.speech.create`: `voice` is a speaker id; audio streams as it is generated (flac and wav, whose
+    headers state the length, are sent whole unless `stream_format` is `sse`)."""
     runtime = runtime_of(request)
     body = await parse_body(request, SpeechRequest)
     return await service.speech(request, runtime, body)

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-MAX_SEED = 2**32 - 1
+from qwen_tts.engine_api import MAX_SEED
 
 
 class _Strict(BaseModel):
@@ -22,7 +22,12 @@ class SynthesisOptions(_Strict):
     """What every synthesis body carries besides its voice and text (`speaker_id` and `text`, fields or
     properties of each body); `synthesis.engine_request` maps a body onto the engine's request."""
 
-    language: str = Field("Auto", min_length=1, max_length=32, description="A language name or 'Auto'.")
+    language: str = Field(
+        "Auto",
+        min_length=1,
+        max_length=32,
+        description="A language name ('English', any case), its ISO 639-1 code ('en', also 'en-US'), or 'Auto'.",
+    )
     max_new_tokens: int | None = Field(
         None, ge=1, description="Cap on generated codec frames (12.5 per second); at most TTS_MAX_NEW_TOKENS."
     )
@@ -44,8 +49,8 @@ class SynthesizeRequest(SynthesisOptions):
 
     speaker_id: str = Field(min_length=1, max_length=64)
     text: str = Field(min_length=1)
-    response_format: Literal["wav", "pcm", "mp3", "flac", "opus"] = Field(
-        "wav", description="pcm is raw signed 16-bit little-endian mono at 24 kHz."
+    response_format: Literal["wav", "pcm", "mp3", "flac", "opus", "aac"] = Field(
+        "wav", description="pcm is raw signed 16-bit little-endian mono at 24 kHz; aac is an ADTS stream."
     )
     # The seed's body has it: false (the default) is this route's whole file; true is answered as
     # /synthesize/stream answers (float32 LE unless response_format is pcm or wav).

@@ -36,7 +36,7 @@ CLIENT_CLOSED = 499
 # Seconds a response may still be sending past its job's deadline before the connection is cut.
 SEND_GRACE_S = 1.0
 # OpenAI's speech formats, in its order, for the message that lists what this build serves.
-OPENAI_FORMATS = ("mp3", "opus", "flac", "wav", "pcm")
+OPENAI_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 
 
 # --- the three service calls -----------------------------------------------------------------------------------
@@ -72,7 +72,8 @@ async def stream(request: Request, runtime: Runtime, body: StreamRequest) -> Res
 
 
 async def speech(request: Request, runtime: Runtime, body: SpeechRequest) -> Response:
-    """POST /v1/audio/speech: `voice` is a speaker id; audio streams as it is generated, raw or as SSE."""
+    """POST /v1/audio/speech: `voice` is a speaker id; audio streams as it is generated, raw or as SSE (flac and,
+    outside SSE, wav are sent whole)."""
     check_limits(runtime, body, text_field="input")
     if body.response_format not in FORMATS:
         raise InvalidField(
@@ -82,10 +83,15 @@ async def speech(request: Request, runtime: Runtime, body: SpeechRequest) -> Res
             code="unsupported_format",
         )
     job = submit(runtime, body, _rid(request), speaker_field="voice")
-    # FLAC cannot state its length up front and many decoders refuse a FLAC stream without it: send it whole.
+    # FLAC cannot state its length up front and many decoders refuse a FLAC stream without it: sent whole, also as
+    # the one delta of an SSE stream. A wav body is the saved file of OpenAI's `speech.create(...).write_to_file`,
+    # which needs true RIFF and data sizes (a streamed header says 0xFFFFFFFF: 89,478 s to sox, 2**31-1 frames to
+    # Python's wave): sent whole with its Content-Length. Streamed wav remains where streaming is asked for by
+    # name: `stream_format: "sse"`, /synthesize/stream, /synthesize with `"stream": true`; `pcm` streams the
+    # same samples without a header.
     whole = body.response_format == "flac"
-    if whole and body.stream_format == "audio":
-        return await _whole_file(request, job, "flac")
+    if body.stream_format == "audio" and body.response_format in ("flac", "wav"):
+        return await _whole_file(request, job, body.response_format)
     first = await _start_stream(request, job)
     if isinstance(first, Response):
         return first

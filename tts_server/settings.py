@@ -12,6 +12,7 @@ Engine defaults are not repeated here: they come from `EngineSettings` and `Synt
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -19,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     DotEnvSettingsSource,
@@ -63,7 +64,18 @@ ENGINE_FIELDS = {
 REPLACED_BY_FAST_PATH = ("TTS_CP_STACK_KERNEL", "TTS_TALKER_STACK_KERNEL", "TTS_SMALL_M_HEADS")
 DEFAULT_CONNECTIONS_PER_CLIENT = 64
 DEFAULT_UPLOAD_INFLIGHT_BYTES = 32 * 1024 * 1024
+# The upload body limit, unless TTS_VOICE_UPLOAD_MAX_BYTES is set, follows TTS_VOICE_UPLOAD_MAX_SECONDS: a clip of
+# that length as the largest file a recorder writes for it (48 kHz, stereo, 32-bit samples: 384,000 bytes a
+# second, so 60 s of CD-quality stereo WAV, 10.6 MB, fits with room), plus headroom for the file's own headers and
+# the multipart form around it.
+UPLOAD_BYTES_PER_SECOND = 48_000 * 2 * 4
+UPLOAD_HEADROOM_BYTES = 1024 * 1024
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|mps)$")
+
+
+def upload_bytes_for(max_seconds: float) -> int:
+    """The upload body limit that fits a clip of `max_seconds` in any format a recorder writes."""
+    return math.ceil(max_seconds * UPLOAD_BYTES_PER_SECOND) + UPLOAD_HEADROOM_BYTES
 
 
 class SettingsError(ValueError):
@@ -109,6 +121,7 @@ class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, env_file=ENV_FILE, env_file_encoding="utf-8"
     )
+    _upload_bytes_derived: bool = PrivateAttr(False)  # TTS_VOICE_UPLOAD_MAX_BYTES came from the duration limit
 
     @classmethod
     def settings_customise_sources(
@@ -184,9 +197,10 @@ class ServerSettings(BaseSettings):
     # may call them changes the voices every client uses. With TTS_API_KEYS set they need a key, like every route.
     # On, the checkpoint's speaker encoder is loaded at startup (never otherwise: synthesis does not need it).
     voice_upload: bool = False
-    # Largest upload request in bytes (the whole multipart body): 10 MiB, as vLLM-Omni; 60 s of 44.1 kHz 16-bit
-    # mono WAV is 5.3 MB.
-    voice_upload_max_bytes: int = Field(10 * 1024 * 1024, ge=64 * 1024, le=256 * 1024 * 1024)
+    # Largest upload request in bytes (the whole multipart body). Unset: derived from TTS_VOICE_UPLOAD_MAX_SECONDS
+    # (UPLOAD_BYTES_PER_SECOND a second plus UPLOAD_HEADROOM_BYTES: 24,088,576 for 60 s), so any clip the duration
+    # limit accepts also fits the byte limit.
+    voice_upload_max_bytes: int | None = Field(None, ge=64 * 1024, le=256 * 1024 * 1024)
     # Upload bytes being received, decoded and enrolled at once, over all clients (each upload holds its declared size
     # until it is answered); past it 429 with Retry-After. Enrolment runs one clip at a time anyway. Unset: 32 MiB, or
     # TTS_VOICE_UPLOAD_MAX_BYTES where that is larger.
@@ -318,6 +332,9 @@ class ServerSettings(BaseSettings):
             self.max_connections_per_client = min(DEFAULT_CONNECTIONS_PER_CLIENT, self.max_connections)
         if self.max_connections_per_client > self.max_connections:
             raise ValueError("TTS_MAX_CONNECTIONS_PER_CLIENT must not exceed TTS_MAX_CONNECTIONS")
+        if self.voice_upload_max_bytes is None:
+            self._upload_bytes_derived = True
+            self.voice_upload_max_bytes = upload_bytes_for(self.voice_upload_max_seconds)
         if self.voice_upload_inflight_bytes is None:
             self.voice_upload_inflight_bytes = max(DEFAULT_UPLOAD_INFLIGHT_BYTES, self.voice_upload_max_bytes)
         if self.voice_upload_inflight_bytes < self.voice_upload_max_bytes:
@@ -326,6 +343,16 @@ class ServerSettings(BaseSettings):
                 "largest size could ever be taken)"
             )
         return self
+
+    def upload_limit_reason(self) -> str:
+        """Where the upload byte limit comes from, for the 413 that names it."""
+        seconds = f"TTS_VOICE_UPLOAD_MAX_SECONDS={self.voice_upload_max_seconds:g}"
+        if not self._upload_bytes_derived:
+            return f"TTS_VOICE_UPLOAD_MAX_BYTES; clips are also limited to {seconds} s"
+        return (
+            f"TTS_VOICE_UPLOAD_MAX_BYTES unset: derived from {seconds}, that many seconds of 48 kHz stereo 32-bit "
+            f"audio plus {UPLOAD_HEADROOM_BYTES // 1024} KiB"
+        )
 
     def public_dict(self) -> dict[str, Any]:
         """The settings for the startup log, with secrets reduced to a count."""

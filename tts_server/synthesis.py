@@ -31,6 +31,7 @@ from qwen_tts.engine_api import (
     RequestStats,
     SynthesisRequest,
 )
+from qwen_tts.languages import canonical_language, describe_languages
 from qwen_tts.voices import InvalidProfileError, InvalidSpeakerIdError, UnknownSpeakerError
 
 from . import speed
@@ -139,9 +140,10 @@ def check_limits(runtime: Runtime, body: SynthesisOptions, text_field: str = "te
             param="speed",
         )
     accepted = runtime.engine.languages
-    if body.language.strip().lower() not in accepted:
+    if canonical_language(body.language) not in accepted:
         raise InvalidField(
-            f"language: {body.language!r} is not supported (one of: {', '.join(_title(accepted))})",
+            f"language: {body.language!r} is not supported (one of: {describe_languages(accepted)}; a name in any "
+            "case or its ISO 639-1 code)",
             param="language",
             code="unsupported_language",
         )
@@ -155,7 +157,7 @@ def engine_request(
     request = SynthesisRequest(
         text=body.text.strip(),
         xvector=xvector,
-        language=body.language.strip().lower(),
+        language=canonical_language(body.language),
         temperature=temperature,
         top_k=settings.top_k if body.top_k is None else body.top_k,
         greedy=temperature == 0.0,
@@ -166,10 +168,6 @@ def engine_request(
     if body.min_new_tokens is not None:
         request.min_frames = body.min_new_tokens
     return request
-
-
-def _title(names: list[str]) -> list[str]:
-    return [n.capitalize() for n in names]
 
 
 class Job:

@@ -39,8 +39,10 @@ from qwen_tts.voices import (
 )
 
 from .errors import BadRequest, Conflict, Forbidden, InvalidField, NotFound
+from .middleware import BodyLimit
 from .routes import openai_models, runtime_of
 from .runtime import Runtime
+from .settings import ServerSettings
 
 router = APIRouter()
 
@@ -64,8 +66,8 @@ _UPLOAD_SCHEMA = {
                             "type": "string",
                             "format": "binary",
                             "description": f"The reference clip: {ACCEPTED_FORMATS}; at most {MAX_CHANNELS} "
-                            f"channels and {MAX_SAMPLE_RATE} Hz; 5-30 s of one speaker is best (AAC/m4a: convert it "
-                            "first, e.g. ffmpeg -i clip.m4a clip.wav)",
+                            f"channels and {MAX_SAMPLE_RATE} Hz, told apart by content (the file name is only "
+                            "quoted in errors); 5-30 s of one speaker is best",
                         },
                         "ref_text": {"type": "string", "description": "Transcript of the clip (kept as metadata)"},
                     },
@@ -75,6 +77,13 @@ _UPLOAD_SCHEMA = {
         },
     }
 }
+
+
+def upload_body_limit(settings: ServerSettings) -> BodyLimit:
+    """The upload route's body limit and its 413: TTS_VOICE_UPLOAD_MAX_BYTES (by default derived from
+    TTS_VOICE_UPLOAD_MAX_SECONDS, so a clip the duration limit accepts fits), named with where it comes from."""
+    assert settings.voice_upload_max_bytes is not None  # set by the settings' validation
+    return BodyLimit(settings.voice_upload_max_bytes, settings.upload_limit_reason(), param="audio_sample")
 
 
 def voice_object(info: SpeakerInfo) -> dict[str, Any]:
@@ -211,7 +220,13 @@ async def upload_voice(request: Request) -> JSONResponse:
     async with runtime.enroll_lock:  # one clip through the encoder at a time; synthesis is not held up by it
         try:
             x, levels = await anyio.to_thread.run_sync(
-                lambda: embed_clip(encoder, io.BytesIO(upload.audio), "audio_sample", max_seconds=max_seconds)
+                lambda: embed_clip(
+                    encoder,
+                    io.BytesIO(upload.audio),
+                    "audio_sample",
+                    max_seconds=max_seconds,
+                    filename=upload.filename or None,
+                )
             )
         except ClipRefused as e:
             raise InvalidField(str(e), param="audio_sample", code="invalid_audio") from None

@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from qwen_tts.engine_api import (
+    MAX_SEED,
     SAMPLE_RATE,
     Engine,
     EngineSettings,
@@ -43,7 +44,16 @@ from qwen_tts.voices import (
 from tts_server.cli import program_name
 
 from .common import CliError, add_model_options
-from .manifest import AUDIO_FORMATS, ManifestError, ManifestItem, check_items, collect_items, load_json, resolve_output
+from .manifest import (
+    AUDIO_FORMATS,
+    ManifestError,
+    ManifestItem,
+    check_items,
+    collect_items,
+    load_json,
+    referenced_speakers,
+    resolve_output,
+)
 
 # soundfile (libsndfile) container and sample encoding per output format.
 SOUNDFILE_FORMATS = {
@@ -166,10 +176,16 @@ def _previous_results(summary_path: Path) -> dict[str, dict[str, Any]]:
 
 
 def plan_batch(opts: BatchOptions, *, xvector_dim: int, languages: Sequence[str] | None) -> BatchPlan:
-    """Validate the manifest and voices as a whole; raises ManifestError with every problem found."""
-    items, problems = collect_items(load_json(opts.manifest), default_format=opts.format, base_seed=opts.seed)
-    voices, present, voice_problems = _load_voices({it.speaker_id for it in items}, opts.profiles_dir, xvector_dim)
-    problems += check_items(items, output_dir=opts.output_dir, speakers=present, languages=languages)
+    """Validate the manifest and voices as a whole, in one pass; raises ManifestError with every problem found.
+
+    The voices every item names are loaded first (those of items with other problems too), so each item is checked
+    against them and the engine's languages beside its other problems: fixing one round never uncovers another."""
+    data = load_json(opts.manifest)
+    voices, present, voice_problems = _load_voices(referenced_speakers(data), opts.profiles_dir, xvector_dim)
+    items, problems = collect_items(
+        data, default_format=opts.format, base_seed=opts.seed, speakers=present, languages=languages
+    )
+    problems += check_items(items, output_dir=opts.output_dir, speakers=present)
     problems += voice_problems
     if problems:
         raise ManifestError(problems)
@@ -256,7 +272,9 @@ async def _run_item(engine: Engine, plan: BatchPlan, item: ManifestItem) -> Item
         ttfa = st.time_to_first_audio
         result.time_to_first_audio = None if ttfa is None else round(ttfa, 4)
         if result.seed is None:
-            result.seed = handle.request.seed  # the engine drew one: record it so the item can be reproduced
+            # The engine drew one (engine_api.draw_seed, within the HTTP API's range): recorded, the item can be
+            # replayed by the batch tool or over HTTP.
+            result.seed = handle.request.seed
     return result
 
 
@@ -330,14 +348,19 @@ def run_batch(opts: BatchOptions, engine: Engine | None = None) -> dict[str, Any
     `engine` (not started) replaces the one built from the options. Raises ManifestError (every problem) or
     CliError (one line) on bad input.
     """
+    problems = []  # every bad option at once
     if opts.concurrency < 1:
-        raise CliError(f"--concurrency must be >= 1, got {opts.concurrency}")
+        problems.append(f"--concurrency must be >= 1, got {opts.concurrency}")
     if opts.format not in AUDIO_FORMATS:
-        raise CliError(f"--format must be one of {', '.join(AUDIO_FORMATS)}")
+        problems.append(f"--format must be one of {', '.join(AUDIO_FORMATS)}")
     if opts.backend not in BACKENDS:
-        raise CliError(f"--backend must be one of {', '.join(BACKENDS)}")
+        problems.append(f"--backend must be one of {', '.join(BACKENDS)}")
     if opts.stage_configs_path is not None and not opts.stage_configs_path.is_file():
-        raise CliError(f"--stage-configs-path {opts.stage_configs_path}: no such file")
+        problems.append(f"--stage-configs-path {opts.stage_configs_path}: no such file")
+    if opts.seed is not None and not 0 <= opts.seed <= MAX_SEED:
+        problems.append(f"--seed must be from 0 to {MAX_SEED} (the HTTP API's seed range), got {opts.seed}")
+    if problems:
+        raise CliError("\n".join(problems))
     engine = engine or _create_engine(opts)
     plan = plan_batch(opts, xvector_dim=engine.xvector_dim, languages=engine.languages)
     summary_path = opts.summary_path or opts.output_dir / SUMMARY_NAME
@@ -432,7 +455,8 @@ def main(argv: Sequence[str] | None = None, engine: Engine | None = None) -> int
         print(f"error: {len(e.problems)} problem(s) in the manifest or voices; nothing was run", file=sys.stderr)
         return 1
     except CliError as e:
-        print(f"error: {e}", file=sys.stderr)
+        for line in str(e).splitlines():
+            print(f"error: {line}", file=sys.stderr)
         return 1
     t = summary["totals"]
     line = (

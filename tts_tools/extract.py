@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from qwen_tts.audio import ACCEPTED_FORMATS, sniff_format
 from qwen_tts.model.model_paths import DEMO
 from qwen_tts.voices import (
     DEFAULT_PROFILES_DIR,
@@ -33,8 +34,15 @@ from tts_server.cli import program_name
 
 from .common import CliError, add_model_options, model_label, resolve_device, resolve_model
 
-AUDIO_EXTENSIONS = (".wav", ".flac", ".ogg", ".oga", ".mp3")
+# A file given with one of these extensions is a clip; with one of LIST_EXTENSIONS, a list file; with any other,
+# its first bytes decide (`qwen_tts.audio.sniff_format`: a known audio container is a clip, UTF-8 text a list file).
+# What a clip really is, and so how it is decoded, always comes from its content.
+AUDIO_EXTENSIONS = (
+    ".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".m4a", ".mp4", ".aac", ".webm", ".weba", ".mka", ".amr",
+)  # fmt: skip
+LIST_EXTENSIONS = (".txt", ".list", ".lst")
 LIST_SEPARATOR = "|"
+_SNIFF_BYTES = 64
 
 # The clip checks (duration, silence, clipping) and their limits live in qwen_tts.voices, shared with the server's
 # upload route: MIN_CLIP_SECONDS, MAX_CLIP_SECONDS, RECOMMENDED_SECONDS, SILENCE_RMS_DBFS, MAX_CLIPPED_FRACTION.
@@ -50,10 +58,20 @@ class ClipJob:
 def _jobs_from_list(list_file: Path) -> list[ClipJob]:
     """`audio_path|name|ref_text` per line (name and text optional); relative paths are from the list's folder."""
     jobs = []
+    why = (
+        f"its extension {list_file.suffix.lower()!r} names a list file"
+        if list_file.suffix.lower() in LIST_EXTENSIONS
+        else "its content is not audio"
+    )
     try:
         lines = list_file.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CliError(f"{list_file}: cannot read the list file ({e})") from None
+    except OSError as e:
+        raise CliError(f"{list_file}: cannot read it as a list file ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise CliError(
+            f"{list_file}: read as a list file ({why}) but it is not UTF-8 text; a clip needs an audio extension "
+            f"({', '.join(AUDIO_EXTENSIONS)}) or audio content ({ACCEPTED_FORMATS})"
+        ) from None
     for line in lines:
         line = line.strip()
         if not line or line.startswith("#"):
@@ -77,6 +95,22 @@ def _jobs_from_dir(folder: Path) -> list[ClipJob]:
     return jobs
 
 
+def is_audio_file(path: Path) -> bool:
+    """A clip (True) or a list file (False): by extension where it is one of AUDIO_EXTENSIONS or LIST_EXTENSIONS,
+    else by content (a known audio container's first bytes make a clip)."""
+    suffix = path.suffix.lower()
+    if suffix in AUDIO_EXTENSIONS:
+        return True
+    if suffix in LIST_EXTENSIONS:
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_SNIFF_BYTES)
+    except OSError as e:
+        raise CliError(f"{path}: cannot read ({e.strerror or e})") from None
+    return sniff_format(head) is not None
+
+
 def collect_jobs(sources: Sequence[str | Path], output_name: str | None = None, ref_text: str = "") -> list[ClipJob]:
     """Expand files, folders and list files into clip jobs. Raises CliError on unusable sources."""
     jobs: list[ClipJob] = []
@@ -88,7 +122,7 @@ def collect_jobs(sources: Sequence[str | Path], output_name: str | None = None, 
                 raise CliError(f"{src}: no audio files ({', '.join(AUDIO_EXTENSIONS)}) in this folder")
             jobs += found
             single = False
-        elif src.is_file() and src.suffix.lower() in AUDIO_EXTENSIONS:
+        elif src.is_file() and is_audio_file(src):
             jobs.append(ClipJob(src, src.stem, ref_text))
         elif src.is_file():
             jobs += _jobs_from_list(src)
@@ -191,14 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
             "qwen3-tts-extract"
         ),  # qwen3-tts-extract, extract_speaker_embedding.py, python -m ...: as it was run
         description=(
-            "Enroll voices: compute the speaker x-vector of reference clips (wav/flac/ogg/mp3, any rate and "
+            "Enroll voices: compute the speaker x-vector of reference clips (wav/flac/ogg/opus/mp3, and through "
+            "FFmpeg m4a/mp4 (AAC, ALAC), aac, webm, amr; any rate and "
             "channel count; 5-30 s of clean speech is best) and write voice profiles that the server and "
             "the batch tool load by name. Only the speaker encoder is loaded from the checkpoint."
         ),
         epilog=(
             "Several clips: pass a folder (every audio file; <stem>.txt beside a clip is its reference text) or "
             f"a list file with lines 'audio_path{LIST_SEPARATOR}name{LIST_SEPARATOR}ref_text' (name and text "
-            "optional). Exit status: 0 all written, 1 any clip refused or failed or bad arguments."
+            f"optional). A file is a clip if its extension is an audio one ({' '.join(AUDIO_EXTENSIONS)}), a list "
+            f"file if it is {' '.join(LIST_EXTENSIONS)}, else whatever its content is. "
+            "Exit status: 0 all written, 1 any clip refused or failed or bad arguments."
         ),
     )
     add_model_options(p, model=DEMO, device="auto")

@@ -5,7 +5,10 @@ Format (docs/tools.md): either a list of items or `{"defaults": {...}, "items": 
 `{"speaker_id", "text", "language", "output"}` items work as written), `language`, `seed`, `format` (derived from
 the output's extension when absent), `output` (a relative path under the output directory) and `options` (sampling
 settings of `qwen_tts.engine_api.SynthesisRequest`).
-Every problem is collected, so a user fixes a manifest in one pass instead of one error per run.
+Every problem is collected in one pass, so a user fixes a manifest at once instead of one error per run: with the
+`speakers` and `languages` it is checked against, an item's unknown voice or language is reported beside its other
+problems, not in a later round once they are fixed. `language` takes a name or an ISO 639-1 code ('en');
+`seed` is 0 ... MAX_SEED, the range of the HTTP API, so an item can be replayed over HTTP with its seed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from qwen_tts.engine_api import MAX_SEED
+from qwen_tts.languages import canonical_language, describe_languages
 
 # One path component of an output name; ids use the same alphabet because they become file stems.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -67,7 +73,8 @@ class ManifestItem:
 
 
 def derive_seed(base_seed: int, item_id: str) -> int:
-    """A per-item seed from the run's base seed and the item id: stable under reordering and --resume."""
+    """A per-item seed from the run's base seed and the item id: stable under reordering and --resume, and
+    within the HTTP API's seed range (31 bits of 0 ... MAX_SEED)."""
     digest = hashlib.sha256(f"{base_seed}:{item_id}".encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
@@ -126,18 +133,51 @@ def _output_path(item_id: str, fmt: str, output: Any, where: str, problems: list
     return output
 
 
-def parse_manifest(data: Any, *, default_format: str = "wav", base_seed: int | None = None) -> list[ManifestItem]:
-    """Turn decoded JSON into items; raises ManifestError listing every structural problem."""
-    items, problems = collect_items(data, default_format=default_format, base_seed=base_seed)
+def parse_manifest(
+    data: Any,
+    *,
+    default_format: str = "wav",
+    base_seed: int | None = None,
+    speakers: Collection[str] | None = None,
+    languages: Collection[str] | None = None,
+) -> list[ManifestItem]:
+    """Turn decoded JSON into items; raises ManifestError listing every problem (with `speakers` and `languages`,
+    unknown ones too)."""
+    items, problems = collect_items(
+        data, default_format=default_format, base_seed=base_seed, speakers=speakers, languages=languages
+    )
     if problems:
         raise ManifestError(problems)
     return items
 
 
+def _raw_items(data: Any) -> tuple[dict[str, Any], list[Any]]:
+    """(defaults, items) as written, whatever their shape (checked by `collect_items`)."""
+    if isinstance(data, dict):
+        defaults = data.get("defaults")
+        items = data.get("items")
+        return (defaults if isinstance(defaults, dict) else {}), (items if isinstance(items, list) else [])
+    return {}, data if isinstance(data, list) else []
+
+
+def referenced_speakers(data: Any) -> set[str]:
+    """Every speaker id the manifest names (items' and the defaults'), also those of items with other problems:
+    the voices to load before `collect_items` checks each item against them."""
+    defaults, items = _raw_items(data)
+    named = {raw.get("speaker_id", defaults.get("speaker_id")) for raw in items if isinstance(raw, dict)}
+    return {s for s in named if isinstance(s, str) and s}
+
+
 def collect_items(
-    data: Any, *, default_format: str = "wav", base_seed: int | None = None
+    data: Any,
+    *,
+    default_format: str = "wav",
+    base_seed: int | None = None,
+    speakers: Collection[str] | None = None,
+    languages: Collection[str] | None = None,
 ) -> tuple[list[ManifestItem], list[str]]:
-    """The usable items and the problems of the others, so later checks can still run on the usable ones."""
+    """The usable items and every problem of the others, in one pass. With `speakers` (the voices there are) and
+    `languages` (the engine's), an item naming another is a problem too, reported beside the item's others."""
     problems: list[str] = []
     defaults: dict[str, Any] = {}
     if isinstance(data, dict):
@@ -195,18 +235,26 @@ def collect_items(
         speaker = merged.get("speaker_id")
         if not isinstance(speaker, str) or not speaker:
             problems.append(f"{where}: 'speaker_id' is missing")
+        elif speakers is not None and speaker not in speakers:
+            problems.append(f"{where}: unknown speaker_id {speaker!r}")
         text = raw.get("text")
         if not isinstance(text, str) or not text.strip():
             problems.append(f"{where}: 'text' is empty")
         language = merged.get("language", "auto")
-        if not isinstance(language, str) or not language:
+        if not isinstance(language, str) or not language.strip():
             problems.append(f"{where}: 'language' must be a non-empty string")
+        else:
+            language = canonical_language(language)
+            if languages is not None and language not in languages:
+                problems.append(_unknown_language(where, merged["language"], languages))
         fmt = merged.get("format", _format_of(raw.get("output")) or default_format)
         if fmt not in AUDIO_FORMATS:
             problems.append(f"{where}: format {fmt!r} is not one of {', '.join(AUDIO_FORMATS)}")
         seed = raw.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-            problems.append(f"{where}: 'seed' must be an integer >= 0, got {seed!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+            problems.append(
+                f"{where}: 'seed' must be an integer from 0 to {MAX_SEED} (the HTTP API's range), got {seed!r}"
+            )
         options = {**defaults.get("options", {}), **_check_options(raw.get("options", {}), where, problems)}
         output = (
             _output_path(item_id, fmt, raw.get("output"), where, problems)
@@ -224,13 +272,20 @@ def collect_items(
                 text=text,
                 output=output,
                 format=fmt,
-                language=language.lower(),
+                language=language,
                 seed=seed,
                 options=options,
                 index=i,
             )
         )
     return items, problems
+
+
+def _unknown_language(where: str, given: Any, languages: Collection[str]) -> str:
+    return (
+        f"{where}: unknown language {given!r} (known: {describe_languages(sorted(languages))}; a name in any case "
+        "or its ISO 639-1 code)"
+    )
 
 
 def load_json(path: str | Path) -> Any:
@@ -269,7 +324,8 @@ def check_items(
     speakers: Collection[str],
     languages: Collection[str] | None = None,
 ) -> list[str]:
-    """Problems that need the outside world: unknown speakers and languages, clashing or escaping outputs."""
+    """Problems that need the outside world: clashing or escaping outputs, and (for items parsed without them)
+    unknown speakers and languages."""
     problems: list[str] = []
     claimed: dict[str, str] = {}
     for item in items:
@@ -277,7 +333,7 @@ def check_items(
         if item.speaker_id not in speakers:
             problems.append(f"{where}: unknown speaker_id {item.speaker_id!r}")
         if languages is not None and item.language not in languages:
-            problems.append(f"{where}: unknown language {item.language!r} (known: {', '.join(sorted(languages))})")
+            problems.append(_unknown_language(where, item.language, languages))
         target = resolve_output(output_dir, item.output)
         if target is None:
             problems.append(f"{where}: output {item.output!r} resolves outside the output directory")

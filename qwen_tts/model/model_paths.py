@@ -133,7 +133,7 @@ def resolve_model_path(spec: str, demo_dir: str | Path | None = None) -> Path:
         name = spec.split("/")[1]
         raise ModelPathError(
             f"{spec} is not in the local Hugging Face cache and nothing is downloaded at run time; "
-            f"run: huggingface-cli download {spec} --local-dir ./models/{name} and use that folder"
+            f"run: hf download {spec} --local-dir ./models/{name} (the `hf` command of huggingface_hub) and use that folder"
         )
     raise ModelPathError(
         f"{spec}: no such directory (expected 'demo', a checkpoint directory or a hub id like Org/Name)"

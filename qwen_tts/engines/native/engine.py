@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +48,7 @@ from qwen_tts.engine_api import (
     FinishReason,
     RequestHandle,
     SynthesisRequest,
+    draw_seed,
 )
 from qwen_tts.engines.checkpoint import CheckpointEngine
 from qwen_tts.fastpath.options import FastPath
@@ -231,7 +231,7 @@ class NativeEngine(CheckpointEngine):
             raise ValueError(f"text is {len(text_ids)} tokens, the limit is {self.config.max_text_tokens}")
         handle = RequestHandle(request)
         if request.seed is None:
-            request.seed = random.getrandbits(62)
+            request.seed = draw_seed()
         budget = frame_budget(request, len(text_ids), self.config.max_frames)
         handle.stats.frame_budget = budget
         self._scheduler.enqueue(RequestState(handle, text_ids, language, budget))
