@@ -60,17 +60,25 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \
     CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/health' % os.environ.get('TTS_PORT', '8090'), timeout=4)"]
 CMD ["qwen3-tts-server"]
 
-# --- Ray Serve: one replica per GPU (python -m tts_serve), or a KubeRay head/worker (deploy/kuberay) ------------
-FROM runtime AS ray
-# gcc: Triton compiles its launcher for the GPU kernels at run time. wget: KubeRay's health probes call it.
+# --- what the GPU images share: a C compiler for Triton, the GPUs visible -----------------------------------------
+FROM runtime AS runtime-cuda
+# gcc: Triton compiles its launcher for the fast path's kernels at run time (the CUDA libraries come with torch's
+# wheels; the driver comes from the host through the NVIDIA container toolkit: docker run --gpus ...).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev wget \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+ENV NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+
+# --- Ray Serve: one replica per GPU (python -m tts_serve), or a KubeRay head/worker (deploy/kuberay) ------------
+FROM runtime-cuda AS ray
+# wget: KubeRay's health probes call it.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends wget \
     && rm -rf /var/lib/apt/lists/*
 # KubeRay starts Ray through a login shell (bash -l), whose /etc/profile resets PATH: put the environment back.
 # hadolint ignore=SC2016
 RUN echo 'export PATH=/opt/venv/bin:$PATH' > /etc/profile.d/qwen3-tts-venv.sh
-ENV NVIDIA_VISIBLE_DEVICES=all \
-    NVIDIA_DRIVER_CAPABILITIES=compute,utility
 COPY --from=venv-ray /opt/venv /opt/venv
 USER 1000:1000
 # The proxy answers /-/healthz itself; /health goes through it to a replica.
@@ -79,14 +87,7 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \
 CMD ["python", "-m", "tts_serve"]
 
 # --- the GPU server (the default target) -------------------------------------------------------------------------
-FROM runtime AS gpu
-# gcc: Triton compiles its launcher for the fast path's kernels at run time (the CUDA libraries come with torch's
-# wheels; the driver comes from the host through the NVIDIA container toolkit: docker run --gpus ...).
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && rm -rf /var/lib/apt/lists/*
-ENV NVIDIA_VISIBLE_DEVICES=all \
-    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+FROM runtime-cuda AS gpu
 COPY --from=venv-gpu /opt/venv /opt/venv
 USER 1000:1000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10m --retries=3 \

@@ -47,6 +47,7 @@ __all__ = [
     "FRAME_SAMPLES",
     "MAX_SEED",
     "SAMPLE_RATE",
+    "AudioHandle",
     "Engine",
     "EngineError",
     "EngineNotReadyError",
@@ -235,7 +236,35 @@ class RequestStats:
 _DONE = object()
 
 
-class RequestHandle:
+class AudioHandle(ABC):
+    """What a consumer of one utterance's audio sees: `request`, `request_id`, `stats`, `finished`, async iteration
+    over its float32 chunks (a subclass's `__anext__`) and `collect`. RequestHandle is one request's; the server's
+    long-text chain (tts_server/long_text.py) is that of a request split into pieces."""
+
+    def __init__(self, request: SynthesisRequest):
+        self.request = request
+        self.request_id = request.request_id
+        self.stats = RequestStats(request.request_id)
+        self._finished = False
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def __aiter__(self) -> AsyncIterator[np.ndarray]:
+        return self
+
+    @abstractmethod
+    async def __anext__(self) -> np.ndarray:
+        """The next chunk; StopAsyncIteration after the last."""
+
+    async def collect(self) -> np.ndarray:
+        """Wait for the whole utterance and return it as one float32 array."""
+        chunks = [c async for c in self]
+        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+
+
+class RequestHandle(AudioHandle):
     """Async iterator over a request's audio chunks. Created by `Engine.submit`.
 
     The engine pushes chunks from its own thread or task with `put_threadsafe`; the consumer iterates in its
@@ -243,12 +272,9 @@ class RequestHandle:
     """
 
     def __init__(self, request: SynthesisRequest, loop: asyncio.AbstractEventLoop | None = None):
-        self.request = request
-        self.request_id = request.request_id
-        self.stats = RequestStats(request.request_id)
+        super().__init__(request)
         self._loop = loop or asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._finished = False
         self.codes: list[torch.Tensor] = []  # (t, 16) per decoded chunk when request.return_codes
 
     def put_threadsafe(self, chunk: np.ndarray) -> None:
@@ -260,13 +286,6 @@ class RequestHandle:
         self.stats.finished_at = time.monotonic()
         self._loop.call_soon_threadsafe(self._queue.put_nowait, _DONE)
 
-    @property
-    def finished(self) -> bool:
-        return self._finished
-
-    def __aiter__(self) -> AsyncIterator[np.ndarray]:
-        return self
-
     async def __anext__(self) -> np.ndarray:
         if self._finished:
             raise StopAsyncIteration
@@ -277,11 +296,6 @@ class RequestHandle:
                 raise RequestFailedError(self.stats.error or "request failed")
             raise StopAsyncIteration
         return item
-
-    async def collect(self) -> np.ndarray:
-        """Wait for the whole utterance and return it as one float32 array."""
-        chunks = [c async for c in self]
-        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
 
 
 class Engine(ABC):

@@ -96,3 +96,12 @@ def tiny_qwen3tts(tiny_checkpoint: Path):
     from qwen_tts.model.loading import load_model
 
     return load_model(tiny_checkpoint, device="cpu", speaker_encoder=True)
+
+
+@pytest.fixture
+def clean_tts_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No TTS_* variable, and the test's own working directory (so no .env file but one the test writes)."""
+    for key in list(os.environ):
+        if key.startswith("TTS_"):
+            monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)

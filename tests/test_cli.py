@@ -3,7 +3,6 @@ environment and the .env file; every command's --help names the command that was
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import types
@@ -18,13 +17,8 @@ from tts_tools import batch, extract
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No TTS_* variable, and the test's own working directory (its .env file, if it writes one)."""
-    for key in list(os.environ):
-        if key.startswith("TTS_"):
-            monkeypatch.delenv(key)
-    monkeypatch.chdir(tmp_path)
+# No TTS_* variable and a working directory of the test's own (conftest.clean_tts_env).
+pytestmark = pytest.mark.usefixtures("clean_tts_env")
 
 
 def settings(*argv: str) -> ServerSettings:

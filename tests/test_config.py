@@ -9,16 +9,8 @@ import pytest
 
 from inference_config import SettingsError, load_settings, unknown_env_vars
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No TTS_* variable, and a working directory of the test's own (so no .env file but the test's)."""
-    import os
-
-    for key in list(os.environ):
-        if key.startswith("TTS_"):
-            monkeypatch.delenv(key)
-    monkeypatch.chdir(tmp_path)
+# No TTS_* variable and a working directory of the test's own (conftest.clean_tts_env).
+pytestmark = pytest.mark.usefixtures("clean_tts_env")
 
 
 def test_defaults_match_the_seed_and_serve_the_demo() -> None:

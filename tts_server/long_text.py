@@ -8,7 +8,7 @@ at most one token per byte). A sentence longer than that is cut at clause punctu
 Short paragraphs share a piece (a paragraph break is the preferred cut, once a piece holds `MIN_PIECE_BYTES`), so
 a text of many tiny paragraphs is a few pieces, not one engine request each.
 
-`PieceChain` looks like a `RequestHandle` to the routes (async iteration, `stats`, `finished`, `collect`): it
+`PieceChain` is an `AudioHandle`, as a `RequestHandle` is (async iteration, `stats`, `finished`, `collect`): it
 submits the first piece at once (so refusals surface as they do for one request), the next piece as soon as the
 current one yields audio (its prefill runs while the current piece decodes), and at most two pieces are in the
 engine at a time. Joins are click-free: the last `FADE_SAMPLES` of a piece fade out to zero and the first of the
@@ -30,12 +30,12 @@ from sentencex import segment
 
 from qwen_tts.engine_api import (
     FRAME_SAMPLES,
+    AudioHandle,
     Engine,
     FinishReason,
     QueueFullError,
     RequestFailedError,
     RequestHandle,
-    RequestStats,
     SynthesisRequest,
     draw_seed,
 )
@@ -158,7 +158,7 @@ def needs_split(text: str, limit: int = PIECE_BYTES) -> bool:
 _END = object()
 
 
-class PieceChain:
+class PieceChain(AudioHandle):
     """The pieces of one long request as one handle: audio in piece order, faded at the joins.
 
     Each submitted piece has a reader task that drains its engine handle into the piece's queue as the engine
@@ -176,9 +176,7 @@ class PieceChain:
     def __init__(self, engine: Engine, request: SynthesisRequest, pieces: list[str], fade: int = FADE_SAMPLES):
         if request.seed is None:
             request.seed = draw_seed()  # one seed for every piece: the same voice throughout
-        self.request = request
-        self.request_id = request.request_id
-        self.stats = RequestStats(request.request_id)
+        super().__init__(request)
         self._engine = engine
         self._requests = [
             dataclasses.replace(request, text=text, request_id=f"{request.request_id}-p{i}")
@@ -196,7 +194,6 @@ class PieceChain:
         self._ended = [asyncio.Event() for _ in range(n)]
         self._tasks: list[asyncio.Task] = []
         self._cancelled = False
-        self._finished = False
         self._submit(0)  # the first piece: QueueFullError / ValueError reach the caller as for one request
         if n > 1:
             self._tasks.append(asyncio.get_running_loop().create_task(self._feed()))
@@ -210,10 +207,6 @@ class PieceChain:
     def submitted(self) -> int:
         """Pieces submitted to the engine so far."""
         return len(self._handles)
-
-    @property
-    def finished(self) -> bool:
-        return self._finished
 
     def cancel(self) -> None:
         """Cancel every piece still in the engine and every task of the chain; nothing more is submitted."""
@@ -388,17 +381,10 @@ class PieceChain:
         self._finish(reason)
         self.cancel()  # stops pieces past the cap; otherwise this only ends the chain's finished tasks
 
-    # --- the RequestHandle surface the server uses ---------------------------------------------------------
-    def __aiter__(self) -> AsyncIterator[np.ndarray]:
-        return self
-
+    # --- AudioHandle: the chain's audio, one chunk at a time ---------------------------------------------
     async def __anext__(self) -> np.ndarray:
         if self._finished:
             raise StopAsyncIteration
         chunk = await self._chunks.__anext__()
         self.stats.samples += chunk.shape[0]
         return chunk
-
-    async def collect(self) -> np.ndarray:
-        chunks = [c async for c in self]
-        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)

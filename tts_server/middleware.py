@@ -16,7 +16,7 @@ import secrets
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import anyio
@@ -118,15 +118,20 @@ class RequestContextMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
-            await self._websocket(scope, receive, send)
-            return
-        if scope["type"] != "http":
+            await self._with_request_id(self._websocket_handshake, scope, receive, send)
+        elif scope["type"] == "http":
+            await self._with_request_id(self._http, scope, receive, send)
+        else:
             await self.app(scope, receive, send)
-            return
+
+    async def _with_request_id(
+        self, handle: Callable[[Scope, Receive, Send, str], Awaitable[None]], scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Run `handle` with the request's id; this task's log records carry it meanwhile (tts_server/logs.py)."""
         request_id = self._request_id(scope)
-        logged_as = logs.request_id.set(request_id)  # this task's log records carry the id (tts_server/logs.py)
+        logged_as = logs.request_id.set(request_id)
         try:
-            await self._http(scope, receive, send, request_id)
+            await handle(scope, receive, send, request_id)
         finally:
             logs.request_id.reset(logged_as)
 
@@ -204,17 +209,9 @@ class RequestContextMiddleware:
         given = dict(scope.get("headers", [])).get(b"x-request-id", b"").decode("latin-1")
         return given if _CLIENT_REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
 
-    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _websocket_handshake(self, scope: Scope, receive: Receive, send: Send, request_id: str) -> None:
         """A handshake: refused in the error shape (404 where no route takes WebSockets, 403 where the route closes
         before accepting), with an access line like any request."""
-        request_id = self._request_id(scope)
-        logged_as = logs.request_id.set(request_id)
-        try:
-            await self._websocket_handshake(scope, receive, send, request_id)
-        finally:
-            logs.request_id.reset(logged_as)
-
-    async def _websocket_handshake(self, scope: Scope, receive: Receive, send: Send, request_id: str) -> None:
         started = time.monotonic()
         scope.setdefault("state", {})["request_id"] = request_id
         status = 0

@@ -21,10 +21,13 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from qwen_tts.engine_api import MAX_SEED
 from qwen_tts.languages import canonical_language, describe_languages
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11 on
 
 # One path component of an output name; ids use the same alphabet because they become file stems.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -133,19 +136,19 @@ def _output_path(item_id: str, fmt: str, output: Any, where: str, problems: list
     return output
 
 
-def parse_manifest(
-    data: Any,
-    *,
-    default_format: str = "wav",
-    base_seed: int | None = None,
-    speakers: Collection[str] | None = None,
-    languages: Collection[str] | None = None,
-) -> list[ManifestItem]:
+class ManifestChecks(TypedDict, total=False):
+    """The keywords of `collect_items` beside the data (their defaults are there)."""
+
+    default_format: str
+    base_seed: int | None
+    speakers: Collection[str] | None
+    languages: Collection[str] | None
+
+
+def parse_manifest(data: Any, **checks: Unpack[ManifestChecks]) -> list[ManifestItem]:
     """Turn decoded JSON into items; raises ManifestError listing every problem (with `speakers` and `languages`,
     unknown ones too)."""
-    items, problems = collect_items(
-        data, default_format=default_format, base_seed=base_seed, speakers=speakers, languages=languages
-    )
+    items, problems = collect_items(data, **checks)
     if problems:
         raise ManifestError(problems)
     return items

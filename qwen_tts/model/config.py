@@ -25,8 +25,8 @@ def _req(d: dict[str, Any], key: str, where: str) -> Any:
 
 
 @dataclass(frozen=True)
-class DecoderLayersConfig:
-    """A Qwen3-style decoder stack (talker or code predictor)."""
+class AttentionStackConfig:
+    """What every Qwen3-style transformer stack has: the talker's, the code predictor's, the codec decoder's."""
 
     hidden_size: int
     intermediate_size: int
@@ -37,6 +37,30 @@ class DecoderLayersConfig:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
+
+    @staticmethod
+    def _stack_kw(
+        d: dict[str, Any], where: str, heads: int, hidden: int, rms_norm_eps: float, rope_theta: float | None
+    ) -> dict[str, Any]:
+        """The stack's keys but max_position_embeddings, read in the order the errors name them; `heads` and
+        `hidden` are read first by the caller, and `rope_theta` is required where it has no default."""
+        return dict(
+            hidden_size=hidden,
+            intermediate_size=int(_req(d, "intermediate_size", where)),
+            num_hidden_layers=int(_req(d, "num_hidden_layers", where)),
+            num_attention_heads=heads,
+            num_key_value_heads=int(_req(d, "num_key_value_heads", where)),
+            # The official modules use getattr(config, "head_dim", hidden // heads).
+            head_dim=int(d.get("head_dim", hidden // heads)),
+            rms_norm_eps=float(d.get("rms_norm_eps", rms_norm_eps)),
+            rope_theta=float(_req(d, "rope_theta", where) if rope_theta is None else d.get("rope_theta", rope_theta)),
+        )
+
+
+@dataclass(frozen=True)
+class DecoderLayersConfig(AttentionStackConfig):
+    """A Qwen3-style decoder stack (talker or code predictor)."""
+
     vocab_size: int
     hidden_act: str = "silu"
 
@@ -45,15 +69,7 @@ class DecoderLayersConfig:
         heads = int(_req(d, "num_attention_heads", where))
         hidden = int(_req(d, "hidden_size", where))
         kw = dict(
-            hidden_size=hidden,
-            intermediate_size=int(_req(d, "intermediate_size", where)),
-            num_hidden_layers=int(_req(d, "num_hidden_layers", where)),
-            num_attention_heads=heads,
-            num_key_value_heads=int(_req(d, "num_key_value_heads", where)),
-            # The official modules use getattr(config, "head_dim", hidden // heads).
-            head_dim=int(d.get("head_dim", hidden // heads)),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(_req(d, "rope_theta", where)),
+            **cls._stack_kw(d, where, heads, hidden, rms_norm_eps=1e-6, rope_theta=None),
             max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
             vocab_size=int(_req(d, "vocab_size", where)),
             hidden_act=str(d.get("hidden_act", "silu")),
@@ -160,24 +176,15 @@ class SpeakerEncoderConfig:
 
 
 @dataclass(frozen=True)
-class Code2WavConfig:
+class Code2WavConfig(AttentionStackConfig):
     """The 12 Hz speech tokenizer's decoder (codes -> 24 kHz waveform)."""
 
     codebook_size: int
     codebook_dim: int
     latent_dim: int
     decoder_dim: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
     sliding_window: int
     layer_scale_initial_scale: float
-    max_position_embeddings: int
     num_quantizers: int
     upsample_rates: tuple[int, ...]
     upsampling_ratios: tuple[int, ...]
@@ -192,14 +199,7 @@ class Code2WavConfig:
             codebook_dim=int(_req(d, "codebook_dim", where)),
             latent_dim=int(_req(d, "latent_dim", where)),
             decoder_dim=int(_req(d, "decoder_dim", where)),
-            hidden_size=hidden,
-            intermediate_size=int(_req(d, "intermediate_size", where)),
-            num_hidden_layers=int(_req(d, "num_hidden_layers", where)),
-            num_attention_heads=heads,
-            num_key_value_heads=int(_req(d, "num_key_value_heads", where)),
-            head_dim=int(d.get("head_dim", hidden // heads)),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
+            **cls._stack_kw(d, where, heads, hidden, rms_norm_eps=1e-5, rope_theta=10000.0),
             sliding_window=int(_req(d, "sliding_window", where)),
             layer_scale_initial_scale=float(d.get("layer_scale_initial_scale", 0.01)),
             max_position_embeddings=int(d.get("max_position_embeddings", 8000)),
