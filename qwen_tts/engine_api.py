@@ -31,6 +31,7 @@ import torch
 
 from .audio import SAMPLE_RATE
 from .fastpath.options import PRESETS
+from .text_stream import TextStream
 
 FRAME_SAMPLES = 1920  # 12.5 Hz codec frames at SAMPLE_RATE
 # Seeds are 0 ... MAX_SEED everywhere: the HTTP schemas' range, the batch manifest's, and what an engine draws for a
@@ -41,26 +42,6 @@ MAX_SEED = 2**32 - 1
 def draw_seed() -> int:
     """A random seed in 0 ... MAX_SEED, for a request that has none."""
     return secrets.randbelow(MAX_SEED + 1)
-
-
-__all__ = [
-    "FRAME_SAMPLES",
-    "MAX_SEED",
-    "SAMPLE_RATE",
-    "AudioHandle",
-    "Engine",
-    "EngineError",
-    "EngineNotReadyError",
-    "EngineSettings",
-    "EngineSettingsError",
-    "FinishReason",
-    "QueueFullError",
-    "RequestFailedError",
-    "RequestHandle",
-    "RequestStats",
-    "SynthesisRequest",
-    "draw_seed",
-]
 
 
 class FinishReason(str, Enum):
@@ -118,8 +99,9 @@ class EngineSettings:
     max_text_tokens: int = 1024  # longest accepted text, in tokens (sizes the KV cache)
     first_chunk_frames: int = 3  # small first chunk: the first audio comes fast
     chunk_frames: int = 12  # later chunks: fewer, larger decodes
-    # Each chunk after the first at most this many times the one before, up to chunk_frames (`chunk_schedule`): a
-    # stream stays ahead of playback while its chunks grow only if it runs at >= this many times real time.
+    # Each chunk after the first at most this many times the one before, up to chunk_frames (the native scheduler's
+    # `chunk_schedule`): a stream stays ahead of playback while its chunks grow only if it runs at >= this many
+    # times real time.
     chunk_growth: int = 2
     warmup: bool = True  # load, capture and run one request at start, so the first client waits for none of it
     # When the engine is idle, wait this long after the first arrival so a burst shares one batched prefill.
@@ -157,15 +139,6 @@ class EngineSettings:
             raise EngineSettingsError("fast_path", f"fast_path must be {', '.join(PRESETS)}, not {self.fast_path!r}")
 
 
-def chunk_schedule(first: int, chunk: int, growth: int) -> list[int]:
-    """The streaming chunk sizes in frames: `first`, then each at most `growth` times the one before, up to `chunk`,
-    which repeats (the last entry). chunk_schedule(3, 12, 2) == [3, 6, 12]."""
-    sizes = [first]
-    while sizes[-1] < chunk:
-        sizes.append(min(chunk, sizes[-1] * growth))
-    return sizes
-
-
 @dataclass
 class SynthesisRequest:
     """One synthesis job. Defaults follow the checkpoints' generation_config.json."""
@@ -188,6 +161,8 @@ class SynthesisRequest:
     # Frames of end-of-speech masking at the start (official min_new_tokens=2); benchmarks raise it to fix lengths.
     min_frames: int = 2
     return_codes: bool = False  # keep the generated codes on the handle (tests, parity, debugging)
+    # Text that arrives while it is spoken (streaming-text mode only; `text` is then what arrived before submission).
+    text_stream: TextStream | None = None
 
 
 @dataclass

@@ -20,7 +20,6 @@ from qwen_tts.engine_api import (
     QueueFullError,
     RequestFailedError,
     SynthesisRequest,
-    chunk_schedule,
 )
 from qwen_tts.engines.native import frame_step as cuda_graph
 from qwen_tts.engines.native import runner as runner_mod
@@ -164,6 +163,7 @@ async def test_the_loop_times_its_waits_for_a_slow_decoder(tiny_model):
 
 
 def test_chunk_schedule_grows_to_the_chunk_size():
+    chunk_schedule = scheduler_mod.chunk_schedule
     assert chunk_schedule(3, 12, 2) == [3, 6, 12]
     assert chunk_schedule(3, 12, 4) == [3, 12]
     assert chunk_schedule(3, 10, 2) == [3, 6, 10]

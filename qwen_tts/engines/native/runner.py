@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from qwen_tts import fastpath
-from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest, chunk_schedule
+from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest
 from qwen_tts.fastpath.options import FastPath
 from qwen_tts.model.config import ModelConfig
 from qwen_tts.model.layers import upload
@@ -35,7 +35,7 @@ from qwen_tts.model.sampling import suppress_mask
 from .decoder import DecodeJob, DecodeWorker, SlotDecoder
 from .frame_step import EagerFrameStep, FrameStepRunner, SlotState, StepCodes
 from .prefill import PrefillRunner
-from .scheduler import RequestState, StepPlan
+from .scheduler import RequestState, StepPlan, chunk_schedule
 
 log = logging.getLogger("qwen_tts.engine")
 

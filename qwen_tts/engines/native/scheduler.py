@@ -28,6 +28,15 @@ BUDGET_BASE_FRAMES = 25
 BUDGET_FRAMES_PER_TOKEN = 8
 
 
+def chunk_schedule(first: int, chunk: int, growth: int) -> list[int]:
+    """The streaming chunk sizes in frames: `first`, then each at most `growth` times the one before, up to `chunk`,
+    which repeats (the last entry). chunk_schedule(3, 12, 2) == [3, 6, 12]."""
+    sizes = [first]
+    while sizes[-1] < chunk:
+        sizes.append(min(chunk, sizes[-1] * growth))
+    return sizes
+
+
 def frame_budget(request: SynthesisRequest, text_tokens: int, max_frames: int) -> int:
     """Frames a request may generate: from its text length, raised to its min_frames, capped by its own and the
     engine's max_frames. A caller that asks for at least min_frames gets them (still capped): min == max fixes the
