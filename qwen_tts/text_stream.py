@@ -76,6 +76,12 @@ class TextStream:
         with self._lock:
             return self._ended
 
+    @property
+    def version(self) -> int:
+        """The snapshot's version without copying the text: a reader polls this to see whether anything is new."""
+        with self._lock:
+            return self._version
+
     def add_listener(self, listener: Callable[[], None]) -> None:
         with self._lock:
             self._listeners.append(listener)

@@ -9,8 +9,11 @@ prefix = [think, think_bos, lang, think_eos] or, for "auto", [nothink, think_bos
     streaming:      P(text[0]) + C(bos);   trailing = P(text[1:]) ++ teos, then tpad
     non-streaming:  (P(text) ++ teos) + C(pad), then tpad + C(bos);  trailing = tpad only
 
-Text projections are computed in the same groups as the official code (role, [bos, eos, pad], first/rest of the text
-or the whole text) so the float rounding of each row matches.
+Text projections are computed in the same groups as the official code (role, [bos, eos, pad], the first token of the
+text, the whole text in non-streaming mode) so the float rounding of each row matches, but for the streaming-mode
+trailing text: its rows are projected in aligned groups of TEXT_TRACK_GROUP rows (`text_track_rows`), so a row's
+bits depend on its token and its index alone, not on how much text follows. A matmul's rounding depends on its row
+count; this way text that arrives token by token (qwen_tts/text_stream.py) gets the rows the whole text gets.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Prompt:
     prefill: Tensor  # (L, H) input embeddings of the prefill
     trailing: Tensor  # (N, H) text-track embeddings added to decode steps 0..N-1; (0, H) in non-streaming mode
     pad: Tensor  # (H,) tpad, added to every decode step after `trailing` runs out
+    end: Tensor  # (H,) teos, the streaming-mode trailing text's last row
 
 
 def supported_languages(cfg: ModelConfig) -> list[str]:
@@ -46,6 +50,28 @@ def normalize_language(cfg: ModelConfig, language: str | None) -> str:
     if name not in allowed:
         raise ValueError(f"unsupported language {language!r}; allowed: {', '.join(allowed)}")
     return name
+
+
+TEXT_TRACK_GROUP = 16  # rows per text projection of the streaming-mode trailing text
+
+
+def text_track_rows(talker: Talker, track_ids: list[int], start: int, pad_id: int) -> Tensor:
+    """P(track_ids[start:]) as (len(track_ids) - start, H), for the trailing text track whose ids are `track_ids`.
+
+    Row k is projected in the group of rows TEXT_TRACK_GROUP * (k // TEXT_TRACK_GROUP) ... of that size, filled
+    with `pad_id` past the known ids: the same shape and place whatever follows, so the row is the same bits
+    whether the text after it is known yet or not (rows never mix in a matmul; only the row count changes rounding).
+    """
+    w = talker.codec_head.weight
+    group = TEXT_TRACK_GROUP
+    out = []
+    for first in range(start - start % group, len(track_ids), group):
+        ids = track_ids[first : first + group]
+        rows = talker.embed_text(upload(ids + [pad_id] * (group - len(ids)), torch.long, w.device))
+        out.append(rows[max(start, first) - first : len(ids)])
+    if not out:
+        return w.new_zeros((0, w.shape[1]))
+    return torch.cat(out)
 
 
 def build_prompt(
@@ -97,6 +123,6 @@ def build_prompt(
         trailing = tpad.new_zeros((0, tpad.shape[0]))
     else:
         prefill = torch.cat((role, control, talker.embed_text(ids(text_ids[:1])) + bos_codec))
-        rest = talker.embed_text(ids(text_ids[1:])) if len(text_ids) > 1 else tpad.new_zeros((0, tpad.shape[0]))
+        rest = text_track_rows(talker, text_ids[1:], 0, cfg.tts_pad_token_id)
         trailing = torch.cat((rest, teos[None]))
-    return Prompt(prefill=prefill, trailing=trailing, pad=tpad)
+    return Prompt(prefill=prefill, trailing=trailing, pad=tpad, end=teos)

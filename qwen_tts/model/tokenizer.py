@@ -9,6 +9,7 @@ only, and the chat framing of qwen-tts 0.1.1 IM `_build_assistant_text` / MQ `ge
 from __future__ import annotations
 
 import json
+import unicodedata
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
@@ -18,6 +19,11 @@ QWEN2_SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p
 CHAT_TEMPLATE = "<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
 ROLE_LEN = 3  # "<|im_start|>", "assistant", "\n"
 TAIL_LEN = 5  # "<|im_end|>", "\n", "<|im_start|>", "assistant", "\n"
+# Unicode categories of a character that may follow a stable cut after a letter or a digit: punctuation, symbols,
+# separators, numbers (and, after a digit, letters); and the controls below. Never a mark (NFC composes a mark with
+# the character before it) or an unassigned character (a newer Unicode may call it a letter).
+_AFTER_LETTER = frozenset("PSZN")
+_CONTROLS = frozenset("\t\n\r")
 
 
 def _read_merges(path: Path) -> list[tuple[str, str]]:
@@ -38,6 +44,8 @@ class TextTokenizer:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
+        # Characters of the added tokens: a cut before one of them could split an added token written in the text.
+        self._added_chars = frozenset("".join(t.content for t in tokenizer.get_added_tokens_decoder().values()))
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> TextTokenizer:
@@ -107,3 +115,34 @@ class TextTokenizer:
     def text_ids(self, text: str) -> list[int]:
         """The text part as the official package gets it: the framed sequence minus 3 leading and 5 trailing ids."""
         return self.chat_ids(text)[ROLE_LEN:-TAIL_LEN]
+
+    def stable_prefix(self, text: str) -> int:
+        """The length of the longest prefix of `text` whose ids stay a prefix of the ids of any text that starts with
+        `text` (0: none): `text_ids(text[:n]) == text_ids(text + more)[:len(text_ids(text[:n]))]` for every `more`.
+        A streamed text commits these ids and keeps the rest until more text or its end arrives.
+
+        A cut before `text[c]` (0 < c < len(text)) is stable when `text[c]` is no character of an added token (no
+        added token written in the text can span it) and either
+          - `text[c]` is a space and `text[c - 1]` is no whitespace, or
+          - `text[c - 1]` is a letter and `text[c]` is punctuation, a symbol, a separator, a number, tab or newline,
+          - `text[c - 1]` is a number and `text[c]` is one of those or a letter.
+        Why: NFC normalization does not reach across such a cut (`text[c]` is a starter that composes with nothing
+        before it), and with QWEN2_SPLIT_REGEX the pieces before the cut are the same in both texts: the piece that
+        holds `text[c - 1]` ends at `c` (a run of letters stops at a non-letter, a number is a piece of its own, a run
+        of punctuation stops at a space and takes only newlines after it), no piece before it reads past `c` (the one
+        lookahead, in whitespace-only pieces, stays inside the prefix: `text[c - 1]` is no whitespace), and the pieces
+        after the cut start at `c`. BPE merges only within a piece, so the ids of the pieces before the cut are the
+        same; the framing around the text is the same in front and a special token behind.
+        """
+        for c in range(len(text) - 1, 0, -1):
+            nxt, prev = text[c], text[c - 1]
+            if nxt in self._added_chars:
+                continue
+            if nxt == " " and not prev.isspace():
+                return c
+            follows = nxt in _CONTROLS or unicodedata.category(nxt)[0] in _AFTER_LETTER
+            if prev.isalpha() and follows:
+                return c
+            if unicodedata.category(prev)[0] == "N" and (follows or nxt.isalpha()):
+                return c
+        return 0
