@@ -16,6 +16,12 @@ Finished and cancelled requests leave as soon as their audio is out and free the
 another to finish. A request whose decoder is `decode_lookahead` chunks behind skips steps until it catches up,
 so the frame steps never run far ahead of the audio.
 
+Streamed text (a request with a `text_stream`, streaming-text mode only; text_feed.py): the request waits in the
+queue, without a slot, until its first text token is committed, and a running row whose next token has not
+arrived is held out of the step the same way (its audio so far is handed to the decoder), so its codes are those
+of the whole text. The stream's listener wakes the loop (`Scheduler.wake`); while every row is held the loop waits
+for that, a cancel, a submission or the decoder, instead of turning.
+
 Per-request state that the batched step needs lives in slot-indexed device tensors (sampling settings, seeds,
 the repetition-penalty mask, the last hidden state), so a step gathers by slot index instead of rebuilding
 Python lists. Sampling noise is counter based (seed, frame, codebook), so a request's output never depends on
@@ -59,6 +65,7 @@ from qwen_tts.model.prompt import normalize_language
 
 from .runner import ModelRunner, talker_cache_len, uses_graphs
 from .scheduler import RequestState, Scheduler, frame_budget
+from .text_feed import TextFeed
 
 log = logging.getLogger("qwen_tts.engine")
 
@@ -110,6 +117,7 @@ class NativeEngine(CheckpointEngine):
             settings.max_queue,
             decode_lookahead=settings.decode_lookahead,
             step_budget_ms=settings.admission_step_budget_ms,
+            max_frames=settings.max_frames,
         )
         self._cv = self._scheduler.cv
         self._live = self._scheduler.running  # slot -> state of the admitted requests (worker thread only)
@@ -224,9 +232,24 @@ class NativeEngine(CheckpointEngine):
             raise ValueError(f"xvector must have shape ({self.xvector_dim},), got {tuple(x.shape)}")
         if not torch.isfinite(x).all():
             raise ValueError("xvector contains NaN or Inf")
-        if not request.text.strip():
+        stream, feed = request.text_stream, None
+        if stream is not None:
+            if request.non_streaming_text:
+                raise ValueError("a text_stream needs non_streaming_text=False (the talker reads one token per frame)")
+            if not stream.snapshot().text.startswith(request.text):
+                raise ValueError("text must be what the text_stream held when the request was submitted")
+            feed = TextFeed(stream, self._runner.tokenizer, self.config.max_text_tokens)
+            stream.add_listener(self._scheduler.wake)  # before the first read: no text is missed
+            try:
+                feed.poll()  # TextTooLongError is a ValueError
+            except ValueError:
+                stream.remove_listener(self._scheduler.wake)
+                raise
+            text_ids = feed.ids
+        elif not request.text.strip():
             raise ValueError("text is empty")
-        text_ids = self._runner.tokenizer.text_ids(request.text)
+        else:
+            text_ids = self._runner.tokenizer.text_ids(request.text)
         if len(text_ids) > self.config.max_text_tokens:
             raise ValueError(f"text is {len(text_ids)} tokens, the limit is {self.config.max_text_tokens}")
         handle = RequestHandle(request)
@@ -234,14 +257,30 @@ class NativeEngine(CheckpointEngine):
             request.seed = draw_seed()
         budget = frame_budget(request, len(text_ids), self.config.max_frames)
         handle.stats.frame_budget = budget
-        self._scheduler.enqueue(RequestState(handle, text_ids, language, budget))
+        state = RequestState(handle, text_ids, language, budget, feed=feed)
+        if feed is not None and feed.ended and not feed.ids:  # the stream ended with no text: nothing to say
+            self._end_waiting(state, FinishReason.EOS)
+            return handle
+        try:
+            self._scheduler.enqueue(state)
+        except Exception:
+            if stream is not None:
+                stream.remove_listener(self._scheduler.wake)
+            raise
         return handle
 
     def cancel(self, handle: RequestHandle) -> None:
         # A request still waiting leaves the queue at once, so cancelled work never holds queue places.
-        if self._scheduler.cancel(handle) is not None:
-            handle.stats.started_at = time.monotonic()
-            handle.finish_threadsafe(FinishReason.CANCELLED)
+        state = self._scheduler.cancel(handle)
+        if state is not None:
+            self._end_waiting(state, FinishReason.CANCELLED)
+
+    def _end_waiting(self, state: RequestState, reason: FinishReason, error: str | None = None) -> None:
+        """A request that never got a slot is over (cancelled, its text stream ended empty or too long)."""
+        if state.feed is not None:
+            state.feed.stream.remove_listener(self._scheduler.wake)
+        state.handle.stats.started_at = time.monotonic()
+        state.handle.finish_threadsafe(reason, error)
 
     # ------------------------------------------------------------------ worker thread
     def _run(self) -> None:
@@ -274,6 +313,8 @@ class NativeEngine(CheckpointEngine):
                 if idle and self.config.admission_window_s > 0:
                     # Woken from idle by the first of a burst: let the rest arrive so they share one prefill.
                     time.sleep(self.config.admission_window_s)
+                for r in sched.poll_waiting():  # streamed text: first tokens committed, or texts ended empty
+                    self._end_waiting(r.state, r.reason, r.error)
                 with self._cv:
                     admission = sched.admit()
                     stopping = not self._running
@@ -300,7 +341,7 @@ class NativeEngine(CheckpointEngine):
             for lv in list(self._live.values()):
                 self._finish(lv, FinishReason.ERROR, self._dead)
             for lv in sched.drain_waiting():
-                lv.handle.finish_threadsafe(FinishReason.ERROR, self._dead)
+                self._end_waiting(lv, FinishReason.ERROR, self._dead)
             if runner.decoder is not None:
                 runner.decoder.close(timeout=5)
 
@@ -308,11 +349,17 @@ class NativeEngine(CheckpointEngine):
         """One turn with live requests: the scheduler's plan, the runner's frame step and chunk hand-off, then the
         rows that leave."""
         sched, runner = self._scheduler, self._runner
+        mark = sched.events  # before the streams are read: text arriving after this ends a wait below
+        runner.extend_text(sched.poll_running())
         plan = sched.schedule(runner.ahead, runner.decoder)
-        if plan.wait_for_decoder:
+        if plan.wait_for_decoder or plan.wait_for_text:  # no row can step: hand out held rows' audio, then wait
+            runner.decode_due(self._live)
+            self._retire()
             w0 = time.perf_counter()
-            self._wait_for_decoder()
-            self._timings["decoder_wait_s"] += time.perf_counter() - w0
+            self._wait_for_decoder(mark)
+            if plan.wait_for_decoder:
+                self._timings["decoder_wait_s"] += time.perf_counter() - w0
+            return
         t0 = time.perf_counter()
         if plan.rows:
             sched.note_step(t0)
@@ -325,18 +372,20 @@ class NativeEngine(CheckpointEngine):
         tm["decode_s"] += time.perf_counter() - t1
         self._retire()
 
-    def _wait_for_decoder(self) -> None:
-        """Block until the decoder finishes a chunk, a request can be admitted or the engine stops (short timeout).
-        A request waiting for a slot does not end the wait (it would spin the loop): slots free up as the decoder
-        delivers the last chunks of finished requests, or within the timeout after a cancel."""
-        decoder = self._runner.decoder
+    def _wait_for_decoder(self, events: int | None = None) -> None:
+        """Block until the decoder finishes a chunk, a request can be admitted, the engine stops, or (with `events`,
+        the scheduler's count when the turn began) text arrives, a request is submitted or cancelled (short
+        timeout). A request waiting for a slot does not end the wait (it would spin the loop): slots free up as the
+        decoder delivers the last chunks of finished requests, or within the timeout after a cancel."""
+        decoder, sched = self._runner.decoder, self._scheduler
         with self._cv:
             mark, running = decoder.completed, self._running
             self._cv.wait_for(
                 lambda: (
                     decoder.completed != mark
-                    or (self._running and self._scheduler.can_admit and not self._scheduler.admission_held())
+                    or (self._running and sched.can_admit and not sched.admission_held())
                     or self._running != running
+                    or (events is not None and sched.events != events)
                 ),
                 timeout=0.1,
             )
@@ -365,5 +414,7 @@ class NativeEngine(CheckpointEngine):
 
     def _finish(self, lv: RequestState, reason: FinishReason, error: str | None = None) -> None:
         """The request is over: its slot is free and the consumer sees the end (once)."""
+        if lv.feed is not None:
+            lv.feed.stream.remove_listener(self._scheduler.wake)
         self._scheduler.release(lv)
         lv.handle.finish_threadsafe(reason, error)

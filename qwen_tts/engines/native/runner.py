@@ -29,7 +29,7 @@ from qwen_tts.fastpath.options import FastPath
 from qwen_tts.model.config import ModelConfig
 from qwen_tts.model.layers import upload
 from qwen_tts.model.loading import Qwen3TTS, load_model
-from qwen_tts.model.prompt import Prompt, build_prompt
+from qwen_tts.model.prompt import Prompt, build_prompt, text_track_rows
 from qwen_tts.model.sampling import suppress_mask
 
 from .decoder import DecodeJob, DecodeWorker, SlotDecoder
@@ -140,6 +140,7 @@ class ModelRunner:
         self._model_info["decoder_dtype"] = str(self._code2wav.decoder_dtype).removeprefix("torch.")
         self._tokenizer = m.tokenizer
         self._role_ids = self._tokenizer.chat_ids("")[:3]
+        self._pad_id = cfg.tts_pad_token_id
         self._max_len = talker_cache_len(self.config)
         S = self.config.max_slots
         # One slot more than requests: the scratch slot (index S) that padding rows of a graphed step write to.
@@ -263,9 +264,29 @@ class ModelRunner:
     def _build_prompt(self, lv: RequestState) -> Prompt:
         req = lv.request
         x = upload(req.xvector, self.dtype, self.device)
-        return build_prompt(
-            self._cfg, self._talker, lv.text_ids, self._role_ids, x, lv.language, req.non_streaming_text
-        )
+        text_ids = lv.feed.ids if lv.feed is not None else lv.text_ids
+        prompt = build_prompt(self._cfg, self._talker, text_ids, self._role_ids, x, lv.language, req.non_streaming_text)
+        if lv.feed is not None:
+            lv.text_ids = list(text_ids)
+            if not lv.feed.ended:  # the text goes on: its trailing rows so far, end-of-text comes with the end
+                prompt.trailing = prompt.trailing[:-1]
+                lv.text_rows = prompt.trailing.shape[0]
+        return prompt
+
+    def extend_text(self, rows: list[RequestState]) -> None:
+        """Streamed rows with newly committed text ids (or the end of their text): their trailing text track grows
+        by the new tokens' rows (the rows the whole text's prompt has: `text_track_rows`), then end-of-text."""
+        for lv in rows:
+            if lv.prompt is None or lv.text_rows is None:
+                continue
+            ids = lv.feed.ids
+            with torch.inference_mode():
+                parts = [lv.prompt.trailing, text_track_rows(self._talker, ids[1:], lv.text_rows, self._pad_id)]
+                if lv.feed.ended:
+                    parts.append(lv.prompt.end[None])
+                lv.prompt.trailing = torch.cat(parts)
+            lv.text_ids = list(ids)
+            lv.text_rows = None if lv.feed.ended else lv.prompt.trailing.shape[0]
 
     def _prefill(self, group: list[RequestState]) -> None:
         """One talker forward over several prompts. Padding sits after each prompt at later positions, so causal
@@ -447,7 +468,7 @@ class ModelRunner:
                     continue
                 first = lv.queued == 0
                 target = self._next_chunk(lv.queued)
-                if len(lv.pending) >= target or lv.done is not None:
+                if len(lv.pending) >= target or lv.done is not None or lv.held:  # held: its audio so far goes out
                     t = min(len(lv.pending), target)
                     alone = lv.slot if cfg.batch_invariant_decode else -1  # a group of its own
                     groups[(dec.padded_len(t), first, alone)].append((lv, t))

@@ -3,7 +3,10 @@ engine keeps for each request, and every decision of a loop turn, returned as pl
   - `admit`: whether admission is held (steps slower than admission_step_budget_ms) and which waiting requests
     get a slot (`Admission`);
   - `schedule`: which live rows step this turn (cancellations, decoder errors and spent budgets end first; a row
-    `decode_lookahead` chunks ahead of its audio waits) and whether the loop waits for the decoder (`StepPlan`);
+    `decode_lookahead` chunks ahead of its audio waits, a streamed row whose next text token has not arrived is
+    held) and whether the loop waits for the decoder or for text (`StepPlan`);
+  - `poll_waiting`, `poll_running`: what streamed requests' text streams brought (text_feed.py): their committed
+    ids, a budget that grows with them, the requests whose text ended empty or grew too long;
   - `retire`: which ended rows leave, and why (`Retire`), once their audio is out.
 The runner executes the plans; the loop delivers the outcome. Pure Python: no tensor work, no device.
 
@@ -22,6 +25,8 @@ import torch
 
 from qwen_tts.engine_api import FinishReason, QueueFullError, RequestHandle, SynthesisRequest
 from qwen_tts.model.prompt import Prompt
+
+from .text_feed import TextFeed, TextTooLongError
 
 # Frame budget from the text length: ~3 frames per text token is normal speech; allow well over twice that.
 BUDGET_BASE_FRAMES = 25
@@ -55,6 +60,10 @@ class RequestState:
     language: str
     budget: int
     cancelled: bool = False  # set by cancel(); the worker acts on it at the next step
+    feed: TextFeed | None = None  # the streamed text's committed ids (a request with a text_stream)
+    # Rows of the trailing text track known (frames f < text_rows may step); None: all of it (teos, then tpad).
+    text_rows: int | None = None
+    held: bool = False  # waiting for its next text token this turn (schedule)
     # Set at admission, when the request gets a KV-cache slot.
     slot: int = -1
     prompt: Prompt | None = None
@@ -70,6 +79,16 @@ class RequestState:
     @property
     def request(self) -> SynthesisRequest:
         return self.handle.request
+
+    @property
+    def admissible(self) -> bool:
+        """It can take a slot: its first text token is known (a streamed request's may still be to come), or it was
+        cancelled (admission finishes it)."""
+        return self.feed is None or bool(self.feed.ids) or self.cancelled
+
+    def text_ready(self, frame: int) -> bool:
+        """Frame `frame`'s text-track row is known."""
+        return self.text_rows is None or frame < self.text_rows
 
 
 class DecoderProgress(Protocol):
@@ -98,6 +117,7 @@ class StepPlan:
     rows: list[RequestState]  # live rows that step (each at its next frame)
     stepping: set[int]  # ids of rows in the step launched before and not read yet: this step is their next frame
     wait_for_decoder: bool  # no row can step and nothing is in flight: wait until the decoder catches up
+    wait_for_text: bool = False  # no row can step, nothing is in flight, and some row waits for its next text token
 
 
 @dataclass
@@ -114,8 +134,17 @@ class Scheduler:
     the decisions of each loop turn (see the module docstring). `decode_lookahead`: chunks a row may have in the
     decoder and still step; `step_budget_ms`: admission_step_budget_ms (0: admit whenever a slot is free)."""
 
-    def __init__(self, max_slots: int, max_queue: int, *, decode_lookahead: int = 2, step_budget_ms: float = 0.0):
+    def __init__(
+        self,
+        max_slots: int,
+        max_queue: int,
+        *,
+        decode_lookahead: int = 2,
+        step_budget_ms: float = 0.0,
+        max_frames: int = 2048,
+    ):
         self.max_slots = max_slots
+        self.max_frames = max_frames  # the engine's cap, for the budgets of streamed text
         self.max_queue = max_queue
         self.decode_lookahead = decode_lookahead
         self.step_budget_ms = step_budget_ms
@@ -127,10 +156,19 @@ class Scheduler:
         # Seconds between frame steps while requests run: a moving average (admission_step_budget_ms).
         self._step_interval: float | None = None
         self._last_step_at: float | None = None
+        # Bumped (under cv) by every event the loop may wait for: a submission, a cancel, text arriving (`wake`).
+        self.events = 0
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Something runs, or a waiting request can be admitted or has new text to read (cv held)."""
+        return bool(self.running) or any(s.admissible or (s.feed and s.feed.stale) for s in self.waiting)
+
+    def wake(self) -> None:
+        """An event for the loop (text arrived on a stream): any thread; holds cv only to notify."""
+        with self.cv:
+            self.events += 1
+            self.cv.notify_all()
 
     def enqueue(self, state: RequestState) -> None:
         """Queue a request; raises QueueFullError when the wait queue is full."""
@@ -139,6 +177,7 @@ class Scheduler:
                 raise QueueFullError(f"{len(self.waiting)} requests waiting (limit {self.max_queue})")
             self.waiting.append(state)
             self._states[state.handle] = state
+            self.events += 1
             self.cv.notify()
 
     def cancel(self, handle: RequestHandle) -> RequestState | None:
@@ -154,6 +193,7 @@ class Scheduler:
                 state = None
             else:
                 del self._states[handle]
+            self.events += 1
             self.cv.notify()
             return state
 
@@ -165,18 +205,67 @@ class Scheduler:
 
     @property
     def can_admit(self) -> bool:
-        """A request is waiting and a slot is free for it (cv held, or a racy hint)."""
-        return bool(self.waiting and self._free_slots)
+        """A request is waiting, admissible, and a slot is free for it (cv held, or a racy hint)."""
+        return bool(self._free_slots) and any(s.admissible for s in self.waiting)
 
     def take_admissions(self) -> list[RequestState]:
-        """Pop waiting requests into free slots (FIFO); each gets its `slot`."""
+        """Pop admissible waiting requests into free slots (FIFO; a streamed request still waiting for its first
+        text token keeps its place and lets the ones behind it pass); each gets its `slot`."""
         with self.cv:
             admitted = []
-            while self.waiting and self._free_slots:
-                state = self.waiting.popleft()
-                state.slot = self._free_slots.pop()
-                admitted.append(state)
+            for state in list(self.waiting):
+                if not self._free_slots:
+                    break
+                if state.admissible:
+                    self.waiting.remove(state)
+                    state.slot = self._free_slots.pop()
+                    admitted.append(state)
             return admitted
+
+    def _read_text(self, state: RequestState) -> bool:
+        """Poll a streamed request's text: True when ids were committed or it ended (its budget then grows with the
+        ids, and is final at the end). Raises TextTooLongError."""
+        if state.feed is None or not state.feed.poll():
+            return False
+        state.budget = frame_budget(state.request, len(state.feed.ids), self.max_frames)
+        state.handle.stats.frame_budget = state.budget
+        return True
+
+    def poll_waiting(self) -> list[Retire]:
+        """Read the text of streamed requests waiting to be admitted (worker thread; outside cv, as the streams are
+        read). Those whose text ended empty (no audio, EOS) or grew too long (ERROR) leave the queue: returned for
+        the caller to finish."""
+        with self.cv:
+            streamed = [s for s in self.waiting if s.feed is not None and s.feed.stale]
+        out = []
+        for state in streamed:
+            try:
+                self._read_text(state)
+            except (TextTooLongError, RuntimeError) as e:
+                out.append(Retire(state, FinishReason.ERROR, str(e)))
+                continue
+            if state.feed.ended and not state.feed.ids:
+                out.append(Retire(state, FinishReason.EOS, None))
+        with self.cv:
+            gone = [r for r in out if r.state in self.waiting]
+            for r in gone:
+                self.waiting.remove(r.state)
+                self._states.pop(r.state.handle, None)
+        return gone
+
+    def poll_running(self) -> list[RequestState]:
+        """Read the text of streamed running rows (worker thread): those with new ids or the end, for the runner to
+        extend their text track. A row whose text grew too long ends with an error."""
+        out = []
+        for lv in self.running.values():
+            if lv.feed is None or lv.done is not None:
+                continue
+            try:
+                if self._read_text(lv):
+                    out.append(lv)
+            except (TextTooLongError, RuntimeError) as e:
+                lv.done, lv.error = FinishReason.ERROR, str(e)
+        return out
 
     def drain_waiting(self) -> list[RequestState]:
         """Remove and return every waiting request (the engine is dying)."""
@@ -244,13 +333,19 @@ class Scheduler:
                 lv.done = FinishReason.BUDGET
         lookahead = self.decode_lookahead
         stepping = {id(lv) for lv in ahead} if ahead is not None else set()  # one frame more once read
-        rows = [
-            lv
-            for lv in self.running.values()
-            if lv.done is None and decoder.inflight(lv) < lookahead and lv.frames + (id(lv) in stepping) < lv.budget
-        ]
-        wait = not rows and ahead is None and decoder.busy  # nothing to step until the decoder catches up
-        return StepPlan(rows, stepping, wait)
+        rows = []
+        held = False
+        for lv in self.running.values():
+            frame = lv.frames + (id(lv) in stepping)
+            # Held: its next frame's text token has not arrived. It is left out of the step like a row waiting for
+            # the decoder: nothing of its slot is read or written until the token comes.
+            lv.held = lv.done is None and not lv.text_ready(frame)
+            held |= lv.held
+            if lv.done is None and not lv.held and decoder.inflight(lv) < lookahead and frame < lv.budget:
+                rows.append(lv)
+        idle = not rows and ahead is None
+        wait = idle and decoder.busy  # nothing to step until the decoder catches up
+        return StepPlan(rows, stepping, wait, idle and held and not wait)
 
     def cancel_running(self) -> None:
         """The engine stops: every running request ends cancelled."""
