@@ -5,6 +5,10 @@ talker's engine core), the prompt placeholder length comes from vLLM-Omni's own 
 become stage 0's SamplingParams, and the cumulative waveform vLLM-Omni streams is cut into new-tail chunks.
 Cancelling aborts the request in the pipeline. A health watch turns a dead stage into not-ready (the server
 answers 503) and, unless disabled, restarts the pipeline.
+
+Streamed text (a request with a `text_stream`): a running vLLM-Omni request cannot wait for text, so the stream is
+spoken sentence by sentence, each complete sentence a request of its own, their audio in order through the one
+handle (sentences.py says what that changes).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from .requests import (
     stage0_sampling,
     validate_xvector,
 )
+from .sentences import serve_text_stream
 
 log = logging.getLogger("qwen_tts.engines.vllm_omni")
 
@@ -299,6 +304,8 @@ class VllmOmniEngine(CheckpointEngine):
             raise EngineNotReadyError(self._dead or "engine is not accepting requests")
         language = normalize_language(self._cfg, request.language)
         xvector = validate_xvector(request.xvector, self.xvector_dim)
+        if request.text_stream is not None:
+            return self._submit_stream(request, language)
         if not request.text.strip():
             raise ValueError("text is empty")
         text_ids = self._tokenizer.text_ids(request.text)
@@ -327,6 +334,26 @@ class VllmOmniEngine(CheckpointEngine):
         prompt = {"prompt_token_ids": [placeholder] * int(prompt_len), "additional_information": info}
         task = asyncio.get_running_loop().create_task(self._serve(handle, prompt), name=f"tts-{handle.request_id}")
         self._tasks[handle.request_id] = task
+        return handle
+
+    def _submit_stream(self, request: SynthesisRequest, language: str) -> RequestHandle:
+        """A request with a text_stream: one task that submits its sentences as they complete (sentences.py)."""
+        stream = request.text_stream
+        if request.non_streaming_text:
+            raise ValueError("a text_stream needs non_streaming_text=False (the talker reads one token per frame)")
+        if not stream.snapshot().text.startswith(request.text):
+            raise ValueError("text must be what the text_stream held when the request was submitted")
+        if len(self._tasks) >= self.config.max_slots + self.config.max_queue:
+            raise QueueFullError(f"{self.num_waiting} requests waiting (limit {self.config.max_queue})")
+        if request.seed is None and not request.greedy:
+            request.seed = draw_seed()
+        handle = RequestHandle(request)
+        rid = handle.request_id
+        task = asyncio.get_running_loop().create_task(
+            serve_text_stream(handle, stream, language, self.submit, self.cancel), name=f"tts-stream-{rid}"
+        )
+        self._tasks[rid] = task
+        task.add_done_callback(lambda _: self._tasks.pop(rid, None))
         return handle
 
     def cancel(self, handle: RequestHandle) -> None:
