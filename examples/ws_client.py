@@ -46,6 +46,7 @@ class Utterance:
     """What came back for one utterance, with client-side times (time.perf_counter)."""
 
     first_text_at: float = 0.0
+    text_ended_at: float = 0.0  # when end (or cancel) was sent
     arrivals: list[tuple[float, float]] = field(default_factory=list)  # (arrival time, audio seconds) per frame
     pcm: bytearray = field(default_factory=bytearray)
     done: dict | None = None
@@ -92,9 +93,8 @@ async def speak(
             await ws.send(json.dumps({"type": "text", "text": piece}))
         if barge_in is not None:
             await asyncio.sleep(max(0.0, t0 + barge_in - time.perf_counter()))
-            await ws.send(json.dumps({"type": "cancel"}))
-        else:
-            await ws.send(json.dumps({"type": "end"}))
+        out.text_ended_at = time.perf_counter()
+        await ws.send(json.dumps({"type": "cancel" if barge_in is not None else "end"}))
 
     sender = asyncio.ensure_future(send_text())
     try:
