@@ -256,7 +256,7 @@ def _upgrade(path: str, auth: bool) -> bytes:
 def test_a_websocket_upgrade_is_refused_in_the_error_shape(server: ServerProcess, auth: bool, status: int) -> None:
     for _ in range(PER_CLIENT + 2):  # refused upgrades leave nothing counted against the client
         with connect(server, "127.0.0.6") as s:
-            s.sendall(_upgrade("/v1/audio/speech/stream", auth))
+            s.sendall(_upgrade("/v1/audio/no-such-socket", auth))  # (the speech session's is test_ws_*.py's)
             got, headers, body = read_response(s)
             doc = assert_error_shape(got, headers, body, status)
     if status == 404:

@@ -14,6 +14,7 @@ folder)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -260,6 +261,62 @@ def test_the_page_plays_a_streamed_result_in_headless_chromium(demo_server, tmp_
         # (the intercepted copy of a multipart body carries file parts empty: only the text parts are checked)
         assert b"what the clip says" in form and b"Content-Type: audio/wav" in form
     assert (OUTPUT / "page-played.png").stat().st_size > 1000
+
+
+@pytest.fixture(scope="module")
+def fake_server(tmp_path_factory: pytest.TempPathFactory):
+    """The fake backend (sine tones, one 80 ms frame per character of text, 10 ms a frame) with its `demo` voice and a
+    key: the WebSocket session's text streaming, which the fake engine honours."""
+    root = tmp_path_factory.mktemp("web-fake")
+    env = demo_env(root, TTS_BACKEND="fake", TTS_API_KEYS="page-ws-key-123")
+    with server_process(env, root / "server.log") as srv:
+        yield srv
+
+
+@needs_chromium
+def test_the_page_speaks_as_i_type_over_the_websocket_and_stop_barges_in(fake_server, tmp_path: Path) -> None:
+    with chromium(tmp_path) as page:
+        sockets: list[str] = []
+        frames: list[str] = []
+
+        def on_socket(ws) -> None:
+            sockets.append(ws.url)
+            ws.on("framesent", lambda payload: frames.append(payload if isinstance(payload, str) else "<bytes>"))
+
+        page.on("websocket", on_socket)
+        page.goto(fake_server.url + "/")
+        page.fill("#apikey", "page-ws-key-123")
+        page.dispatch_event("#apikey", "change")
+        wait_status(page, "ready")
+        page.fill("#text", "")
+        page.check("#live")
+        wait_status(page, "live: type, Enter ends the utterance")
+        assert page.is_visible("#stop") and page.is_hidden("#speak")
+        page.type("#text", "Hello there, friend", delay=20)  # keystrokes: finished words go out as they end
+        page.keyboard.press("Enter")  # the rest, and end
+        page.wait_for_function("() => document.body.dataset.liveDone === 'eos'", timeout=30_000)
+        typed = len("Hello there, friend")
+        assert int(page.evaluate("() => document.body.dataset.liveSamples")) == typed * FRAME
+        page.wait_for_function(f"() => Number(document.body.dataset.livePlayed) === {typed * FRAME}")
+        assert page.text_content("#ttfa").endswith(" ms")
+        sent = [json.loads(f) for f in frames]
+        assert sent[0] == {"type": "auth", "token": "page-ws-key-123"}  # the key as the first message
+        assert sent[1] == {"type": "start", "voice": "demo", "response_format": "pcm", "language": "Auto"}
+        texts = [m["text"] for m in sent if m["type"] == "text"]
+        assert "".join(texts) == "Hello there, friend" and len(texts) >= 3  # word by word, not all at once
+        assert sent[-1] == {"type": "end"}
+
+        # A long utterance, cut off with Stop while it plays: a barge-in.
+        page.fill("#text", "")
+        page.type("#text", "x" * 60 + " ", delay=1)
+        page.wait_for_function("() => Number(document.body.dataset.livePlayed || 0) > 0", timeout=30_000)
+        page.click("#stop")
+        page.wait_for_function("() => document.body.dataset.liveDone === 'cancelled'", timeout=10_000)
+        assert {"type": "cancel"} in [json.loads(f) for f in frames]
+        assert sockets == [fake_server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"]
+        assert not [m for m in page.console if "Content Security Policy" in m], page.console
+        page.screenshot(path=str(OUTPUT / "page-live.png"), full_page=True)
+    fake_server.wait_idle(10)
 
 
 def _wait_speakers(server, count: int) -> None:

@@ -22,6 +22,7 @@ from .middleware import (
     RequestContextMiddleware,
     UploadBudget,
 )
+from .realtime import WS_PATH, SessionCounts, SpeechSocket
 from .routes import PUBLIC_PATHS, ROUTES, router
 from .runtime import Runtime
 from .settings import ServerSettings, load_settings
@@ -90,6 +91,8 @@ def create_app(
     app.include_router(router)
     app.include_router(voice_router)  # /v1/audio/voices, /v1/models/{id}
     app.include_router(web_router)  # the page at /
+    app.router.routes.append(WebSocketRoute(WS_PATH, SpeechSocket()))  # the WebSocket speech session (realtime.py)
+    app.state.ws_sessions = SessionCounts()
     docs.install(app)  # /docs, /redoc and their assets, offline
     # A malformed multipart body is the client's error, answered 400 and logged once by the access line; the parser's
     # own ERROR lines would let any client write to the error log.
@@ -125,7 +128,8 @@ def create_app(
         retry_after=settings.retry_after,
     )
     keys = [k.get_secret_value() for k in settings.api_keys]
-    app.add_middleware(ApiKeyMiddleware, keys=keys, public=(*PUBLIC_PATHS, *WEB_PATHS))
+    # A browser cannot set headers on a WebSocket: there the key may come as the session's first message instead.
+    app.add_middleware(ApiKeyMiddleware, keys=keys, public=(*PUBLIC_PATHS, *WEB_PATHS), token_paths=(WS_PATH,))
     if settings.cors_origins:
         app.add_middleware(
             JsonCORSMiddleware,
@@ -139,7 +143,7 @@ def create_app(
     app.add_middleware(
         RequestContextMiddleware,
         on_response=count_response,
-        routes=(*ROUTES, *VOICE_ROUTES, *WEB_PATHS),
+        routes=(*ROUTES, *VOICE_ROUTES, *WEB_PATHS, WS_PATH),
         # The floor under every route's own deadline: a body may take TTS_BODY_TIMEOUT, the work TTS_REQUEST_TIMEOUT.
         timeout=settings.body_timeout + settings.request_timeout + DEADLINE_GRACE_S,
         websocket_paths=websocket_paths,

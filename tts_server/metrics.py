@@ -38,6 +38,28 @@ class Metrics:
         )
         self.audio_seconds = Counter("tts_audio_seconds", "Seconds of audio produced", registry=r)
         self.engine_restarts = Counter("tts_engine_restarts", "In-process engine restarts after a fault", registry=r)
+        # The WebSocket speech session (tts_server/realtime.py).
+        self.ws_sessions = Gauge("tts_ws_sessions", "WebSocket speech sessions open now", registry=r)
+        self.ws_session_ends = Counter(
+            "tts_ws_session_ends",
+            "WebSocket speech sessions ended, by reason (client, idle, slow_reader, auth, utterance_limit, ...)",
+            ["reason"],
+            registry=r,
+        )
+        self.ws_utterances = Counter(
+            "tts_ws_utterances",
+            "WebSocket utterances ended, by finish reason (eos, budget, cancelled, error, timeout, empty, ...)",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.ws_errors = Counter("tts_ws_errors", "WebSocket error events sent, by code", ["code"], registry=r)
+        self.ws_text_chars = Counter("tts_ws_text_chars", "Characters of text received over WebSockets", registry=r)
+        self.ws_ttfa = Histogram(
+            "tts_ws_time_to_first_audio_seconds",
+            "WebSocket utterances: first text fragment received to first audio sent",
+            buckets=_LATENCY,
+            registry=r,
+        )
         Gauge("tts_requests_running", "Requests decoding in the engine", registry=r).set_function(running)
         Gauge("tts_requests_waiting", "Requests queued in the engine", registry=r).set_function(waiting)
         Gauge("tts_requests_admitted", "Requests holding an admission slot", registry=r).set_function(admitted)

@@ -249,18 +249,29 @@ class RequestContextMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Bearer API keys, compared as SHA-256 digests in constant time; `public` paths and CORS preflight pass."""
+    """Bearer API keys, compared as SHA-256 digests in constant time; `public` paths and CORS preflight pass.
 
-    def __init__(self, app: ASGIApp, keys: list[str], public: Iterable[str]):
+    A WebSocket handshake on one of `token_paths` without an Authorization header (a browser cannot set one) is let
+    through with `scope["state"]["api_key_check"]`, the key check, which its route must apply to the key the client
+    sends as its first message."""
+
+    def __init__(self, app: ASGIApp, keys: list[str], public: Iterable[str], token_paths: Iterable[str] = ()):
         self.app = app
         self.digests = [hashlib.sha256(k.encode()).digest() for k in keys]
         self.public = set(public)
+        self.token_paths = set(token_paths)
 
     def _authorized(self, header: str) -> bool:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return False
-        given = hashlib.sha256(token.strip().encode()).digest()
+        return self.key_ok(token)
+
+    def key_ok(self, token: str) -> bool:
+        """Whether `token` is one of the keys."""
+        if not token.strip():
+            return False
+        given = hashlib.sha256(token.strip().encode("utf-8", "surrogatepass")).digest()
         # Compare against every key (no early exit) so timing does not tell which one is close.
         ok = False
         for digest in self.digests:
@@ -276,6 +287,10 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         header = dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1")
+        if kind == "websocket" and not header and scope.get("path") in self.token_paths:
+            scope.setdefault("state", {})["api_key_check"] = self.key_ok
+            await self.app(scope, receive, send)
+            return
         if self._authorized(header):
             await self.app(scope, receive, send)
             return

@@ -25,6 +25,7 @@ from .app import create_app
 from .heap import freeze_startup_heap
 from .http_server import ConnectionLimits, uvicorn_options
 from .logs import configure_logging
+from .realtime import PROTOCOL_SIZE_FACTOR
 from .recovery import EXIT_ENGINE_FAILED, EngineSupervisor
 from .runtime import Runtime, StartupError
 from .settings import ServerSettings
@@ -178,6 +179,12 @@ async def _serve(settings: ServerSettings, sockets: list[socket.socket]) -> int:
         timeout_graceful_shutdown=settings.drain_timeout,
         loop="asyncio",
         **uvicorn_options(limits),  # header/keep-alive timeouts, header size, connection caps (http_server.py)
+        # WebSockets (realtime.py): the implementation whose sends wait while the client does not read (the session's
+        # send deadline then cuts it), a message size cap, and no compression (audio does not compress; a session's
+        # JSON is small).
+        ws="websockets-sansio",
+        ws_max_size=settings.ws_max_message_bytes * PROTOCOL_SIZE_FACTOR,
+        ws_per_message_deflate=False,
     )
     try:
         listen(sockets, settings.host, settings.port, config.backlog)

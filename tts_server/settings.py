@@ -259,6 +259,31 @@ class ServerSettings(BaseSettings):
     request_timeout: float = Field(300.0, gt=0)
     # Seconds SIGTERM waits for in-flight requests before cancelling them.
     drain_timeout: float = Field(30.0, ge=0)
+    # --- the WebSocket speech session, /v1/audio/speech/stream (tts_server/realtime.py, docs/api.md) ----------
+    # Sessions open at once over all clients, and from one client address; past them the handshake gets 503 / 429.
+    # (An upgraded connection leaves TTS_MAX_CONNECTIONS' accounting: these caps bound WebSockets instead.)
+    ws_max_sessions: int = Field(256, ge=1, le=100_000)
+    ws_max_sessions_per_client: int = Field(16, ge=1, le=100_000)
+    # Largest client message (a JSON text frame) in bytes: over it, an error event; over 4 times it, the connection is
+    # closed by the protocol layer (1009) before the message is buffered.
+    ws_max_message_bytes: int = Field(16384, ge=256, le=16 * 1024 * 1024)
+    # Longest text fragment (a `text` message, or the text of `start`), in characters. An utterance's whole text is
+    # bounded by TTS_MAX_TEXT_CHARS, as an HTTP request's is.
+    ws_max_fragment_chars: int = Field(1024, ge=1, le=1_000_000)
+    # Text and messages a session may send per second (an LLM streams about 4 characters a token); each rate may
+    # be exceeded for a burst of 2 seconds' worth. A fragment over the rate is refused with an error event.
+    ws_text_chars_per_s: float = Field(1000.0, gt=0, le=1_000_000)
+    ws_messages_per_s: float = Field(200.0, gt=0, le=1_000_000)
+    # Utterances one connection may start; past it, an error event and the connection is closed.
+    ws_max_utterances: int = Field(1000, ge=1, le=10_000_000)
+    # Seconds a session may sit with no utterance and no message before it is closed.
+    ws_idle_timeout: float = Field(60.0, gt=0, le=86_400)
+    # Seconds an utterance whose text has not ended may wait for its next fragment: it holds a capacity slot (and,
+    # once its first text has come, an engine row), so past this it is cancelled with an error event.
+    ws_text_timeout: float = Field(10.0, gt=0, le=3600)
+    # Seconds one message to the client may take to leave (a client must read its audio as it comes, buffering for
+    # playback): past it the client is taken to have stopped reading and the connection is cut.
+    ws_send_timeout: float = Field(10.0, gt=0, le=3600)
     # --- engine faults (tts_server/recovery.py) -------------------------------------------------------------
     # Seconds between an engine failure and its in-process restart (/ready is 503 meanwhile; no hot crash loop).
     engine_restart_delay: float = Field(1.0, ge=0, le=600)

@@ -104,6 +104,7 @@ class Outcome(str, Enum):
     TIMEOUT = "timeout"
     DISCONNECTED = "disconnected"
     STREAMING = "streaming"  # the response is sending; becomes OK, or DISCONNECTED if it never finishes
+    CANCELLED = "cancelled"  # the client asked to stop it (a WebSocket barge-in)
 
 
 def check_limits(runtime: Runtime, body: SynthesisOptions, text_field: str = "text") -> None:
@@ -111,7 +112,7 @@ def check_limits(runtime: Runtime, body: SynthesisOptions, text_field: str = "te
     s = runtime.settings
     if not body.text.strip():
         raise InvalidField(f"{text_field}: must contain non-whitespace text", param=text_field)
-    if not any(unicodedata.category(c)[0] in "LNPS" for c in body.text):
+    if not has_visible_text(body.text):
         # Zero-width spaces, BOMs, control characters: nothing to say, only a budget of noise to generate.
         raise InvalidField(
             f"{text_field}: contains no visible characters (only whitespace, control or format characters)",
@@ -123,6 +124,17 @@ def check_limits(runtime: Runtime, body: SynthesisOptions, text_field: str = "te
             param=text_field,
             code="text_too_long",
         )
+    check_options(runtime, body)
+
+
+def has_visible_text(text: str) -> bool:
+    """Whether `text` has a letter, digit, punctuation mark or symbol: something to say."""
+    return any(unicodedata.category(c)[0] in "LNPS" for c in text)
+
+
+def check_options(runtime: Runtime, body: SynthesisOptions) -> None:
+    """The limits on a body's options (frame caps, speed, language), its text apart. Raises InvalidField."""
+    s = runtime.settings
     if body.max_new_tokens is not None and body.max_new_tokens > s.max_new_tokens:
         raise InvalidField(
             f"max_new_tokens: {body.max_new_tokens} is above the server's limit of {s.max_new_tokens}",
@@ -214,10 +226,23 @@ class Job:
 def submit(runtime: Runtime, body: SynthesisOptions, request_id: str, speaker_field: str = "speaker_id") -> Job:
     """Admit and submit a checked body; every refusal is an ApiError with the right status, naming
     `speaker_field` (the route's name for the voice: `voice` on /v1/audio/speech)."""
-    retry = {"Retry-After": str(runtime.settings.retry_after)}
+    request = prepare(runtime, body, request_id, speaker_field)
+    admit(runtime)
+    return start_job(runtime, request, body.speed)
+
+
+def _retry(runtime: Runtime) -> dict[str, str]:
+    return {"Retry-After": str(runtime.settings.retry_after)}
+
+
+def prepare(
+    runtime: Runtime, body: SynthesisOptions, request_id: str, speaker_field: str = "speaker_id"
+) -> SynthesisRequest:
+    """The engine request for a checked body, once the server is ready and the voice is known (NotReady, InvalidField
+    or NotFound naming `speaker_field` otherwise)."""
     if not runtime.ready:
         reason = "draining for shutdown" if runtime.draining else "not ready"
-        raise _refused(runtime, "not_ready", NotReady(f"server is {reason}; retry later", headers=retry))
+        raise _refused(runtime, "not_ready", NotReady(f"server is {reason}; retry later", headers=_retry(runtime)))
     try:
         xvector = runtime.voices.get(body.speaker_id)
     except InvalidSpeakerIdError as e:
@@ -234,33 +259,45 @@ def submit(runtime: Runtime, body: SynthesisOptions, request_id: str, speaker_fi
             param=speaker_field,
             code="invalid_profile",
         ) from None
-    request = engine_request(runtime.settings, body, xvector, request_id)
+    return engine_request(runtime.settings, body, xvector, request_id)
+
+
+def admit(runtime: Runtime) -> None:
+    """Take an admission slot (Overloaded, 429 with Retry-After, when none is free). The caller owns it until a
+    `start_job` hands it to a Job, or gives it back with `runtime.admission.release()`."""
     if not runtime.admission.try_acquire():
         limit = runtime.admission.limit
-        error = Overloaded(f"server is at capacity ({limit} requests in progress); retry later", headers=retry)
+        error = Overloaded(
+            f"server is at capacity ({limit} requests in progress); retry later", headers=_retry(runtime)
+        )
         raise _refused(runtime, "queue_full", error)
+
+
+def start_job(runtime: Runtime, request: SynthesisRequest, speed_factor: float = 1.0) -> Job:
+    """Submit an admitted request; its admission slot passes to the Job (or is given back if the engine refuses).
+    A request with a `text_stream` is one engine request whatever its length (its text is not all there to split)."""
     try:
         source = _submit_to_engine(runtime.engine, request)
-        if not speed.is_identity(body.speed):
-            source = speed.StretchedSource(source, runtime.engine.sample_rate, body.speed)
+        if not speed.is_identity(speed_factor):
+            source = speed.StretchedSource(source, runtime.engine.sample_rate, speed_factor)
     except BaseException as e:
         runtime.admission.release()  # the one release before a Job owns the slot
         if isinstance(e, QueueFullError):
-            error = Overloaded("server is at capacity; retry later", headers=retry)
+            error = Overloaded("server is at capacity; retry later", headers=_retry(runtime))
             raise _refused(runtime, "queue_full", error) from None
         if isinstance(e, EngineNotReadyError):
-            error = NotReady("engine is not accepting requests; retry later", headers=retry)
+            error = NotReady("engine is not accepting requests; retry later", headers=_retry(runtime))
             raise _refused(runtime, "not_ready", error) from None
         if isinstance(e, ValueError):  # options the engine refuses (e.g. text longer than its token limit)
             message = str(e)
             raise InvalidField(message, param="text" if message.startswith("text") else None) from None
         raise
-    return Job(runtime, source, request_id)
+    return Job(runtime, source, request.request_id)
 
 
 def _submit_to_engine(engine: Engine, request: SynthesisRequest) -> ChunkSource:
     """One engine request, or a `PieceChain` when the text is longer than one comfortable piece."""
-    if needs_split(request.text):
+    if request.text_stream is None and needs_split(request.text):
         pieces = split_text(request.text, request.language)
         if len(pieces) > 1:
             return PieceChain(engine, request, pieces)

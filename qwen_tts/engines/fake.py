@@ -4,6 +4,10 @@ It implements `qwen_tts.engine_api.Engine` on the event loop (no model, no threa
 (admission, timeouts, cancellation, failure mapping) can be tested exactly and quickly. `TTS_BACKEND=fake`
 (backend "fake" of the factory) serves it, for load-testing the HTTP layer without a model. Text markers drive failures:
 `[fail]` fails before any audio, `[fail-mid]` after the first chunk.
+
+A request with a `text_stream` (streaming-text mode) gets audio in proportion to the text received so far: the
+engine waits while no new text has come, grows the frame budget with the text, and finishes once the stream has
+ended and its text is spoken; `cancel` wakes a wait at once.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class FakeEngine(Engine):
         self._slots: asyncio.Semaphore | None = None
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: dict[RequestHandle, bool] = {}  # requests not yet ended
+        self._wakeups: dict[RequestHandle, asyncio.Event] = {}  # streaming-text requests waiting for text
         self._running = 0
         self._waiting = 0
         self.submitted: list[SynthesisRequest] = []
@@ -122,9 +127,15 @@ class FakeEngine(Engine):
     def num_waiting(self) -> int:
         return self._waiting
 
-    def frames_for(self, request: SynthesisRequest) -> int:
-        cap = self.max_frames if request.max_frames is None else min(request.max_frames, self.max_frames)
-        return max(1, min(cap, max(int(self.frames_per_char * len(request.text)), request.min_frames)))
+    def frames_for(self, request: SynthesisRequest, text: str | None = None) -> int:
+        """The frame budget for `text` (default: the request's text at submission)."""
+        cap = self.cap_for(request)
+        chars = len(request.text if text is None else text)
+        return max(1, min(cap, max(int(self.frames_per_char * chars), request.min_frames)))
+
+    def cap_for(self, request: SynthesisRequest) -> int:
+        """The hard cap on a request's frames: its own max_frames within the engine's."""
+        return self.max_frames if request.max_frames is None else min(request.max_frames, self.max_frames)
 
     def submit(self, request: SynthesisRequest) -> RequestHandle:
         if not self._accepting:
@@ -133,7 +144,10 @@ class FakeEngine(Engine):
             raise ValueError(f"unsupported language {request.language!r}")
         if request.xvector.shape != (self._dim,):
             raise ValueError(f"xvector must have shape ({self._dim},), got {tuple(request.xvector.shape)}")
-        if not request.text.strip():
+        if request.text_stream is not None:
+            if request.non_streaming_text:
+                raise ValueError("a request with a text_stream must have non_streaming_text=False")
+        elif not request.text.strip():
             raise ValueError("text is empty")
         if self._running + self._waiting >= self.max_slots + self.max_queue:
             raise QueueFullError(f"{self._waiting} requests waiting (limit {self.max_queue})")
@@ -149,6 +163,9 @@ class FakeEngine(Engine):
         if self._cancel_requested.get(handle) is False:
             self._cancel_requested[handle] = True
             self.cancelled.append(handle.request_id)
+            wakeup = self._wakeups.get(handle)
+            if wakeup is not None:
+                wakeup.set()
 
     def tone(self, request: SynthesisRequest, start_frame: int, frames: int) -> np.ndarray:
         """The samples of frames [start_frame, start_frame + frames) of `request`: one continuous tone."""
@@ -183,6 +200,9 @@ class FakeEngine(Engine):
         if "[fail]" in req.text:
             handle.finish_threadsafe(FinishReason.ERROR, "simulated failure")
             return
+        if req.text_stream is not None:
+            await self._generate_streamed_text(handle)
+            return
         total, done = stats.frame_budget, 0
         while done < total:
             if self._cancel_requested.get(handle):
@@ -202,3 +222,56 @@ class FakeEngine(Engine):
                 handle.finish_threadsafe(FinishReason.ERROR, "simulated failure")
                 return
         handle.finish_threadsafe(FinishReason.BUDGET if total == self.max_frames else FinishReason.EOS)
+
+    async def _generate_streamed_text(self, handle: RequestHandle) -> None:
+        """Streaming-text mode: frames follow the text received (frames_per_char a character), waiting while no new
+        text has come; after `end()` the rest is spoken and the request finishes."""
+        req, stats = handle.request, handle.stats
+        stream = req.text_stream
+        assert stream is not None
+        loop = asyncio.get_running_loop()
+        wakeup = self._wakeups[handle] = asyncio.Event()
+
+        def on_text() -> None:  # on the producer's thread
+            loop.call_soon_threadsafe(wakeup.set)
+
+        stream.add_listener(on_text)
+        cap, done = self.cap_for(req), 0
+        try:
+            while True:
+                wakeup.clear()
+                if self._cancel_requested.get(handle):
+                    handle.finish_threadsafe(FinishReason.CANCELLED)
+                    return
+                snap = stream.snapshot()
+                if "[fail]" in snap.text:
+                    handle.finish_threadsafe(FinishReason.ERROR, "simulated failure")
+                    return
+                target = min(cap, int(self.frames_per_char * len(snap.text)))
+                if snap.ended:
+                    target = max(target, min(cap, req.min_frames))
+                stats.frame_budget = max(target, 1)
+                if done >= cap:
+                    handle.finish_threadsafe(FinishReason.BUDGET)
+                    return
+                if done >= target:
+                    if snap.ended:
+                        handle.finish_threadsafe(FinishReason.EOS)
+                        return
+                    await wakeup.wait()  # the row is held until more text (or the end, or a cancel) comes
+                    continue
+                n = min(self.first_chunk_frames if done == 0 else self.chunk_frames, target - done)
+                if self.frame_delay:
+                    await asyncio.sleep(self.frame_delay * n)
+                if self._cancel_requested.get(handle):
+                    continue  # the top of the loop finishes it: no chunk after a cancel
+                chunk = self.tone(req, done, n)
+                done += n
+                stats.frames = done
+                stats.samples += chunk.shape[0]
+                if stats.first_audio_at is None:
+                    stats.first_audio_at = time.monotonic()
+                handle.put_threadsafe(chunk)
+        finally:
+            stream.remove_listener(on_text)
+            self._wakeups.pop(handle, None)
