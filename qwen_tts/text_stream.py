@@ -51,8 +51,7 @@ class TextStream:
             if not fragment:
                 return
             self._text += fragment
-            self._version += 1
-            listeners = list(self._listeners)
+            listeners = self._changed()
         for listener in listeners:
             listener()
 
@@ -62,10 +61,14 @@ class TextStream:
             if self._ended:
                 return
             self._ended = True
-            self._version += 1
-            listeners = list(self._listeners)
+            listeners = self._changed()
         for listener in listeners:
             listener()
+
+    def _changed(self) -> list[Callable[[], None]]:
+        """Under the lock: a new version, and the listeners to call once the lock is released."""
+        self._version += 1
+        return list(self._listeners)
 
     def snapshot(self) -> TextSnapshot:
         with self._lock:

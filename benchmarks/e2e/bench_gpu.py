@@ -142,6 +142,14 @@ def r1(x: float | None, k: float = 1.0, nd: int = 1) -> float | None:
     return None if x is None else round(x * k, nd)
 
 
+def ms_stats(name: str, seconds: list[float], quantiles: tuple[float, ...] = (0.5, 0.95), top: bool = True) -> dict:
+    """`<name>_p50_ms`, `<name>_p95_ms` (per quantile) and `<name>_max_ms` of durations given in seconds."""
+    out = {f"{name}_p{round(q * 100)}_ms": r1(pct(seconds, q), 1000) for q in quantiles}
+    if top:
+        out[f"{name}_max_ms"] = r1(max(seconds, default=None), 1000)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------- continuity
 def stall_seconds(arrivals: list[tuple[float, float]]) -> float:
     """Total stall of a player that starts at the first chunk: `arrivals` is (arrival time, audio seconds) per
@@ -206,11 +214,8 @@ def stream_stats(streams: list[Stream], wall: float) -> dict:
         "audio_s_per_s": round(audio / wall, 2) if wall > 0 else None,
         "xrt_per_stream_median": r1(statistics.median([s.xrt for s in ok]) if ok else None, nd=3),
         "xrt_per_stream_min": r1(min((s.xrt for s in ok), default=None), nd=3),
-        "ttfa_p50_ms": r1(pct(ttfa, 0.5), 1000),
-        "ttfa_p95_ms": r1(pct(ttfa, 0.95), 1000),
-        "ttfa_max_ms": r1(max(ttfa, default=None), 1000),
-        "stall_p95_ms": r1(pct(stalls, 0.95), 1000),
-        "stall_max_ms": r1(max(stalls, default=None), 1000),
+        **ms_stats("ttfa", ttfa),
+        **ms_stats("stall", stalls, (0.95,)),
         "zero_stall_share": round(sum(s == 0.0 for s in stalls) / len(stalls), 4) if stalls else None,
         "chunks_per_stream": round(statistics.mean(len(s.arrivals) for s in ok), 1) if ok else None,
     }
@@ -796,10 +801,7 @@ async def http_level(url: str, n: int, frames: int, greedy: bool) -> dict:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i, s) for i, s in enumerate(streams)))
         wall = time.perf_counter() - t0
-    server = {
-        "server_ttfa_p50_ms": r1(pct(server_ttfa, 0.5), 1000),
-        "server_ttfa_p95_ms": r1(pct(server_ttfa, 0.95), 1000),
-    }
+    server = ms_stats("server_ttfa", server_ttfa, top=False)
     return {"clients": n, "frames": frames, **stream_stats(streams, wall), **server}
 
 

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "examples"))
 
-from bench_gpu import emit, free_port, log, pct, r1, stall_seconds  # noqa: E402
+from bench_gpu import emit, free_port, log, ms_stats, pct, r1, stall_seconds  # noqa: E402
 from websockets.asyncio.client import connect  # noqa: E402
 from ws_client import Utterance, session_event, speak, word_pieces  # noqa: E402
 
@@ -68,11 +68,8 @@ def level_stats(rate: float, n: int, utterances: list[Utterance | BaseException]
         "failures": kinds,
         "wall_s": round(wall, 2),
         "audio_s": round(sum(sum(d for _, d in u.arrivals) for u in ok), 2),
-        "ttfa_p50_ms": r1(pct(ttfa, 0.5), 1000),
-        "ttfa_p95_ms": r1(pct(ttfa, 0.95), 1000),
-        "ttfa_max_ms": r1(max(ttfa, default=None), 1000),
-        "stall_while_text_p95_ms": r1(pct(during, 0.95), 1000),
-        "stall_while_text_max_ms": r1(max(during, default=None), 1000),
+        **ms_stats("ttfa", ttfa),
+        **ms_stats("stall_while_text", during, (0.95,)),
         "zero_stall_while_text_share": round(sum(s == 0.0 for s in during) / len(during), 4) if during else None,
         "stall_total_p95_ms": r1(pct(total, 0.95), 1000),
     }

@@ -194,6 +194,17 @@ class FakeEngine(Engine):
             self._tasks.pop(req.request_id, None)
             self._cancel_requested.pop(handle, None)
 
+    def _emit(self, handle: RequestHandle, done: int, n: int) -> int:
+        """Hand frames done ... done + n of the request's tone to its handle, counted in its stats; the new `done`."""
+        chunk = self.tone(handle.request, done, n)
+        stats = handle.stats
+        stats.frames = done + n
+        stats.samples += chunk.shape[0]
+        if stats.first_audio_at is None:
+            stats.first_audio_at = time.monotonic()
+        handle.put_threadsafe(chunk)
+        return done + n
+
     async def _generate(self, handle: RequestHandle) -> None:
         req, stats = handle.request, handle.stats
         stats.started_at = time.monotonic()
@@ -211,13 +222,7 @@ class FakeEngine(Engine):
             n = min(self.first_chunk_frames if done == 0 else self.chunk_frames, total - done)
             if self.frame_delay:
                 await asyncio.sleep(self.frame_delay * n)
-            chunk = self.tone(req, done, n)
-            done += n
-            stats.frames = done
-            stats.samples += chunk.shape[0]
-            if stats.first_audio_at is None:
-                stats.first_audio_at = time.monotonic()
-            handle.put_threadsafe(chunk)
+            done = self._emit(handle, done, n)
             if "[fail-mid]" in req.text:
                 handle.finish_threadsafe(FinishReason.ERROR, "simulated failure")
                 return
@@ -265,13 +270,7 @@ class FakeEngine(Engine):
                     await asyncio.sleep(self.frame_delay * n)
                 if self._cancel_requested.get(handle):
                     continue  # the top of the loop finishes it: no chunk after a cancel
-                chunk = self.tone(req, done, n)
-                done += n
-                stats.frames = done
-                stats.samples += chunk.shape[0]
-                if stats.first_audio_at is None:
-                    stats.first_audio_at = time.monotonic()
-                handle.put_threadsafe(chunk)
+                done = self._emit(handle, done, n)
         finally:
             stream.remove_listener(on_text)
             self._wakeups.pop(handle, None)
