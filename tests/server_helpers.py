@@ -134,30 +134,37 @@ class ServerProcess:
         cwd: Path | None = None,
         port_flag: bool = False,
     ):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
-        # Not TRITON_INTERPRET either (conftest sets it for this process's CPU kernel tests).
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("TTS_") and k != "TRITON_INTERPRET"}
-        full_env.update({"TTS_HOST": "127.0.0.1", "PYTHONUNBUFFERED": "1"})
-        if port_flag:
-            args = [*args, "--port", str(self.port)]
-        else:
-            full_env["TTS_PORT"] = str(self.port)
-        full_env.update(env)
-        self._log = open(self.log_path, "wb")  # noqa: SIM115  (closed in stop)
-        self.proc = subprocess.Popen(
-            [*(argv or (python or sys.executable, str(REPO_ROOT / "inference_server.py"))), *args],
-            cwd=cwd or REPO_ROOT,
-            env=full_env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            self._wait_ready(startup_timeout)
-        except BaseException:
-            self.kill()
-            raise
+        # The free port is picked before the server binds it, so another process may take it in between (an
+        # outgoing connection's local port): then the server exits "port N ... is in use" and a new port is tried.
+        for attempt in range(3):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            # Not TRITON_INTERPRET either (conftest sets it for this process's CPU kernel tests).
+            full_env = {k: v for k, v in os.environ.items() if not k.startswith("TTS_") and k != "TRITON_INTERPRET"}
+            full_env.update({"TTS_HOST": "127.0.0.1", "PYTHONUNBUFFERED": "1"})
+            port_args = ["--port", str(self.port)] if port_flag else []
+            if not port_flag:
+                full_env["TTS_PORT"] = str(self.port)
+            full_env.update(env)
+            self._log = open(self.log_path, "wb")  # noqa: SIM115  (closed in stop)
+            self.proc = subprocess.Popen(
+                [*(argv or (python or sys.executable, str(REPO_ROOT / "inference_server.py"))), *args, *port_args],
+                cwd=cwd or REPO_ROOT,
+                env=full_env,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+            )
+            try:
+                self._wait_ready(startup_timeout)
+                return
+            except RuntimeError:
+                self.kill()
+                if attempt == 2 or f"port {self.port} on " not in self.log() or "is in use" not in self.log():
+                    raise
+            except BaseException:
+                self.kill()
+                raise
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
