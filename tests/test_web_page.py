@@ -319,6 +319,38 @@ def test_the_page_speaks_as_i_type_over_the_websocket_and_stop_barges_in(fake_se
     fake_server.wait_idle(10)
 
 
+@needs_chromium
+def test_an_answer_to_a_voice_list_asked_before_the_key_was_typed_does_not_overwrite_the_keyed_one(
+    fake_server, tmp_path: Path
+) -> None:
+    """The page asks for voices on load, with no key; the user types the key and it asks again. The first answer
+    (401) is held back until the second has been shown: the page keeps the keyed answer."""
+    with chromium(tmp_path) as page:
+        held: list = []
+
+        def voices(route) -> None:
+            if "authorization" in route.request.headers:
+                route.continue_()
+            else:
+                held.append(route)
+
+        page.route("**/v1/audio/voices", voices)
+        page.goto(fake_server.url + "/")
+        deadline = time.monotonic() + 10
+        while not held:
+            assert time.monotonic() < deadline, "the page did not ask for voices on load"
+            page.wait_for_timeout(20)
+        assert page.text_content("#status") == "loading voices"
+        page.fill("#apikey", "page-ws-key-123")
+        page.dispatch_event("#apikey", "change")
+        wait_status(page, "ready")
+        with page.expect_response(lambda r: r.url.endswith("/v1/audio/voices") and r.status == 401):
+            held[0].continue_()
+        page.evaluate("() => new Promise((done) => setTimeout(done, 200))")  # the page has read the late answer
+        assert page.text_content("#status") == "ready" and page.get_attribute("#status", "class") == ""
+        assert page.input_value("#voice") == "demo" and page.is_enabled("#speak")
+
+
 def _wait_speakers(server, count: int) -> None:
     deadline = time.monotonic() + 15
     while server.health()["speakers"] != count:
