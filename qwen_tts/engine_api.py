@@ -31,6 +31,7 @@ import torch
 
 from .audio import SAMPLE_RATE
 from .fastpath.options import PRESETS
+from .icl import IclReference
 from .text_stream import TextStream
 
 FRAME_SAMPLES = 1920  # 12.5 Hz codec frames at SAMPLE_RATE
@@ -161,8 +162,8 @@ class SynthesisRequest:
     # Frames of end-of-speech masking at the start (official min_new_tokens=2); benchmarks raise it to fix lengths.
     min_frames: int = 2
     return_codes: bool = False  # keep the generated codes on the handle (tests, parity, debugging)
-    # Text that arrives while it is spoken (streaming-text mode only; `text` is then what arrived before submission).
-    text_stream: TextStream | None = None
+    text_stream: TextStream | None = None  # text arriving while spoken (streaming-text mode; `text`: what came first)
+    icl: IclReference | None = None  # an ICL voice's reference codes and transcript (None: x-vector mode)
 
 
 @dataclass
