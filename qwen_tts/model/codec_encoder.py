@@ -1,0 +1,282 @@
+"""The 12 Hz speech tokenizer's encoder: a 24 kHz clip -> (T, 16) codec codes at 12.5 Hz (ICL reference codes).
+
+Reimplements qwen-tts 0.1.1 `Qwen3TTSTokenizerV2Model.encode` (`core/tokenizer_12hz/modeling_qwen3_tts_tokenizer_v2.py`),
+which runs transformers 4.57.3 `MimiModel.encode` (`models/mimi/modeling_mimi.py`) with the decoder parts removed:
+a causal SEANet conv encoder (`mimi_layers.SEANetEncoder`), a causal transformer (full causal attention: the config's
+sliding window is applied only under FlashAttention 2), a strided conv down to 12.5 Hz, and a split residual vector
+quantizer (`mimi_layers.SplitRVQ`) of which only the first `encoder_valid_num_quantizers` codebooks are kept. The
+official cut of the codes to ceil(samples / 1920) frames is kept too. The audio front end is that of
+`Qwen3TTSTokenizer.encode` for numpy input: the channel mean, then librosa's soxr_hq resampling to 24 kHz
+(`qwen_tts.audio`). The tokenizer's weights are float32 and the encoder always runs in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from qwen_tts.audio import SAMPLE_RATE, resample, to_mono
+from qwen_tts.model.config import ConfigError, SpeechTokenizerConfig
+from qwen_tts.model.loading import SPEECH_TOKENIZER_FILE, CheckpointError, _build, _load_file, _ready
+from qwen_tts.model.mimi_layers import MimiConv1d, MimiTransformer, SEANetEncoder, SplitRVQ
+
+SPEECH_TOKENIZER_MODEL_TYPE = "qwen3_tts_tokenizer_12hz"
+
+
+@dataclass(frozen=True)
+class MimiEncoderConfig:
+    """`encoder_config` of speech_tokenizer/config.json (a transformers `MimiConfig`), with the tokenizer's own
+    `encoder_valid_num_quantizers` and `encode_downsample_rate`. Missing keys take MimiConfig's defaults."""
+
+    sampling_rate: int = 24000
+    audio_channels: int = 1
+    hidden_size: int = 512
+    num_filters: int = 64
+    num_residual_layers: int = 1
+    upsampling_ratios: tuple[int, ...] = (8, 6, 5, 4)
+    kernel_size: int = 7
+    last_kernel_size: int = 3
+    residual_kernel_size: int = 3
+    dilation_growth_rate: int = 2
+    pad_mode: str = "constant"
+    compress: int = 2
+    codebook_size: int = 2048
+    codebook_dim: int = 256
+    num_quantizers: int = 32
+    num_semantic_quantizers: int = 1
+    vector_quantization_hidden_dimension: int = 256
+    num_hidden_layers: int = 8
+    intermediate_size: int = 2048
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    hidden_act: str = "gelu"
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    attention_bias: bool = False
+    frame_rate: float = 12.5
+    valid_quantizers: int = 16
+    downsample_rate: int = 1920
+
+    @classmethod
+    def from_tokenizer_dict(cls, st: dict[str, Any]) -> MimiEncoderConfig:
+        """From the whole speech_tokenizer/config.json dict; refuses what the released encoder never uses."""
+        where = "speech_tokenizer encoder_config"
+        e = dict(st.get("encoder_config") or {})
+        if not e:
+            raise ConfigError(f"{where}: missing (the speech tokenizer has no encoder)")
+        for key, want in (("use_causal_conv", True), ("use_conv_shortcut", False), ("use_streaming", False)):
+            if key in e and bool(e[key]) != want:
+                raise ConfigError(f"{where}: {key}={e[key]!r} is not supported (the released encoder has {want})")
+        if e.get("rope_scaling"):
+            raise ConfigError(f"{where}: rope_scaling is not supported")
+        if float(e.get("trim_right_ratio", 1.0)) != 1.0:
+            raise ConfigError(f"{where}: trim_right_ratio must be 1.0")
+        d = cls()
+        kw: dict[str, Any] = {}
+        for name in cls.__dataclass_fields__:
+            if name in e:
+                kw[name] = e[name]
+        heads = int(kw.get("num_attention_heads", d.num_attention_heads))
+        hidden = int(kw.get("hidden_size", d.hidden_size))
+        kw["head_dim"] = int(e.get("head_dim") or hidden // heads)
+        if "_frame_rate" in e or "frame_rate" in e:
+            kw["frame_rate"] = float(e.get("_frame_rate", e.get("frame_rate")))
+        else:
+            kw.pop("frame_rate", None)
+        kw["upsampling_ratios"] = tuple(int(r) for r in kw.get("upsampling_ratios", d.upsampling_ratios))
+        kw["valid_quantizers"] = int(st.get("encoder_valid_num_quantizers", 16))
+        kw["downsample_rate"] = int(st.get("encode_downsample_rate", 1920))
+        types = {f.name: type(getattr(d, f.name)) for f in cls.__dataclass_fields__.values()}
+        try:
+            kw = {k: v if k == "upsampling_ratios" else types[k](v) for k, v in kw.items()}
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"{where}: {err}") from err
+        cfg = cls(**kw)
+        cfg._check(where, has_frame_rate="_frame_rate" in e or "frame_rate" in e)
+        return cfg
+
+    def _check(self, where: str, has_frame_rate: bool) -> None:
+        if self.audio_channels != 1:
+            raise ConfigError(
+                f"{where}: audio_channels must be 1 (the tokenizer encodes mono), got {self.audio_channels}"
+            )
+        if self.hidden_act != "gelu":
+            raise ConfigError(f"{where}: hidden_act {self.hidden_act!r} is not supported (expected 'gelu')")
+        if self.pad_mode not in ("constant", "replicate"):
+            raise ConfigError(f"{where}: pad_mode {self.pad_mode!r} is not supported")
+        if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"{where}: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if not 1 <= self.num_semantic_quantizers < self.num_quantizers:
+            raise ConfigError(f"{where}: num_semantic_quantizers must be in [1, num_quantizers)")
+        if not self.num_semantic_quantizers <= self.valid_quantizers <= self.num_quantizers:
+            raise ConfigError(
+                f"{where}: encoder_valid_num_quantizers {self.valid_quantizers} outside "
+                f"[{self.num_semantic_quantizers}, {self.num_quantizers}]"
+            )
+        if not has_frame_rate:
+            raise ConfigError(f"{where}: missing _frame_rate")
+        hop = math.prod(self.upsampling_ratios) * self.downsample_stride
+        if self.downsample_kernel is None or hop != self.downsample_rate:
+            raise ConfigError(
+                f"{where}: the encoder's hop ({math.prod(self.upsampling_ratios)} x 2 downsampling at "
+                f"{self.frame_rate} Hz) does not match encode_downsample_rate {self.downsample_rate}"
+            )
+
+    @property
+    def seanet_frame_rate(self) -> int:
+        """Frames per second out of the SEANet encoder (MimiConfig.encodec_frame_rate)."""
+        return math.ceil(self.sampling_rate / math.prod(self.upsampling_ratios))
+
+    @property
+    def downsample_stride(self) -> int:
+        return 2
+
+    @property
+    def downsample_kernel(self) -> int | None:
+        """The downsampling conv's kernel; None where the SEANet rate already is the frame rate (no such conv)."""
+        if self.frame_rate == self.seanet_frame_rate:
+            return None
+        return 2 * int(self.seanet_frame_rate / self.frame_rate)
+
+
+class CodecEncoder(nn.Module):
+    """Waveform -> codes. Weight names are those of `encoder.*` in speech_tokenizer/model.safetensors, less the
+    prefix (the quantizers' `output_proj`, the `initialized` flags and the acoustic codebooks past the kept ones
+    are not needed to encode and are not held)."""
+
+    def __init__(self, cfg: MimiEncoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = SEANetEncoder(cfg)
+        self.encoder_transformer = MimiTransformer(cfg)
+        self.downsample = MimiConv1d(
+            cfg.hidden_size,
+            cfg.hidden_size,
+            cfg.downsample_kernel,
+            stride=cfg.downsample_stride,
+            bias=False,
+            pad_mode="replicate",
+        )
+        self.quantizer = SplitRVQ(cfg)
+
+    @property
+    def device(self) -> torch.device:
+        return self.downsample.conv.weight.device
+
+    def forward_latents(self, wav: Tensor) -> Tensor:
+        """(B, N) 24 kHz float32 -> (B, hidden, T) pre-quantizer latents at 12.5 Hz, T = ceil(N / 1920)."""
+        h = self.encoder(wav[:, None])  # (B, hidden, ceil(N / 960))
+        h = self.encoder_transformer(h.transpose(1, 2)).transpose(1, 2)
+        return self.downsample(h)
+
+    def forward(self, wav: Tensor) -> Tensor:
+        """(B, N) 24 kHz float32 -> (B, valid_quantizers, T) int64 codes: [semantic, acoustic 0..]."""
+        return self.quantizer(self.forward_latents(wav))
+
+    def prepare(self, wav: Tensor | np.ndarray, sample_rate: int) -> Tensor:
+        """(N,) or (N, C) audio at `sample_rate` -> (1, N') float32 mono at 24 kHz on the encoder's device, as
+        `Qwen3TTSTokenizer.encode` prepares numpy input (channel mean, then soxr_hq resampling)."""
+        x = wav.detach().cpu().numpy() if isinstance(wav, Tensor) else np.asarray(wav)
+        if x.ndim not in (1, 2):
+            raise ValueError(f"expected audio of shape (N,) or (N, C), got {tuple(x.shape)}")
+        if not np.issubdtype(x.dtype, np.floating):
+            raise ValueError(f"expected float samples, got {x.dtype}")
+        if int(sample_rate) <= 0:
+            raise ValueError(f"sample_rate must be positive, got {sample_rate}")
+        x = to_mono(x.astype(np.float32, copy=False))
+        if x.shape[0] == 0:
+            raise ValueError("empty audio: no samples to encode")
+        if not np.isfinite(x).all():
+            raise ValueError("audio contains NaN or infinite samples")
+        x = resample(x, int(sample_rate), self.cfg.sampling_rate)
+        return torch.from_numpy(np.ascontiguousarray(x))[None].to(self.device)
+
+    def frames(self, samples_24k: int) -> int:
+        """Codec frames the official encode keeps for a clip of this many 24 kHz samples."""
+        return -(-samples_24k // self.cfg.downsample_rate)
+
+    @torch.inference_mode()
+    def encode(self, wav: Tensor | np.ndarray, sample_rate: int) -> Tensor:
+        """A clip ((N,) or (N, C) float, any rate) -> (T, valid_quantizers) int64 codes on the CPU,
+        T = ceil(N_24k / 1920)."""
+        x = self.prepare(wav, sample_rate)
+        codes = self(x)[0, :, : self.frames(x.shape[-1])]
+        return codes.transpose(0, 1).contiguous().cpu()
+
+    @torch.inference_mode()
+    def latents(self, wav: Tensor | np.ndarray, sample_rate: int) -> Tensor:
+        """A clip -> (T, hidden) float32 pre-quantizer latents on the CPU (what `encode` quantizes)."""
+        x = self.prepare(wav, sample_rate)
+        return self.forward_latents(x)[0].transpose(0, 1).contiguous().cpu()
+
+
+def speech_tokenizer_dir(model_dir: str | Path) -> Path:
+    """The speech tokenizer folder of a checkpoint (`speech_tokenizer/`), or `model_dir` itself when it is a
+    speech tokenizer folder (as the Qwen3-TTS-Tokenizer-12Hz repository is)."""
+    root = Path(model_dir)
+    for d in (root / "speech_tokenizer", root):
+        cfg = d / "config.json"
+        if cfg.is_file():
+            try:
+                model_type = json.loads(cfg.read_text()).get("model_type")
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{cfg}: bad config: {e}") from e
+            if model_type == SPEECH_TOKENIZER_MODEL_TYPE:
+                return d
+    raise CheckpointError(f"{root}: no speech_tokenizer/config.json of model_type {SPEECH_TOKENIZER_MODEL_TYPE!r}")
+
+
+def read_encoder_config(model_dir: str | Path) -> MimiEncoderConfig:
+    """The encoder config of a checkpoint (or speech tokenizer) folder; a bad one is a CheckpointError."""
+    st = speech_tokenizer_dir(model_dir)
+    try:
+        d = json.loads((st / "config.json").read_text())
+        SpeechTokenizerConfig.from_dict(d)  # the same checks the decoder's loading makes
+        return MimiEncoderConfig.from_tokenizer_dict(d)
+    except (ConfigError, OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{st / 'config.json'}: bad config: {e}") from e
+
+
+def unused_tensor_prefixes(cfg: MimiEncoderConfig) -> tuple[str, ...]:
+    """`encoder.*` tensors of the file that encoding never reads (see `CodecEncoder`)."""
+    q = "encoder.quantizer"
+    out = []
+    for name, n, kept in (
+        ("semantic", cfg.num_semantic_quantizers, cfg.num_semantic_quantizers),
+        (
+            "acoustic",
+            cfg.num_quantizers - cfg.num_semantic_quantizers,
+            cfg.valid_quantizers - cfg.num_semantic_quantizers,
+        ),
+    ):
+        p = f"{q}.{name}_residual_vector_quantizer"
+        out.append(f"{p}.output_proj.")
+        out += [f"{p}.layers.{i}.codebook.initialized" for i in range(n)]
+        out += [f"{p}.layers.{i}." for i in range(kept, n)]
+    return tuple(out)
+
+
+def load_codec_encoder(model_dir: str | Path, device: torch.device | str = "cpu") -> CodecEncoder:
+    """The speech tokenizer's encoder of a checkpoint folder (with `speech_tokenizer/`) or of a speech tokenizer
+    folder, in float32 on `device`; strict on tensor names and shapes as `loading.load_model` is."""
+    st = speech_tokenizer_dir(model_dir)
+    cfg = read_encoder_config(model_dir)
+    device = torch.device(device)
+    enc = _build(CodecEncoder, cfg, device)
+    file = st / Path(SPEECH_TOKENIZER_FILE).name
+    _load_file(file, {"encoder": enc}, ignored=("decoder.", *unused_tensor_prefixes(cfg)))
+    return _ready(enc, device, torch.float32)
+
+
+__all__ = ["SAMPLE_RATE", "CodecEncoder", "MimiEncoderConfig", "load_codec_encoder", "read_encoder_config"]
