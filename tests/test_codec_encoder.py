@@ -145,6 +145,18 @@ def test_bad_audio_is_refused(encoder, wav, rate, match):
         encoder.encode(wav, rate)
 
 
+@pytest.mark.parametrize("index", range(3), ids=["tiny", "1.7b", "defaults"])
+def test_config_reads_as_the_official_config_classes_do(ref, index):
+    """Each field as transformers' MimiConfig (inside the official tokenizer config) holds it, defaults included."""
+    case = ref["configs"][index]
+    cfg = MimiEncoderConfig.from_tokenizer_dict(json.loads(case["config_json"]))
+    official = case["official"]
+    ours = {k: getattr(cfg, k) for k in official}
+    ours["upsampling_ratios"] = list(cfg.upsampling_ratios)
+    assert ours == official
+    assert cfg.downsample_kernel == 4
+
+
 def test_loads_the_demo_checkpoint_and_a_tokenizer_folder(tmp_path, encoder):
     wav = clips.make_clip("demo", 24000, 1, 4000)
     want = encoder.encode(wav, 24000)

@@ -79,31 +79,35 @@ class MimiEncoderConfig:
             raise ConfigError(f"{where}: rope_scaling is not supported")
         if float(e.get("trim_right_ratio", 1.0)) != 1.0:
             raise ConfigError(f"{where}: trim_right_ratio must be 1.0")
-        d = cls()
+        defaults = cls()
         kw: dict[str, Any] = {}
-        for name in cls.__dataclass_fields__:
-            if name in e:
-                kw[name] = e[name]
-        heads = int(kw.get("num_attention_heads", d.num_attention_heads))
-        hidden = int(kw.get("hidden_size", d.hidden_size))
-        kw["head_dim"] = int(e.get("head_dim") or hidden // heads)
-        if "_frame_rate" in e or "frame_rate" in e:
-            kw["frame_rate"] = float(e.get("_frame_rate", e.get("frame_rate")))
-        else:
-            kw.pop("frame_rate", None)
-        kw["upsampling_ratios"] = tuple(int(r) for r in kw.get("upsampling_ratios", d.upsampling_ratios))
-        kw["valid_quantizers"] = int(st.get("encoder_valid_num_quantizers", 16))
-        kw["downsample_rate"] = int(st.get("encode_downsample_rate", 1920))
-        types = {f.name: type(getattr(d, f.name)) for f in cls.__dataclass_fields__.values()}
         try:
-            kw = {k: v if k == "upsampling_ratios" else types[k](v) for k, v in kw.items()}
-        except (TypeError, ValueError) as err:
+            for name in cls.__dataclass_fields__:
+                if e.get(name) is not None and name not in ("upsampling_ratios", "head_dim", "frame_rate"):
+                    kw[name] = type(getattr(defaults, name))(e[name])
+            if "codebook_dim" in e and e["codebook_dim"] is None:  # MimiConfig: an explicit None is the hidden size
+                kw["codebook_dim"] = kw.get("hidden_size", defaults.hidden_size)
+            kw["upsampling_ratios"] = tuple(int(r) for r in e.get("upsampling_ratios") or defaults.upsampling_ratios)
+            # MimiConfig: head_dim or hidden // heads; the frame rate given, or the SEANet rate halved by the
+            # downsampling conv.
+            hidden = kw.get("hidden_size", defaults.hidden_size)
+            kw["head_dim"] = int(
+                e.get("head_dim") or hidden // kw.get("num_attention_heads", defaults.num_attention_heads)
+            )
+            rate = e.get("_frame_rate", e.get("frame_rate"))
+            hop = math.prod(kw["upsampling_ratios"]) * 2
+            kw["frame_rate"] = (
+                float(rate) if rate is not None else kw.get("sampling_rate", defaults.sampling_rate) / hop
+            )
+            kw["valid_quantizers"] = int(st.get("encoder_valid_num_quantizers", defaults.valid_quantizers))
+            kw["downsample_rate"] = int(st.get("encode_downsample_rate", defaults.downsample_rate))
+        except (TypeError, ValueError, ZeroDivisionError) as err:
             raise ConfigError(f"{where}: {err}") from err
         cfg = cls(**kw)
-        cfg._check(where, has_frame_rate="_frame_rate" in e or "frame_rate" in e)
+        cfg._check(where)
         return cfg
 
-    def _check(self, where: str, has_frame_rate: bool) -> None:
+    def _check(self, where: str) -> None:
         if self.audio_channels != 1:
             raise ConfigError(
                 f"{where}: audio_channels must be 1 (the tokenizer encodes mono), got {self.audio_channels}"
@@ -124,8 +128,6 @@ class MimiEncoderConfig:
                 f"{where}: encoder_valid_num_quantizers {self.valid_quantizers} outside "
                 f"[{self.num_semantic_quantizers}, {self.num_quantizers}]"
             )
-        if not has_frame_rate:
-            raise ConfigError(f"{where}: missing _frame_rate")
         hop = math.prod(self.upsampling_ratios) * self.downsample_stride
         if self.downsample_kernel is None or hop != self.downsample_rate:
             raise ConfigError(
@@ -206,7 +208,7 @@ class CodecEncoder(nn.Module):
         """Codec frames the official encode keeps for a clip of this many 24 kHz samples."""
         return -(-samples_24k // self.cfg.downsample_rate)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def encode(self, wav: Tensor | np.ndarray, sample_rate: int) -> Tensor:
         """A clip ((N,) or (N, C) float, any rate) -> (T, valid_quantizers) int64 codes on the CPU,
         T = ceil(N_24k / 1920)."""
@@ -214,7 +216,7 @@ class CodecEncoder(nn.Module):
         codes = self(x)[0, :, : self.frames(x.shape[-1])]
         return codes.transpose(0, 1).contiguous().cpu()
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def latents(self, wav: Tensor | np.ndarray, sample_rate: int) -> Tensor:
         """A clip -> (T, hidden) float32 pre-quantizer latents on the CPU (what `encode` quantizes)."""
         x = self.prepare(wav, sample_rate)

@@ -4,12 +4,13 @@ Runs in the reference venv (.venv-ref, see README.md), never in ours:
 
     .venv-ref/bin/python tests/reference/make_encoder_fixture.py --out tests/reference/fixture_encoder_tiny.pt
 
-Writes the tiny checkpoint (seed 0) with our writer, loads it with `Qwen3TTSModel.from_pretrained` (float32, the
-default attention), checks that the official speech tokenizer holds exactly the tensors our writer wrote, and encodes
-each clip of `encoder_clips.CLIPS` through `model.speech_tokenizer.encode(wav, sr=rate)`, the call
+Writes the tiny checkpoint (seed 0) with our writer, loads it with `Qwen3TTSModel.from_pretrained` (float32; its Mimi
+encoder runs SDPA attention whatever the loader is asked), checks that the official speech tokenizer holds exactly
+the tensors our writer wrote, and encodes each clip of `encoder_clips.CLIPS` through `model.speech_tokenizer.encode(wav, sr=rate)`, the call
 `create_voice_clone_prompt` makes for ICL reference codes (channel mean and librosa resampling included). It records
 the codes and the latents the quantizer receives (captured at `MimiSplitResidualVectorQuantizer.encode`), and asserts
-that the codes say something about the quantizer: many distinct codes in every codebook, none dominating.
+that the codes say something about the quantizer: many distinct codes in every codebook, none dominating. It also records how the official config classes read
+three encoder configs (the tiny one, the released shape, an empty one), for our config parser.
 `tests/test_codec_encoder.py` compares ours against the file with the .venv only.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
+import json
 import math
 import tempfile
 from pathlib import Path
@@ -27,6 +29,14 @@ import torch
 from encoder_clips import CLIPS, fingerprint, make_clip
 from make_fixture import check_official_state_dicts, import_official, import_ours
 
+# MimiConfig attributes that `qwen_tts.model.codec_encoder.MimiEncoderConfig` reads under the same names.
+CONFIG_FIELDS = (
+    "sampling_rate", "audio_channels", "hidden_size", "num_filters", "num_residual_layers", "kernel_size",
+    "last_kernel_size", "residual_kernel_size", "dilation_growth_rate", "pad_mode", "compress", "codebook_size",
+    "codebook_dim", "num_quantizers", "num_semantic_quantizers", "vector_quantization_hidden_dimension",
+    "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+    "norm_eps", "rope_theta", "attention_bias",
+)  # fmt: skip
 # Every codebook, over all clips, must use at least this many distinct codes, none in more than MAX_SHARE of frames.
 MIN_DISTINCT = 24
 MAX_SHARE = 0.4
@@ -64,6 +74,40 @@ def check_codes_are_informative(codes: torch.Tensor) -> None:
     print(f"codes: {codes.shape[0]} frames, distinct per codebook {[len(codes[:, q].unique()) for q in range(16)]}")
 
 
+def encode(tokenizer, wav: np.ndarray, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes (T, 16), latents (hidden, T')) of one clip through the official speech tokenizer."""
+    with capture_latents(tokenizer.model.encoder) as seen:
+        codes = tokenizer.encode(wav, sr=rate).audio_codes[0].cpu()
+    (latents,) = seen
+    return codes, latents
+
+
+def record_configs(ours, ckpt: Path) -> list[dict]:
+    """How the official config classes read encoder configs (the tiny one, the released shape, an empty one that
+    leaves every value at MimiConfig's defaults): the fields `MimiEncoderConfig` parses, and the frame rates."""
+    from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import Qwen3TTSTokenizerV2Config
+
+    dicts = {
+        "tiny": json.loads((ckpt / "speech_tokenizer" / "config.json").read_text()),
+        "1.7b": ours.random_checkpoint.speech_tokenizer_config_dict("1.7b"),
+        "defaults": {"encoder_config": {"model_type": "mimi"}},
+    }
+    out = []
+    for name, d in dicts.items():
+        c = Qwen3TTSTokenizerV2Config(**d)
+        e = c.encoder_config
+        values = {k: getattr(e, k) for k in CONFIG_FIELDS}
+        values["upsampling_ratios"] = list(e.upsampling_ratios)
+        values.update(
+            frame_rate=float(e.frame_rate),
+            seanet_frame_rate=int(e.encodec_frame_rate),
+            valid_quantizers=int(c.encoder_valid_num_quantizers),
+            downsample_rate=int(c.encode_downsample_rate),
+        )
+        out.append({"name": name, "config_json": json.dumps(d), "official": values})
+    return out
+
+
 @torch.inference_mode()
 def record(out: Path, seed: int) -> None:
     ours = import_ours(["model.random_checkpoint"])
@@ -77,14 +121,15 @@ def record(out: Path, seed: int) -> None:
     cfg = mimi.config
     assert cfg.num_key_value_heads >= 1 and cfg.num_attention_heads % cfg.num_key_value_heads == 0, "bad head layout"
     assert mimi.encoder_transformer.layers[0].self_attn.num_key_value_groups >= 1
+    # The loader's attn_implementation reaches the tokenizer's config but not its Mimi sub-config: the official
+    # encoder runs SDPA whatever is asked (so never FlashAttention 2, the one path with the sliding window).
+    assert cfg._attn_implementation == "sdpa", cfg._attn_implementation
     print(f"Mimi attention: {cfg._attn_implementation}, {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} kv")
 
     clips = []
     for name, rate, channels, samples in CLIPS:
         wav = make_clip(name, rate, channels, samples)
-        with capture_latents(mimi) as seen:
-            codes = tokenizer.encode(wav, sr=rate).audio_codes[0].cpu()
-        (latents,) = seen
+        codes, latents = encode(tokenizer, wav, rate)
         samples_24k = math.ceil(samples * (24000 / rate))  # librosa.resample(fix=True)
         assert codes.shape == (-(-samples_24k // 1920), 16), (name, tuple(codes.shape))
         assert latents.shape[1] >= codes.shape[0], (name, tuple(latents.shape))
@@ -119,6 +164,7 @@ def record(out: Path, seed: int) -> None:
             "attention": cfg._attn_implementation,
         },
         "clips": clips,
+        "configs": record_configs(ours, ckpt),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(fx, out)
