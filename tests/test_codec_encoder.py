@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
+from qwen_tts.audio import to_mono
 from qwen_tts.model.codec_encoder import (
     CodecEncoder,
     MimiEncoderConfig,
@@ -119,15 +120,21 @@ def test_codes_quantize_the_latents(encoder, ref):
 
 
 def test_input_forms_agree(encoder):
-    """numpy or torch, (N,) or (N, 1): the same codes; (N, 2) is the channel mean."""
+    """numpy or torch, (N,) or (N, 1): the same codes; (N, 2) is the channel mean (`qwen_tts.audio.to_mono`)."""
     wav = clips.make_clip("forms", 22050, 2, 20_000)
-    mono = wav.mean(axis=1, dtype=np.float32)
+    mono = to_mono(wav)
     want = encoder.encode(mono, 22050)
     assert want.shape == (encoder.frames(-(-20_000 * 24000 // 22050)), 16)
     assert torch.equal(encoder.encode(torch.from_numpy(mono), 22050), want)
     assert torch.equal(encoder.encode(mono[:, None], 22050), want)
     assert torch.equal(encoder.encode(wav, 22050), want)
     assert torch.equal(encoder.encode(torch.from_numpy(wav), 22050), want)
+    assert torch.equal(encoder.encode(torch.from_numpy(wav).double(), 22050), want)
+    # float64 input is averaged in float64 before the cast, as the official front end does.
+    wide = wav.astype(np.float64) + np.float64(1e-9)
+    assert_close(
+        encoder.latents(wide, 22050), encoder.latents(wide.mean(axis=1).astype(np.float32), 22050), rtol=0, atol=0
+    )
 
 
 @pytest.mark.parametrize(
@@ -136,6 +143,7 @@ def test_input_forms_agree(encoder):
         (np.zeros(0, np.float32), 24000, "empty"),
         (np.zeros((2, 3, 4), np.float32), 24000, "shape"),
         (np.zeros(100, np.int16), 24000, "float"),
+        (torch.zeros(100, dtype=torch.int16), 24000, "float"),
         (np.array([0.0, np.nan], np.float32), 24000, "NaN"),
         (np.zeros(100, np.float32), 0, "sample_rate"),
     ],

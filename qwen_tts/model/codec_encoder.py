@@ -3,7 +3,7 @@
 Reimplements qwen-tts 0.1.1 `Qwen3TTSTokenizerV2Model.encode` (`core/tokenizer_12hz/modeling_qwen3_tts_tokenizer_v2.py`),
 which runs transformers 4.57.3 `MimiModel.encode` (`models/mimi/modeling_mimi.py`) with the decoder parts removed:
 a causal SEANet conv encoder (`mimi_layers.SEANetEncoder`), a causal transformer (full causal attention: the config's
-sliding window is applied only under FlashAttention 2), a strided conv down to 12.5 Hz, and a split residual vector
+sliding window is applied only under FlashAttention 2, which the official loader never selects for this encoder), a strided conv down to 12.5 Hz, and a split residual vector
 quantizer (`mimi_layers.SplitRVQ`) of which only the first `encoder_valid_num_quantizers` codebooks are kept. The
 official cut of the codes to ceil(samples / 1920) frames is kept too. The audio front end is that of
 `Qwen3TTSTokenizer.encode` for numpy input: the channel mean, then librosa's soxr_hq resampling to 24 kHz
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from qwen_tts.audio import SAMPLE_RATE, resample, to_mono
+from qwen_tts.audio import SAMPLE_RATE, resample
 from qwen_tts.model.config import ConfigError, SpeechTokenizerConfig
 from qwen_tts.model.loading import SPEECH_TOKENIZER_FILE, CheckpointError, _build, _load_file, _ready
 from qwen_tts.model.mimi_layers import MimiConv1d, MimiTransformer, SEANetEncoder, SplitRVQ
@@ -189,14 +189,21 @@ class CodecEncoder(nn.Module):
     def prepare(self, wav: Tensor | np.ndarray, sample_rate: int) -> Tensor:
         """(N,) or (N, C) audio at `sample_rate` -> (1, N') float32 mono at 24 kHz on the encoder's device, as
         `Qwen3TTSTokenizer.encode` prepares numpy input (channel mean, then soxr_hq resampling)."""
-        x = wav.detach().cpu().numpy() if isinstance(wav, Tensor) else np.asarray(wav)
+        if isinstance(wav, Tensor):
+            if not wav.is_floating_point():
+                raise ValueError(f"expected float samples, got {wav.dtype}")
+            dtype = torch.float64 if wav.dtype == torch.float64 else torch.float32
+            wav = wav.detach().to(device="cpu", dtype=dtype).numpy()
+        x = np.asarray(wav)
         if x.ndim not in (1, 2):
             raise ValueError(f"expected audio of shape (N,) or (N, C), got {tuple(x.shape)}")
         if not np.issubdtype(x.dtype, np.floating):
             raise ValueError(f"expected float samples, got {x.dtype}")
         if int(sample_rate) <= 0:
             raise ValueError(f"sample_rate must be positive, got {sample_rate}")
-        x = to_mono(x.astype(np.float32, copy=False))
+        # The channel mean in the input's own precision, then float32, as the official front end takes numpy input
+        # (for float32 input this is `qwen_tts.audio.to_mono`).
+        x = (x.mean(axis=-1) if x.ndim == 2 else x).astype(np.float32, copy=False)
         if x.shape[0] == 0:
             raise ValueError("empty audio: no samples to encode")
         if not np.isfinite(x).all():
