@@ -107,6 +107,21 @@ def test_latents_match_the_official_encoder(encoder, ref, index):
     assert_close(latents, case["latents"])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_codes_on_cuda_equal_the_official_encoder(tiny_checkpoint, ref, monkeypatch):
+    # TF32 convolutions and matmuls (10-bit mantissas) round differently from the float32 reference: off, as in
+    # test_snake_kernel.py.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    encoder = load_codec_encoder(tiny_checkpoint, device="cuda")
+    assert encoder.device.type == "cuda"
+    for case in ref["clips"]:
+        codes = encoder.encode(_clip(case), case["sample_rate"])
+        assert codes.device.type == "cpu"
+        assert torch.equal(codes, case["codes"].long()), case["name"]
+        assert_close(encoder.latents(_clip(case), case["sample_rate"]), case["latents"])
+
+
 def test_codes_quantize_the_latents(encoder, ref):
     """The first code of each frame is the nearest semantic entry to the projected latent (recomputed directly)."""
     case = ref["clips"][0]
