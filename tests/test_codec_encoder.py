@@ -109,7 +109,7 @@ def test_latents_match_the_official_encoder(encoder, ref, index):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_codes_on_cuda_equal_the_official_encoder(tiny_checkpoint, ref, monkeypatch):
-    # TF32 convolutions and matmuls (10-bit mantissas) round differently from the float32 reference: off, as in
+    # TF32 convolutions and matmuls round differently from the float32 reference: off, as in
     # test_snake_kernel.py.
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)

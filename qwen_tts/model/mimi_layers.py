@@ -1,5 +1,7 @@
-"""The Mimi encoder's parts, as the 12 Hz speech tokenizer uses them (`codec_encoder.CodecEncoder` puts them together).
+"""The Mimi encoder's config and parts, as the 12 Hz speech tokenizer uses them (`codec_encoder.CodecEncoder` puts
+them together).
 
+`MimiEncoderConfig` reads `encoder_config` as transformers' `MimiConfig` does (its defaults for missing keys).
 Reimplements, from transformers 4.57.3 `models/mimi/modeling_mimi.py`: `MimiConv1d` (causal: left padding of
 kernel - stride, then right padding up to whole strides), `MimiResnetBlock` and `MimiEncoder` (SEANet), the encoder
 transformer (`MimiTransformerModel` with LayerNorm, rotate_half RoPE, GQA, GELU MLP and layer scales; full causal
@@ -10,19 +12,141 @@ names follow the checkpoint's `encoder.*` tensor names.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qwen_tts.model.config import ConfigError
 from qwen_tts.model.layers import RotaryEmbedding, apply_rope
-
-if TYPE_CHECKING:
-    from qwen_tts.model.codec_encoder import MimiEncoderConfig
 
 # MimiEuclideanCodebook's floor on cluster usage.
 _USAGE_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class MimiEncoderConfig:
+    """`encoder_config` of speech_tokenizer/config.json (a transformers `MimiConfig`), with the tokenizer's own
+    `encoder_valid_num_quantizers` and `encode_downsample_rate`. Missing keys take MimiConfig's defaults."""
+
+    sampling_rate: int = 24000
+    audio_channels: int = 1
+    hidden_size: int = 512
+    num_filters: int = 64
+    num_residual_layers: int = 1
+    upsampling_ratios: tuple[int, ...] = (8, 6, 5, 4)
+    kernel_size: int = 7
+    last_kernel_size: int = 3
+    residual_kernel_size: int = 3
+    dilation_growth_rate: int = 2
+    pad_mode: str = "constant"
+    compress: int = 2
+    codebook_size: int = 2048
+    codebook_dim: int = 256
+    num_quantizers: int = 32
+    num_semantic_quantizers: int = 1
+    vector_quantization_hidden_dimension: int = 256
+    num_hidden_layers: int = 8
+    intermediate_size: int = 2048
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    hidden_act: str = "gelu"
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    attention_bias: bool = False
+    frame_rate: float = 12.5
+    valid_quantizers: int = 16
+    downsample_rate: int = 1920
+
+    @classmethod
+    def from_tokenizer_dict(cls, st: dict[str, Any]) -> MimiEncoderConfig:
+        """From the whole speech_tokenizer/config.json dict; refuses what the released encoder never uses."""
+        where = "speech_tokenizer encoder_config"
+        e = dict(st.get("encoder_config") or {})
+        if not e:
+            raise ConfigError(f"{where}: missing (the speech tokenizer has no encoder)")
+        for key, want in (("use_causal_conv", True), ("use_conv_shortcut", False), ("use_streaming", False)):
+            if key in e and bool(e[key]) != want:
+                raise ConfigError(f"{where}: {key}={e[key]!r} is not supported (the released encoder has {want})")
+        if e.get("rope_scaling"):
+            raise ConfigError(f"{where}: rope_scaling is not supported")
+        if float(e.get("trim_right_ratio", 1.0)) != 1.0:
+            raise ConfigError(f"{where}: trim_right_ratio must be 1.0")
+        defaults = cls()
+        kw: dict[str, Any] = {}
+        try:
+            for name in cls.__dataclass_fields__:
+                if e.get(name) is not None and name not in ("upsampling_ratios", "head_dim", "frame_rate"):
+                    kw[name] = type(getattr(defaults, name))(e[name])
+            if "codebook_dim" in e and e["codebook_dim"] is None:  # MimiConfig: an explicit None is the hidden size
+                kw["codebook_dim"] = kw.get("hidden_size", defaults.hidden_size)
+            kw["upsampling_ratios"] = tuple(int(r) for r in e.get("upsampling_ratios") or defaults.upsampling_ratios)
+            # MimiConfig: head_dim or hidden // heads; the frame rate given, or the SEANet rate halved by the
+            # downsampling conv.
+            hidden = kw.get("hidden_size", defaults.hidden_size)
+            kw["head_dim"] = int(
+                e.get("head_dim") or hidden // kw.get("num_attention_heads", defaults.num_attention_heads)
+            )
+            rate = e.get("_frame_rate", e.get("frame_rate"))
+            hop = math.prod(kw["upsampling_ratios"]) * 2
+            kw["frame_rate"] = (
+                float(rate) if rate is not None else kw.get("sampling_rate", defaults.sampling_rate) / hop
+            )
+            kw["valid_quantizers"] = int(st.get("encoder_valid_num_quantizers", defaults.valid_quantizers))
+            kw["downsample_rate"] = int(st.get("encode_downsample_rate", defaults.downsample_rate))
+        except (TypeError, ValueError, ZeroDivisionError) as err:
+            raise ConfigError(f"{where}: {err}") from err
+        cfg = cls(**kw)
+        cfg._check(where)
+        return cfg
+
+    def _check(self, where: str) -> None:
+        if self.audio_channels != 1:
+            raise ConfigError(
+                f"{where}: audio_channels must be 1 (the tokenizer encodes mono), got {self.audio_channels}"
+            )
+        if self.hidden_act != "gelu":
+            raise ConfigError(f"{where}: hidden_act {self.hidden_act!r} is not supported (expected 'gelu')")
+        if self.pad_mode not in ("constant", "replicate"):
+            raise ConfigError(f"{where}: pad_mode {self.pad_mode!r} is not supported")
+        if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"{where}: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if not 1 <= self.num_semantic_quantizers < self.num_quantizers:
+            raise ConfigError(f"{where}: num_semantic_quantizers must be in [1, num_quantizers)")
+        if not self.num_semantic_quantizers <= self.valid_quantizers <= self.num_quantizers:
+            raise ConfigError(
+                f"{where}: encoder_valid_num_quantizers {self.valid_quantizers} outside "
+                f"[{self.num_semantic_quantizers}, {self.num_quantizers}]"
+            )
+        hop = math.prod(self.upsampling_ratios) * self.downsample_stride
+        if self.downsample_kernel is None or hop != self.downsample_rate:
+            raise ConfigError(
+                f"{where}: the encoder's hop ({math.prod(self.upsampling_ratios)} x 2 downsampling at "
+                f"{self.frame_rate} Hz) does not match encode_downsample_rate {self.downsample_rate}"
+            )
+
+    @property
+    def seanet_frame_rate(self) -> int:
+        """Frames per second out of the SEANet encoder (MimiConfig.encodec_frame_rate)."""
+        return math.ceil(self.sampling_rate / math.prod(self.upsampling_ratios))
+
+    @property
+    def downsample_stride(self) -> int:
+        return 2
+
+    @property
+    def downsample_kernel(self) -> int | None:
+        """The downsampling conv's kernel; None where the SEANet rate already is the frame rate (no such conv)."""
+        if self.frame_rate == self.seanet_frame_rate:
+            return None
+        return 2 * int(self.seanet_frame_rate / self.frame_rate)
 
 
 class MimiConv1d(nn.Module):
