@@ -29,7 +29,7 @@ from qwen_tts.model.codec_encoder import (
     unused_tensor_prefixes,
 )
 from qwen_tts.model.loading import CheckpointError
-from qwen_tts.model.model_paths import ensure_demo_checkpoint
+from qwen_tts.model.model_paths import resolve_model_path
 from qwen_tts.model.random_checkpoint import mimi_encoder_spec, speech_tokenizer_config_dict, weights_digest
 
 REFERENCE = Path(__file__).parent / "reference"
@@ -183,7 +183,7 @@ def test_config_reads_as_the_official_config_classes_do(ref, index):
 def test_loads_the_demo_checkpoint_and_a_tokenizer_folder(tmp_path, encoder):
     wav = clips.make_clip("demo", 24000, 1, 4000)
     want = encoder.encode(wav, 24000)
-    demo = ensure_demo_checkpoint(tmp_path / "demo")
+    demo = resolve_model_path("demo", demo_dir=tmp_path / "demo")
     assert torch.equal(load_codec_encoder(demo).encode(wav, 24000), want)
     # A speech tokenizer folder alone (as the Qwen3-TTS-Tokenizer-12Hz repository ships it).
     assert torch.equal(load_codec_encoder(demo / "speech_tokenizer").encode(wav, 24000), want)
