@@ -12,9 +12,10 @@ import time
 import pytest
 import torch
 
-from qwen_tts.engine_api import FinishReason, RequestFailedError, SynthesisRequest
+from qwen_tts.engine_api import EngineSettings, FinishReason, RequestFailedError, SynthesisRequest
 from qwen_tts.engines.native.engine import NativeEngine
 from qwen_tts.engines.native.scheduler import frame_budget
+from qwen_tts.model.loading import load_model
 from qwen_tts.text_stream import TextStream
 from tests.test_engine import codes_of, make_engine, started, xvec
 
@@ -270,3 +271,38 @@ async def test_streamed_requests_are_checked(tiny_model):
         with pytest.raises(RequestFailedError, match=r"grew to \d+ tokens, the limit is 8"):
             await asyncio.wait_for(h.collect(), 5)
         assert h.stats.finish_reason is FinishReason.ERROR
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+async def test_on_cuda_graphs_streamed_text_is_exact_and_changes_no_other_rows_codes(tiny_model, greedy):
+    """The GPU's default path (fused kernels, the frame step replayed from CUDA graphs captured at start): a row held
+    for its text is a row left out of a replayed graph; its codes are still those of the whole text, and a request
+    decoding beside it gets the codes it gets alone. End-of-speech is masked to the budget (min_frames), which also
+    holds on the graphed path."""
+    model = load_model(tiny_model.path, device="cuda")
+    cfg = EngineSettings(model_path=str(model.path), device="cuda", max_slots=4, first_chunk_frames=2, chunk_frames=4)
+    eng = NativeEngine(cfg, model=model)
+    held = count_held_turns(eng)
+    rng = random.Random(f"cuda-{greedy}")
+    other_text = "Another request runs beside the streamed one."
+    fixed = dict(greedy=greedy, min_frames=24, max_frames=24)
+    async with started(eng):
+        assert eng.model_info["cuda_graphs"] and eng._runner._frame_step.num_graphs > 1
+        ref = eng.submit(whole(model, TEXT, 7, **fixed))
+        alone = eng.submit(whole(model, other_text, 1, **fixed))
+        await ref.collect()
+        await alone.collect()
+        assert codes_of(ref).shape == (24, 16)
+        for mid_word in (False, True):
+            stream = TextStream()
+            h = eng.submit(streamed(model, stream, 7, **fixed))
+            beside = eng.submit(whole(model, other_text, 1, **fixed))
+            pieces = random_split(TEXT, rng, mid_word=mid_word)
+            await asyncio.gather(produce(stream, pieces, rng, 0.02, eng), h.collect(), beside.collect())
+            assert torch.equal(codes_of(h), codes_of(ref)), pieces
+            assert torch.equal(codes_of(beside), codes_of(alone)), pieces
+    assert held[0] > 0  # rows really waited for their text
