@@ -14,7 +14,15 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from qwen_tts.model.icl_prompt import build_icl_prompt, decode_icl, icl_cut, prime_stream, ref_text_ids, reference_block
+from qwen_tts.model.icl_prompt import (
+    build_icl_prompt,
+    decode_icl,
+    icl_cut,
+    icl_prompt_len,
+    prime_stream,
+    ref_text_ids,
+    reference_block,
+)
 from qwen_tts.model.random_checkpoint import weights_digest
 from qwen_tts.model.reference_loop import generate_codes
 from qwen_tts.model.tokenizer import ROLE_LEN, TAIL_LEN
@@ -142,3 +150,13 @@ def test_streamed_audio_after_the_primed_reference_is_the_official_audio(ref, ge
         lead = len(case["audio"]) - len(codes) * HOP
         assert lead == (1 if r == 31 else 0)
         assert_close(streamed, case["audio"][lead:], msg=lambda msg, c=case: f"{_id(c)} streamed: {msg}")
+
+
+def test_the_prompt_length_is_known_before_the_prompt_is_built(ref, tiny_qwen3tts):
+    """The engine refuses a reference too long for its cache at submit, from `icl_prompt_len`."""
+    for case in ref["cases"]:
+        n_text = len(tiny_qwen3tts.tokenizer.text_ids(case["text"]))
+        n = icl_prompt_len(
+            case["language"], len(case["ref_ids"]), n_text, len(case["ref_codes"]), case["non_streaming"]
+        )
+        assert n == len(case["prefill"]), _id(case)

@@ -49,10 +49,11 @@ def reference_block(talker: Talker, codes: Tensor) -> Tensor:
     return torch.cat(parts, dim=1).sum(1)  # (frames, 16, H) -> (frames, H)
 
 
-def icl_block_len(ref_ids: int, text_ids: int, frames: int, non_streaming: bool) -> int:
-    """Prefill rows after the role and control rows: T1 + T2 rows in non-streaming mode, T2 in streaming mode."""
+def icl_prompt_len(language: str, ref_ids: int, text_ids: int, frames: int, non_streaming: bool) -> int:
+    """Prefill rows of an ICL prompt: 3 role rows, 5 control rows ("auto") or 6, then T1 + T2 rows (non-streaming)
+    or T2 rows (streaming). `language` as `normalize_language` gives it."""
     t1, t2 = ref_ids + text_ids + 1, frames + 1
-    return t1 + t2 if non_streaming else t2
+    return 3 + (5 if language == "auto" else 6) + (t1 + t2 if non_streaming else t2)
 
 
 def build_icl_prompt(
