@@ -204,13 +204,16 @@ async def test_icl_requests_the_engine_cannot_serve_are_refused_at_submit(tiny_q
 @pytest.mark.parametrize("frame_step", ["eager", "graphs"])
 async def test_icl_rows_on_cuda_in_float32_give_the_reference_loops_codes(tiny_checkpoint, frame_step):
     """The mixed batch on CUDA in float32, the engine eager or on its full fast path (CUDA-graph frame steps,
-    prefill and decoder, the decoder thread)."""
+    prefill and decoder, the decoder thread). The reference codes come before the engine sets up its fast path on
+    the model; the audio is compared after, through the same Code2Wav (float32 decoder)."""
     from qwen_tts.model.loading import load_model
 
     model = load_model(tiny_checkpoint, device="cuda", dtype=torch.float32)
     reqs = [request(model, i, *case) for i, case in enumerate(CASES)]
     expected = [loop_codes(model, r) for r in reqs]
-    eng = make_engine(model, warmup=frame_step == "graphs", frame_step=frame_step, decoder_tf32=False)
+    eng = make_engine(
+        model, warmup=frame_step == "graphs", frame_step=frame_step, decoder_tf32=False, decoder_fp16=False
+    )
     await eng.start()
     try:
         handles, audio = await run(eng, reqs)
