@@ -81,7 +81,7 @@ class SlotDecoder:
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
         self._side = capture_stream(self.device) if mode == "graphs" else None
-        self.references_decoded = 0  # ICL voices whose reference codes this decoder has run (`start_from`)
+        self.references_decoded = 0  # ICL voices whose reference codes this decoder has run (`decode_reference`)
         # Pinned host buffers of the largest bucket for the graphs' inputs and audio (views of them serve smaller
         # buckets), so the copy back does not block the engine loop.
         self._host: dict[str, Tensor] = self._pinned_buffers() if mode == "graphs" else {}
