@@ -74,18 +74,19 @@ def text_track_rows(talker: Talker, track_ids: list[int], start: int, pad_id: in
     return torch.cat(out)
 
 
-def build_prompt(
-    cfg: ModelConfig,
-    talker: Talker,
-    text_ids: list[int],
-    role_ids: list[int],
-    xvector: Tensor,
-    language: str,
-    non_streaming: bool,
-) -> Prompt:
-    """Prefill embeddings (L, H), trailing text track and tpad for one request (module dtype and device)."""
-    if not text_ids:
-        raise ValueError("text_ids is empty: the prompt needs at least one text token")
+@dataclass
+class PromptHead:
+    """What both prompt kinds share: the role and control rows, and the tts bos/eos/pad text rows."""
+
+    rows: Tensor  # (3 + n - 1, H) role rows, then control rows (n = len(codec))
+    bos_codec: Tensor  # (1, H) C(codec_bos), the codec track of the row after the control rows
+    tbos: Tensor  # (H,)
+    teos: Tensor  # (H,)
+    tpad: Tensor  # (H,)
+
+
+def build_head(cfg: ModelConfig, talker: Talker, role_ids: list[int], xvector: Tensor, language: str) -> PromptHead:
+    """Role + control rows: P(role) then [tpad * (n-2), tbos] + codec[:-1], codec = C(prefix) ++ xvector ++ C(pad)."""
     if len(role_ids) != 3:
         raise ValueError(f"role_ids must be the 3 ids of '<|im_start|>assistant\\n', got {len(role_ids)}")
     tc = cfg.talker
@@ -113,16 +114,37 @@ def build_prompt(
     n = codec.shape[0]
     control = torch.cat((tpad.expand(n - 2, -1), tbos[None])) + codec[:-1]
     role = talker.embed_text(ids(role_ids))
-    bos_codec = codec[-1:]
+    return PromptHead(torch.cat((role, control)), codec[-1:], tbos, teos, tpad)
+
+
+def build_prompt(
+    cfg: ModelConfig,
+    talker: Talker,
+    text_ids: list[int],
+    role_ids: list[int],
+    xvector: Tensor,
+    language: str,
+    non_streaming: bool,
+) -> Prompt:
+    """Prefill embeddings (L, H), trailing text track and tpad for one request (module dtype and device)."""
+    if not text_ids:
+        raise ValueError("text_ids is empty: the prompt needs at least one text token")
+    head = build_head(cfg, talker, role_ids, xvector, language)
+    tc = cfg.talker
+    dev = talker.codec_head.weight.device
+    teos, tpad = head.teos, head.tpad
+
+    def ids(values: list[int]) -> Tensor:
+        return upload(values, torch.long, dev)
 
     if non_streaming:
         m = len(text_ids)
         text = torch.cat((talker.embed_text(ids(text_ids)), teos[None]))  # (m+1, H)
         text = text + talker.embed_codec(ids([tc.codec_pad_id] * (m + 1)))
-        prefill = torch.cat((role, control, text, tpad[None] + bos_codec))
+        prefill = torch.cat((head.rows, text, tpad[None] + head.bos_codec))
         trailing = tpad.new_zeros((0, tpad.shape[0]))
     else:
-        prefill = torch.cat((role, control, talker.embed_text(ids(text_ids[:1])) + bos_codec))
+        prefill = torch.cat((head.rows, talker.embed_text(ids(text_ids[:1])) + head.bos_codec))
         rest = text_track_rows(talker, text_ids[1:], 0, cfg.tts_pad_token_id)
         trailing = torch.cat((rest, teos[None]))
     return Prompt(prefill=prefill, trailing=trailing, pad=tpad, end=teos)

@@ -1,4 +1,4 @@
-"""Single-request reference generation loop (x-vector voice clone): text -> codec frames (T, 16).
+"""Single-request reference generation loop (x-vector or ICL voice clone): text -> codec frames (T, 16).
 
 Reimplements qwen-tts 0.1.1 MQ `Qwen3TTSForConditionalGeneration.generate` + `Qwen3TTSTalkerForConditionalGeneration`
 `forward` under HF `generate` for batch 1 (reference doc 2.4/2.5): per step, cb0 from the talker logits (repetition
@@ -19,6 +19,7 @@ import torch
 from torch import LongTensor, Tensor
 
 from qwen_tts.model.config import ModelConfig
+from qwen_tts.model.icl_prompt import build_icl_prompt, ref_text_ids, reference_block
 from qwen_tts.model.prompt import build_prompt
 from qwen_tts.model.sampling import apply_repetition_penalty, mark_seen, mask_eos, sample, suppress, suppress_mask
 from qwen_tts.model.talker import Talker
@@ -46,17 +47,35 @@ def generate_codes(
     cp_top_p: float = 1.0,
     seed: int = 0,
     min_new_tokens: int = 2,
+    ref_codes: Tensor | None = None,
+    ref_text: str | None = None,
 ) -> LongTensor:
     """Codes (T, 16) on the talker's device, cut before the first EOS; T <= max_frames.
 
-    cp_greedy=None follows `greedy` for the code predictor.
+    cp_greedy=None follows `greedy` for the code predictor. ref_codes (frames, 16) and ref_text: clone in ICL mode
+    (qwen_tts/model/icl_prompt.py); the codes returned are the generated ones only (`decode_icl` makes the audio).
     """
     tc = cfg.talker
     dev = talker.codec_head.weight.device
     ids = tokenizer.chat_ids(text)
-    prompt = build_prompt(
-        cfg, talker, ids[ROLE_LEN:-TAIL_LEN], ids[:ROLE_LEN], xvector, language or "auto", non_streaming
-    )
+    if (ref_codes is None) != (ref_text is None):
+        raise ValueError("ICL needs both ref_codes and ref_text")
+    if ref_codes is None:
+        prompt = build_prompt(
+            cfg, talker, ids[ROLE_LEN:-TAIL_LEN], ids[:ROLE_LEN], xvector, language or "auto", non_streaming
+        )
+    else:
+        prompt = build_icl_prompt(
+            cfg,
+            talker,
+            ids[ROLE_LEN:-TAIL_LEN],
+            ids[:ROLE_LEN],
+            xvector,
+            language or "auto",
+            non_streaming,
+            ref_text_ids(tokenizer, ref_text),
+            reference_block(talker, ref_codes),
+        )
     L = prompt.prefill.shape[0]
     n_trailing = prompt.trailing.shape[0]
     cache = talker.new_cache(1, L + max_frames)

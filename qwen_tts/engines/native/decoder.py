@@ -7,7 +7,9 @@ and a fixed (batch bucket, chunk length) shape, so on CUDA each bucket is one CU
 launches. A row that starts a request is marked fresh: its gathered state is zero (the causal zero padding)
 whatever its slot held before. Chunks shorter than their bucket are padded with code 0 at the end and trimmed:
 the decoder is causal, so the real frames' samples do not see the padding (only the final chunk of a request is
-ever short, and a finished request's state is never read again).
+ever short, and a finished request's state is never read again). An ICL request starts instead from the state after
+its voice's reference codes (`start_from`: decoded once per voice, then copied into the slot), so its audio is the
+decode of reference + generated codes with the reference part cut, and its first chunk waits for no reference.
 
 `DecodeWorker` runs the chunks in order on a thread (and CUDA stream) of its own, beside the frame steps: the
 engine loop hands a chunk over and goes on stepping; the worker delivers the audio. A request's chunks run in
@@ -79,6 +81,7 @@ class SlotDecoder:
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict[str, Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
         self._side = capture_stream(self.device) if mode == "graphs" else None
+        self.references_decoded = 0  # ICL voices whose reference codes this decoder has run (`decode_reference`)
         # Pinned host buffers of the largest bucket for the graphs' inputs and audio (views of them serve smaller
         # buckets), so the copy back does not block the engine loop.
         self._host: dict[str, Tensor] = self._pinned_buffers() if mode == "graphs" else {}
@@ -96,6 +99,23 @@ class SlotDecoder:
     def padded_len(self, t: int) -> int:
         """The chunk length a chunk of t frames is decoded at."""
         return t if self.mode == "exact" else bucket(t, self.chunk_lens)
+
+    def decode_reference(self, voice: Any) -> None:
+        """Decode `voice`'s reference codes (an `icl_cache.IclVoice`) once, keeping Code2Wav's state after them on
+        the voice."""
+        if voice.decoder_state is None:
+            stream = self.c2w.new_stream(1)
+            self.c2w.decode_chunk(voice.codes.T[None].to(self.device), stream)
+            voice.decoder_state = _state_tensors(stream)
+            self.references_decoded += 1
+
+    def start_from(self, slot: int, voice: Any) -> None:
+        """Set `slot`'s state to Code2Wav's after `voice`'s reference codes (`decode_reference`); decode the slot's
+        next chunk as not fresh."""
+        self.decode_reference(voice)
+        idx = torch.tensor([slot], device=self.device)
+        for t, s in zip(self._tensors, voice.decoder_state, strict=True):
+            t.index_copy_(0, idx, s)
 
     def _chunk(self, idx: Tensor, fresh: Tensor, codes: Tensor) -> Tensor:
         """Gather rows `idx` (fresh ones as zeros), decode `codes` (B, Q, T), scatter the state back."""
@@ -192,6 +212,10 @@ class DecodeJob:
     first: bool  # every row's first chunk
     fresh: list[bool]  # rows whose state starts at zero (a request's first chunk)
     key: tuple  # jobs of equal key may be merged into one batch
+    # Per row, an ICL request's first chunk: its voice (icl_cache.IclVoice), whose reference state the row starts
+    # from instead of zero; None otherwise (or no list: none).
+    starts: list[Any] | None = None
+    reference: Any = None  # a job with no rows that decodes this ICL voice's reference ahead of its first chunk
 
 
 class DecodeWorker:
@@ -245,6 +269,12 @@ class DecodeWorker:
                 self._qcv.notify()
         else:
             self._run_batch([job])
+
+    def decode_reference(self, voice: Any) -> None:
+        """Decode an ICL voice's reference on the worker now (at admission), so the first chunk of its request
+        does not wait for it."""
+        codes = torch.zeros(0, self.decoder.num_quantizers, 0, dtype=torch.long)
+        self.submit(DecodeJob([], [], [], codes, first=True, fresh=[], key=("reference", id(voice)), reference=voice))
 
     def inflight(self, row: Any) -> int:
         return self._inflight.get(id(row), 0)
@@ -311,8 +341,16 @@ class DecodeWorker:
 
     def _run_batch(self, jobs: list[DecodeJob]) -> None:
         t0 = time.perf_counter()
+        for job in jobs:
+            if job.reference is not None:
+                try:
+                    with torch.inference_mode(), self._gpu_guard:
+                        self.decoder.decode_reference(job.reference)
+                except Exception:  # the request's first chunk tries again and fails its row
+                    log.exception("decoding an ICL reference failed")
         rows = [(job, i) for job in jobs for i in range(len(job.rows))]
         live = [(job, i) for job, i in rows if not job.rows[i].cancelled]
+        live = [(job, i) for job, i in live if self._start(job, i)]
         if live:
             codes = torch.cat([job.codes[i : i + 1] for job, i in live])
             try:
@@ -333,10 +371,27 @@ class DecodeWorker:
             else:
                 self._emit(live, codes, wav)
         self._timings["decode_s"] += time.perf_counter() - t0
-        self._timings["decode_chunks"] += 1
+        self._timings["decode_chunks"] += bool(rows)  # (a reference job has no rows: no chunk)
         self._timings["decode_rows"] += len(live)
         for job in jobs:
             self._finish(job)
+
+    def _start(self, job: DecodeJob, i: int) -> bool:
+        """Row i of `job` starts from its ICL voice's reference state, if it has one; False: that failed (the row
+        is failed)."""
+        voice = job.starts[i] if job.starts is not None else None
+        if voice is None:
+            return True
+        try:
+            with torch.inference_mode(), self._gpu_guard:
+                self.decoder.start_from(job.slots[i], voice)
+        except Exception as e:
+            log.exception("decoding an ICL reference failed")
+            self._fail(job.rows[i], f"decode failed: {type(e).__name__}")
+            return False
+        job.starts[i] = None  # started: a retry of this chunk continues from the slot's state
+        job.fresh[i] = False
+        return True
 
     def _emit(self, items: list[tuple[DecodeJob, int]], codes: Tensor, wav: Tensor) -> None:
         up = self.decoder.upsample

@@ -22,6 +22,13 @@ arrived is held out of the step the same way (its audio so far is handed to the 
 of the whole text. The stream's listener wakes the loop (`Scheduler.wake`); while every row is held the loop waits
 for that, a cancel, a submission or the decoder, instead of turning.
 
+ICL requests (`request.icl`) are rows like the others: their prompt holds the reference transcript and code block
+(qwen_tts/model/icl_prompt.py) and their decoder starts from Code2Wav's state after the reference codes, both
+computed once per voice (icl_cache.py), so a batch mixes ICL and x-vector rows freely. Their frame budget counts the
+target text only (the reference is not spoken again); the prompt, reference included, must fit the prefill and the
+KV cache's prompt room (max_text_tokens plus the fixed rows), checked at submit. A text_stream is refused: the ICL
+prompt needs the whole text at prefill.
+
 Per-request state that the batched step needs lives in slot-indexed device tensors (sampling settings, seeds,
 the repetition-penalty mask, the last hidden state), so a step gathers by slot index instead of rebuilding
 Python lists. Sampling noise is counter based (seed, frame, codebook), so a request's output never depends on
@@ -63,7 +70,8 @@ from qwen_tts.model.loading import Qwen3TTS, resolve_device, resolve_dtype
 from qwen_tts.model.model_paths import DEMO, ModelPathError, resolve_model_path
 from qwen_tts.model.prompt import normalize_language
 
-from .runner import ModelRunner, talker_cache_len, uses_graphs
+from .icl_cache import ICL_TEXT_STREAM, check_icl_request
+from .runner import ModelRunner, max_prompt_len, talker_cache_len, uses_graphs
 from .scheduler import RequestState, Scheduler, frame_budget
 from .text_feed import TextFeed
 
@@ -233,6 +241,8 @@ class NativeEngine(CheckpointEngine):
         if not torch.isfinite(x).all():
             raise ValueError("xvector contains NaN or Inf")
         stream, feed = request.text_stream, None
+        if stream is not None and request.icl is not None:
+            raise ValueError(ICL_TEXT_STREAM)
         if stream is not None:
             if request.non_streaming_text:
                 raise ValueError("a text_stream needs non_streaming_text=False (the talker reads one token per frame)")
@@ -252,12 +262,18 @@ class NativeEngine(CheckpointEngine):
             text_ids = self._runner.tokenizer.text_ids(request.text)
         if len(text_ids) > self.config.max_text_tokens:
             raise ValueError(f"text is {len(text_ids)} tokens, the limit is {self.config.max_text_tokens}")
+        ref_ids = None
+        if request.icl is not None:
+            ref_ids = check_icl_request(
+                request, self._runner.tokenizer, language, len(text_ids), max_prompt_len(self.config),
+                self._cfg.talker.codebook_size,
+            )  # fmt: skip
         handle = RequestHandle(request)
         if request.seed is None:
             request.seed = draw_seed()
         budget = frame_budget(request, len(text_ids), self.config.max_frames)
         handle.stats.frame_budget = budget
-        state = RequestState(handle, text_ids, language, budget, feed=feed)
+        state = RequestState(handle, text_ids, language, budget, feed=feed, ref_ids=ref_ids)
         if feed is not None and feed.ended and not feed.ids:  # the stream ended with no text: nothing to say
             self._end_waiting(state, FinishReason.EOS)
             return handle

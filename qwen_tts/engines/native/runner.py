@@ -27,6 +27,7 @@ from qwen_tts import fastpath
 from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest
 from qwen_tts.fastpath.options import FastPath
 from qwen_tts.model.config import ModelConfig
+from qwen_tts.model.icl_prompt import build_icl_prompt, reference_block
 from qwen_tts.model.layers import upload
 from qwen_tts.model.loading import Qwen3TTS, load_model
 from qwen_tts.model.prompt import Prompt, build_prompt, text_track_rows
@@ -34,6 +35,7 @@ from qwen_tts.model.sampling import suppress_mask
 
 from .decoder import DecodeJob, DecodeWorker, SlotDecoder
 from .frame_step import EagerFrameStep, FrameStepRunner, SlotState, StepCodes
+from .icl_cache import IclCache
 from .prefill import PrefillRunner
 from .scheduler import RequestState, StepPlan, chunk_schedule
 
@@ -45,9 +47,14 @@ PREFILL_MAX_BATCH = 16  # prompts per prefill forward
 PROMPT_EXTRA_TOKENS = 16  # prompt tokens beyond the text's (role, control and codec prefix)
 
 
+def max_prompt_len(config: EngineSettings) -> int:
+    """The longest prompt the prefill and the talker cache take (an ICL prompt's reference included)."""
+    return config.max_text_tokens + PROMPT_EXTRA_TOKENS
+
+
 def talker_cache_len(config: EngineSettings) -> int:
     """The talker cache's positions: the longest prompt and the most frames."""
-    return config.max_text_tokens + PROMPT_EXTRA_TOKENS + config.max_frames
+    return max_prompt_len(config) + config.max_frames
 
 
 def uses_graphs(fast: FastPath, device: torch.device) -> bool:
@@ -98,6 +105,7 @@ class ModelRunner:
         # The launched frame step whose codes are not read yet (overlap_steps): its rows and codes.
         self._ahead: tuple[list[RequestState], StepCodes] | None = None
         self._decoder: DecodeWorker | None = None
+        self.icl = IclCache()  # ICL voices' code blocks and decoder starts (engine loop; icl_cache.py)
 
     @property
     def _uses_graphs(self) -> bool:
@@ -182,7 +190,7 @@ class ModelRunner:
                 self._cache,
                 scratch=S,
                 max_batch=min(S, PREFILL_MAX_BATCH),
-                max_len=self.config.max_text_tokens + PROMPT_EXTRA_TOKENS,
+                max_len=max_prompt_len(self.config),
                 max_tokens=PREFILL_TOKENS_PER_BATCH,
                 mode=prefill_mode,
             )
@@ -265,6 +273,16 @@ class ModelRunner:
         req = lv.request
         x = upload(req.xvector, self.dtype, self.device)
         text_ids = lv.feed.ids if lv.feed is not None else lv.text_ids
+        if req.icl is not None:  # (no text_stream: submit refuses one)
+            voice = self.icl.voice(req.icl, lv.ref_ids, lambda codes: reference_block(self._talker, codes))
+            lv.icl_voice = voice
+            if not voice.reference_queued:  # its decoder start, while the request prefills and steps
+                voice.reference_queued = True
+                self._decoder.decode_reference(voice)
+            return build_icl_prompt(
+                self._cfg, self._talker, text_ids, self._role_ids, x, lv.language, req.non_streaming_text,
+                voice.ref_ids, voice.block,
+            )  # fmt: skip
         prompt = build_prompt(self._cfg, self._talker, text_ids, self._role_ids, x, lv.language, req.non_streaming_text)
         if lv.feed is not None:
             lv.text_ids = list(text_ids)
@@ -496,5 +514,6 @@ class ModelRunner:
                         first=key[1],
                         fresh=[key[1]] * len(rows),
                         key=key,
+                        starts=[lv.icl_voice for lv in rows] if key[1] else None,
                     )
                 )

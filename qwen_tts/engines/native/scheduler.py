@@ -26,6 +26,7 @@ import torch
 from qwen_tts.engine_api import FinishReason, QueueFullError, RequestHandle, SynthesisRequest
 from qwen_tts.model.prompt import Prompt
 
+from .icl_cache import IclVoice
 from .text_feed import TextFeed, TextTooLongError
 
 # Frame budget from the text length: ~3 frames per text token is normal speech; allow well over twice that.
@@ -64,9 +65,11 @@ class RequestState:
     # Rows of the trailing text track known (frames f < text_rows may step); None: all of it (teos, then tpad).
     text_rows: int | None = None
     held: bool = False  # waiting for its next text token this turn (schedule)
+    ref_ids: list[int] | None = None  # an ICL request's reference transcript ids (request.icl); None: x-vector mode
     # Set at admission, when the request gets a KV-cache slot.
     slot: int = -1
     prompt: Prompt | None = None
+    icl_voice: IclVoice | None = None  # an ICL request's cached voice (its decoder starts from the reference)
     pos: int = 0  # next cache position to write
     frames: int = 0  # frames generated so far
     pending: list[torch.Tensor] = field(default_factory=list)  # (16,) frames not yet handed to the decoder
