@@ -42,6 +42,7 @@ EXPOSED_HEADERS = [
     "X-Finish-Reason",
     "X-Audio-Format",
     "X-Time-To-First-Audio",
+    "X-Voice-Mode",
     "Retry-After",
 ]
 

@@ -50,7 +50,17 @@ from .errors import (
 from .middleware import abort_connection, deny_websocket
 from .runtime import Runtime
 from .schemas import SynthesisOptions, _Strict, allowed_fields
-from .synthesis import Job, Outcome, admit, check_options, has_visible_text, prepare, rest, start_job
+from .synthesis import (
+    Job,
+    Outcome,
+    admit,
+    check_options,
+    has_visible_text,
+    prepare,
+    rest,
+    start_job,
+    voice_mode_of,
+)
 
 logger = logging.getLogger("tts_server")
 
@@ -517,7 +527,7 @@ class Session:
         utt = Utterance(utterance_id, request, stream, StreamEncoder(body.response_format, self.rate))
         self.utterance = utt
         await self._event({"type": "started", "utterance_id": utt.id, "response_format": body.response_format,
-                           "sample_rate": self.rate})  # fmt: skip
+                           "sample_rate": self.rate, "voice_mode": voice_mode_of(request)})  # fmt: skip
         if body.text:
             self._take_chars(len(body.text))
             await self._push(utt, body.text)
@@ -676,6 +686,7 @@ class Session:
                 "frames": stats.frames if stats is not None else 0,
                 "time_to_first_audio": ttfa,
                 "wall_time": round(time.monotonic() - utt.started_at, 4),
+                "voice_mode": voice_mode_of(utt.request),
             }
         )
 

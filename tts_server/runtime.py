@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from qwen_tts import icl_profile
 from qwen_tts.engine_api import Engine, EngineSettingsError
 from qwen_tts.engines import create_engine
 from qwen_tts.model.model_paths import DEMO
@@ -29,6 +31,10 @@ MODEL_SUMMARY = ("name", "size", "xvector_dim", "device", "dtype")
 
 class StartupError(RuntimeError):
     """The server cannot start; the message is one line for the operator."""
+
+
+class ReferenceEncoderUnavailable(RuntimeError):
+    """This server cannot compute ICL reference codes (no checkpoint, or one without the codec encoder)."""
 
 
 class Admission:
@@ -75,7 +81,25 @@ class Runtime:
         # enrollment at a time, and the directory watch that serves hand-copied profiles without a restart.
         self.voice_encoder: VoiceEncoder | None = None
         self.enroll_lock = asyncio.Lock()
+        # The codec encoder of ICL enrolment (a transcript with the clip), loaded on first need.
+        self._reference_encoder: icl_profile.ReferenceEncoder | None = None
+        self._reference_encoder_lock = threading.Lock()
         self.profile_watcher: ProfileWatcher | None = None
+
+    def reference_encoder(self) -> icl_profile.ReferenceEncoder:
+        """The served checkpoint's codec encoder, loaded once on first use (blocking: call it from a worker thread).
+        ReferenceEncoderUnavailable, with the reason, when this server cannot compute reference codes."""
+        with self._reference_encoder_lock:
+            if self._reference_encoder is None:
+                path = self.engine.model_info.get("path")
+                if not path:
+                    raise ReferenceEncoderUnavailable(f"the {self.settings.backend} engine serves no checkpoint")
+                try:
+                    self._reference_encoder = icl_profile.load_reference_encoder(path, device=self.engine.device)
+                except Exception as e:  # no encoder weights in the checkpoint, or the module missing
+                    raise ReferenceEncoderUnavailable(f"{type(e).__name__}: {e}") from e
+                logger.info("ICL enrolment: codec encoder loaded")
+            return self._reference_encoder
 
     # --- state ------------------------------------------------------------------------------------
     @property

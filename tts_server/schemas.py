@@ -12,6 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from qwen_tts.engine_api import MAX_SEED
 
+VoiceMode = Literal["auto", "icl", "xvector"]
+
 
 class _Strict(BaseModel):
     # strict: "0.5" is not a float and 1 is not a string; forbid: a misspelt option is an error, not ignored.
@@ -41,6 +43,11 @@ class SynthesisOptions(_Strict):
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed + same request = same audio.")
     speed: float = Field(
         1.0, ge=0.25, le=4.0, description="Playback rate, pitch preserved (a time-stretch of the audio)."
+    )
+    voice_mode: VoiceMode = Field(
+        "auto",
+        description="How the voice is cloned: 'auto' (ICL when the voice has ICL data, else x-vector), 'icl' (a "
+        "voice without ICL data is refused), 'xvector' (the x-vector alone, for any voice).",
     )
 
 

@@ -64,6 +64,7 @@ async def stream(request: Request, runtime: Runtime, body: StreamRequest) -> Res
         "X-Sample-Rate": str(rate),
         "X-Audio-Format": body.response_format,
         "X-Time-To-First-Audio": f"{job.source.stats.time_to_first_audio or 0.0:.3f}",
+        "X-Voice-Mode": job.voice_mode,
         "Cache-Control": "no-store",
     }
     return JobStreamingResponse(
@@ -97,7 +98,7 @@ async def speech(request: Request, runtime: Runtime, body: SpeechRequest) -> Res
         return first
     rate = runtime.engine.sample_rate
     encoder = StreamEncoder(body.response_format, rate)
-    headers = {"X-Sample-Rate": str(rate), "Cache-Control": "no-store"}
+    headers = {"X-Sample-Rate": str(rate), "X-Voice-Mode": job.voice_mode, "Cache-Control": "no-store"}
     if body.stream_format == "sse":
         content = _sse_stream(job, first, encoder, whole, body.input)
         return JobStreamingResponse(job, content, media_type="text/event-stream", headers=headers)
@@ -130,6 +131,7 @@ def _audio_headers(job: Job, request: Request, pcm: np.ndarray) -> dict[str, str
         "X-Latency": f"{time.monotonic() - received:.3f}",
         "X-Sample-Rate": str(rate),
         "X-Finish-Reason": job.source.stats.finish_reason.value if job.source.stats.finish_reason else "",
+        "X-Voice-Mode": job.voice_mode,
     }
 
 
@@ -259,7 +261,7 @@ async def _sse_stream(
         frames = job.source.stats.frames
         # input_tokens counts characters: the text tokenizer's count is the engine's business.
         usage = {"input_tokens": len(text), "output_tokens": frames, "total_tokens": len(text) + frames}
-        yield _sse_event({"type": "speech.audio.done", "usage": usage})
+        yield _sse_event({"type": "speech.audio.done", "usage": usage, "voice_mode": job.voice_mode})
         job.outcome = Outcome.OK
     except (RequestFailedError, RequestTimeout) as e:
         job.outcome = Outcome.TIMEOUT if isinstance(e, RequestTimeout) else Outcome.ERROR  # Job.close logs it
