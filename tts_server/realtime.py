@@ -516,6 +516,12 @@ class Session:
         if body.speed != 1.0:
             raise InvalidField("speed: only 1.0 on the WebSocket session (its audio streams as it is generated)",
                                param="speed")  # fmt: skip
+        if body.reference is not None:
+            raise InvalidField(
+                "reference: not taken on the WebSocket session (a start message is a small JSON frame): enrol the voice "
+                "with its transcript (POST /v1/audio/voices with ref_text) and name it",
+                param="reference",
+            )
         self._check_fragment(body.text, 0)
         check_options(rt, body)
         utterance_id = f"{self.id}-{self.count + 1}"

@@ -38,7 +38,7 @@ from qwen_tts.voices import InvalidProfileError, InvalidSpeakerIdError, UnknownS
 from . import speed
 from .errors import ApiError, EngineFailure, InvalidField, NotFound, NotReady, Overloaded, RequestTimeout
 from .long_text import PieceChain, needs_split, split_text
-from .runtime import Runtime
+from .runtime import Runtime, Voice
 from .schemas import SynthesisOptions
 from .settings import ServerSettings
 
@@ -260,10 +260,17 @@ class Job:
             )
 
 
-def submit(runtime: Runtime, body: SynthesisOptions, request_id: str, speaker_field: str = "speaker_id") -> Job:
+def submit(
+    runtime: Runtime,
+    body: SynthesisOptions,
+    request_id: str,
+    speaker_field: str = "speaker_id",
+    voice: Voice | None = None,
+) -> Job:
     """Admit and submit a checked body; every refusal is an ApiError with the right status, naming
-    `speaker_field` (the route's name for the voice: `voice` on /v1/audio/speech)."""
-    request = prepare(runtime, body, request_id, speaker_field)
+    `speaker_field` (the route's name for the voice: `voice` on /v1/audio/speech). `voice`: the body's inline
+    reference, enrolled (tts_server/inline_reference.py), in place of the stored voice."""
+    request = prepare(runtime, body, request_id, speaker_field, voice)
     admit(runtime)
     return start_job(runtime, request, body.speed)
 
@@ -273,13 +280,21 @@ def _retry(runtime: Runtime) -> dict[str, str]:
 
 
 def prepare(
-    runtime: Runtime, body: SynthesisOptions, request_id: str, speaker_field: str = "speaker_id"
+    runtime: Runtime,
+    body: SynthesisOptions,
+    request_id: str,
+    speaker_field: str = "speaker_id",
+    voice: Voice | None = None,
 ) -> SynthesisRequest:
     """The engine request for a checked body, once the server is ready and the voice is known (NotReady, InvalidField
-    or NotFound naming `speaker_field` otherwise)."""
+    or NotFound naming `speaker_field` otherwise); `voice` (an inline reference's) instead of the stored one."""
     if not runtime.ready:
         reason = "draining for shutdown" if runtime.draining else "not ready"
         raise _refused(runtime, "not_ready", NotReady(f"server is {reason}; retry later", headers=_retry(runtime)))
+    if voice is not None:
+        xvector, icl = voice
+        icl = choose_reference(body.voice_mode, icl, body.speaker_id, speaker_field)
+        return engine_request(runtime.settings, body, xvector, request_id, icl)
     try:
         xvector, icl = runtime.voices.voice(body.speaker_id)
     except InvalidSpeakerIdError as e:
