@@ -283,7 +283,8 @@ def _load_voice_encoder(settings: ServerSettings, engine: Engine) -> VoiceEncode
         raise StartupError(
             f"{setting}: the speaker encoder gives width {encoder.xvector_dim}, the engine needs {engine.xvector_dim}"
         )
-    logger.info("%s: speaker encoder loaded (x-vector width %d)", setting, encoder.xvector_dim)
+    enabled = "Voice upload" if settings.voice_upload else "Inline references"
+    logger.info("%s enabled: speaker encoder loaded (x-vector width %d)", enabled, encoder.xvector_dim)
     return encoder
 
 
