@@ -105,18 +105,3 @@ def clean_tts_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         if key.startswith("TTS_"):
             monkeypatch.delenv(key)
     monkeypatch.chdir(tmp_path)
-
-
-@pytest.fixture
-def reference_encoder(monkeypatch: pytest.MonkeyPatch):
-    """What ICL enrolment loads (`qwen_tts.icl_profile.load_reference_encoder`): the checkpoint's codec encoder, or,
-    where qwen_tts.model.codec_encoder does not exist yet, one stand-in for that call (tests/icl_helpers.py)."""
-    from icl_helpers import REAL_ENCODER, StandInCodecEncoder
-
-    from qwen_tts import icl_profile
-
-    if REAL_ENCODER:
-        return icl_profile.load_reference_encoder
-    stand_in = StandInCodecEncoder()
-    monkeypatch.setattr(icl_profile, "load_reference_encoder", lambda model_path, device="cpu": stand_in)
-    return icl_profile.load_reference_encoder

@@ -14,6 +14,7 @@ import torch
 from media_helpers import ffmpeg_clip
 
 from qwen_tts import icl_profile
+from qwen_tts.model.codec_encoder import load_codec_encoder
 from qwen_tts.voices import ClipAudio, ClipRefused, ProfileError, check_clip, load_clip, load_profile, sha256_file
 from tts_tools import extract
 from tts_tools.extract import collect_jobs
@@ -206,7 +207,7 @@ def test_a_clip_without_a_transcript_is_an_x_vector_voice_and_loads_no_codec_enc
 
 
 def test_icl_enrolment_refuses_a_clip_longer_than_a_reference_and_a_transcript_without_words(
-    tiny_model, tmp_path, reference_encoder, capsys
+    tiny_model, tmp_path, capsys
 ):
     long_clip = write_clip(tmp_path / "long.wav", speechlike(31.0, 16000), 16000)
     out = tmp_path / "p"
@@ -236,9 +237,7 @@ def test_an_icl_voice_needs_the_codec_encoder_and_says_so_in_one_line(tiny_model
     ("name", "sr", "channels"),
     [("v44k_stereo.wav", 44100, 2), ("v16k.flac", 16000, 1), ("v48k.ogg", 48000, 2), ("v22k.mp3", 22050, 1)],
 )
-def test_extracts_a_profile_from_any_rate_channels_and_format(
-    tiny_model, model_dim, tmp_path, name, sr, channels, reference_encoder
-):
+def test_extracts_a_profile_from_any_rate_channels_and_format(tiny_model, model_dim, tmp_path, name, sr, channels):
     clip = write_clip(tmp_path / name, speechlike(6.0, sr, seed=sr), sr, channels)
     out = tmp_path / "profiles"
     assert run(tiny_model, out, "--ref-audio", str(clip), "--ref-text", "Some words.", "--no-progress") == 0
@@ -246,7 +245,7 @@ def test_extracts_a_profile_from_any_rate_channels_and_format(
     assert profile.dim == model_dim
     assert profile.ref_text == "Some words."
     # --ref-text: an ICL voice, its codes the codec encoder's on the clip's mono 24 kHz signal.
-    codes = reference_encoder(tiny_model).encode(load_clip(clip).mono, 24000)
+    codes = load_codec_encoder(tiny_model).encode(load_clip(clip).mono, 24000)
     assert torch.equal(profile.ref_codes, codes) and profile.ref_codes.shape[0] == 75
     assert profile.source_sha256 == sha256_file(clip)
     assert profile.source_seconds == pytest.approx(6.0, abs=0.06)  # mp3 adds encoder padding

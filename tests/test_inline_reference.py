@@ -1,7 +1,6 @@
 """A synthesis body's own reference clip and transcript (TTS_INLINE_REFERENCE, tts_server/inline_reference.py):
-enrolled on the fly as an ICL voice with the demo checkpoint's speaker encoder (and its codec encoder, or the
-stand-in for that one call where qwen_tts.model.codec_encoder does not exist yet), cached by content hash within
-its bound, refused naming the field; in process on the fake engine, which records what it was asked."""
+enrolled on the fly as an ICL voice with the tiny checkpoint's speaker and codec encoders, cached by content hash
+within its bound, refused naming the field; in process on the fake engine, which records what it was asked."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ import soundfile as sf
 import torch
 
 from qwen_tts.engines.fake import FakeEngine
+from qwen_tts.model.codec_encoder import load_codec_encoder
 from qwen_tts.model.config import ModelConfig
 from qwen_tts.voices import VoiceEncoder, load_clip
 from server_helpers import clean_settings, in_process
@@ -60,7 +60,7 @@ def _server(tiny_checkpoint: Path, profiles: Path, **settings):
 
 
 async def test_an_inline_reference_is_enrolled_once_and_served_as_an_icl_voice(
-    tiny_checkpoint: Path, tmp_path: Path, reference_encoder, monkeypatch: pytest.MonkeyPatch
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     enrolled: list[str] = []
     real_enroll = inline_reference.enroll_clip
@@ -75,7 +75,7 @@ async def test_an_inline_reference_is_enrolled_once_and_served_as_an_icl_voice(
         request = s.runtime.engine.submitted[-1]
         mono = load_clip(io.BytesIO(audio)).mono
         torch.testing.assert_close(request.xvector.cpu(), VoiceEncoder(tiny_checkpoint).embed(mono), rtol=0, atol=0)
-        assert torch.equal(request.icl.codes, reference_encoder(tiny_checkpoint).encode(mono, 24000))
+        assert torch.equal(request.icl.codes, load_codec_encoder(tiny_checkpoint).encode(mono, 24000))
         assert request.icl.text == REF_TEXT and request.icl.frames == 75
         # The same clip and text again, on another route: from the cache, no encoder runs.
         speech = {"model": "m", "voice": "caller", "input": TEXT, "reference": body(audio)["reference"]}
@@ -92,7 +92,7 @@ async def test_an_inline_reference_is_enrolled_once_and_served_as_an_icl_voice(
 
 
 async def test_the_cache_keeps_its_bound_dropping_the_least_recently_used(
-    tiny_checkpoint: Path, tmp_path: Path, reference_encoder
+    tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
     a, b, c = clip(f0=140.0), clip(f0=180.0), clip(f0=220.0)
     async with _server(tiny_checkpoint, tmp_path / "voices", inline_reference=True, inline_reference_cache=2) as s:
@@ -107,9 +107,7 @@ async def test_the_cache_keeps_its_bound_dropping_the_least_recently_used(
         assert s.runtime.engine.submitted[-1].icl.key not in keys
 
 
-async def test_bad_inline_references_are_refused_naming_the_field(
-    tiny_checkpoint: Path, tmp_path: Path, reference_encoder
-) -> None:
+async def test_bad_inline_references_are_refused_naming_the_field(tiny_checkpoint: Path, tmp_path: Path) -> None:
     async with _server(tiny_checkpoint, tmp_path / "voices", inline_reference=True) as s:
         cases = [
             ({"speaker_id": "c", "text": TEXT, "reference": {"audio": "not base64!", "text": REF_TEXT}},
@@ -162,7 +160,7 @@ async def test_the_body_limit_makes_room_for_the_base64_of_the_longest_clip_an_i
 
 
 async def test_with_inline_references_on_a_large_body_reaches_the_route_and_a_larger_one_is_a_413(
-    tiny_checkpoint: Path, tmp_path: Path, reference_encoder
+    tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
     async with _server(tiny_checkpoint, tmp_path / "voices", inline_reference=True, voice_upload_max_seconds=2.0) as s:
         limit = body_limit_bytes(s.runtime.settings)

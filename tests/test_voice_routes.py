@@ -22,6 +22,7 @@ from qwen_tts import icl_profile
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.fake import FakeEngine
 from qwen_tts.engines.native import NativeEngine
+from qwen_tts.model.codec_encoder import load_codec_encoder
 from qwen_tts.model.model_paths import resolve_model_path
 from qwen_tts.voices import VoiceEncoder, embed_clip, ensure_demo_voice, file_mode, load_clip, load_profile
 from server_helpers import InProcess, clean_settings, in_process, write_voice
@@ -91,9 +92,7 @@ def _profiles(server: InProcess) -> list[str]:
 
 
 # --- the whole life of an uploaded voice ----------------------------------------------------------------------
-async def test_upload_then_synthesize_with_it_then_delete(
-    server: InProcess, demo_model: Path, reference_encoder
-) -> None:
+async def test_upload_then_synthesize_with_it_then_delete(server: InProcess, demo_model: Path) -> None:
     r = await upload(server, ref_text="  The words of the clip.  ")
     assert r.status_code == 201, r.text
     body = r.json()
@@ -111,7 +110,7 @@ async def test_upload_then_synthesize_with_it_then_delete(
     torch.testing.assert_close(profile.x_vector, expected, rtol=0, atol=0)
     assert profile.ref_text == "The words of the clip." and len(profile.source_sha256) == 64
     # Its reference codes: the codec encoder's on the clip's mono 24 kHz signal, computed once at upload.
-    codes = reference_encoder(demo_model).encode(load_clip(io.BytesIO(GOOD_CLIP)).mono, SR)
+    codes = load_codec_encoder(demo_model).encode(load_clip(io.BytesIO(GOOD_CLIP)).mono, SR)
     assert profile.ref_codes.shape == (75, 16) and torch.equal(profile.ref_codes, codes)
     assert server.runtime.voices.reference("newvoice").key == icl_profile.reference_key(codes, profile.ref_text)
 
