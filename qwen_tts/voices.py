@@ -3,6 +3,8 @@ demo voice. The extractor writes profiles, the server and the batch CLI read the
 
 Format: one speaker x-vector plus metadata in a small `.safetensors` file: tensor `x_vector` (D,) float32; string
 metadata `format`, `model`, `dim`, `created_at`, `source_sha256`, `source_seconds`, `ref_text` (docs/voice_profiles.md).
+An ICL voice also holds its reference clip's codec codes, tensor `ref_codes` (T, 16) int16, and their transcript in
+`ref_text` (qwen_tts/icl_profile.py); a reader that takes only `x_vector` serves it as an x-vector voice.
 
 Directory: `<profiles_dir>/<speaker_id>.safetensors`, ids of a strict portable alphabet; a name never leaves the
 directory (strict id pattern, then resolve + commonpath, which also rejects symlinks that point out). Every file is
@@ -35,7 +37,9 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save_file
 
+from . import icl_profile
 from .audio import SAMPLE_RATE
+from .icl import IclReference
 
 logger = logging.getLogger("qwen_tts.voices")
 
@@ -63,10 +67,18 @@ class VoiceProfile:
     source_sha256: str = ""
     source_seconds: float | None = None
     ref_text: str = ""
+    ref_codes: torch.Tensor | None = None  # (T, 16) integer codes of the reference clip: an ICL voice
 
     @property
     def dim(self) -> int:
         return int(self.x_vector.shape[0])
+
+    @property
+    def icl(self) -> IclReference | None:
+        """The ICL reference (codes, transcript, content key), or None for an x-vector voice."""
+        if self.ref_codes is None:
+            return None
+        return icl_profile.make_reference(self.ref_codes, self.ref_text)
 
     def metadata(self) -> dict[str, str]:
         md = {
@@ -156,10 +168,17 @@ def validate_xvector(x: torch.Tensor, expected_dim: int | None = None) -> torch.
 def save_profile(path: str | Path, profile: VoiceProfile, *, overwrite: bool = False) -> Path:
     """Write atomically, readable by a server running as another user. Refuses to overwrite unless asked."""
     path = Path(path)
-    x = validate_xvector(profile.x_vector)
+    tensors = {TENSOR_NAME: validate_xvector(profile.x_vector)}
+    metadata = profile.metadata()
+    if profile.ref_codes is not None:  # an ICL voice: checked here, so no writer leaves a file the loader refuses
+        try:
+            tensors[icl_profile.REF_CODES_TENSOR] = icl_profile.stored_codes(profile.ref_codes)
+            metadata["ref_text"] = icl_profile.check_ref_text(profile.ref_text)
+        except icl_profile.IclDataError as e:
+            raise ProfileError(str(e)) from None
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} exists (use --force to overwrite)")
-    return atomic_write(path, lambda tmp: save_file({TENSOR_NAME: x}, tmp, metadata=profile.metadata()))
+    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def _kind(mode: int) -> str:
@@ -295,13 +314,22 @@ def _profile_from_bytes(data: bytes, expected_dim: int | None) -> VoiceProfile:
         x = tensors[TENSOR_NAME]
     x = validate_xvector(x, expected_dim).clone()  # its own memory, not a view of the file's bytes
     _check_metadata(md, x.shape[0])
+    ref_text, ref_codes = md.get("ref_text", ""), None
+    if icl_profile.REF_CODES_TENSOR in tensors:
+        # An ICL voice: its codes and transcript are checked as the writer checks them (a refused file says why).
+        try:
+            ref_codes = icl_profile.check_ref_codes(tensors[icl_profile.REF_CODES_TENSOR])
+            ref_text = icl_profile.check_ref_text(ref_text)
+        except icl_profile.IclDataError as e:
+            raise ProfileError(f"{icl_profile.REF_CODES_TENSOR}/ref_text: {e}") from None
     return VoiceProfile(
         x_vector=x,
         model=md.get("model", ""),
         created_at=md.get("created_at", ""),
         source_sha256=md.get("source_sha256", ""),
         source_seconds=_source_seconds(md.get("source_seconds")),
-        ref_text=md.get("ref_text", ""),
+        ref_text=ref_text,
+        ref_codes=ref_codes,
     )
 
 
@@ -339,6 +367,15 @@ class SpeakerInfo:
     source_sha256: str = ""
     source_seconds: float | None = None
     ref_text: str = ""
+    ref_frames: int = 0  # reference codec frames of an ICL voice; 0: an x-vector voice
+
+    @property
+    def icl(self) -> bool:
+        return self.ref_frames > 0
+
+    @property
+    def ref_seconds(self) -> float | None:
+        return round(icl_profile.reference_seconds(self.ref_frames), 3) if self.icl else None
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -348,6 +385,8 @@ class SpeakerInfo:
             "model": self.model,
             "created_at": self.created_at,
             "source_sha256": self.source_sha256,
+            "icl": self.icl,
+            "ref_seconds": self.ref_seconds,
         }
 
 
@@ -362,6 +401,7 @@ class _Entry:
     signature: tuple[int, int, int]  # (mtime_ns, size, inode): any change means reload
     xvector: torch.Tensor | None = None
     info: SpeakerInfo | None = None
+    icl: IclReference | None = None  # codes on the CPU: the engine moves what it needs
     error: str | None = None  # remembered so a bad file is parsed (and logged) once per version
 
 
@@ -451,6 +491,17 @@ class VoiceRegistry:
         if entry.xvector is None:
             raise InvalidProfileError(speaker_id, entry.error or "unusable")
         return entry.xvector
+
+    def voice(self, speaker_id: str) -> tuple[torch.Tensor, IclReference | None]:
+        """The x-vector and, for an ICL voice, its reference, both of one version of the file."""
+        entry = self._refresh(speaker_id)
+        if entry.xvector is None:
+            raise InvalidProfileError(speaker_id, entry.error or "unusable")
+        return entry.xvector, entry.icl
+
+    def reference(self, speaker_id: str) -> IclReference | None:
+        """The ICL reference of a voice (None for an x-vector voice)."""
+        return self.voice(speaker_id)[1]
 
     def info(self, speaker_id: str) -> SpeakerInfo:
         entry = self._refresh(speaker_id)
@@ -586,9 +637,10 @@ class VoiceRegistry:
             source_sha256=profile.source_sha256,
             source_seconds=profile.source_seconds,
             ref_text=profile.ref_text,
+            ref_frames=0 if profile.ref_codes is None else int(profile.ref_codes.shape[0]),
         )
         logger.debug("loaded voice profile %s (dim %d)", name, profile.dim)
-        return _Entry(signature, xvector=profile.x_vector.to(self.device), info=info)
+        return _Entry(signature, xvector=profile.x_vector.to(self.device), info=info, icl=profile.icl)
 
 
 def _signature(st: os.stat_result) -> tuple[int, int, int]:
@@ -767,10 +819,55 @@ def embed_clip(
     label = label if label is not None else _clip_name(source)
     clip = load_clip(source, label, max_seconds=max_seconds, filename=filename)
     levels = check_clip(clip, label, max_seconds=max_seconds)
+    return _embed(encoder, clip, label), levels
+
+
+def _embed(encoder: VoiceEncoder, clip: ClipAudio, label: str) -> torch.Tensor:
     x = encoder.embed(clip.mono)
     if x.shape[0] != encoder.xvector_dim:
         raise ClipRefused(f"{label}: encoder gave width {x.shape[0]}, the model needs {encoder.xvector_dim}")
-    return x, levels
+    return x
+
+
+@dataclass
+class Enrolment:
+    """What enrolling one clip gives: its x-vector and levels, and for an ICL voice its codes and transcript."""
+
+    x_vector: torch.Tensor
+    levels: ClipLevels
+    ref_text: str = ""
+    ref_codes: torch.Tensor | None = None
+
+
+def enroll_clip(
+    encoder: VoiceEncoder,
+    source: str | Path | BinaryIO,
+    label: str | None = None,
+    *,
+    ref_text: str = "",
+    reference_encoder: Callable[[], icl_profile.ReferenceEncoder] | None = None,
+    max_seconds: float = MAX_CLIP_SECONDS,
+    filename: str | None = None,
+) -> Enrolment:
+    """`embed_clip`, and with a transcript also the clip's codec codes (an ICL voice), computed once here so no
+    request runs the codec encoder. `reference_encoder` gives the encoder when first needed. ClipRefused for the
+    clip (an ICL reference is at most MAX_REF_SECONDS long), IclDataError for the transcript or the codes."""
+    label = label if label is not None else _clip_name(source)
+    text = icl_profile.check_ref_text(ref_text) if ref_text.strip() else ""
+    clip = load_clip(source, label, max_seconds=max_seconds, filename=filename)
+    levels = check_clip(clip, label, max_seconds=max_seconds)
+    if text and levels.seconds > icl_profile.MAX_REF_SECONDS:
+        raise ClipRefused(
+            f"{label}: {levels.seconds:.1f} s is longer than an ICL reference may be ({icl_profile.MAX_REF_SECONDS:g}"
+            " s): trim it, or enrol it without a transcript as an x-vector voice"
+        )
+    x = _embed(encoder, clip, label)
+    if not text:
+        return Enrolment(x, levels)
+    if reference_encoder is None:
+        raise icl_profile.IclDataError("the transcript needs the codec encoder, which was not given")
+    codes = icl_profile.encode_reference(reference_encoder(), clip.mono, SAMPLE_RATE)
+    return Enrolment(x, levels, ref_text=text, ref_codes=codes)
 
 
 # --- the demo voice --------------------------------------------------------------------------------------------

@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from icl_helpers import ref_codes, write_icl_voice
 
+from qwen_tts import icl_profile
 from qwen_tts.engine_api import (
     FRAME_SAMPLES,
     SAMPLE_RATE,
@@ -254,6 +256,42 @@ def test_item_options_reach_the_engine_request(workdir: Path):
     (req,) = engine.submitted
     assert (req.temperature, req.top_k, req.greedy) == (0.5, 3, True)
     assert torch.equal(req.xvector, load_profile(workdir / "voices" / "alice.safetensors").x_vector)
+
+
+def test_items_serve_icl_voices_in_the_mode_asked_for_and_the_summary_says_which(workdir: Path):
+    write_icl_voice(workdir / "voices", "carol", DIM, frames=30, text="Carol's clip.", seed=5)
+    carol = icl_profile.reference_key(ref_codes(30, seed=5), "Carol's clip.")
+    items = {
+        "defaults": {"voice_mode": "auto"},
+        "items": [
+            {"id": "c1", "speaker_id": "carol", "text": "In context."},
+            {"id": "c2", "speaker_id": "carol", "text": "X-vector alone.", "voice_mode": "xvector"},
+            {"id": "c3", "speaker_id": "carol", "text": "Asked for ICL.", "voice_mode": "icl"},
+            {"id": "a1", "speaker_id": "alice", "text": "An x-vector voice."},
+        ],
+    }
+    rc, engine = run_fake(workdir, items)
+    assert rc == 0
+    by_id = {r.request_id: r for r in engine.submitted}
+    assert by_id["batch-c1"].icl.key == carol and by_id["batch-c3"].icl.key == carol
+    assert by_id["batch-c2"].icl is None and by_id["batch-a1"].icl is None
+    assert torch.equal(by_id["batch-c1"].xvector, by_id["batch-c2"].xvector)
+    summary = json.loads((workdir / "out" / "summary.json").read_text())
+    assert {r["id"]: r["voice_mode"] for r in summary["items"]} == {"c1": "icl", "c2": "xvector", "c3": "icl",
+                                                                    "a1": "xvector"}  # fmt: skip
+    assert summary["totals"]["voice_modes"] == {"icl": 2, "xvector": 2}
+
+
+def test_icl_for_a_voice_without_icl_data_and_unknown_modes_are_manifest_problems(workdir: Path, capsys):
+    items = [
+        {"id": "a1", "speaker_id": "alice", "text": "Hi.", "voice_mode": "icl"},
+        {"id": "a2", "speaker_id": "alice", "text": "Hi.", "voice_mode": "both"},
+    ]
+    rc, engine = run_fake(workdir, items)
+    assert rc == 1 and not engine.started
+    err = capsys.readouterr().err
+    assert "item 0 ('a1'): voice_mode 'icl' needs a voice with ICL data, and speaker_id 'alice' has none" in err
+    assert "item 1 ('a2'): 'voice_mode' must be one of auto, icl, xvector, got 'both'" in err
 
 
 def test_invalid_manifest_reports_every_problem_and_runs_nothing(workdir: Path, capsys):

@@ -13,6 +13,8 @@ import soundfile as sf
 import torch
 from media_helpers import ffmpeg_clip
 
+from qwen_tts import icl_profile
+from qwen_tts.model.codec_encoder import load_codec_encoder
 from qwen_tts.voices import ClipAudio, ClipRefused, ProfileError, check_clip, load_clip, load_profile, sha256_file
 from tts_tools import extract
 from tts_tools.extract import collect_jobs
@@ -191,6 +193,46 @@ def test_missing_source_is_refused(tmp_path: Path):
 # ---------------------------------------------------------------------------------------------- end to end
 
 
+def test_a_clip_without_a_transcript_is_an_x_vector_voice_and_loads_no_codec_encoder(
+    tiny_model, tmp_path, monkeypatch, capsys
+):
+    def refuse(model_path, device="cpu"):
+        raise AssertionError("an x-vector voice needs no codec encoder")
+
+    monkeypatch.setattr(icl_profile, "load_reference_encoder", refuse)
+    clip = write_clip(tmp_path / "plain.wav", speechlike(6.0, 24000), 24000)
+    assert run(tiny_model, tmp_path / "p", "--ref-audio", str(clip), "--no-progress") == 0
+    assert load_profile(tmp_path / "p" / "plain.safetensors").ref_codes is None
+    assert "x-vector only" in capsys.readouterr().out
+
+
+def test_icl_enrolment_refuses_a_clip_longer_than_a_reference_and_a_transcript_without_words(
+    tiny_model, tmp_path, capsys
+):
+    long_clip = write_clip(tmp_path / "long.wav", speechlike(31.0, 16000), 16000)
+    out = tmp_path / "p"
+    assert run(tiny_model, out, "--ref-audio", str(long_clip), "--ref-text", "Many words.", "--no-progress") == 1
+    err = capsys.readouterr().err
+    assert f"{long_clip}: 31.0 s is longer than an ICL reference may be (30 s)" in err
+    assert run(tiny_model, out, "--ref-audio", str(long_clip), "--no-progress") == 0  # as an x-vector voice: fine
+    short = write_clip(tmp_path / "short.wav", speechlike(6.0, 16000), 16000)
+    assert run(tiny_model, out, "--ref-audio", str(short), "--ref-text", "?!", "--no-progress") == 1
+    assert f"{short}: reference text: the transcript has no letters or digits" in capsys.readouterr().err
+    assert not (out / "short.safetensors").exists()
+
+
+def test_an_icl_voice_needs_the_codec_encoder_and_says_so_in_one_line(tiny_model, tmp_path, monkeypatch, capsys):
+    def missing(model_path, device="cpu"):
+        raise FileNotFoundError("no speech tokenizer encoder weights")
+
+    monkeypatch.setattr(icl_profile, "load_reference_encoder", missing)
+    clip = write_clip(tmp_path / "v.wav", speechlike(6.0, 24000), 24000)
+    assert run(tiny_model, tmp_path / "p", "--ref-audio", str(clip), "--ref-text", "Words.", "--no-progress") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: cannot load the codec encoder from {str(tiny_model)!r} for an ICL voice: no speech "
+                   "tokenizer encoder weights"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("name", "sr", "channels"),
     [("v44k_stereo.wav", 44100, 2), ("v16k.flac", 16000, 1), ("v48k.ogg", 48000, 2), ("v22k.mp3", 22050, 1)],
@@ -202,6 +244,9 @@ def test_extracts_a_profile_from_any_rate_channels_and_format(tiny_model, model_
     profile = load_profile(out / f"{clip.stem}.safetensors", expected_dim=model_dim)
     assert profile.dim == model_dim
     assert profile.ref_text == "Some words."
+    # --ref-text: an ICL voice, its codes the codec encoder's on the clip's mono 24 kHz signal.
+    codes = load_codec_encoder(tiny_model).encode(load_clip(clip).mono, 24000)
+    assert torch.equal(profile.ref_codes, codes) and profile.ref_codes.shape[0] == 75
     assert profile.source_sha256 == sha256_file(clip)
     assert profile.source_seconds == pytest.approx(6.0, abs=0.06)  # mp3 adds encoder padding
     assert profile.model == f"{tiny_model.name} [tiny]"

@@ -18,11 +18,13 @@ import soundfile as sf
 import torch
 from media_helpers import ffmpeg_clip
 
+from qwen_tts import icl_profile
 from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.fake import FakeEngine
 from qwen_tts.engines.native import NativeEngine
+from qwen_tts.model.codec_encoder import load_codec_encoder
 from qwen_tts.model.model_paths import resolve_model_path
-from qwen_tts.voices import VoiceEncoder, embed_clip, ensure_demo_voice, file_mode, load_profile
+from qwen_tts.voices import VoiceEncoder, embed_clip, ensure_demo_voice, file_mode, load_clip, load_profile
 from server_helpers import InProcess, clean_settings, in_process, write_voice
 from tts_server.runtime import Runtime, StartupError
 
@@ -98,6 +100,7 @@ async def test_upload_then_synthesize_with_it_then_delete(server: InProcess, dem
     assert body["success"] is True and body["warnings"] == []
     assert voice["id"] == "newvoice" and voice["dim"] == server.runtime.engine.xvector_dim
     assert voice["ref_text"] == "The words of the clip." and voice["source_seconds"] == pytest.approx(6.0)
+    assert voice["icl"] is True and voice["ref_seconds"] == 6.0  # a transcript given: an ICL voice, 75 frames
 
     # Persisted as a profile with the atomic write's file mode, holding what the extractor's path computes.
     path = server.runtime.voices.profiles_dir / "newvoice.safetensors"
@@ -106,6 +109,10 @@ async def test_upload_then_synthesize_with_it_then_delete(server: InProcess, dem
     expected, _ = embed_clip(VoiceEncoder(demo_model), io.BytesIO(GOOD_CLIP))
     torch.testing.assert_close(profile.x_vector, expected, rtol=0, atol=0)
     assert profile.ref_text == "The words of the clip." and len(profile.source_sha256) == 64
+    # Its reference codes: the codec encoder's on the clip's mono 24 kHz signal, computed once at upload.
+    codes = load_codec_encoder(demo_model).encode(load_clip(io.BytesIO(GOOD_CLIP)).mono, SR)
+    assert profile.ref_codes.shape == (75, 16) and torch.equal(profile.ref_codes, codes)
+    assert server.runtime.voices.reference("newvoice").key == icl_profile.reference_key(codes, profile.ref_text)
 
     listed = (await server.client.get("/v1/audio/voices")).json()
     assert listed["voices"] == ["demo", "newvoice"] and listed["upload_enabled"] is True
@@ -116,6 +123,7 @@ async def test_upload_then_synthesize_with_it_then_delete(server: InProcess, dem
     torch.testing.assert_close(server.runtime.voices.get("newvoice").cpu(), expected, rtol=0, atol=0)
     mine = await server.client.post("/synthesize", json=_synth("newvoice"))
     assert mine.status_code == 200, mine.text
+    assert mine.headers["x-voice-mode"] == "icl"
     audio, rate = sf.read(io.BytesIO(mine.content), dtype="float32")
     assert rate == SR and audio.size > 0 and np.abs(audio).max() > 0
     speech = await server.client.post(
@@ -231,6 +239,46 @@ async def test_bad_forms_are_refused_naming_the_field(server: InProcess) -> None
     )
     assert r.status_code in (400, 422), r.text
     assert _profiles(server) == before
+
+
+async def test_an_upload_without_a_transcript_is_an_x_vector_voice(server: InProcess) -> None:
+    r = await upload(server, "plainvoice", ref_text="   ")
+    assert r.status_code == 201, r.text
+    assert (r.json()["voice"]["icl"], r.json()["voice"]["ref_seconds"], r.json()["voice"]["ref_text"]) == (
+        False,
+        None,
+        "",
+    )
+    assert load_profile(server.runtime.voices.profiles_dir / "plainvoice.safetensors").ref_codes is None
+    r = await server.client.post("/synthesize", json=_synth("plainvoice"))
+    assert r.status_code == 200 and r.headers["x-voice-mode"] == "xvector"
+    r = await server.client.post("/synthesize", json=_synth("plainvoice") | {"voice_mode": "icl"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "voice_mode"
+    assert (await server.client.delete("/v1/audio/voices/plainvoice")).status_code == 200
+
+
+async def test_an_icl_upload_with_a_transcript_of_no_words_is_refused_naming_ref_text(server: InProcess) -> None:
+    before = _profiles(server)
+    r = await upload(server, "dots", ref_text="... ?!")
+    assert r.status_code == 422 and r.json()["error"]["param"] == "ref_text"
+    assert r.json()["error"]["message"] == "ref_text: the transcript has no letters or digits"
+    assert _profiles(server) == before
+
+
+async def test_an_icl_upload_on_a_server_without_the_codec_encoder_names_ref_text(
+    server: InProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def missing(model_path, device="cpu"):
+        raise ModuleNotFoundError("No module named 'qwen_tts.model.codec_encoder'")
+
+    monkeypatch.setattr(icl_profile, "load_reference_encoder", missing)
+    monkeypatch.setattr(server.runtime, "_reference_encoder", None)
+    r = await upload(server, "noenc", ref_text="The words.")
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("ref_text", "icl_unavailable")
+    assert error["message"].startswith("ref_text: this server cannot compute ICL reference codes (ModuleNotFoundError")
+    assert "noenc.safetensors" not in _profiles(server)
 
 
 async def test_an_upload_over_the_size_limit_is_413_before_parsing(server: InProcess) -> None:

@@ -14,9 +14,12 @@ from qwen_tts.engine_api import Engine
 from . import docs, openapi
 from .errors import Forbidden, install_error_handlers
 from .heap import freeze_startup_heap, thaw_and_collect
+from .inline_reference import INLINE_REFERENCE_PATHS
+from .inline_reference import body_limit_bytes as inline_body_limit_bytes
 from .logs import configure_logging
 from .middleware import (
     ApiKeyMiddleware,
+    BodyLimit,
     BodyLimitMiddleware,
     JsonCORSMiddleware,
     RequestContextMiddleware,
@@ -42,6 +45,7 @@ EXPOSED_HEADERS = [
     "X-Finish-Reason",
     "X-Audio-Format",
     "X-Time-To-First-Audio",
+    "X-Voice-Mode",
     "Retry-After",
 ]
 
@@ -114,6 +118,10 @@ def create_app(
     # An upload's clip may be larger than any JSON body, but only where uploads are on; where they are off, the route's
     # refusal comes before any of the body is read.
     upload_limit = {VOICES_PATH: upload_body_limit(settings)} if settings.voice_upload else {}
+    if settings.inline_reference:  # a synthesis body may then carry a clip (base64)
+        reason = "TTS_MAX_BODY_BYTES plus the base64 of a clip of TTS_VOICE_UPLOAD_MAX_SECONDS, at most 30 s"
+        inline = BodyLimit(inline_body_limit_bytes(settings), reason, param="reference.audio")
+        upload_limit |= dict.fromkeys(INLINE_REFERENCE_PATHS, inline)
     uploads_off = Forbidden(
         "voice upload and delete are disabled on this server (an operator enables them with TTS_VOICE_UPLOAD=true)",
         code="voice_management_disabled",

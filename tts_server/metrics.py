@@ -37,6 +37,9 @@ class Metrics:
             "tts_real_time_factor", "Wall time / audio time of finished requests", buckets=_RTF, registry=r
         )
         self.audio_seconds = Counter("tts_audio_seconds", "Seconds of audio produced", registry=r)
+        self.voice_modes = Counter(
+            "tts_voice_mode", "Engine requests by cloning mode (icl, xvector)", ["mode"], registry=r
+        )
         self.engine_restarts = Counter("tts_engine_restarts", "In-process engine restarts after a fault", registry=r)
         # The WebSocket speech session (tts_server/realtime.py).
         self.ws_sessions = Gauge("tts_ws_sessions", "WebSocket speech sessions open now", registry=r)

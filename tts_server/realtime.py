@@ -50,7 +50,17 @@ from .errors import (
 from .middleware import abort_connection, deny_websocket
 from .runtime import Runtime
 from .schemas import SynthesisOptions, _Strict, allowed_fields
-from .synthesis import Job, Outcome, admit, check_options, has_visible_text, prepare, rest, start_job
+from .synthesis import (
+    Job,
+    Outcome,
+    admit,
+    check_options,
+    has_visible_text,
+    prepare,
+    rest,
+    start_job,
+    voice_mode_of,
+)
 
 logger = logging.getLogger("tts_server")
 
@@ -506,6 +516,12 @@ class Session:
         if body.speed != 1.0:
             raise InvalidField("speed: only 1.0 on the WebSocket session (its audio streams as it is generated)",
                                param="speed")  # fmt: skip
+        if body.reference is not None:
+            raise InvalidField(
+                "reference: not taken on the WebSocket session (a start message is a small JSON frame): enrol the voice "
+                "with its transcript (POST /v1/audio/voices with ref_text) and name it",
+                param="reference",
+            )
         self._check_fragment(body.text, 0)
         check_options(rt, body)
         utterance_id = f"{self.id}-{self.count + 1}"
@@ -517,7 +533,7 @@ class Session:
         utt = Utterance(utterance_id, request, stream, StreamEncoder(body.response_format, self.rate))
         self.utterance = utt
         await self._event({"type": "started", "utterance_id": utt.id, "response_format": body.response_format,
-                           "sample_rate": self.rate})  # fmt: skip
+                           "sample_rate": self.rate, "voice_mode": voice_mode_of(request)})  # fmt: skip
         if body.text:
             self._take_chars(len(body.text))
             await self._push(utt, body.text)
@@ -676,6 +692,7 @@ class Session:
                 "frames": stats.frames if stats is not None else 0,
                 "time_to_first_audio": ttfa,
                 "wall_time": round(time.monotonic() - utt.started_at, 4),
+                "voice_mode": voice_mode_of(utt.request),
             }
         )
 

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from qwen_tts import icl_profile
 from qwen_tts.engine_api import Engine, EngineSettingsError
 from qwen_tts.engines import create_engine
+from qwen_tts.icl import IclReference
 from qwen_tts.model.model_paths import DEMO
 from qwen_tts.voices import DEMO_VOICE_ID, VoiceEncoder, VoiceRegistry, ensure_demo_voice
 
@@ -25,10 +31,43 @@ from .voice_watch import ProfileWatcher
 logger = logging.getLogger("tts_server")
 # The keys of /health's `model`, from the engine's model_info: the documented, stable part (docs/api.md).
 MODEL_SUMMARY = ("name", "size", "xvector_dim", "device", "dtype")
+Voice = tuple[torch.Tensor, IclReference]  # a voice as a request takes it: x-vector and ICL reference
 
 
 class StartupError(RuntimeError):
     """The server cannot start; the message is one line for the operator."""
+
+
+class ReferenceEncoderUnavailable(RuntimeError):
+    """This server cannot compute ICL reference codes (no checkpoint, or one without the codec encoder)."""
+
+
+class InlineVoices:
+    """Voices enrolled from synthesis bodies' own references (tts_server/inline_reference.py), by content hash; the
+    least recently used is dropped past `capacity`."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._voices: OrderedDict[str, Voice] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Voice | None:
+        with self._lock:
+            voice = self._voices.get(key)
+            if voice is not None:
+                self._voices.move_to_end(key)
+            return voice
+
+    def put(self, key: str, voice: Voice) -> None:
+        with self._lock:
+            self._voices[key] = voice
+            self._voices.move_to_end(key)
+            while len(self._voices) > self.capacity:
+                self._voices.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._voices)
 
 
 class Admission:
@@ -75,7 +114,26 @@ class Runtime:
         # enrollment at a time, and the directory watch that serves hand-copied profiles without a restart.
         self.voice_encoder: VoiceEncoder | None = None
         self.enroll_lock = asyncio.Lock()
+        # The codec encoder of ICL enrolment (a transcript with the clip), loaded on first need.
+        self._reference_encoder: icl_profile.ReferenceEncoder | None = None
+        self._reference_encoder_lock = threading.Lock()
+        self.inline_voices = InlineVoices(settings.inline_reference_cache)
         self.profile_watcher: ProfileWatcher | None = None
+
+    def reference_encoder(self) -> icl_profile.ReferenceEncoder:
+        """The served checkpoint's codec encoder, loaded once on first use (blocking: call it from a worker thread).
+        ReferenceEncoderUnavailable, with the reason, when this server cannot compute reference codes."""
+        with self._reference_encoder_lock:
+            if self._reference_encoder is None:
+                path = self.engine.model_info.get("path")
+                if not path:
+                    raise ReferenceEncoderUnavailable(f"the {self.settings.backend} engine serves no checkpoint")
+                try:
+                    self._reference_encoder = icl_profile.load_reference_encoder(path, device=self.engine.device)
+                except Exception as e:  # no encoder weights in the checkpoint, or the module missing
+                    raise ReferenceEncoderUnavailable(f"{type(e).__name__}: {e}") from e
+                logger.info("ICL enrolment: codec encoder loaded")
+            return self._reference_encoder
 
     # --- state ------------------------------------------------------------------------------------
     @property
@@ -132,7 +190,8 @@ class Runtime:
             await asyncio.to_thread(_ensure_demo_voice, settings, engine)
         voices = VoiceRegistry(settings.profiles_dir, xvector_dim=engine.xvector_dim, device=engine.device)
         await _load_voices(voices)
-        encoder = await asyncio.to_thread(_load_voice_encoder, settings, engine) if settings.voice_upload else None
+        needs_encoder = settings.voice_upload or settings.inline_reference
+        encoder = await asyncio.to_thread(_load_voice_encoder, settings, engine) if needs_encoder else None
         await _start_engine(engine, settings)
         runtime = cls(settings, engine, voices)
         runtime.voice_encoder = encoder
@@ -208,22 +267,24 @@ def _create_engine(settings: ServerSettings, fault_hook: Callable[[], None] | No
 
 
 def _load_voice_encoder(settings: ServerSettings, engine: Engine) -> VoiceEncoder:
-    """The served checkpoint's speaker encoder, for TTS_VOICE_UPLOAD (loaded alone, on the engine's device)."""
+    """The served checkpoint's speaker encoder, for TTS_VOICE_UPLOAD and TTS_INLINE_REFERENCE (loaded alone, on the
+    engine's device)."""
+    setting = "TTS_VOICE_UPLOAD=true" if settings.voice_upload else "TTS_INLINE_REFERENCE=true"
     path = engine.model_info.get("path")
     if not path:
         raise StartupError(
-            f"TTS_VOICE_UPLOAD=true needs a checkpoint with a speaker encoder; the {settings.backend} engine has none"
+            f"{setting} needs a checkpoint with a speaker encoder; the {settings.backend} engine has none"
         )
     try:
         encoder = VoiceEncoder(path, device=engine.device)
     except Exception as e:  # a checkpoint without speaker_encoder weights, or unreadable ones
-        raise StartupError(f"TTS_VOICE_UPLOAD=true: cannot load the speaker encoder ({type(e).__name__}: {e})") from e
+        raise StartupError(f"{setting}: cannot load the speaker encoder ({type(e).__name__}: {e})") from e
     if encoder.xvector_dim != engine.xvector_dim:
         raise StartupError(
-            f"TTS_VOICE_UPLOAD=true: the speaker encoder gives width {encoder.xvector_dim}, the engine needs "
-            f"{engine.xvector_dim}"
+            f"{setting}: the speaker encoder gives width {encoder.xvector_dim}, the engine needs {engine.xvector_dim}"
         )
-    logger.info("Voice upload enabled: speaker encoder loaded (x-vector width %d)", encoder.xvector_dim)
+    enabled = "Voice upload" if settings.voice_upload else "Inline references"
+    logger.info("%s enabled: speaker encoder loaded (x-vector width %d)", enabled, encoder.xvector_dim)
     return encoder
 
 

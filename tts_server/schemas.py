@@ -11,11 +11,24 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from qwen_tts.engine_api import MAX_SEED
+from qwen_tts.icl_profile import MAX_REF_SECONDS, MAX_REF_TEXT_CHARS
+
+VoiceMode = Literal["auto", "icl", "xvector"]
 
 
 class _Strict(BaseModel):
     # strict: "0.5" is not a float and 1 is not a string; forbid: a misspelt option is an error, not ignored.
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class InlineReference(_Strict):
+    """A reference clip and its transcript sent with the request (TTS_INLINE_REFERENCE)."""
+
+    audio: str = Field(
+        min_length=1,
+        description=f"The clip's file, base64 (any format POST /v1/audio/voices takes; 1-{MAX_REF_SECONDS:g} s).",
+    )
+    text: str = Field(min_length=1, max_length=MAX_REF_TEXT_CHARS, description="What the clip says.")
 
 
 class SynthesisOptions(_Strict):
@@ -41,6 +54,16 @@ class SynthesisOptions(_Strict):
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Same seed + same request = same audio.")
     speed: float = Field(
         1.0, ge=0.25, le=4.0, description="Playback rate, pitch preserved (a time-stretch of the audio)."
+    )
+    voice_mode: VoiceMode = Field(
+        "auto",
+        description="How the voice is cloned: 'auto' (ICL when the voice has ICL data, else x-vector), 'icl' (a "
+        "voice without ICL data is refused), 'xvector' (the x-vector alone, for any voice).",
+    )
+    reference: InlineReference | None = Field(
+        None,
+        description="Clone from this clip and transcript instead of a stored voice (an ICL voice enrolled on the "
+        "fly and cached; needs TTS_INLINE_REFERENCE=true). The voice field then only names the request's voice.",
     )
 
 

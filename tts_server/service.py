@@ -26,6 +26,7 @@ from qwen_tts.engine_api import RequestFailedError
 
 from .audio_encoding import FORMATS, StreamEncoder, encode, get_format
 from .errors import InvalidField, RequestTimeout, validation_error
+from .inline_reference import inline_voice
 from .middleware import StreamAborted, abort_connection
 from .runtime import Runtime
 from .schemas import SpeechRequest, StreamRequest, SynthesizeRequest, allowed_fields
@@ -47,14 +48,14 @@ async def file(request: Request, runtime: Runtime, body: SynthesizeRequest) -> R
         raise InvalidField(
             f"response_format: {body.response_format!r} is not available in this build", param="response_format"
         )
-    job = submit(runtime, body, _rid(request))
+    job = submit(runtime, body, _rid(request), voice=await inline_voice(runtime, body))
     return await _whole_file(request, job, body.response_format)
 
 
 async def stream(request: Request, runtime: Runtime, body: StreamRequest) -> Response:
     """POST /synthesize/stream (and /synthesize with `"stream": true`): chunked audio as it is decoded."""
     check_limits(runtime, body)
-    job = submit(runtime, body, _rid(request))
+    job = submit(runtime, body, _rid(request), voice=await inline_voice(runtime, body))
     first = await _start_stream(request, job)
     if isinstance(first, Response):
         return first
@@ -64,6 +65,7 @@ async def stream(request: Request, runtime: Runtime, body: StreamRequest) -> Res
         "X-Sample-Rate": str(rate),
         "X-Audio-Format": body.response_format,
         "X-Time-To-First-Audio": f"{job.source.stats.time_to_first_audio or 0.0:.3f}",
+        "X-Voice-Mode": job.voice_mode,
         "Cache-Control": "no-store",
     }
     return JobStreamingResponse(
@@ -82,7 +84,7 @@ async def speech(request: Request, runtime: Runtime, body: SpeechRequest) -> Res
             param="response_format",
             code="unsupported_format",
         )
-    job = submit(runtime, body, _rid(request), speaker_field="voice")
+    job = submit(runtime, body, _rid(request), speaker_field="voice", voice=await inline_voice(runtime, body))
     # FLAC cannot state its length up front and many decoders refuse a FLAC stream without it: sent whole, also as
     # the one delta of an SSE stream. A wav body is the saved file of OpenAI's `speech.create(...).write_to_file`,
     # which needs true RIFF and data sizes (a streamed header says 0xFFFFFFFF: 89,478 s to sox, 2**31-1 frames to
@@ -97,7 +99,7 @@ async def speech(request: Request, runtime: Runtime, body: SpeechRequest) -> Res
         return first
     rate = runtime.engine.sample_rate
     encoder = StreamEncoder(body.response_format, rate)
-    headers = {"X-Sample-Rate": str(rate), "Cache-Control": "no-store"}
+    headers = {"X-Sample-Rate": str(rate), "X-Voice-Mode": job.voice_mode, "Cache-Control": "no-store"}
     if body.stream_format == "sse":
         content = _sse_stream(job, first, encoder, whole, body.input)
         return JobStreamingResponse(job, content, media_type="text/event-stream", headers=headers)
@@ -130,6 +132,7 @@ def _audio_headers(job: Job, request: Request, pcm: np.ndarray) -> dict[str, str
         "X-Latency": f"{time.monotonic() - received:.3f}",
         "X-Sample-Rate": str(rate),
         "X-Finish-Reason": job.source.stats.finish_reason.value if job.source.stats.finish_reason else "",
+        "X-Voice-Mode": job.voice_mode,
     }
 
 
@@ -259,7 +262,7 @@ async def _sse_stream(
         frames = job.source.stats.frames
         # input_tokens counts characters: the text tokenizer's count is the engine's business.
         usage = {"input_tokens": len(text), "output_tokens": frames, "total_tokens": len(text) + frames}
-        yield _sse_event({"type": "speech.audio.done", "usage": usage})
+        yield _sse_event({"type": "speech.audio.done", "usage": usage, "voice_mode": job.voice_mode})
         job.outcome = Outcome.OK
     except (RequestFailedError, RequestTimeout) as e:
         job.outcome = Outcome.TIMEOUT if isinstance(e, RequestTimeout) else Outcome.ERROR  # Job.close logs it

@@ -207,6 +207,13 @@ class ServerSettings(BaseSettings):
     voice_upload_inflight_bytes: int | None = Field(None, ge=64 * 1024, le=4 * 1024 * 1024 * 1024)
     # Longest reference clip accepted, in seconds (the extractor's limit; 5-30 s of clean speech is best).
     voice_upload_max_seconds: float = Field(MAX_CLIP_SECONDS, ge=MIN_CLIP_SECONDS, le=600)
+    # A synthesis body may carry its own reference clip and transcript (`reference`, base64), enrolled on the fly as
+    # an ICL voice. Off by default: it runs the speaker and codec encoders on the request path (once per clip, then
+    # cached) and takes bodies as large as a clip; on, the speaker encoder is loaded at startup. The clip gets the
+    # upload checks, within TTS_VOICE_UPLOAD_MAX_SECONDS and an ICL reference's 30 s.
+    inline_reference: bool = False
+    # Inline references kept enrolled, by content hash (the least recently used is dropped past it).
+    inline_reference_cache: int = Field(32, ge=1, le=4096)
 
     # --- sampling defaults (a request may override within the limits below) ----------------------
     temperature: float = Field(SynthesisRequest.temperature, ge=0.0, le=2.0)

@@ -31,13 +31,14 @@ from qwen_tts.engine_api import (
     RequestStats,
     SynthesisRequest,
 )
+from qwen_tts.icl import IclReference
 from qwen_tts.languages import canonical_language, describe_languages
 from qwen_tts.voices import InvalidProfileError, InvalidSpeakerIdError, UnknownSpeakerError
 
 from . import speed
 from .errors import ApiError, EngineFailure, InvalidField, NotFound, NotReady, Overloaded, RequestTimeout
 from .long_text import PieceChain, needs_split, split_text
-from .runtime import Runtime
+from .runtime import Runtime, Voice
 from .schemas import SynthesisOptions
 from .settings import ServerSettings
 
@@ -162,13 +163,19 @@ def check_options(runtime: Runtime, body: SynthesisOptions) -> None:
 
 
 def engine_request(
-    settings: ServerSettings, body: SynthesisOptions, xvector: torch.Tensor, request_id: str
+    settings: ServerSettings,
+    body: SynthesisOptions,
+    xvector: torch.Tensor,
+    request_id: str,
+    icl: IclReference | None = None,
 ) -> SynthesisRequest:
-    """The engine request for a checked body: normalised text and language, the server's sampling defaults."""
+    """The engine request for a checked body: normalised text and language, the server's sampling defaults, and the
+    voice's ICL reference when it is served in ICL mode (`choose_reference`)."""
     temperature = settings.temperature if body.temperature is None else body.temperature
     request = SynthesisRequest(
         text=body.text.strip(),
         xvector=xvector,
+        icl=icl,
         language=canonical_language(body.language),
         temperature=temperature,
         top_k=settings.top_k if body.top_k is None else body.top_k,
@@ -182,13 +189,36 @@ def engine_request(
     return request
 
 
+def voice_mode_of(request: SynthesisRequest) -> str:
+    """How a request's voice is cloned, as the X-Voice-Mode header and the stats name it."""
+    return "icl" if request.icl is not None else "xvector"
+
+
+def choose_reference(
+    mode: str, icl: IclReference | None, speaker_id: str, speaker_field: str = "speaker_id"
+) -> IclReference | None:
+    """The reference a request is served with: the voice's ICL data unless `voice_mode` is 'xvector'; 'icl' for a
+    voice without ICL data is an InvalidField naming `voice_mode`."""
+    if mode == "xvector":
+        return None
+    if mode == "icl" and icl is None:
+        raise InvalidField(
+            f"voice_mode: 'icl' needs a voice with ICL data, and {speaker_field} {speaker_id!r} has none (enrol it "
+            "with its transcript: ref_text); use 'auto' or 'xvector'",
+            param="voice_mode",
+            code="voice_without_icl",
+        )
+    return icl
+
+
 class Job:
     """One admitted engine request and its cleanup."""
 
-    def __init__(self, runtime: Runtime, source: ChunkSource, request_id: str):
+    def __init__(self, runtime: Runtime, source: ChunkSource, request_id: str, voice_mode: str = "xvector"):
         self.runtime = runtime
         self.source = source
         self.request_id = request_id
+        self.voice_mode = voice_mode
         self.received_at = time.monotonic()
         self.outcome = Outcome.ERROR  # overwritten on success, timeout or disconnect
         self._closed = False
@@ -220,13 +250,27 @@ class Job:
             m.rtf.observe(wall / stats.audio_seconds)
         if self.outcome is not Outcome.OK:  # the one log line of a request that did not end well
             level = {Outcome.ERROR: logging.ERROR, Outcome.TIMEOUT: logging.WARNING}.get(self.outcome, logging.INFO)
-            logger.log(level, "request %s ended: %s (%s)", self.request_id, self.outcome.value, stats.as_dict())
+            logger.log(
+                level,
+                "request %s ended: %s (%s, voice_mode %s)",
+                self.request_id,
+                self.outcome.value,
+                stats.as_dict(),
+                self.voice_mode,
+            )
 
 
-def submit(runtime: Runtime, body: SynthesisOptions, request_id: str, speaker_field: str = "speaker_id") -> Job:
+def submit(
+    runtime: Runtime,
+    body: SynthesisOptions,
+    request_id: str,
+    speaker_field: str = "speaker_id",
+    voice: Voice | None = None,
+) -> Job:
     """Admit and submit a checked body; every refusal is an ApiError with the right status, naming
-    `speaker_field` (the route's name for the voice: `voice` on /v1/audio/speech)."""
-    request = prepare(runtime, body, request_id, speaker_field)
+    `speaker_field` (the route's name for the voice: `voice` on /v1/audio/speech). `voice`: the body's inline
+    reference, enrolled (tts_server/inline_reference.py), in place of the stored voice."""
+    request = prepare(runtime, body, request_id, speaker_field, voice)
     admit(runtime)
     return start_job(runtime, request, body.speed)
 
@@ -236,15 +280,23 @@ def _retry(runtime: Runtime) -> dict[str, str]:
 
 
 def prepare(
-    runtime: Runtime, body: SynthesisOptions, request_id: str, speaker_field: str = "speaker_id"
+    runtime: Runtime,
+    body: SynthesisOptions,
+    request_id: str,
+    speaker_field: str = "speaker_id",
+    voice: Voice | None = None,
 ) -> SynthesisRequest:
     """The engine request for a checked body, once the server is ready and the voice is known (NotReady, InvalidField
-    or NotFound naming `speaker_field` otherwise)."""
+    or NotFound naming `speaker_field` otherwise); `voice` (an inline reference's) instead of the stored one."""
     if not runtime.ready:
         reason = "draining for shutdown" if runtime.draining else "not ready"
         raise _refused(runtime, "not_ready", NotReady(f"server is {reason}; retry later", headers=_retry(runtime)))
+    if voice is not None:
+        xvector, icl = voice
+        icl = choose_reference(body.voice_mode, icl, body.speaker_id, speaker_field)
+        return engine_request(runtime.settings, body, xvector, request_id, icl)
     try:
-        xvector = runtime.voices.get(body.speaker_id)
+        xvector, icl = runtime.voices.voice(body.speaker_id)
     except InvalidSpeakerIdError as e:
         raise InvalidField(f"{speaker_field}: {e}", param=speaker_field, code="invalid_speaker_id") from None
     except UnknownSpeakerError:
@@ -259,7 +311,8 @@ def prepare(
             param=speaker_field,
             code="invalid_profile",
         ) from None
-    return engine_request(runtime.settings, body, xvector, request_id)
+    icl = choose_reference(body.voice_mode, icl, body.speaker_id, speaker_field)
+    return engine_request(runtime.settings, body, xvector, request_id, icl)
 
 
 def admit(runtime: Runtime) -> None:
@@ -290,9 +343,16 @@ def start_job(runtime: Runtime, request: SynthesisRequest, speed_factor: float =
             raise _refused(runtime, "not_ready", error) from None
         if isinstance(e, ValueError):  # options the engine refuses (e.g. text longer than its token limit)
             message = str(e)
-            raise InvalidField(message, param="text" if message.startswith("text") else None) from None
+            field = next((f for f in _ENGINE_FIELDS if message.startswith(f)), None)
+            raise InvalidField(message, param=field) from None
         raise
-    return Job(runtime, source, request.request_id)
+    mode = voice_mode_of(request)
+    runtime.metrics.voice_modes.labels(mode).inc()
+    return Job(runtime, source, request.request_id, mode)
+
+
+# The request fields an engine's refusal may start with (its message then names the field for the client).
+_ENGINE_FIELDS = ("text", "voice_mode")
 
 
 def _submit_to_engine(engine: Engine, request: SynthesisRequest) -> ChunkSource:

@@ -2,10 +2,12 @@
 
 - `GET /v1/audio/voices`: the voices now in the profiles directory (`/speakers` stays, with its own shape).
 - `POST /v1/audio/voices`: multipart `name`, `audio_sample` (the reference clip), optional `ref_text` (its
-  transcript). The clip goes through the extractor's checks (`qwen_tts.voices.embed_clip`: format, channels, rate
+  transcript). The clip goes through the extractor's checks (`qwen_tts.voices.enroll_clip`: format, channels, rate
   and duration from the header before any decoding, then decoded in blocks mixed to mono; silence, clipping) and
-  the speaker encoder loaded at startup; the profile is written atomically into the directory and
-  loaded, so the voice is usable by the next request. 201 with the voice; 409 if the name is taken.
+  the speaker encoder loaded at startup; with `ref_text` the voice is an ICL voice: the checkpoint's codec encoder
+  (loaded on the first such upload) computes the clip's reference codes once, here, and the profile keeps them.
+  The profile is written atomically into the directory and loaded, so the voice is usable by the next request. 201
+  with the voice; 409 if the name is taken.
 - `DELETE /v1/audio/voices/{name}`: removes the profile file.
 
 Upload and delete answer 403 unless TTS_VOICE_UPLOAD is on; with TTS_API_KEYS set every route here needs a key
@@ -27,6 +29,7 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import Field, File, create_form_parser
 
 from qwen_tts.audio import ACCEPTED_FORMATS, MAX_CHANNELS, MAX_SAMPLE_RATE
+from qwen_tts.icl_profile import MAX_REF_SECONDS, MAX_REF_TEXT_CHARS, IclDataError
 from qwen_tts.voices import (
     ClipRefused,
     InvalidProfileError,
@@ -34,14 +37,14 @@ from qwen_tts.voices import (
     SpeakerInfo,
     UnknownSpeakerError,
     VoiceProfile,
-    embed_clip,
+    enroll_clip,
     validate_speaker_id,
 )
 
 from .errors import BadRequest, Conflict, Forbidden, InvalidField, NotFound
 from .middleware import BodyLimit
 from .routes import openai_models, runtime_of
-from .runtime import Runtime
+from .runtime import ReferenceEncoderUnavailable, Runtime
 from .settings import ServerSettings
 
 router = APIRouter()
@@ -49,7 +52,6 @@ router = APIRouter()
 VOICES_PATH = "/v1/audio/voices"
 VOICE_ROUTES = (VOICES_PATH,)
 UPLOAD_FIELDS = ("name", "audio_sample", "ref_text")
-MAX_REF_TEXT_CHARS = 4096
 _MAX_TEXT_FIELD_BYTES = 64 * 1024  # name and ref_text: far above what they may hold, so the check names the field
 
 _UPLOAD_SCHEMA = {
@@ -69,7 +71,12 @@ _UPLOAD_SCHEMA = {
                             f"channels and {MAX_SAMPLE_RATE} Hz, told apart by content (the file name is only "
                             "quoted in errors); 5-30 s of one speaker is best",
                         },
-                        "ref_text": {"type": "string", "description": "Transcript of the clip (kept as metadata)"},
+                        "ref_text": {
+                            "type": "string",
+                            "description": "Transcript of the clip: makes an ICL voice (its reference codes are "
+                            f"computed once, at upload; the clip at most {MAX_REF_SECONDS:g} s). Without it, an "
+                            "x-vector voice",
+                        },
                     },
                     "additionalProperties": False,
                 }
@@ -97,6 +104,8 @@ def voice_object(info: SpeakerInfo) -> dict[str, Any]:
         "source_sha256": info.source_sha256,
         "source_seconds": info.source_seconds,
         "ref_text": info.ref_text,
+        "icl": info.icl,
+        "ref_seconds": info.ref_seconds,
     }
 
 
@@ -219,23 +228,36 @@ async def upload_voice(request: Request) -> JSONResponse:
     max_seconds = runtime.settings.voice_upload_max_seconds
     async with runtime.enroll_lock:  # one clip through the encoder at a time; synthesis is not held up by it
         try:
-            x, levels = await anyio.to_thread.run_sync(
-                lambda: embed_clip(
+            enrolled = await anyio.to_thread.run_sync(
+                lambda: enroll_clip(
                     encoder,
                     io.BytesIO(upload.audio),
                     "audio_sample",
+                    ref_text=upload.ref_text,
+                    reference_encoder=runtime.reference_encoder,
                     max_seconds=max_seconds,
                     filename=upload.filename or None,
                 )
             )
         except ClipRefused as e:
             raise InvalidField(str(e), param="audio_sample", code="invalid_audio") from None
+        except IclDataError as e:
+            raise InvalidField(f"ref_text: {e}", param="ref_text") from None
+        except ReferenceEncoderUnavailable as e:
+            raise InvalidField(
+                f"ref_text: this server cannot compute ICL reference codes ({e}); upload without ref_text for an "
+                "x-vector voice",
+                param="ref_text",
+                code="icl_unavailable",
+            ) from None
+        levels = enrolled.levels
         profile = VoiceProfile(
-            x_vector=x,
+            x_vector=enrolled.x_vector,
             model=_model_label(runtime),
             source_sha256=hashlib.sha256(upload.audio).hexdigest(),
             source_seconds=levels.seconds,
-            ref_text=upload.ref_text,
+            ref_text=enrolled.ref_text,
+            ref_codes=enrolled.ref_codes,
         )
         try:
             info = await anyio.to_thread.run_sync(runtime.voices.add, upload.name, profile)

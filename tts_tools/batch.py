@@ -33,6 +33,7 @@ from qwen_tts.engine_api import (
     SynthesisRequest,
 )
 from qwen_tts.engines import create_engine
+from qwen_tts.icl import IclReference
 from qwen_tts.voices import (
     DEFAULT_PROFILES_DIR,
     InvalidProfileError,
@@ -122,13 +123,14 @@ class ItemResult:
     finish_reason: str | None = None
     wall_time: float | None = None
     time_to_first_audio: float | None = None
+    voice_mode: str | None = None  # icl | xvector: how the voice was cloned
     error: str | None = None
 
 
 @dataclass
 class BatchPlan:
     items: list[ManifestItem]
-    voices: dict[str, torch.Tensor]
+    voices: dict[str, tuple[torch.Tensor, IclReference | None]]  # x-vector and ICL reference of each voice
     targets: dict[str, Path]  # item id -> absolute output path
     skipped: list[ItemResult] = field(default_factory=list)
 
@@ -140,15 +142,15 @@ class BatchPlan:
 
 def _load_voices(
     speaker_ids: set[str], profiles_dir: Path, xvector_dim: int
-) -> tuple[dict[str, torch.Tensor], set[str], list[str]]:
+) -> tuple[dict[str, tuple[torch.Tensor, IclReference | None]], set[str], list[str]]:
     """(usable voices, ids that have a profile file, problems); a wrong-width profile is a problem, not a skip."""
     registry = VoiceRegistry(profiles_dir, xvector_dim=xvector_dim)
-    voices: dict[str, torch.Tensor] = {}
+    voices: dict[str, tuple[torch.Tensor, IclReference | None]] = {}
     present: set[str] = set()
     problems = []
     for sid in sorted(speaker_ids):
         try:
-            voices[sid] = registry.get(sid)
+            voices[sid] = registry.voice(sid)
             present.add(sid)
         except InvalidProfileError as e:
             present.add(sid)
@@ -187,6 +189,12 @@ def plan_batch(opts: BatchOptions, *, xvector_dim: int, languages: Sequence[str]
     )
     problems += check_items(items, output_dir=opts.output_dir, speakers=present)
     problems += voice_problems
+    problems += [
+        f"item {it.index} ({it.id!r}): voice_mode 'icl' needs a voice with ICL data, and speaker_id "
+        f"{it.speaker_id!r} has none (enrol it with --ref-text); use 'auto' or 'xvector'"
+        for it in items
+        if it.voice_mode == "icl" and it.speaker_id in voices and voices[it.speaker_id][1] is None
+    ]
     if problems:
         raise ManifestError(problems)
     targets = {it.id: resolve_output(opts.output_dir, it.output) for it in items}
@@ -209,6 +217,7 @@ def plan_batch(opts: BatchOptions, *, xvector_dim: int, languages: Sequence[str]
                     frames=old.get("frames"),
                     finish_reason=old.get("finish_reason"),
                     wall_time=old.get("wall_time"),
+                    voice_mode=old.get("voice_mode"),
                 )
             )
     return plan
@@ -230,10 +239,14 @@ def write_json_atomic(path: Path, data: Any) -> None:
     atomic_write(path, write)
 
 
-def _request(item: ManifestItem, xvector: torch.Tensor) -> SynthesisRequest:
+def _request(item: ManifestItem, voice: tuple[torch.Tensor, IclReference | None]) -> SynthesisRequest:
+    """The engine request of an item: its voice in ICL mode where the voice has ICL data, unless it asks for
+    'xvector' (plan_batch refused 'icl' for a voice without)."""
+    xvector, icl = voice
     return SynthesisRequest(
         text=item.text,
         xvector=xvector,
+        icl=None if item.voice_mode == "xvector" else icl,
         language=item.language,
         seed=item.seed,
         request_id=f"batch-{item.id}",
@@ -254,7 +267,9 @@ async def _run_item(engine: Engine, plan: BatchPlan, item: ManifestItem) -> Item
     result = ItemResult(id=item.id, output=item.output, speaker_id=item.speaker_id, status="failed", seed=item.seed)
     handle = None
     try:
-        handle = await _submit(engine, _request(item, plan.voices[item.speaker_id]))
+        request = _request(item, plan.voices[item.speaker_id])
+        result.voice_mode = "icl" if request.icl is not None else "xvector"
+        handle = await _submit(engine, request)
         audio = await handle.collect()
         if audio.size == 0:
             raise RuntimeError("the engine returned no audio")
@@ -329,6 +344,7 @@ def summarize(opts: BatchOptions, results: list[ItemResult], *, started_at: str,
             "skipped": sum(r.status == "skipped" for r in results),
             "audio_seconds": round(audio, 3),
             "audio_seconds_per_second": round(audio / wall_time, 3) if wall_time > 0 else None,
+            "voice_modes": {mode: sum(r.voice_mode == mode for r in ran) for mode in ("icl", "xvector")},
         },
         "items": [asdict(r) for r in results],
     }

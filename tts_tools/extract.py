@@ -1,9 +1,12 @@
-"""Voice enrollment: reference clips -> speaker x-vector profiles (`voice_profiles/<name>.safetensors`).
+"""Voice enrollment: reference clips -> voice profiles (`voice_profiles/<name>.safetensors`).
 
-Runs only the ECAPA-TDNN speaker encoder (qwen-tts 0.1.1 `extract_speaker_embedding`, reimplemented in
-`qwen_tts.model.speaker_encoder`), loaded alone from the checkpoint. Profiles use the shared format and directory rules
-of `qwen_tts.voices`, which the server's voice registry reads; that format records the model and the x-vector
-width, so a profile made with one model size is refused by a server running the other.
+Runs the ECAPA-TDNN speaker encoder (qwen-tts 0.1.1 `extract_speaker_embedding`, reimplemented in
+`qwen_tts.model.speaker_encoder`), loaded alone from the checkpoint. A clip given with its transcript (`--ref-text`,
+a `<stem>.txt` beside it, or a list file's third column) becomes an ICL voice: the checkpoint's codec encoder, loaded
+on first need, turns the clip into its reference codes once, here, and the profile keeps them with the transcript.
+Profiles use the shared format and directory rules of `qwen_tts.voices`, which the server's voice registry reads;
+that format records the model and the x-vector width, so a profile made with one model size is refused by a server
+running the other.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from qwen_tts import icl_profile
 from qwen_tts.audio import ACCEPTED_FORMATS, sniff_format
 from qwen_tts.model.model_paths import DEMO
 from qwen_tts.voices import (
@@ -24,7 +28,7 @@ from qwen_tts.voices import (
     ClipRefused,
     VoiceEncoder,
     VoiceProfile,
-    embed_clip,
+    enroll_clip,
     is_valid_speaker_id,
     profile_path,
     save_profile,
@@ -170,6 +174,7 @@ class ClipResult:
     profile: Path | None = None
     error: str | None = None
     levels: ClipLevels | None = None
+    ref_frames: int = 0  # an ICL voice's reference codec frames
 
 
 def extract_voices(
@@ -193,6 +198,16 @@ def extract_voices(
     except Exception as e:  # a wrong folder or a checkpoint without a speaker encoder: one line, no traceback
         raise CliError(f"cannot load the speaker encoder from {model!r}: {e}") from None
     label = model_label(model, model_path, encoder.config)
+    codec: list[icl_profile.ReferenceEncoder] = []
+
+    def reference_encoder() -> icl_profile.ReferenceEncoder:
+        """The codec encoder, loaded for the first clip with a transcript (x-vector voices never need it)."""
+        if not codec:
+            try:
+                codec.append(icl_profile.load_reference_encoder(model_path, device=dev))
+            except Exception as e:  # a checkpoint without the speech tokenizer's encoder: one line
+                raise CliError(f"cannot load the codec encoder from {model!r} for an ICL voice: {e}") from None
+        return codec[0]
 
     results = []
     bar = tqdm(jobs, desc="voices", unit="clip", disable=not progress or len(jobs) < 2, file=sys.stderr)
@@ -201,19 +216,26 @@ def extract_voices(
         result = ClipResult(job)
         results.append(result)
         try:
-            x, result.levels = embed_clip(encoder, job.audio)
+            enrolled = enroll_clip(encoder, job.audio, ref_text=job.ref_text, reference_encoder=reference_encoder)
+            result.levels = enrolled.levels
             for w in result.levels.warnings:
                 tqdm.write(f"warning: {w}", file=sys.stderr)
             profile = VoiceProfile(
-                x_vector=x,
+                x_vector=enrolled.x_vector,
                 model=label,
                 source_sha256=sha256_file(job.audio),
                 source_seconds=result.levels.seconds,
-                ref_text=job.ref_text,
+                ref_text=enrolled.ref_text,
+                ref_codes=enrolled.ref_codes,
             )
+            result.ref_frames = 0 if enrolled.ref_codes is None else int(enrolled.ref_codes.shape[0])
             result.profile = save_profile(profile_path(output_dir, job.name), profile, overwrite=force)
+        except CliError:
+            raise
         except (ClipRefused, FileExistsError) as e:
             result.error = str(e)
+        except icl_profile.IclDataError as e:
+            result.error = f"{job.audio}: reference text: {e}"
         except Exception as e:  # keep going with the other clips; name the clip and the failure
             result.error = f"{job.audio}: failed ({type(e).__name__}: {e})"
     return results
@@ -231,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
             "the batch tool load by name. Only the speaker encoder is loaded from the checkpoint."
         ),
         epilog=(
-            "Several clips: pass a folder (every audio file; <stem>.txt beside a clip is its reference text) or "
+            "Several clips: pass a folder (every audio file; <stem>.txt beside a clip is its transcript, which makes "
+            "an ICL voice) or "
             f"a list file with lines 'audio_path{LIST_SEPARATOR}name{LIST_SEPARATOR}ref_text' (name and text "
             f"optional). A file is a clip if its extension is an audio one ({' '.join(AUDIO_EXTENSIONS)}), a list "
             f"file if it is {' '.join(LIST_EXTENSIONS)}, else whatever its content is. "
@@ -242,7 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ref-audio", required=True, nargs="+", metavar="PATH", help="audio file(s), folder(s) or list file(s)"
     )
-    p.add_argument("--ref-text", default="", help="transcript of the clip (metadata for a later in-context mode)")
+    p.add_argument(
+        "--ref-text",
+        default="",
+        help="transcript of the clip: makes an ICL voice (its codec codes are computed once, here; the clip at most "
+        f"{icl_profile.MAX_REF_SECONDS:g} s)",
+    )
     p.add_argument("--output-name", default=None, help="voice name for a single clip (default: the file stem)")
     p.add_argument(
         "--output-dir", default=str(DEFAULT_PROFILES_DIR), help="where profiles go (default: voice_profiles)"
@@ -267,7 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             failed += 1
             print(f"error: {r.error}", file=sys.stderr)
         else:
-            print(f"wrote {r.profile} ({r.levels.seconds:.1f} s of audio, {r.levels.rms_dbfs:.1f} dBFS RMS)")
+            kind = f", ICL: {r.ref_frames} reference frames" if r.ref_frames else ", x-vector only"
+            print(f"wrote {r.profile} ({r.levels.seconds:.1f} s of audio, {r.levels.rms_dbfs:.1f} dBFS RMS{kind})")
     if failed:
         print(f"error: {failed} of {len(results)} clip(s) not enrolled", file=sys.stderr)
     return 1 if failed else 0

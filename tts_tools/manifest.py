@@ -3,8 +3,9 @@
 Format (docs/tools.md): either a list of items or `{"defaults": {...}, "items": [...]}`. An item has `speaker_id`,
 `text`, and optionally `id` (also the default output file stem; derived from `output` when absent, so the seed's
 `{"speaker_id", "text", "language", "output"}` items work as written), `language`, `seed`, `format` (derived from
-the output's extension when absent), `output` (a relative path under the output directory) and `options` (sampling
-settings of `qwen_tts.engine_api.SynthesisRequest`).
+the output's extension when absent), `output` (a relative path under the output directory), `voice_mode` (auto: ICL
+for a voice with ICL data, else x-vector; icl; xvector) and `options` (sampling settings of
+`qwen_tts.engine_api.SynthesisRequest`).
 Every problem is collected in one pass, so a user fixes a manifest at once instead of one error per run: with the
 `speakers` and `languages` it is checked against, an item's unknown voice or language is reported beside its other
 problems, not in a later round once they are fixed. `language` takes a name or an ISO 639-1 code ('en');
@@ -34,8 +35,9 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 MAX_OUTPUT_DEPTH = 4
 AUDIO_FORMATS = ("wav", "flac", "ogg", "mp3")
 
-ITEM_KEYS = frozenset({"id", "speaker_id", "text", "language", "seed", "format", "output", "options"})
-DEFAULT_KEYS = frozenset({"speaker_id", "language", "format", "options"})
+ITEM_KEYS = frozenset({"id", "speaker_id", "text", "language", "seed", "format", "output", "voice_mode", "options"})
+DEFAULT_KEYS = frozenset({"speaker_id", "language", "format", "voice_mode", "options"})
+VOICE_MODES = ("auto", "icl", "xvector")  # as the HTTP API's voice_mode
 
 # name -> (type, check, description); bool is tested before int because bool is a subclass of int in Python.
 _NUMBER = (int, float)
@@ -73,6 +75,7 @@ class ManifestItem:
     seed: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
     index: int = 0  # position in the manifest, for messages
+    voice_mode: str = "auto"
 
 
 def derive_seed(base_seed: int, item_id: str) -> int:
@@ -258,6 +261,9 @@ def collect_items(
             problems.append(
                 f"{where}: 'seed' must be an integer from 0 to {MAX_SEED} (the HTTP API's range), got {seed!r}"
             )
+        voice_mode = merged.get("voice_mode", "auto")
+        if voice_mode not in VOICE_MODES:
+            problems.append(f"{where}: 'voice_mode' must be one of {', '.join(VOICE_MODES)}, got {voice_mode!r}")
         options = {**defaults.get("options", {}), **_check_options(raw.get("options", {}), where, problems)}
         output = (
             _output_path(item_id, fmt, raw.get("output"), where, problems)
@@ -279,6 +285,7 @@ def collect_items(
                 seed=seed,
                 options=options,
                 index=i,
+                voice_mode=voice_mode,
             )
         )
     return items, problems

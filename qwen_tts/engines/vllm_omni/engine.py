@@ -1,7 +1,8 @@
 """`Engine` over vLLM-Omni's AsyncOmni (Talker -> SharedMemoryConnector -> Code2Wav).
 
-Each request becomes one x-vector-only Base request: the speaker vector is validated here (a bad one would kill the
-talker's engine core), the prompt placeholder length comes from vLLM-Omni's own estimator, our sampling options
+Each request becomes one Base request, x-vector-only or, for a request with an ICL reference, vLLM-Omni's in-context
+form with the reference codes precomputed (requests.py): the speaker vector is validated here (a bad one would kill
+the talker's engine core), the prompt placeholder length comes from vLLM-Omni's own estimator, our sampling options
 become stage 0's SamplingParams, and the cumulative waveform vLLM-Omni streams is cut into new-tail chunks.
 Cancelling aborts the request in the pipeline. A health watch turns a dead stage into not-ready (the server
 answers 503) and, unless disabled, restarts the pipeline.

@@ -17,6 +17,10 @@ from qwen_tts.engine_api import FRAME_SAMPLES, FinishReason, SynthesisRequest
 #   list:   a float list inside `voice_clone_prompt`, which stock vLLM-Omni understands.
 SpeakerTransport = Literal["tensor", "list"]
 
+# Where vLLM-Omni's talker finds codec codes computed before the request (`codes` is one of the payload keys it
+# serialises tensor by tensor, so the reference travels as raw bytes whatever the speaker transport).
+PRECOMPUTED_REF_CODES = "precomputed_ref"
+
 # Our options vLLM-Omni cannot take per request (its residual-codebook sampling is set per deployment by the
 # deploy config's `subtalker_sampling_params`).
 NOT_PER_REQUEST = ("cp_temperature", "cp_top_k", "cp_top_p")
@@ -43,19 +47,34 @@ def language_name(language: str) -> str:
 def additional_information(
     request: SynthesisRequest, xvector: torch.Tensor, language: str, transport: SpeakerTransport
 ) -> dict[str, Any]:
-    """The stage-0 `additional_information` of an x-vector-only Base request (one item, vLLM-Omni's list form)."""
+    """The stage-0 `additional_information` of a Base request (one item, vLLM-Omni's list form): x-vector only, or
+    in-context with the request's ICL reference.
+
+    ICL is vLLM-Omni's own voice-clone prompt with nothing for it to compute: `x_vector_only_mode` off and
+    `voice_clone_prompt.icl_mode` on, the transcript as `ref_text` (its talker tokenizes it as the official
+    package does), the reference codes as precomputed codes (so it never asks for `ref_audio` nor runs its
+    encoder), and their length as `ref_code_length` for its prompt-length estimate."""
+    icl = request.icl
     info: dict[str, Any] = {
         "text": [request.text],
         "task_type": ["Base"],
         "language": [language_name(language)],
         "instruct": [""],
-        "x_vector_only_mode": [True],
+        "x_vector_only_mode": [icl is None],
         "non_streaming_mode": [bool(request.non_streaming_text)],
     }
+    prompt: dict[str, Any] = {}
     if transport == "tensor":
         info["ref_spk_embedding"] = xvector
     else:
-        info["voice_clone_prompt"] = [{"ref_spk_embedding": [float(v) for v in xvector.tolist()]}]
+        prompt["ref_spk_embedding"] = [float(v) for v in xvector.tolist()]
+    if icl is not None:
+        prompt["icl_mode"] = True
+        info["ref_text"] = [icl.text]
+        info["ref_code_length"] = [icl.frames]
+        info["codes"] = {PRECOMPUTED_REF_CODES: icl.codes.detach().to("cpu", torch.int64).contiguous()}
+    if prompt:
+        info["voice_clone_prompt"] = [prompt]
     return info
 
 
