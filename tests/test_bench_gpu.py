@@ -192,6 +192,21 @@ def test_tiny_run_end_to_end(tmp_path):
     assert "| tiny | engine | 2 |" in text
 
 
+def test_the_icl_part_runs_xvector_then_icl_streams_on_one_engine(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["--sizes", "tiny", "--parts", "icl", "--icl-levels", "1,4", "--icl-ref-frames", "20", "--frames", "6"]
+    results = bench.main([*argv, "--workdir", str(tmp_path), "--out", str(out)])
+    rows = results["sizes"]["tiny"]["icl"]
+    assert [(r["mode"], r["concurrency"], r["icl_streams"]) for r in rows] == [
+        ("xvector", 1, 0), ("icl", 1, 1), ("xvector", 4, 0), ("mixed", 4, 2)
+    ]  # fmt: skip
+    for r in rows:
+        n = r["concurrency"]
+        assert (r["requests"], r["ok"], r["errors"]) == (n, n, {})
+        assert r["audio_s"] == pytest.approx(n * 6 * 0.08) and r["ref_frames"] == 20  # the reference is not output
+    assert "| tiny | icl mixed (2 ICL, ref 20 frames) | 4 |" in bench.report(results)
+
+
 def test_a_level_that_never_ends_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
     """--level-timeout-s: a level with no result in time is named in the results and the report, that engine's
     later levels are not started, and the parts after it still run."""

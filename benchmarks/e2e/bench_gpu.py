@@ -7,6 +7,9 @@ length (--frames, default 100 = 8 s of audio per request, end-of-speech held off
   poisson  open-loop Poisson arrivals at each --poisson-rates rate: TTFA p50/p95 and continuity;
   http     our server (inference_server.py in a subprocess, uvicorn) with --http-clients streaming httpx clients
            on /synthesize/stream: TTFA and continuity measured at the client;
+  icl      (--icl-levels) ICL voices (a --icl-ref-frames reference of random codes and a transcript, 4 voices, each
+           warmed once so their per-voice cache holds them) against x-vector voices on the same engine, level by
+           level: x-vector only, then ICL only at one stream and half ICL, half x-vector beside it;
   profile  (--profile) for --profile-batches: kernels per frame step (total, top-10 by name prefix), GPU kernel
            time by record_function range (the engine's own ranges if it has any, else the outermost nn.Module
            class), elapsed time per module from CUDA events, and graph launch (host) vs kernel time; with CUDA
@@ -61,6 +64,7 @@ import torch
 from qwen_tts.engine_api import SAMPLE_RATE, EngineSettings, QueueFullError, SynthesisRequest
 from qwen_tts.engines import create_engine, release_device_memory
 from qwen_tts.fastpath.options import FastPath
+from qwen_tts.icl import NUM_CODEBOOKS, IclReference
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
 from qwen_tts.voices import VoiceProfile, save_profile
 from tts_server.heap import freeze_startup_heap, thaw_and_collect
@@ -74,7 +78,7 @@ TEXT = (
 )
 FRAME_S = 0.08  # one codec frame = 80 ms of audio
 GIB = 1024**3
-PARTS = ("engine", "poisson", "http", "profile", "reference", "peer")
+PARTS = ("engine", "poisson", "http", "profile", "icl", "reference", "peer")
 # Engines compared in the same run (--engine-variants): "" is the default engine. Each variant is EngineSettings
 # fields and FastPath fields (qwen_tts/fastpath/options.py) over the defaults; the ideas measured before these are in
 # docs/performance.md's ledger, each with the commit that can bring it back.
@@ -89,7 +93,7 @@ VARIANTS: dict[str, dict] = {
     "admission-64ms": {"admission_step_budget_ms": 64.0},  # queue new requests while steps exceed 64 ms
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
 }
-SIZE_PARTS = {"engine", "poisson", "http", "profile"}  # the parts that need our checkpoints
+SIZE_PARTS = {"engine", "poisson", "http", "profile", "icl"}  # the parts that need our checkpoints
 
 
 def variant_settings(name: str) -> dict:
@@ -253,6 +257,16 @@ def make_request(i: int, frames: int, dim: int, greedy: bool, seed_base: int = 0
     )
 
 
+REF_TEXT = "This is the reference clip, spoken once at enrolment in the voice that every request clones."
+ICL_VOICES = 4
+
+
+def icl_reference(voice: int, frames: int) -> IclReference:
+    """A benchmark ICL voice: `frames` random codes (codebook size 2048) and a transcript, keyed per voice."""
+    codes = torch.randint(0, 2048, (frames, NUM_CODEBOOKS), generator=torch.Generator().manual_seed(1000 + voice))
+    return IclReference(codes=codes, text=REF_TEXT, key=f"bench-voice-{voice}-{frames}")
+
+
 async def consume(engine, req: SynthesisRequest, st: Stream, on_handle=None) -> None:
     try:
         handle = engine.submit(req)
@@ -284,11 +298,14 @@ def timing_delta(before: dict, after: dict, n: int) -> dict:
     return out
 
 
-async def closed_level(engine, n: int, frames: int, greedy: bool) -> dict:
+async def closed_level(engine, n: int, frames: int, greedy: bool, icl: list[IclReference] | None = None) -> dict:
+    """n requests at once; with `icl`, the first len(icl) of them clone those ICL voices."""
     dim = engine.xvector_dim
     reset_peak()
     before = dict(engine.timings)
     reqs = [make_request(i, frames, dim, greedy) for i in range(n)]
+    for req, ref in zip(reqs, icl or [], strict=False):
+        req.icl = ref
     streams = [Stream() for _ in reqs]
     t0 = time.perf_counter()
     for s in streams:
@@ -866,6 +883,13 @@ def table(results: dict) -> str:
                          fmt(r["xrt_per_stream_median"], 2), fmt(r["audio_s_per_s"]), "-",
                          pair(r["ttfa_p50_ms"], r["ttfa_p95_ms"]), fmt(r["stall_p95_ms"], 0),
                          share(r["zero_stall_share"]), pair(r["peak_alloc_gib"], r["peak_reserved_gib"], 1)])  # fmt: skip
+        for r in res.get("icl", []):
+            gen, dec = r.get("step_ms_per_step"), r.get("decode_ms_per_step")
+            step = f"{fmt(gen)}+{fmt(dec)}" if gen is not None else "-"
+            run = f"icl {r['mode']} ({r['icl_streams']} ICL, ref {r['ref_frames']} frames)"
+            rows.append([size, run, r["concurrency"], fmt(r["xrt_per_stream_median"], 2), fmt(r["audio_s_per_s"]),
+                         step, pair(r["ttfa_p50_ms"], r["ttfa_p95_ms"]), fmt(r["stall_p95_ms"], 0),
+                         share(r["zero_stall_share"]), pair(r["peak_alloc_gib"], r["peak_reserved_gib"], 1)])  # fmt: skip
         for r in res.get("http", []):
             if "error" in r and "clients" not in r:
                 rows.append([size, "http", "-", "error", "-", "-", "-", "-", "-", "-"])
@@ -1110,6 +1134,24 @@ class Run:
             out.append(r)
             self.save()
 
+    async def icl_levels(self, engine, size: str, out: list) -> None:
+        """Per --icl-levels level on one engine: x-vector streams only, then the same streams with ICL voices (all
+        of them at one stream, half at more), each warmed first; the voices' cache is filled before the first."""
+        a, greedy = self.a, not self.a.sampling
+        voices = [icl_reference(v, a.icl_ref_frames) for v in range(ICL_VOICES)]
+        await closed_level(engine, ICL_VOICES, 8, greedy, voices)  # each voice's reference decoded once
+        for n in a.icl_levels:
+            refs = [voices[i % ICL_VOICES] for i in range(max(1, n // 2) if n > 1 else 1)]
+            for mode, icl in (("xvector", None), ("icl" if n == 1 else "mixed", refs)):
+                if not self.time_left(f"{size} icl {mode} c={n}"):
+                    return
+                await closed_level(engine, n, min(a.frames, 8), greedy, icl)
+                r = {"mode": mode, "ref_frames": a.icl_ref_frames, "icl_streams": len(icl or []),
+                     **await closed_level(engine, n, a.frames, greedy, icl)}  # fmt: skip
+                emit({"size": size, "part": "icl", **r})
+                out.append(r)
+                self.save()
+
     async def profile_levels(self, engine, size: str, out: list, timed: bool) -> None:
         """The profile windows at each --profile-batches size on one engine, rows appended to `out` as they end;
         timed: each batch first asks the time budget."""
@@ -1182,6 +1224,15 @@ class Run:
             engine, _ = await self.start_engine(self.engine_config(ckpt, max(a.profile_batches), graphs=False))
             try:
                 await self.profile_levels(engine, size, res["profile"], timed=False)
+            finally:
+                await engine.stop()
+                del engine
+                free_memory()
+        if "icl" in parts and a.icl_levels:
+            engine, _ = await self.start_engine(self.engine_config(ckpt, max(a.icl_levels)))
+            try:
+                res["icl"] = []
+                await self.icl_levels(engine, size, res["icl"])
             finally:
                 await engine.stop()
                 del engine
@@ -1354,6 +1405,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--poisson-duration", type=float, default=20.0, help="seconds of arrivals per rate")
     ap.add_argument("--poisson-count", type=int, default=0, help="requests per rate (overrides the duration)")
     ap.add_argument("--http-clients", type=ints, default=[1, 64])
+    ap.add_argument("--icl-levels", type=ints, default=[1, 64], help="the icl part's levels")
+    ap.add_argument("--icl-ref-frames", type=int, default=125, help="ICL reference length (12.5 frames a second)")
     ap.add_argument("--server-timeout", type=float, default=600.0)
     ap.add_argument("--profile", action="store_true", help="add the profile part")
     ap.add_argument("--profile-batches", type=ints, default=[1, 64])
