@@ -144,6 +144,10 @@ async def serve(settings: ServerSettings) -> int:
         logger.error("startup failed: %s", e)
         return EXIT_STARTUP_FAILED
     try:
+        if settings.api_processes:
+            from .processes import supervise  # the engine in its own process, N front-ends (processes.py)
+
+            return await supervise(settings, sockets)
         return await _serve(settings, sockets)
     finally:
         for sock in sockets:
@@ -159,6 +163,15 @@ async def _serve(settings: ServerSettings, sockets: list[socket.socket]) -> int:
     except StartupError as e:
         logger.error("startup failed: %s", e)
         return EXIT_STARTUP_FAILED
+    return await serve_runtime(settings, runtime, sockets)
+
+
+async def serve_runtime(
+    settings: ServerSettings, runtime: Runtime, sockets: list[socket.socket], *, supervise: bool = True
+) -> int:
+    """Serve the app over a started runtime on `sockets` until SIGTERM or SIGINT, then stop the runtime. `supervise`:
+    restart a dead engine in process (recovery.py); an API front-end (processes.py) leaves that to the engine
+    process."""
     app = create_app(settings, runtime=runtime)
     limits = ConnectionLimits(
         header_timeout=settings.header_timeout,
@@ -206,7 +219,8 @@ async def _serve(settings: ServerSettings, sockets: list[socket.socket]) -> int:
         restart_delay=settings.engine_restart_delay,
         max_restarts=settings.engine_max_restarts,
     )
-    supervisor.start()
+    if supervise:
+        supervisor.start()
     config.load()  # uvicorn's own imports and app wrapping, so that they are part of the frozen startup heap
     freeze_startup_heap()
     try:
