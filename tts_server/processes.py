@@ -12,8 +12,10 @@ Shutdown: SIGTERM or SIGINT (to the supervisor, or to the whole group as Ctrl-C 
 one process drains (in-flight requests finish for up to TTS_DRAIN_TIMEOUT); the engine process finishes what they
 still hold, then stops; exit 0. Failures: the engine process dying (killed, or exiting 3 after a fault it cannot
 recover from in process) fails the requests in flight in every front-end as an engine failure (a 500 in the error
-shape, or a cut stream), turns /health and /ready to 503, and the supervisor exits 3 once the front-ends have
-stopped; a front-end dying ends the server the same way. Startup failures exit 1.
+shape, or a cut stream) and turns /ready to 503 (/health: `restarting`); the supervisor starts a new engine process
+after TTS_ENGINE_RESTART_DELAY and the front-ends reconnect to it. Past TTS_ENGINE_MAX_RESTARTS within the hour, or if
+the new one cannot start, the server stops its front-ends and exits 3; a front-end dying ends it the same way.
+Startup failures exit 1.
 """
 
 from __future__ import annotations
@@ -157,7 +159,15 @@ async def _front_end(
 
     engine = RemoteEngine(path)
     try:
-        await engine.connect()
+        deadline = time.monotonic() + settings.stage_init_timeout
+        while True:  # the engine process may be being replaced (a front-end starts while it restarts)
+            try:
+                await engine.connect()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(RemoteEngine.reconnect_s)
         runtime = await Runtime.start(settings, engine=engine)
     except (StartupError, OSError) as e:
         logger.error("startup failed: front-end %d: %s", index, e)
@@ -169,70 +179,135 @@ async def _front_end(
 # --- the supervisor -------------------------------------------------------------------------------------------------
 async def supervise(settings: ServerSettings, sockets: list[socket.socket]) -> int:
     """Run the engine process and the front-ends until a signal or a failure; the exit status (0, 1 or 3)."""
-    from .serve import listen
-
-    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: no CUDA state or threads inherited
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     private = tempfile.mkdtemp(prefix="qwen3-tts-")  # mode 0700: only this user reaches the engine's socket
-    path = os.path.join(private, "engine.sock")
-    ready_out, ready_in = ctx.Pipe(duplex=False)
-    engine = ctx.Process(target=engine_main, args=(settings, path, ready_in), name="tts-engine", daemon=False)
-    front_ends: list[BaseProcess] = []
+    children = Children(settings, os.path.join(private, "engine.sock"), stopping)
     try:
-        engine.start()
-        ready_in.close()
-        while not ready_out.poll():
-            if engine.exitcode is not None:  # it logged its own `startup failed:` line
-                return EXIT_STARTUP_FAILED
-            if stopping.is_set():
-                return 0
-            await asyncio.sleep(_POLL_S)
-        ready_out.recv()
-        try:
-            listen(sockets, settings.host, settings.port, 2048)
-        except StartupError as e:
-            logger.error("startup failed: %s", e)
-            return EXIT_STARTUP_FAILED
-        count = ctx.Value("q", 0)
-        for i in range(settings.api_processes):
-            proc = ctx.Process(target=front_end_main, args=(settings, sockets, path, count, i), name=f"tts-api-{i}")
-            proc.start()
-            front_ends.append(proc)
-        logger.info(
-            "engine process pid %d, API front-end pids %s", engine.pid, " ".join(str(p.pid) for p in front_ends)
-        )
-        return await _watch(engine, front_ends, stopping)
+        return await children.run(sockets)
     finally:
-        await _stop_all(settings, engine, front_ends)
+        await children.stop()
         shutil.rmtree(private, ignore_errors=True)
 
 
-async def _watch(engine: BaseProcess, front_ends: list[BaseProcess], stopping: asyncio.Event) -> int:
-    while not stopping.is_set():
-        await asyncio.sleep(_POLL_S)
-        if engine.exitcode is not None:
-            if engine.exitcode == 0:
+class Children:
+    """The engine process and the front-ends: started, watched, the engine process replaced when it dies (up to
+    TTS_ENGINE_MAX_RESTARTS within the hour, after TTS_ENGINE_RESTART_DELAY), all stopped at the end."""
+
+    def __init__(self, settings: ServerSettings, path: str, stopping: asyncio.Event):
+        self.settings = settings
+        self.path = path
+        self.stopping = stopping
+        self.ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: no CUDA state or threads inherited
+        self.engine: BaseProcess | None = None
+        self.front_ends: list[BaseProcess] = []
+        self._restarts: list[float] = []
+
+    async def run(self, sockets: list[socket.socket]) -> int:
+        from .serve import listen
+
+        if not await self._start_engine():
+            return 0 if self.stopping.is_set() else EXIT_STARTUP_FAILED  # the engine logged `startup failed:`
+        try:
+            listen(sockets, self.settings.host, self.settings.port, 2048)
+        except StartupError as e:
+            logger.error("startup failed: %s", e)
+            return EXIT_STARTUP_FAILED
+        count = self.ctx.Value("q", 0)
+        for i in range(self.settings.api_processes):
+            args = (self.settings, sockets, self.path, count, i)
+            proc = self.ctx.Process(target=front_end_main, args=args, name=f"tts-api-{i}")
+            proc.start()
+            self.front_ends.append(proc)
+        logger.info("API front-end process pids: %s", " ".join(str(p.pid) for p in self.front_ends))
+        return await self._watch()
+
+    async def _start_engine(self) -> bool:
+        """Start an engine process and wait until it serves the channel; False if it exited first (or a signal)."""
+        ready_out, ready_in = self.ctx.Pipe(duplex=False)
+        engine = self.engine = self.ctx.Process(
+            target=engine_main, args=(self.settings, self.path, ready_in), name="tts-engine"
+        )
+        engine.start()
+        ready_in.close()
+        logger.info("engine process pid %d", engine.pid)
+        try:
+            while not ready_out.poll():
+                if engine.exitcode is not None or self.stopping.is_set():
+                    return False
+                await asyncio.sleep(_POLL_S)
+            ready_out.recv()
+            return True
+        finally:
+            ready_out.close()
+
+    async def _watch(self) -> int:
+        while not self.stopping.is_set():
+            await asyncio.sleep(_POLL_S)
+            for proc in self.front_ends:
+                if proc.exitcode is not None:
+                    logger.critical(
+                        "API front-end %s exited with %s; exiting with status %d",
+                        proc.name,
+                        _describe_exit(proc.exitcode),
+                        EXIT_ENGINE_FAILED,
+                    )
+                    return EXIT_ENGINE_FAILED
+            assert self.engine is not None
+            code = self.engine.exitcode
+            if code is None:
+                continue
+            if code == 0:
                 logger.info("the engine process stopped; stopping the front-ends")
                 return 0
+            if not await self._replace_engine(code):
+                return EXIT_ENGINE_FAILED
+        return 0
+
+    async def _replace_engine(self, code: int) -> bool:
+        """A new engine process for one that died; False (the server then exits 3) past the restart limit."""
+        reason = f"the engine process exited with {_describe_exit(code)}"
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < 3600.0]
+        if len(self._restarts) >= self.settings.engine_max_restarts:
             logger.critical(
-                "the engine process exited with %s; in-flight requests were failed; exiting with status %d",
-                _describe_exit(engine.exitcode),
+                "%s; %d restarts within the hour already; exiting with status %d",
+                reason,
+                len(self._restarts),
                 EXIT_ENGINE_FAILED,
             )
-            return EXIT_ENGINE_FAILED
-        for proc in front_ends:
-            if proc.exitcode is not None:
-                logger.critical(
-                    "API front-end %s exited with %s; exiting with status %d",
-                    proc.name,
-                    _describe_exit(proc.exitcode),
-                    EXIT_ENGINE_FAILED,
-                )
-                return EXIT_ENGINE_FAILED
-    return 0
+            return False
+        self._restarts.append(now)
+        logger.error("%s; in-flight requests were failed; starting a new one", reason)
+        await asyncio.sleep(self.settings.engine_restart_delay)
+        if self.stopping.is_set():
+            return True
+        if not await self._start_engine():
+            if self.stopping.is_set():
+                return True
+            logger.critical("the new engine process failed to start; exiting with status %d", EXIT_ENGINE_FAILED)
+            return False
+        logger.info("engine process replaced (%d restart(s) in the last hour); ready again", len(self._restarts))
+        return True
+
+    async def stop(self) -> None:
+        """Drain the front-ends (SIGTERM), then the engine process; kill what outlives the drain timeout."""
+        groups = [self.front_ends, [self.engine] if self.engine is not None else []]
+        for group in groups:
+            live = [p for p in group if p.pid is not None and p.exitcode is None]
+            for proc in live:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)  # type: ignore[arg-type]
+            deadline = time.monotonic() + self.settings.drain_timeout + _STOP_GRACE_S
+            while any(p.exitcode is None for p in live) and time.monotonic() < deadline:
+                await asyncio.sleep(_POLL_S)
+            for proc in live:
+                if proc.exitcode is None:
+                    logger.warning("%s did not stop within the drain timeout; killing it", proc.name)
+                    proc.kill()
+                    proc.join(5)
 
 
 def _describe_exit(code: int) -> str:
@@ -240,20 +315,3 @@ def _describe_exit(code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"signal {signal.Signals(-code).name}"
     return f"status {code}"
-
-
-async def _stop_all(settings: ServerSettings, engine: BaseProcess, front_ends: list[BaseProcess]) -> None:
-    """Drain the front-ends (SIGTERM), then the engine process; kill what outlives the drain timeout."""
-    for group in (front_ends, [engine]):
-        live = [p for p in group if p.pid is not None and p.exitcode is None]
-        for proc in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGTERM)  # type: ignore[arg-type]
-        deadline = time.monotonic() + settings.drain_timeout + _STOP_GRACE_S
-        while any(p.exitcode is None for p in live) and time.monotonic() < deadline:
-            await asyncio.sleep(_POLL_S)
-        for proc in live:
-            if proc.exitcode is None:
-                logger.warning("%s did not stop within the drain timeout; killing it", proc.name)
-                proc.kill()
-                proc.join(5)

@@ -9,7 +9,8 @@ every chunk it hands out (CREDIT), which is what lets the engine process send mo
 Refusals that only the engine can decide (a full queue, an option it rejects) come back after `submit` has returned;
 the handle then raises the same exception (`QueueFullError`, `EngineNotReadyError`, `ValueError`) at its first
 iteration. A lost connection (the engine process died) fails every request in flight as an engine failure
-(`RequestFailedError`) and leaves the engine not ready for good.
+(`RequestFailedError`); the engine is then not ready (`restarting_itself`) until the engine process that the
+supervisor starts in its place accepts the connection again.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ class RemoteHandle(RequestHandle):
 class RemoteEngine(Engine):
     """The engine process's engine, seen from a front-end. `connect` before anything else (the facts come from it)."""
 
+    reconnect_s = 0.1  # between attempts to reach the engine process
+
     def __init__(self, path: str):
         self.path = path
         self._reader: asyncio.StreamReader | None = None
@@ -95,19 +98,37 @@ class RemoteEngine(Engine):
         self._handles: dict[int, RemoteHandle] = {}
         self._next = 0
         self._task: asyncio.Task | None = None
+        self._reconnecting: asyncio.Task | None = None
         self._lost = False
         self._accepting = False
         self.fault: BaseException | None = None
 
     async def connect(self, timeout: float = 30.0) -> None:
         """Open the connection and read the engine's facts (FACTS, the first frame the engine process sends)."""
-        self._reader, self._writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path), timeout)
-        kind, _, payload = await asyncio.wait_for(read_frame(self._reader), timeout)
-        if kind is not Kind.FACTS:
-            raise ChannelClosed(f"expected the engine's facts, got {kind.name}")
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path), timeout)
+        try:
+            kind, _, payload = await asyncio.wait_for(read_frame(reader), timeout)
+            if kind is not Kind.FACTS:
+                raise ChannelClosed(f"expected the engine's facts, got {kind.name}")
+        except BaseException:
+            writer.close()
+            raise
+        self._reader, self._writer = reader, writer
         self._facts = json.loads(payload)
         self._state = dict(self._facts["state"])
+        self._lost = False
         self._task = asyncio.get_running_loop().create_task(self._read(), name="engine-channel")
+
+    async def _reconnect(self) -> None:
+        """After the engine process is lost: connect to its successor (processes.py starts one) once it listens."""
+        while self._accepting:
+            await asyncio.sleep(self.reconnect_s)
+            try:
+                await self.connect()
+            except (OSError, ChannelClosed, asyncio.TimeoutError):
+                continue
+            logger.info("connected to the engine process again")
+            return
 
     # --- Engine ------------------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -127,9 +148,11 @@ class RemoteEngine(Engine):
             self._writer.close()
             with contextlib.suppress(ConnectionError):
                 await self._writer.wait_closed()
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._reconnecting):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _until_done(self) -> None:
         while any(not h.finished for h in self._handles.values()):
@@ -165,7 +188,8 @@ class RemoteEngine(Engine):
 
     @property
     def restarting_itself(self) -> bool:
-        return not self._lost and bool(self._state.get("restarting"))
+        """The engine process is restarting its engine, or is being replaced (the front-end reconnects)."""
+        return self._accepting and (self._lost or bool(self._state.get("restarting")))
 
     @property
     def xvector_dim(self) -> int:
@@ -247,3 +271,5 @@ class RemoteEngine(Engine):
             for handle in self._handles.values():
                 handle.finish_threadsafe(FinishReason.ERROR, ENGINE_LOST)
             self._handles.clear()
+            if self._accepting:
+                self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect(), name="engine-reconnect")
