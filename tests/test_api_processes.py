@@ -229,3 +229,23 @@ def test_a_killed_engine_process_fails_requests_in_shape_is_replaced_then_exits_
         os.kill(engine_pid(srv), signal.SIGKILL)  # past TTS_ENGINE_MAX_RESTARTS=1 within the hour
         assert srv.proc.wait(60) == 3
         assert "1 restarts within the hour already; exiting with status 3" in srv.log()
+
+
+def test_the_tiny_model_through_a_front_end_gives_the_single_process_servers_audio(tmp_path: Path) -> None:
+    request = {"text": "Hello from the engine process.", "speaker_id": "demo", "response_format": "pcm",
+               "temperature": 0, "seed": 3, "min_new_tokens": 24, "max_new_tokens": 24}  # fmt: skip
+    env = demo_env(tmp_path, TTS_MAX_CONCURRENT="2", TTS_MAX_QUEUE="2")
+    audio = {}
+    for processes in ("0", "1"):
+        with server_process({**env, "TTS_API_PROCESSES": processes}, tmp_path / f"server{processes}.log") as srv:
+            r = httpx.post(srv.url + "/synthesize", json=request, timeout=120)
+            assert r.status_code == 200, r.text
+            assert (r.headers["x-finish-reason"], srv.health()["backend"]) == ("budget", "native")
+            audio[processes] = pcm16(r.content)
+            with httpx.Client(timeout=120) as c, c.stream("POST", srv.url + "/synthesize/stream",
+                                                          json={**request, "min_new_tokens": 400,
+                                                                "max_new_tokens": 400}) as s:  # fmt: skip
+                next(s.iter_bytes())  # the client leaves after the first chunk: its work stops
+            assert srv.wait_idle(30)["admitted"] == 0
+    assert len(audio["1"]) == 24 * 1920
+    np.testing.assert_array_equal(audio["1"], audio["0"])

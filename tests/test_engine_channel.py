@@ -88,12 +88,15 @@ def test_a_request_survives_its_encoding_field_for_field() -> None:
 async def test_a_request_streams_through_the_channel_with_the_engines_audio_and_stats(tmp_path: Path) -> None:
     async with channel(tmp_path, FakeEngine(first_chunk_frames=2, chunk_frames=5)) as p:
         assert (p.remote.xvector_dim, p.remote.languages, p.remote.ready) == (16, p.fake.languages, True)
-        req = request("x" * 23)
+        codes = torch.randint(0, 2048, (4, 16), generator=torch.Generator().manual_seed(2))
+        req = request("x" * 23, icl=IclReference(codes=codes, text="the reference", key="k1"))
         handle = p.remote.submit(req)
         pcm = await handle.collect()
         (engine_side,) = p.fake.submitted
         np.testing.assert_array_equal(pcm, p.fake.tone(engine_side, 0, 23))
-        assert torch.equal(engine_side.xvector, req.xvector)
+        assert torch.equal(engine_side.xvector, req.xvector) and engine_side.request_id == req.request_id
+        assert engine_side.icl is not None and torch.equal(engine_side.icl.codes, codes)
+        assert (engine_side.icl.text, engine_side.icl.key) == ("the reference", "k1")
         assert handle.stats.finish_reason is FinishReason.EOS
         assert (handle.stats.frames, handle.stats.samples, handle.stats.frame_budget) == (23, pcm.shape[0], 23)
         assert handle.stats.time_to_first_audio is not None and handle.stats.queue_time is not None
@@ -146,7 +149,8 @@ async def test_refusals_come_back_as_the_exceptions_the_engine_raised(tmp_path: 
         with pytest.raises(QueueFullError):
             await full.__anext__()
         p.remote.cancel(busy)
-        assert [c async for c in busy] and busy.stats.finish_reason is FinishReason.CANCELLED
+        await busy.collect()
+        assert busy.stats.finish_reason is FinishReason.CANCELLED and busy.stats.frames < 500
         failed = p.remote.submit(request("[fail] now"))
         with pytest.raises(RequestFailedError, match="simulated failure"):
             await failed.collect()
