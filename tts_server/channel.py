@@ -81,6 +81,34 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[Kind, int, bytes]:
         raise ChannelClosed(str(e) or "connection closed") from None
 
 
+class FrameWriter:
+    """Frames written in one turn of the event loop leave together, in one write: at hundreds of streams a turn
+    carries many requests' chunks (and credits), and each separate write would be a system call."""
+
+    def __init__(self, writer: asyncio.StreamWriter):
+        self.writer = writer
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if self.writer.is_closing():
+            raise ChannelClosed("connection closed")
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        if self._pending and not self.writer.is_closing():
+            self.writer.write(b"".join(self._pending))
+        self._pending.clear()
+
+    async def drain(self) -> None:
+        """Wait while the socket's buffer is over its high-water mark (the peer is not reading)."""
+        try:
+            await self.writer.drain()
+        except ConnectionError as e:
+            raise ChannelClosed(str(e)) from None
+
+
 # --- requests --------------------------------------------------------------------------------------------------------
 def encode_request(request: SynthesisRequest) -> bytes:
     """SUBMIT's payload: JSON (the scalar fields, sizes, the ICL transcript and key), then the x-vector as float32 and

@@ -27,6 +27,7 @@ from .channel import (
     CREDIT_WINDOW,
     JSON_LENGTH,
     ChannelClosed,
+    FrameWriter,
     Kind,
     chunk_frame,
     decode_request,
@@ -102,16 +103,12 @@ class _Connection:
         self.host = host
         self.reader = reader
         self.writer = writer
+        self.out = FrameWriter(writer)
         self.forwards: dict[int, _Forward] = {}
 
     async def send(self, data: bytes) -> None:
-        if self.writer.is_closing():
-            raise ChannelClosed("front-end gone")
-        self.writer.write(data)
-        try:
-            await self.writer.drain()
-        except ConnectionError as e:
-            raise ChannelClosed(str(e)) from None
+        self.out.write(data)
+        await self.out.drain()
 
     async def run(self) -> None:
         try:
@@ -219,8 +216,8 @@ class EngineHost:
                 self._state = state
                 data = json_frame(Kind.STATE, 0, state)
                 for conn in list(self.connections):
-                    if not conn.writer.is_closing():
-                        conn.writer.write(data)
+                    with contextlib.suppress(ChannelClosed):
+                        conn.out.write(data)
 
     async def close(self) -> None:
         if self._watch is not None:

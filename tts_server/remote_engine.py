@@ -39,6 +39,7 @@ from qwen_tts.text_stream import TextStream
 from .channel import (
     JSON_LENGTH,
     ChannelClosed,
+    FrameWriter,
     Kind,
     apply_stats,
     encode_request,
@@ -93,6 +94,7 @@ class RemoteEngine(Engine):
         self.path = path
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._out: FrameWriter | None = None
         self._facts: dict[str, Any] = {}
         self._state: dict[str, Any] = {}
         self._handles: dict[int, RemoteHandle] = {}
@@ -113,7 +115,7 @@ class RemoteEngine(Engine):
         except BaseException:
             writer.close()
             raise
-        self._reader, self._writer = reader, writer
+        self._reader, self._writer, self._out = reader, writer, FrameWriter(writer)
         self._facts = json.loads(payload)
         self._state = dict(self._facts["state"])
         self._lost = False
@@ -221,8 +223,8 @@ class RemoteEngine(Engine):
 
     # --- the connection ----------------------------------------------------------------------------------------------
     def _send(self, data: bytes) -> None:
-        if self._writer is not None and not self._lost and not self._writer.is_closing():
-            self._writer.write(data)
+        if self._out is not None and not self._lost and not self._out.writer.is_closing():
+            self._out.write(data)
 
     def _forward_text(self, handle: RemoteHandle, stream: TextStream) -> None:
         """Send what the request's text stream has gained since the last call (on the front-end's loop)."""
