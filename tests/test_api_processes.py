@@ -249,3 +249,22 @@ def test_the_tiny_model_through_a_front_end_gives_the_single_process_servers_aud
             assert srv.wait_idle(30)["admitted"] == 0
     assert len(audio["1"]) == 24 * 1920
     np.testing.assert_array_equal(audio["1"], audio["0"])
+
+
+def test_children_stop_when_the_supervisor_is_killed(tmp_path: Path) -> None:
+    with server_process(split_env(tmp_path), tmp_path / "server.log") as srv:
+        children = [engine_pid(all_serving(srv)), *front_end_pids(srv)]
+        srv.proc.kill()  # SIGKILL: no chance to stop them itself
+        srv.proc.wait(10)
+
+        def gone(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            # A zombie: exited, waiting for its reaper (init adopts and reaps orphans).
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z")
+
+        wait_for(lambda: all(gone(pid) for pid in children), 30, "children gone", srv)
+        with pytest.raises(httpx.ConnectError):  # nothing listens on the port any more
+            httpx.get(srv.url + "/health", timeout=5)

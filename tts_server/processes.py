@@ -48,7 +48,8 @@ from .settings import ServerSettings
 logger = logging.getLogger("tts_server")
 EXIT_STARTUP_FAILED = 1
 _POLL_S = 0.05
-_STOP_GRACE_S = 10.0  # past the drain timeout, before a child that has not exited is killed
+_STOP_GRACE_S = 10.0
+_PARENT_POLL_S = 0.5  # past the drain timeout, before a child that has not exited is killed
 
 
 class SharedAdmission(Admission):
@@ -78,6 +79,18 @@ class SharedAdmission(Admission):
         pass
 
 
+def _follow_parent(parent: int) -> asyncio.Task:
+    """Stop this child (as SIGTERM would) if the supervisor dies without stopping it: orphans would keep the port."""
+
+    async def watch() -> None:
+        while os.getppid() == parent:
+            await asyncio.sleep(_PARENT_POLL_S)
+        logger.error("the supervisor process is gone; stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    return asyncio.get_running_loop().create_task(watch(), name="follow-parent")
+
+
 # --- the engine process -------------------------------------------------------------------------------------------
 def engine_main(settings: ServerSettings, path: str, ready: Connection) -> None:
     """The engine process: start the runtime, serve the channel, report ready, run until drained or fatal."""
@@ -91,6 +104,7 @@ def engine_main(settings: ServerSettings, path: str, ready: Connection) -> None:
 
 async def _engine(settings: ServerSettings, path: str, ready: Connection) -> int:
     loop = asyncio.get_running_loop()
+    parent = os.getppid()
     stop = asyncio.Event()
     # The speaker encoder belongs to the front-ends (they enroll uploads); this process needs only the engine.
     own = settings.model_copy(update={"voice_upload": False})
@@ -121,6 +135,7 @@ async def _engine(settings: ServerSettings, path: str, ready: Connection) -> int
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    follow = _follow_parent(parent)
     freeze_startup_heap()
     ready.send("ready")
     try:
@@ -131,6 +146,7 @@ async def _engine(settings: ServerSettings, path: str, ready: Connection) -> int
             ):
                 break
     finally:
+        follow.cancel()
         await supervisor.stop()
         server.close()
         await host.close()
@@ -157,6 +173,7 @@ async def _front_end(
 ) -> int:
     from .serve import serve_runtime
 
+    parent = os.getppid()
     engine = RemoteEngine(path)
     try:
         deadline = time.monotonic() + settings.stage_init_timeout
@@ -173,7 +190,11 @@ async def _front_end(
         logger.error("startup failed: front-end %d: %s", index, e)
         return EXIT_STARTUP_FAILED
     runtime.admission = SharedAdmission(settings.max_concurrent + settings.max_queue, count)
-    return await serve_runtime(settings, runtime, sockets, supervise=False)
+    follow = _follow_parent(parent)  # uvicorn's handler turns the SIGTERM into a drain
+    try:
+        return await serve_runtime(settings, runtime, sockets, supervise=False)
+    finally:
+        follow.cancel()
 
 
 # --- the supervisor -------------------------------------------------------------------------------------------------
