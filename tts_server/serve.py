@@ -4,7 +4,8 @@ The port is bound first: a port in use is one `startup failed:` line and exit 1 
 runtime starts before uvicorn so that any startup failure is one clear log line and a non-zero exit (uvicorn's
 lifespan would print a traceback); uvicorn then serves on the bound socket, and once it accepts, one INFO line sums up
 what is served where. SIGTERM flips readiness to 503, stops accepting connections, lets in-flight requests finish for
-up to TTS_DRAIN_TIMEOUT, cancels the rest, and exits 0.
+up to TTS_DRAIN_TIMEOUT, cancels the rest, and exits 0. With TTS_API_PROCESSES=N the engine runs in its own process
+and N processes serve HTTP on the bound port (processes.py), with the same exit statuses.
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ async def serve(settings: ServerSettings) -> int:
     except StartupError as e:
         logger.error("startup failed: %s", e)
         return EXIT_STARTUP_FAILED
+    warn_if_open(settings)
     try:
         if settings.api_processes:
             from .processes import supervise  # the engine in its own process, N front-ends (processes.py)
@@ -155,7 +157,6 @@ async def serve(settings: ServerSettings) -> int:
 
 
 async def _serve(settings: ServerSettings, sockets: list[socket.socket]) -> int:
-    warn_if_open(settings)
     torch.set_num_threads(torch_threads(settings))
     logger.info("torch intra-op threads: %d", torch.get_num_threads())
     try:
