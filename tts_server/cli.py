@@ -29,10 +29,11 @@ FLAGS: dict[str, tuple[str, str]] = {
     "--profiles-dir": ("profiles_dir", "folder of voice profiles (<name>.safetensors)"),
     "--api-keys-file": ("api_keys_file", "file of Bearer API keys, one a line; without keys no authentication"),
     "--device": ("device", "auto, cpu, cuda, cuda:N or mps"),
+    "--api-processes": ("api_processes", "HTTP front-end processes beside one engine process (0: one process)"),
     "--log-level": ("log_level", "the least severe records logged"),
     "--log-format": ("log_format", "json: one JSON object per line (time, level, logger, message, request_id)"),
 }
-_TYPES: dict[str, Any] = {"port": int, "profiles_dir": Path, "api_keys_file": Path}
+_TYPES: dict[str, Any] = {"port": int, "api_processes": int, "profiles_dir": Path, "api_keys_file": Path}
 
 
 def program_name(command: str = COMMAND) -> str:

@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from qwen_tts.engine_api import RequestFailedError, SynthesisRequest
+from qwen_tts.engine_api import EngineError, RequestFailedError, SynthesisRequest
 from qwen_tts.text_stream import TextStream
 
 from .audio_encoding import FORMATS, StreamEncoder
@@ -55,6 +55,7 @@ from .synthesis import (
     Outcome,
     admit,
     check_options,
+    engine_refusal,
     has_visible_text,
     prepare,
     rest,
@@ -633,6 +634,11 @@ class Session:
             job.outcome = Outcome.ERROR  # Job.close logs the engine's error
             if not utt.stopped:
                 await self._error(EngineFailure(f"synthesis failed (utterance {utt.id})"), utt)
+                await self._finish(utt, "error")
+        except (EngineError, ValueError) as e:  # refused by an engine in another process (remote_engine.py)
+            job.outcome = Outcome.ERROR
+            if not utt.stopped:
+                await self._error(engine_refusal(self.runtime, e) or EngineFailure(f"synthesis failed ({utt.id})"), utt)
                 await self._finish(utt, "error")
         except RequestTimeout:
             job.outcome = Outcome.TIMEOUT

@@ -4,7 +4,8 @@ The port is bound first: a port in use is one `startup failed:` line and exit 1 
 runtime starts before uvicorn so that any startup failure is one clear log line and a non-zero exit (uvicorn's
 lifespan would print a traceback); uvicorn then serves on the bound socket, and once it accepts, one INFO line sums up
 what is served where. SIGTERM flips readiness to 503, stops accepting connections, lets in-flight requests finish for
-up to TTS_DRAIN_TIMEOUT, cancels the rest, and exits 0.
+up to TTS_DRAIN_TIMEOUT, cancels the rest, and exits 0. With TTS_API_PROCESSES=N the engine runs in its own process
+and N processes serve HTTP on the bound port (processes.py), with the same exit statuses.
 """
 
 from __future__ import annotations
@@ -143,7 +144,12 @@ async def serve(settings: ServerSettings) -> int:
     except StartupError as e:
         logger.error("startup failed: %s", e)
         return EXIT_STARTUP_FAILED
+    warn_if_open(settings)
     try:
+        if settings.api_processes:
+            from .processes import supervise  # the engine in its own process, N front-ends (processes.py)
+
+            return await supervise(settings, sockets)
         return await _serve(settings, sockets)
     finally:
         for sock in sockets:
@@ -151,7 +157,6 @@ async def serve(settings: ServerSettings) -> int:
 
 
 async def _serve(settings: ServerSettings, sockets: list[socket.socket]) -> int:
-    warn_if_open(settings)
     torch.set_num_threads(torch_threads(settings))
     logger.info("torch intra-op threads: %d", torch.get_num_threads())
     try:
@@ -159,6 +164,15 @@ async def _serve(settings: ServerSettings, sockets: list[socket.socket]) -> int:
     except StartupError as e:
         logger.error("startup failed: %s", e)
         return EXIT_STARTUP_FAILED
+    return await serve_runtime(settings, runtime, sockets)
+
+
+async def serve_runtime(
+    settings: ServerSettings, runtime: Runtime, sockets: list[socket.socket], *, supervise: bool = True
+) -> int:
+    """Serve the app over a started runtime on `sockets` until SIGTERM or SIGINT, then stop the runtime. `supervise`:
+    restart a dead engine in process (recovery.py); an API front-end (processes.py) leaves that to the engine
+    process."""
     app = create_app(settings, runtime=runtime)
     limits = ConnectionLimits(
         header_timeout=settings.header_timeout,
@@ -206,7 +220,8 @@ async def _serve(settings: ServerSettings, sockets: list[socket.socket]) -> int:
         restart_delay=settings.engine_restart_delay,
         max_restarts=settings.engine_max_restarts,
     )
-    supervisor.start()
+    if supervise:
+        supervisor.start()
     config.load()  # uvicorn's own imports and app wrapping, so that they are part of the frozen startup heap
     freeze_startup_heap()
     try:

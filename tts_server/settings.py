@@ -224,6 +224,10 @@ class ServerSettings(BaseSettings):
     # --- network ---------------------------------------------------------------------------------
     host: str = "0.0.0.0"
     port: int = Field(8090, ge=1, le=65535)
+    # HTTP front-end processes. 0: one process serves HTTP and runs the engine. N >= 1: the engine runs in its own
+    # process and N front-end processes share the port, reaching it over a local socket (tts_server/processes.py),
+    # so the HTTP work (parsing, encoding, socket writes) does not share an interpreter with the engine's loop.
+    api_processes: int = Field(0, ge=0, le=64)
     # Browser origins allowed by CORS; empty means no CORS headers at all (never a wildcard by default).
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Bearer keys; empty disables auth. /health, /ready and /metrics stay public.

@@ -24,6 +24,7 @@ from starlette.types import Receive
 
 from qwen_tts.engine_api import (
     Engine,
+    EngineError,
     EngineNotReadyError,
     QueueFullError,
     RequestFailedError,
@@ -335,16 +336,9 @@ def start_job(runtime: Runtime, request: SynthesisRequest, speed_factor: float =
             source = speed.StretchedSource(source, runtime.engine.sample_rate, speed_factor)
     except BaseException as e:
         runtime.admission.release()  # the one release before a Job owns the slot
-        if isinstance(e, QueueFullError):
-            error = Overloaded("server is at capacity; retry later", headers=_retry(runtime))
-            raise _refused(runtime, "queue_full", error) from None
-        if isinstance(e, EngineNotReadyError):
-            error = NotReady("engine is not accepting requests; retry later", headers=_retry(runtime))
-            raise _refused(runtime, "not_ready", error) from None
-        if isinstance(e, ValueError):  # options the engine refuses (e.g. text longer than its token limit)
-            message = str(e)
-            field = next((f for f in _ENGINE_FIELDS if message.startswith(f)), None)
-            raise InvalidField(message, param=field) from None
+        error = engine_refusal(runtime, e)
+        if error is not None:
+            raise error from None
         raise
     mode = voice_mode_of(request)
     runtime.metrics.voice_modes.labels(mode).inc()
@@ -353,6 +347,22 @@ def start_job(runtime: Runtime, request: SynthesisRequest, speed_factor: float =
 
 # The request fields an engine's refusal may start with (its message then names the field for the client).
 _ENGINE_FIELDS = ("text", "voice_mode")
+
+
+def engine_refusal(runtime: Runtime, e: BaseException) -> ApiError | None:
+    """The error for an engine's refusal of a request: at its submission, or (an engine in another process,
+    remote_engine.py) at its first chunk. None for anything else."""
+    if isinstance(e, QueueFullError):
+        return _refused(
+            runtime, "queue_full", Overloaded("server is at capacity; retry later", headers=_retry(runtime))
+        )
+    if isinstance(e, EngineNotReadyError):
+        error = NotReady("engine is not accepting requests; retry later", headers=_retry(runtime))
+        return _refused(runtime, "not_ready", error)
+    if isinstance(e, ValueError):  # options the engine refuses (e.g. text longer than its token limit)
+        message = str(e)
+        return InvalidField(message, param=next((f for f in _ENGINE_FIELDS if message.startswith(f)), None))
+    return None
 
 
 def _submit_to_engine(engine: Engine, request: SynthesisRequest) -> ChunkSource:
@@ -410,6 +420,10 @@ async def collect(job: Job, receive: Receive) -> np.ndarray:
         pcm = await guarded(job, receive, job.source.collect())
     except RequestFailedError:  # Job.close logs it, with the engine's error
         raise EngineFailure(f"synthesis failed (request id {job.request_id})") from None
+    except (EngineError, ValueError) as e:  # refused by an engine in another process
+        raise engine_refusal(job.runtime, e) or EngineFailure(
+            f"synthesis failed (request id {job.request_id})"
+        ) from None
     job.outcome = Outcome.OK
     return pcm
 
@@ -421,6 +435,10 @@ async def first_chunk(job: Job, receive: Receive) -> np.ndarray | None:
         return await guarded(job, receive, _next_or_none(job.source))
     except RequestFailedError:  # Job.close logs it, with the engine's error
         raise EngineFailure(f"synthesis failed (request id {job.request_id})") from None
+    except (EngineError, ValueError) as e:  # refused by an engine in another process
+        raise engine_refusal(job.runtime, e) or EngineFailure(
+            f"synthesis failed (request id {job.request_id})"
+        ) from None
 
 
 async def _next_or_none(source: ChunkSource) -> np.ndarray | None:

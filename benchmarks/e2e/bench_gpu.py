@@ -6,7 +6,8 @@ length (--frames, default 100 = 8 s of audio per request, end-of-speech held off
            first audio (TTFA) p50/p95, playback continuity, peak GPU memory, the engine's worker timings per step;
   poisson  open-loop Poisson arrivals at each --poisson-rates rate: TTFA p50/p95 and continuity;
   http     our server (inference_server.py in a subprocess, uvicorn) with --http-clients streaming httpx clients
-           on /synthesize/stream: TTFA and continuity measured at the client;
+           on /synthesize/stream: TTFA and continuity measured at the client; once per --api-processes value
+           (0,2: in one process, then the engine in its own process and 2 HTTP front-ends);
   icl      (--icl-levels) ICL voices (a --icl-ref-frames reference of random codes and a transcript, 4 voices, each
            warmed once so their per-voice cache holds them) against x-vector voices on the same engine, level by
            level: x-vector only, then ICL only at one stream and half ICL, half x-vector beside it;
@@ -712,7 +713,9 @@ def free_port() -> int:
 class Server:
     """Our server (inference_server.py) in a subprocess on a free local port, for one checkpoint."""
 
-    def __init__(self, ckpt: Path, workdir: Path, slots: int, frames: int, a: argparse.Namespace):
+    def __init__(
+        self, ckpt: Path, workdir: Path, slots: int, frames: int, a: argparse.Namespace, api_processes: int = 0
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / "server.log"
@@ -736,6 +739,7 @@ class Server:
             # Every client of the benchmark comes from 127.0.0.1, as every client does behind a proxy
             # (docs/security.md): the per-client cap must not be what an HTTP level measures.
             TTS_MAX_CONNECTIONS_PER_CLIENT="1024",
+            TTS_API_PROCESSES=str(api_processes),  # 0: one process; N: the engine's own process and N front-ends
         )
         if a.dtype:
             env["TTS_DTYPE"] = a.dtype
@@ -894,7 +898,8 @@ def table(results: dict) -> str:
             if "error" in r and "clients" not in r:
                 rows.append([size, "http", "-", "error", "-", "-", "-", "-", "-", "-"])
                 continue
-            rows.append([size, "http stream", r["clients"], fmt(r["xrt_per_stream_median"], 2),
+            run = f"http stream (TTS_API_PROCESSES={r['api_processes']})" if r.get("api_processes") else "http stream"
+            rows.append([size, run, r["clients"], fmt(r["xrt_per_stream_median"], 2),
                          fmt(r["audio_s_per_s"]), "-", pair(r["ttfa_p50_ms"], r["ttfa_p95_ms"]),
                          fmt(r["stall_p95_ms"], 0), share(r["zero_stall_share"]), "-"])  # fmt: skip
     rows += baseline_rows(results)
@@ -1243,22 +1248,31 @@ class Run:
 
     async def http(self, ckpt: Path, workdir: Path) -> list[dict]:
         a = self.a
-        workdir.mkdir(parents=True, exist_ok=True)
-        server = Server(ckpt, workdir, max(a.http_clients), a.frames, a)
+        out: list[dict] = []
+        for processes in a.api_processes:  # one server each, in this run: the A/B of TTS_API_PROCESSES
+            where = workdir if processes == 0 else workdir.with_name(f"{workdir.name}-api{processes}")
+            where.mkdir(parents=True, exist_ok=True)
+            out += await self._http(ckpt, where, processes)
+        return out
+
+    async def _http(self, ckpt: Path, workdir: Path, processes: int) -> list[dict]:
+        a = self.a
+        server = Server(ckpt, workdir, max(a.http_clients), a.frames, a, processes)
         out = []
         try:
             ready_s = await server.wait_ready(a.server_timeout)
-            log(f"bench: server ready in {ready_s:.1f} s")
+            log(f"bench: server ready in {ready_s:.1f} s (TTS_API_PROCESSES={processes})")
             for n in a.http_clients:
                 await http_level(server.url, n, min(a.frames, 8), not a.sampling)  # warm
                 r = await http_level(server.url, n, a.frames, not a.sampling)
                 r["server_ready_s"] = round(ready_s, 1)
+                r["api_processes"] = processes
                 emit({"part": "http", **r})
                 out.append(r)
                 if r["errors"]:
                     log("bench: server log tail:", server.tail())
         except Exception as e:
-            out.append({"error": f"{type(e).__name__}: {e}"})
+            out.append({"error": f"{type(e).__name__}: {e}", "api_processes": processes})
             log(f"bench: http failed: {e}")
         finally:
             server.stop()
@@ -1407,6 +1421,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--http-clients", type=ints, default=[1, 64])
     ap.add_argument("--icl-levels", type=ints, default=[1, 64], help="the icl part's levels")
     ap.add_argument("--icl-ref-frames", type=int, default=125, help="ICL reference length (12.5 frames a second)")
+    ap.add_argument("--api-processes", type=ints, default=[0],
+                    help="the http part once per value: TTS_API_PROCESSES of the server (0: one process)")  # fmt: skip
     ap.add_argument("--server-timeout", type=float, default=600.0)
     ap.add_argument("--profile", action="store_true", help="add the profile part")
     ap.add_argument("--profile-batches", type=ints, default=[1, 64])
