@@ -490,6 +490,13 @@ class ModelRunner:
             start += size
         return self._chunk_sizes[-1]
 
+    def _unpadded(self, t: int) -> int:
+        """The most frames, at most t, that the decoder decodes at their own length (t itself in exact mode, else
+        the longest chunk length <= t; 0 if none). Only a request's last chunk may be padded: its state is not read
+        again."""
+        dec = self._decoder.decoder
+        return max((c for c in (t, *dec.chunk_lens) if c <= t and dec.padded_len(c) == c), default=0)
+
     def decode_due(self, live: dict[int, RequestState]) -> None:
         """Hand the decoder the pending frames of rows whose next chunk is due (or that finished), one job per
         chunk shape; a finished row that still holds more than a chunk gets several jobs, in order."""
@@ -503,6 +510,10 @@ class ModelRunner:
                 target = self._next_chunk(lv.queued)
                 if len(lv.pending) >= target or lv.done is not None or lv.held:  # held: its audio so far goes out
                     t = min(len(lv.pending), target)
+                    if lv.done is None and t < target:  # held, its request goes on: a chunk the decoder takes
+                        t = self._unpadded(t)  # unpadded (padding frames would enter the row's stream state)
+                        if not t:
+                            continue
                     alone = lv.slot if cfg.batch_invariant_decode else -1  # a group of its own
                     groups[(dec.padded_len(t), first, alone)].append((lv, t))
             if not groups:
