@@ -18,11 +18,12 @@ import torch
 from test_engine_icl import loop_audio, reference
 from test_engine_text_stream import count_held_turns, no_eos, produce, random_split, wait_until
 
-from qwen_tts.engine_api import FinishReason, SynthesisRequest
+from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest
 from qwen_tts.engines.native.engine import NativeEngine
 from qwen_tts.engines.native.scheduler import frame_budget
 from qwen_tts.icl import IclReference
 from qwen_tts.model.icl_prompt import icl_prefill_tokens, ref_text_ids
+from qwen_tts.model.loading import load_model
 from qwen_tts.text_stream import TextStream
 from tests.test_engine import codes_of, make_engine, started, xvec
 
@@ -73,12 +74,12 @@ def count_prefills(eng: NativeEngine) -> list[tuple[int, bool]]:
 
 
 async def produce_staged(eng: NativeEngine, stream: TextStream, text: str, need: int, rng: random.Random) -> None:
-    """Push `text` up to the first word boundary where `need` tokens are committed, wait until the request runs,
-    then push the rest in random pieces (mid-word cuts included) and end."""
+    """Push `text` up to the first word boundary where `need` tokens are committed, wait until the request has left
+    the queue (prefilled), then push the rest in random pieces (mid-word cuts included) and end."""
     tok, words = eng._runner.tokenizer, text.split(" ")
     j = next(i for i in range(1, len(words)) if len(tok.text_ids(" ".join(words[:i]))) >= need)
     stream.push(" ".join(words[:j]) + " ")  # a space after the last word: all of it committed
-    await wait_until(lambda: eng.num_running == 1)
+    await wait_until(lambda: eng.num_waiting == 0)
     await produce(stream, random_split(" ".join(words[j:]), rng, mid_word=True), rng, 0.02, eng)
 
 
@@ -267,3 +268,34 @@ async def test_a_held_rows_audio_is_its_codes_decoded_on_the_padded_decoder(tiny
             audio, _ = await asyncio.gather(h.collect(), produce_staged(eng, stream, TEXT, max(need, 1), rng))
     assert held[0] > 0 and codes_of(h).shape == (30, 16)
     np.testing.assert_allclose(audio, loop_audio(tiny_model, h.request, codes_of(h)), rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+async def test_on_cuda_graphs_streamed_icl_text_is_exact_and_changes_no_other_rows_codes(tiny_model, greedy):
+    """The GPU's default path (fused kernels, frame steps and prefills replayed from CUDA graphs captured at start):
+    streamed ICL rows of both prompt shapes give the whole text's codes, and an x-vector row decoding beside them
+    the codes it gets alone. End-of-speech is masked to the budget (min_frames)."""
+    model = load_model(tiny_model.path, device="cuda")
+    cfg = EngineSettings(model_path=str(model.path), device="cuda", max_slots=4, first_chunk_frames=2, chunk_frames=4)
+    eng = NativeEngine(cfg, model=model)
+    held = count_held_turns(eng)
+    rng = random.Random(f"cuda-{greedy}")
+    other_text = "Another request runs beside the streamed one."
+    fixed = dict(greedy=greedy, min_frames=24, max_frames=24)
+    async with started(eng):
+        assert eng.model_info["cuda_graphs"]
+        alone = eng.submit(whole(model, other_text, None, 1, **fixed))
+        await alone.collect()
+        for icl in VOICES.values():
+            ref = eng.submit(whole(model, TEXT, icl, 7, **fixed))
+            await ref.collect()
+            assert codes_of(ref).shape == (24, 16)
+            stream = TextStream()
+            h = eng.submit(streamed(model, stream, icl, 7, **fixed))
+            beside = eng.submit(whole(model, other_text, None, 1, **fixed))
+            feed = produce_staged(eng, stream, TEXT, max(prefill_tokens(model, icl), 1), rng)
+            await asyncio.gather(feed, h.collect(), beside.collect())
+            assert torch.equal(codes_of(h), codes_of(ref))
+            assert torch.equal(codes_of(beside), codes_of(alone))
+    assert held[0] > 0
