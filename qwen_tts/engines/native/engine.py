@@ -19,9 +19,10 @@ so the frame steps never run far ahead of the audio.
 Streamed text (a request with a `text_stream`, streaming-text mode only; text_feed.py): the request waits in the
 queue, without a slot, until the text its prefill holds is committed (the first token; for an ICL prompt the
 first frames + 1 - transcript tokens: icl_cache.stream_prefill_ids) or its text ends, and a running row whose next
-token has not arrived is held out of the step the same way (its audio so far is handed to the decoder), so its
-codes are those of the whole text. The stream's listener wakes the loop (`Scheduler.wake`); while every row is held the loop waits
-for that, a cancel, a submission or the decoder, instead of turning.
+token has not arrived is held out of the step the same way (its audio so far is handed to the decoder, in chunks
+the decoder takes unpadded), so its codes are those of the whole text. The stream's listener wakes the loop
+(`Scheduler.wake`); while every row is held the loop waits for that, a cancel, a submission or the decoder, instead
+of turning.
 
 ICL requests (`request.icl`) are rows like the others: their prompt holds the reference transcript and code block
 (qwen_tts/model/icl_prompt.py) and their decoder starts from Code2Wav's state after the reference codes, both

@@ -94,8 +94,8 @@ def stream_prefill_ids(request: SynthesisRequest, ref_ids: list[int] | None) -> 
     An x-vector prompt holds the first text token. An ICL prompt in streaming-text mode holds the reference
     transcript and then the first frames + 1 - transcript tokens of the target text beside the reference code block
     (`icl_prompt.icl_prefill_tokens`), so an ICL voice's first audio waits for that much text: no more than the
-    first token when the transcript has at least as many tokens as the reference has frames. Every later frame step reads
-    the next token, as for an x-vector row."""
+    first token when the transcript has at least as many tokens as the reference has frames. Every later frame step
+    reads the next token, as for an x-vector row."""
     if request.icl is None or ref_ids is None:
         return 1
     return max(1, icl_prefill_tokens(len(ref_ids), request.icl.frames))
