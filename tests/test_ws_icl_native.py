@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,10 @@ async def test_a_streamed_utterance_with_an_icl_voice_on_the_native_engine(tmp_p
         assert started["type"] == "started" and started["voice_mode"] == "icl", started
         for piece in PIECES[:3]:
             await ws.send_json({"type": "text", "text": piece})
+        deadline = time.monotonic() + 30
+        while engine.num_waiting == 0:  # submitted to the engine with the first visible text
+            assert time.monotonic() < deadline, "the utterance never reached the engine"
+            await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)
         # Fewer than k target tokens so far: the request waits in the engine's queue for its prompt's text.
         assert (engine.num_running, engine.num_waiting) == (0, 1)
