@@ -20,7 +20,7 @@ from qwen_tts.engines.native import NativeEngine
 from qwen_tts.engines.native.icl_cache import IclCache
 from qwen_tts.fastpath.options import FastPath
 from qwen_tts.icl import IclReference
-from qwen_tts.model.icl_prompt import decode_icl
+from qwen_tts.model.icl_prompt import decode_icl, ref_text_ids
 from qwen_tts.model.reference_loop import generate_codes
 from qwen_tts.text_stream import TextStream
 
@@ -181,13 +181,26 @@ async def test_icl_requests_the_engine_cannot_serve_are_refused_at_submit(tiny_q
     eng = make_engine(model, max_text_tokens=64)
     await eng.start()
     try:
-        streamed = request(model, 0, "Hello there.", VOICE_A, dict(non_streaming_text=False))
-        streamed.text_stream = TextStream("Hello there.")
-        with pytest.raises(ValueError, match="icl: a voice in ICL mode cannot take a text_stream"):
-            eng.submit(streamed)
+        # streaming-text mode: the prompt holds the reference alone (3 + 5 + 81 positions), whatever the text
         long_ref = reference(80, "A long reference.", "sha256:long", 4)
-        with pytest.raises(ValueError, match=r"icl: the reference \(80 frames, .* the limit is 80 \(max_text_tokens"):
+        n_ref = len(ref_text_ids(model.tokenizer, long_ref.text))
+        pattern = (
+            rf"^voice_mode: the voice's reference \(80 frames, a transcript of {n_ref} tokens\) makes an ICL prompt "
+            r"of 89 positions in streaming-text mode; the limit is 80 \(max_text_tokens"
+        )
+        with pytest.raises(ValueError, match=pattern):
             eng.submit(request(model, 0, "Hello.", long_ref, dict(non_streaming_text=False)))
+        streamed = request(model, 0, "Hello.", long_ref, dict(non_streaming_text=False))
+        streamed.text_stream = TextStream("Hello.")
+        with pytest.raises(ValueError, match=pattern):
+            eng.submit(streamed)
+        # non-streaming mode: the text is in the prompt too (3 + 5 + T1 + 61 positions), and the text field named
+        mid_ref = reference(60, "A long reference.", "sha256:mid", 5)
+        n_text = len(model.tokenizer.text_ids("Hello."))
+        with pytest.raises(ValueError, match=rf"^text: {n_text} tokens with the voice's reference \(60 frames, a "
+                                             rf"transcript of {n_ref} tokens\) make an ICL prompt of "
+                                             rf"{8 + n_ref + n_text + 1 + 61} positions; the limit is 80"):  # fmt: skip
+            eng.submit(request(model, 0, "Hello.", mid_ref, {}))
         bad = IclReference(codes=torch.full((4, 16), 2048, dtype=torch.long), text="t", key="k")
         with pytest.raises(ValueError, match=r"icl: reference codes must be in \[0, 2048\), got 2048"):
             eng.submit(request(model, 0, "Hello.", bad, {}))

@@ -10,6 +10,10 @@ predictor's codec_embedding[q-1] for code q):
     non-streaming:  T + C(pad), then K + tpad;      trailing = tpad only
     streaming:      T[:T2] + K (T padded with tpad to T2 when T1 <= T2);   trailing = T[T2:] when T1 > T2
 
+In streaming mode T[:T2] and the trailing rows are projected in groups that do not depend on how much text follows
+(`_streaming_icl`), as the x-vector prompt's trailing text is (qwen_tts/model/prompt.py): the prefill then needs only
+the first `icl_prefill_tokens` target tokens, and text streamed in later gets the rows of the whole text.
+
 The official output is the decode of the reference codes followed by the generated ones, with the first
 `int(ref / total * samples)` samples cut (`icl_cut`). That float product lands one sample short of ref * 1920 for
 some totals, keeping the reference's last sample; a stream primed with the reference codes (`prime_stream`) starts
@@ -24,7 +28,7 @@ from torch import Tensor
 from qwen_tts.model.codec_decoder import Code2Wav, Code2WavStream
 from qwen_tts.model.config import ModelConfig
 from qwen_tts.model.layers import upload
-from qwen_tts.model.prompt import Prompt, build_head
+from qwen_tts.model.prompt import Prompt, build_head, text_track_rows
 from qwen_tts.model.talker import Talker
 from qwen_tts.model.tokenizer import ROLE_LEN, TextTokenizer
 
@@ -76,19 +80,45 @@ def build_icl_prompt(
     head = build_head(cfg, talker, role_ids, xvector, language)
     dev = talker.codec_head.weight.device
     tpad = head.tpad
-    text = torch.cat((talker.embed_text(upload(ref_ids + text_ids, torch.long, dev)), head.teos[None]))  # (T1, H)
     codec = torch.cat((head.bos_codec, block.to(device=dev, dtype=tpad.dtype)))  # (T2, H)
-    t1, t2 = text.shape[0], codec.shape[0]
-    no_trailing = tpad.new_zeros((0, tpad.shape[0]))
     if non_streaming:
-        pads = talker.embed_codec(upload([tc.codec_pad_id] * t1, torch.long, dev))
+        text = torch.cat((talker.embed_text(upload(ref_ids + text_ids, torch.long, dev)), head.teos[None]))  # (T1, H)
+        pads = talker.embed_codec(upload([tc.codec_pad_id] * text.shape[0], torch.long, dev))
         icl = torch.cat((text + pads, codec + tpad))
-        trailing = no_trailing
-    elif t1 > t2:
-        icl, trailing = text[:t2] + codec, text[t2:]
+        trailing = tpad.new_zeros((0, tpad.shape[0]))
     else:
-        icl, trailing = torch.cat((text, tpad.expand(t2 - t1, -1))) + codec, no_trailing
+        icl, trailing = _streaming_icl(cfg, talker, ref_ids + text_ids, head.teos, tpad, codec)
     return Prompt(prefill=torch.cat((head.rows, icl)), trailing=trailing, pad=tpad, end=head.teos)
+
+
+def _streaming_icl(
+    cfg: ModelConfig, talker: Talker, ids: list[int], teos: Tensor, tpad: Tensor, codec: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Streaming mode's ICL rows and trailing text track for `ids` = ref_ids ++ text_ids and `codec` = K (T2 rows).
+
+    T[:T2] is projected in one group holding the first T2 ids only, and the trailing ids T[T2:] in the aligned groups
+    of `text_track_rows`: each row's bits depend on the ids up to its own group, not on how much text follows, so a
+    text that arrives token by token (the native engine's text_stream) gets the rows of the whole text."""
+    t2 = codec.shape[0]
+    dev = codec.device
+    if len(ids) >= t2:  # T1 > T2: the text trails, then teos
+        icl = talker.embed_text(upload(ids[:t2], torch.long, dev)) + codec
+        trailing = torch.cat((text_track_rows(talker, ids[t2:], 0, cfg.tts_pad_token_id), teos[None]))
+        return icl, trailing
+    text = torch.cat((talker.embed_text(upload(ids, torch.long, dev)), teos[None], tpad.expand(t2 - len(ids) - 1, -1)))
+    return text + codec, tpad.new_zeros((0, tpad.shape[0]))
+
+
+def icl_prefill_tokens(ref_ids: int, frames: int) -> int:
+    """Target-text tokens a streaming-mode ICL prompt's prefill holds: T[:T2] is the reference transcript's `ref_ids`
+    tokens and then the first T2 - ref_ids = frames + 1 - ref_ids target tokens (none when the transcript fills the
+    code block's rows). The rest of the target text trails, one token per frame step."""
+    return max(0, frames + 1 - ref_ids)
+
+
+def icl_trailing_ids(ref_ids: list[int], text_ids: list[int], frames: int) -> list[int]:
+    """The ids of a streaming-mode ICL prompt's trailing text track (teos follows them): T[T2:] without teos."""
+    return (ref_ids + text_ids)[frames + 1 :]
 
 
 def icl_cut(ref_frames: int, total_frames: int, samples: int) -> int:

@@ -17,17 +17,20 @@ another to finish. A request whose decoder is `decode_lookahead` chunks behind s
 so the frame steps never run far ahead of the audio.
 
 Streamed text (a request with a `text_stream`, streaming-text mode only; text_feed.py): the request waits in the
-queue, without a slot, until its first text token is committed, and a running row whose next token has not
-arrived is held out of the step the same way (its audio so far is handed to the decoder), so its codes are those
-of the whole text. The stream's listener wakes the loop (`Scheduler.wake`); while every row is held the loop waits
-for that, a cancel, a submission or the decoder, instead of turning.
+queue, without a slot, until the text its prefill holds is committed (the first token; for an ICL prompt the
+first frames + 1 - transcript tokens: icl_cache.stream_prefill_ids) or its text ends, and a running row whose next
+token has not arrived is held out of the step the same way (its audio so far is handed to the decoder, in chunks
+the decoder takes unpadded), so its codes are those of the whole text. The stream's listener wakes the loop
+(`Scheduler.wake`); while every row is held the loop waits for that, a cancel, a submission or the decoder, instead
+of turning.
 
 ICL requests (`request.icl`) are rows like the others: their prompt holds the reference transcript and code block
 (qwen_tts/model/icl_prompt.py) and their decoder starts from Code2Wav's state after the reference codes, both
 computed once per voice (icl_cache.py), so a batch mixes ICL and x-vector rows freely. Their frame budget counts the
 target text only (the reference is not spoken again); the prompt, reference included, must fit the prefill and the
-KV cache's prompt room (max_text_tokens plus the fixed rows), checked at submit. A text_stream is refused: the ICL
-prompt needs the whole text at prefill.
+KV cache's prompt room (max_text_tokens plus the fixed rows), checked at submit. With a text_stream the ICL prompt's
+T[:T2] rows hold the reference transcript and the first target tokens, the rest trails one token per step, so a
+streamed ICL row is fed and held as an x-vector one is, its codes those of the whole text.
 
 Per-request state that the batched step needs lives in slot-indexed device tensors (sampling settings, seeds,
 the repetition-penalty mask, the last hidden state), so a step gathers by slot index instead of rebuilding
@@ -70,7 +73,7 @@ from qwen_tts.model.loading import Qwen3TTS, resolve_device, resolve_dtype
 from qwen_tts.model.model_paths import DEMO, ModelPathError, resolve_model_path
 from qwen_tts.model.prompt import normalize_language
 
-from .icl_cache import ICL_TEXT_STREAM, check_icl_request
+from .icl_cache import check_icl_request, stream_prefill_ids
 from .runner import ModelRunner, max_prompt_len, talker_cache_len, uses_graphs
 from .scheduler import RequestState, Scheduler, frame_budget
 from .text_feed import TextFeed
@@ -241,8 +244,6 @@ class NativeEngine(CheckpointEngine):
         if not torch.isfinite(x).all():
             raise ValueError("xvector contains NaN or Inf")
         stream, feed = request.text_stream, None
-        if stream is not None and request.icl is not None:
-            raise ValueError(ICL_TEXT_STREAM)
         if stream is not None:
             if request.non_streaming_text:
                 raise ValueError("a text_stream needs non_streaming_text=False (the talker reads one token per frame)")
@@ -274,6 +275,7 @@ class NativeEngine(CheckpointEngine):
         budget = frame_budget(request, len(text_ids), self.config.max_frames)
         handle.stats.frame_budget = budget
         state = RequestState(handle, text_ids, language, budget, feed=feed, ref_ids=ref_ids)
+        state.prefill_ids = stream_prefill_ids(request, ref_ids)
         if feed is not None and feed.ended and not feed.ids:  # the stream ended with no text: nothing to say
             self._end_waiting(state, FinishReason.EOS)
             return handle

@@ -22,13 +22,9 @@ from torch import Tensor
 
 from qwen_tts.engine_api import SynthesisRequest
 from qwen_tts.icl import IclReference
-from qwen_tts.model.icl_prompt import icl_prompt_len, ref_text_ids
+from qwen_tts.model.icl_prompt import icl_prefill_tokens, icl_prompt_len, ref_text_ids
 from qwen_tts.model.tokenizer import TextTokenizer
 
-ICL_TEXT_STREAM = (
-    "icl: a voice in ICL mode cannot take a text_stream (its prompt needs the whole text at prefill); "
-    "stream the text to an x-vector voice, or send it whole"
-)
 ICL_CACHE_VOICES = 32  # voices kept; each holds a code block and one Code2Wav stream state on the device
 
 
@@ -64,12 +60,11 @@ def check_icl_request(
     codebook_size: int,
 ) -> list[int]:
     """An ICL request's reference transcript ids, after the checks submit makes (ValueError naming what is wrong):
-    no text_stream (the ICL prompt holds the reference text and the target text ahead of the reference codes, so it
-    needs the whole text at prefill), codes inside the codebook, and a prompt that fits `max_prompt` positions (the
-    prefill's and the KV cache's room for the prompt)."""
+    codes inside the codebook, and a prompt that fits `max_prompt` positions (the prefill's and the KV cache's room
+    for the prompt). A refusal the client can cause starts with the request field that can fix it: `text` in
+    non-streaming mode (the prompt holds the whole text), `voice_mode` in streaming-text mode (the prompt holds the
+    reference alone, whatever the text: only x-vector mode or a shorter reference helps)."""
     icl = request.icl
-    if request.text_stream is not None:
-        raise ValueError(ICL_TEXT_STREAM)
     bad = (icl.codes < 0) | (icl.codes >= codebook_size)
     if bool(bad.any()):
         raise ValueError(f"icl: reference codes must be in [0, {codebook_size}), got {int(icl.codes[bad][0])}")
@@ -78,12 +73,32 @@ def check_icl_request(
         raise ValueError("icl: the reference transcript has no tokens")
     n = icl_prompt_len(language, len(ref_ids), text_tokens, icl.frames, request.non_streaming_text)
     if n > max_prompt:
+        ref = f"the voice's reference ({icl.frames} frames, a transcript of {len(ref_ids)} tokens)"
+        limit = f"the limit is {max_prompt} (max_text_tokens plus the prompt's fixed rows)"
+        if request.non_streaming_text:
+            raise ValueError(
+                f"text: {text_tokens} tokens with {ref} make an ICL prompt of {n} positions; {limit}: "
+                'use a shorter text or voice_mode "xvector"'
+            )
         raise ValueError(
-            f"icl: the reference ({icl.frames} frames, a transcript of {len(ref_ids)} tokens) with the text "
-            f"({text_tokens} tokens) makes a prompt of {n} positions; the limit is {max_prompt} "
-            "(max_text_tokens plus the prompt's fixed rows): use a shorter reference or text"
+            f"voice_mode: {ref} makes an ICL prompt of {n} positions in streaming-text mode; {limit}: "
+            'use voice_mode "xvector" or a shorter reference'
         )
     return ref_ids
+
+
+def stream_prefill_ids(request: SynthesisRequest, ref_ids: list[int] | None) -> int:
+    """Committed target-text ids a request with a `text_stream` waits for in the queue before its prefill (or the
+    end of its text, whichever comes first).
+
+    An x-vector prompt holds the first text token. An ICL prompt in streaming-text mode holds the reference
+    transcript and then the first frames + 1 - transcript tokens of the target text beside the reference code block
+    (`icl_prompt.icl_prefill_tokens`), so an ICL voice's first audio waits for that much text: no more than the
+    first token when the transcript has at least as many tokens as the reference has frames. Every later frame step
+    reads the next token, as for an x-vector row."""
+    if request.icl is None or ref_ids is None:
+        return 1
+    return max(1, icl_prefill_tokens(len(ref_ids), request.icl.frames))
 
 
 class IclCache:

@@ -27,7 +27,7 @@ from qwen_tts import fastpath
 from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest
 from qwen_tts.fastpath.options import FastPath
 from qwen_tts.model.config import ModelConfig
-from qwen_tts.model.icl_prompt import build_icl_prompt, reference_block
+from qwen_tts.model.icl_prompt import build_icl_prompt, icl_trailing_ids, reference_block
 from qwen_tts.model.layers import upload
 from qwen_tts.model.loading import Qwen3TTS, load_model
 from qwen_tts.model.prompt import Prompt, build_prompt, text_track_rows
@@ -273,23 +273,37 @@ class ModelRunner:
         req = lv.request
         x = upload(req.xvector, self.dtype, self.device)
         text_ids = lv.feed.ids if lv.feed is not None else lv.text_ids
-        if req.icl is not None:  # (no text_stream: submit refuses one)
+        if req.icl is not None:
             voice = self.icl.voice(req.icl, lv.ref_ids, lambda codes: reference_block(self._talker, codes))
             lv.icl_voice = voice
             if not voice.reference_queued:  # its decoder start, while the request prefills and steps
                 voice.reference_queued = True
                 self._decoder.decode_reference(voice)
-            return build_icl_prompt(
+            prompt = build_icl_prompt(
                 self._cfg, self._talker, text_ids, self._role_ids, x, lv.language, req.non_streaming_text,
                 voice.ref_ids, voice.block,
             )  # fmt: skip
-        prompt = build_prompt(self._cfg, self._talker, text_ids, self._role_ids, x, lv.language, req.non_streaming_text)
+        else:
+            prompt = build_prompt(
+                self._cfg, self._talker, text_ids, self._role_ids, x, lv.language, req.non_streaming_text
+            )
         if lv.feed is not None:
             lv.text_ids = list(text_ids)
             if not lv.feed.ended:  # the text goes on: its trailing rows so far, end-of-text comes with the end
+                # (admission waited for the prefill's text, so the trailing track is there and ends in teos)
+                if prompt.trailing.shape[0] == 0:
+                    raise RuntimeError("a streamed request was prefilled before the text its prompt holds")
                 prompt.trailing = prompt.trailing[:-1]
                 lv.text_rows = prompt.trailing.shape[0]
         return prompt
+
+    @staticmethod
+    def _track_ids(lv: RequestState, ids: list[int]) -> list[int]:
+        """The streaming-mode trailing text track's ids (end-of-text not counted) for the target text ids `ids`:
+        the text after its first token (x-vector), or after the ICL prompt's T2 reference + target ids."""
+        if lv.ref_ids is None:
+            return ids[1:]
+        return icl_trailing_ids(lv.ref_ids, ids, lv.request.icl.frames)
 
     def extend_text(self, rows: list[RequestState]) -> None:
         """Streamed rows with newly committed text ids (or the end of their text): their trailing text track grows
@@ -299,7 +313,8 @@ class ModelRunner:
                 continue
             ids = lv.feed.ids
             with torch.inference_mode():
-                parts = [lv.prompt.trailing, text_track_rows(self._talker, ids[1:], lv.text_rows, self._pad_id)]
+                track = self._track_ids(lv, ids)
+                parts = [lv.prompt.trailing, text_track_rows(self._talker, track, lv.text_rows, self._pad_id)]
                 if lv.feed.ended:
                     parts.append(lv.prompt.end[None])
                 lv.prompt.trailing = torch.cat(parts)
@@ -475,6 +490,13 @@ class ModelRunner:
             start += size
         return self._chunk_sizes[-1]
 
+    def _unpadded(self, t: int) -> int:
+        """The most frames, at most t, that the decoder decodes at their own length (t itself in exact mode, else
+        the longest chunk length <= t; 0 if none). Only a request's last chunk may be padded: its state is not read
+        again."""
+        dec = self._decoder.decoder
+        return max((c for c in (t, *dec.chunk_lens) if c <= t and dec.padded_len(c) == c), default=0)
+
     def decode_due(self, live: dict[int, RequestState]) -> None:
         """Hand the decoder the pending frames of rows whose next chunk is due (or that finished), one job per
         chunk shape; a finished row that still holds more than a chunk gets several jobs, in order."""
@@ -488,6 +510,10 @@ class ModelRunner:
                 target = self._next_chunk(lv.queued)
                 if len(lv.pending) >= target or lv.done is not None or lv.held:  # held: its audio so far goes out
                     t = min(len(lv.pending), target)
+                    if lv.done is None and t < target:  # held, its request goes on: a chunk the decoder takes
+                        t = self._unpadded(t)  # unpadded (padding frames would enter the row's stream state)
+                        if not t:
+                            continue
                     alone = lv.slot if cfg.batch_invariant_decode else -1  # a group of its own
                     groups[(dec.padded_len(t), first, alone)].append((lv, t))
             if not groups:

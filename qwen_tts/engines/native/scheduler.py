@@ -66,6 +66,8 @@ class RequestState:
     text_rows: int | None = None
     held: bool = False  # waiting for its next text token this turn (schedule)
     ref_ids: list[int] | None = None  # an ICL request's reference transcript ids (request.icl); None: x-vector mode
+    # A streamed request's committed ids its prefill needs (`icl_cache.stream_prefill_ids`), unless its text ends first.
+    prefill_ids: int = 1
     # Set at admission, when the request gets a KV-cache slot.
     slot: int = -1
     prompt: Prompt | None = None
@@ -85,9 +87,12 @@ class RequestState:
 
     @property
     def admissible(self) -> bool:
-        """It can take a slot: its first text token is known (a streamed request's may still be to come), or it was
-        cancelled (admission finishes it)."""
-        return self.feed is None or bool(self.feed.ids) or self.cancelled
+        """It can take a slot: the text its prefill holds is known (a streamed request's first `prefill_ids` ids, or
+        all of its text once the stream has ended with fewer), or it was cancelled (admission finishes it)."""
+        feed = self.feed
+        if feed is None or self.cancelled:
+            return True
+        return bool(feed.ids) and (feed.ended or len(feed.ids) >= self.prefill_ids)
 
     def text_ready(self, frame: int) -> bool:
         """Frame `frame`'s text-track row is known."""
@@ -212,8 +217,8 @@ class Scheduler:
         return bool(self._free_slots) and any(s.admissible for s in self.waiting)
 
     def take_admissions(self) -> list[RequestState]:
-        """Pop admissible waiting requests into free slots (FIFO; a streamed request still waiting for its first
-        text token keeps its place and lets the ones behind it pass); each gets its `slot`."""
+        """Pop admissible waiting requests into free slots (FIFO; a streamed request still waiting for the text of
+        its prefill keeps its place and lets the ones behind it pass); each gets its `slot`."""
         with self.cv:
             admitted = []
             for state in list(self.waiting):

@@ -3,7 +3,9 @@
 In streaming-text mode the prefill holds the first text token and every frame step adds the next one to the
 talker's input (qwen_tts/model/prompt.py: the trailing text, then end-of-text, then tpad). So a request can start
 once its first token is known and step frame f once token f + 1 (or the end of the text) is known; until then it
-is held: no step, no code, no cache write, no random draw. Its codes are those of the whole text.
+is held: no step, no code, no cache write, no random draw. Its codes are those of the whole text. An ICL prompt
+holds the first k target tokens (qwen_tts/model/icl_prompt.py: `icl_prefill_tokens`): it starts once max(k, 1) are
+and steps frame f once token f + k is.
 
 Only ids that can no longer change are committed: the ids of the text's stable prefix
 (`TextTokenizer.stable_prefix`, which keeps an unfinished word or an added token being written), all of them once
@@ -55,7 +57,9 @@ class TextFeed:
         if ids[: len(self.ids)] != self.ids:  # stable_prefix's promise broken: a bug, never speak changed text
             raise RuntimeError("the streamed text's committed ids changed")
         if len(ids) > self._max_tokens:
-            raise TextTooLongError(f"the streamed text grew to {len(ids)} tokens, the limit is {self._max_tokens}")
+            raise TextTooLongError(
+                f"text: the streamed text grew to {len(ids)} tokens, the limit is {self._max_tokens} (max_text_tokens)"
+            )
         grew = len(ids) > len(self.ids)
         self.ids = ids
         if snap.ended:
