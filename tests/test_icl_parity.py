@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference_helpers import load_reference_fixture
 from torch.testing import assert_close
 
 from qwen_tts.model.icl_prompt import (
@@ -23,7 +24,6 @@ from qwen_tts.model.icl_prompt import (
     ref_text_ids,
     reference_block,
 )
-from qwen_tts.model.random_checkpoint import weights_digest
 from qwen_tts.model.reference_loop import generate_codes
 from qwen_tts.model.tokenizer import ROLE_LEN, TAIL_LEN
 
@@ -34,12 +34,7 @@ HOP = 1920
 
 @pytest.fixture(scope="module")
 def ref(tiny_checkpoint: Path) -> dict:
-    fx = torch.load(FIXTURE, weights_only=True)
-    if weights_digest(tiny_checkpoint) != fx["meta"]["weights_digest"]:
-        pytest.fail(
-            f"the tiny checkpoint differs from the one the ICL fixture was recorded on; regenerate: {REGENERATE}"
-        )
-    return fx
+    return load_reference_fixture(FIXTURE, tiny_checkpoint, REGENERATE)
 
 
 def _id(case: dict) -> str:
