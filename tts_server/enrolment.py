@@ -1,5 +1,5 @@
 """A clip enrolled for a request (an upload, a synthesis body's inline reference): `qwen_tts.voices.enroll_clip`'s
-refusals as 400s naming the request's own fields."""
+refusals as 422s naming the request's own fields."""
 
 from __future__ import annotations
 
