@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference_helpers import load_reference_fixture, require_recorded_checkpoint
+from reference_helpers import assert_prompt_matches, load_reference_fixture, prompt_args, require_recorded_checkpoint
 from torch.testing import assert_close
 
 from qwen_tts.model.loading import load_model
@@ -20,7 +20,6 @@ from qwen_tts.model.mel import mel_spectrogram
 from qwen_tts.model.prompt import build_prompt
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
 from qwen_tts.model.reference_loop import generate_codes, teacher_forced_logits
-from qwen_tts.model.tokenizer import ROLE_LEN, TAIL_LEN
 
 FIXTURE = Path(__file__).parent / "reference" / "fixture_tiny.pt"
 REGENERATE = ".venv-ref/bin/python tests/reference/make_fixture.py --out tests/reference/fixture_tiny.pt"
@@ -46,11 +45,6 @@ def mtp(ref, tmp_path_factory):
     return m, ref["mtp"]
 
 
-def _track(trailing: torch.Tensor, pad: torch.Tensor, steps: int) -> torch.Tensor:
-    """The text-track rows added to decode steps 0..steps-1: the trailing rows, then tpad."""
-    return torch.stack([trailing[k] if k < len(trailing) else pad for k in range(steps)])
-
-
 def _case_id(case: dict) -> str:
     return f"{case['language']}-{'nonstream' if case['non_streaming'] else 'stream'}-{case['text'][:12]}"
 
@@ -70,19 +64,8 @@ def test_prompt_embeddings_match(which, request, ref):
     if which == "tiny-mtp":
         model, cases = request.getfixturevalue("mtp")[0], ref["mtp"]["cases"]
     for case in cases:
-        ids = model.tokenizer.chat_ids(case["text"])
-        p = build_prompt(
-            model.config,
-            model.talker,
-            ids[ROLE_LEN:-TAIL_LEN],
-            ids[:ROLE_LEN],
-            case["xvector"],
-            case["language"],
-            case["non_streaming"],
-        )
-        assert_close(p.prefill, case["prefill"], msg=lambda m, c=case: f"{_case_id(c)} prefill: {m}")
-        steps = max(len(case["trailing"]), len(p.trailing)) + 2
-        assert_close(_track(p.trailing, p.pad, steps), _track(case["trailing"], case["pad"], steps))
+        p = build_prompt(*prompt_args(model, case, case["xvector"]))
+        assert_prompt_matches(p, case, _case_id(case))
 
 
 def _assert_greedy_codes(model, cases: list[dict], frames: int) -> None:
