@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from reference_helpers import load_reference_fixture
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
@@ -30,7 +31,7 @@ from qwen_tts.model.codec_encoder import (
 )
 from qwen_tts.model.loading import CheckpointError
 from qwen_tts.model.model_paths import resolve_model_path
-from qwen_tts.model.random_checkpoint import mimi_encoder_spec, speech_tokenizer_config_dict, weights_digest
+from qwen_tts.model.random_checkpoint import mimi_encoder_spec, speech_tokenizer_config_dict
 
 REFERENCE = Path(__file__).parent / "reference"
 FIXTURE = REFERENCE / "fixture_encoder_tiny.pt"
@@ -51,16 +52,7 @@ clips = _clips_module()
 
 @pytest.fixture(scope="module")
 def ref(tiny_checkpoint: Path) -> dict:
-    """The recorded official outputs, after checking they belong to the checkpoint the writer produces today."""
-    fx = torch.load(FIXTURE, weights_only=True)
-    meta = fx["meta"]
-    assert (meta["size"], meta["seed"]) == ("tiny", 0), f"fixture is for {meta['size']} seed {meta['seed']}"
-    if weights_digest(tiny_checkpoint) != meta["weights_digest"]:
-        pytest.fail(
-            "the tiny checkpoint the writer produces differs from the one the encoder fixture was recorded on "
-            f"(qwen_tts/model/random_checkpoint.py changed?). Regenerate the fixture in the reference venv: {REGENERATE}"
-        )
-    return fx
+    return load_reference_fixture(FIXTURE, tiny_checkpoint, REGENERATE)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from test_engine_reference import eos_boost
+from test_engine_reference import reference as loop_codes
 
 from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest
 from qwen_tts.engines.native import NativeEngine
@@ -21,7 +22,6 @@ from qwen_tts.engines.native.icl_cache import IclCache
 from qwen_tts.fastpath.options import FastPath
 from qwen_tts.icl import IclReference
 from qwen_tts.model.icl_prompt import decode_icl, ref_text_ids
-from qwen_tts.model.reference_loop import generate_codes
 from qwen_tts.text_stream import TextStream
 
 HOP = 1920
@@ -44,31 +44,12 @@ CASES = [
     ("A sampled x-vector row.", None, dict(temperature=0.8, top_k=10, min_frames=4)),
     ("Greedy, text fed per step, long reference.", VOICE_B, dict(greedy=True, non_streaming_text=False)),
 ]
-SAME_NAMES = ("language", "greedy", "temperature", "top_k", "top_p", "repetition_penalty",
-              "cp_temperature", "cp_top_k", "cp_top_p", "seed")  # fmt: skip
 
 
 def request(model, i: int, text: str, icl: IclReference | None, opts: dict) -> SynthesisRequest:
     x = torch.randn(model.config.xvector_dim, generator=torch.Generator().manual_seed(100 + i))
     opts = {"max_frames": MAX_FRAMES, **opts}
     return SynthesisRequest(text=text, xvector=x, seed=1000 + i, return_codes=True, icl=icl, **opts)
-
-
-def loop_codes(model, req: SynthesisRequest) -> torch.Tensor:
-    icl = req.icl
-    return generate_codes(
-        model.talker,
-        model.config,
-        model.tokenizer,
-        req.text,
-        req.xvector,
-        non_streaming=req.non_streaming_text,
-        max_frames=MAX_FRAMES,
-        min_new_tokens=req.min_frames,
-        ref_codes=None if icl is None else icl.codes,
-        ref_text=None if icl is None else icl.text,
-        **{name: getattr(req, name) for name in SAME_NAMES},
-    )
 
 
 def loop_audio(model, req: SynthesisRequest, codes: torch.Tensor) -> np.ndarray:

@@ -10,20 +10,26 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import numpy as np
 import pytest
 import torch
 from test_engine_icl import loop_audio, reference
-from test_engine_text_stream import count_held_turns, no_eos, produce, random_split, wait_until
+from test_engine_text_stream import (
+    cancel_while_waiting,
+    count_held_turns,
+    cuda_graphs_engine,
+    no_eos,
+    produce,
+    random_split,
+    wait_until,
+)
 
-from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest
+from qwen_tts.engine_api import FinishReason, SynthesisRequest
 from qwen_tts.engines.native.engine import NativeEngine
 from qwen_tts.engines.native.scheduler import frame_budget
 from qwen_tts.icl import IclReference
 from qwen_tts.model.icl_prompt import icl_prefill_tokens, ref_text_ids
-from qwen_tts.model.loading import load_model
 from qwen_tts.text_stream import TextStream
 from tests.test_engine import codes_of, make_engine, started, xvec
 
@@ -221,14 +227,8 @@ async def test_cancel_while_waiting_for_the_prefills_text_ends_at_once(tiny_mode
         assert 0 < len(tiny_model.tokenizer.text_ids("The quick brown")) < prefill_tokens(tiny_model, LONG_REF)
         h = eng.submit(streamed(tiny_model, stream, LONG_REF, 0))
         await asyncio.sleep(0.1)
-        assert (eng.num_waiting, eng.num_running) == (1, 0)
-        steps = eng.timings["steps"]
-        t0 = time.monotonic()
-        eng.cancel(h)
-        audio = await asyncio.wait_for(h.collect(), 2)
-        assert h.stats.finish_reason is FinishReason.CANCELLED and audio.size == 0
-        assert time.monotonic() - t0 < 1.0 and eng.timings["steps"] == steps
-        assert stream._listeners == [] and eng.num_waiting == 0
+        await cancel_while_waiting(eng, h, stream)
+        assert eng.num_waiting == 0
         assert eng._runner.icl.misses == 0  # never admitted: no code block built
 
 
@@ -276,10 +276,7 @@ async def test_on_cuda_graphs_streamed_icl_text_is_exact_and_changes_no_other_ro
     """The GPU's default path (fused kernels, frame steps and prefills replayed from CUDA graphs captured at start):
     streamed ICL rows of both prompt shapes give the whole text's codes, and an x-vector row decoding beside them
     the codes it gets alone. End-of-speech is masked to the budget (min_frames)."""
-    model = load_model(tiny_model.path, device="cuda")
-    cfg = EngineSettings(model_path=str(model.path), device="cuda", max_slots=4, first_chunk_frames=2, chunk_frames=4)
-    eng = NativeEngine(cfg, model=model)
-    held = count_held_turns(eng)
+    model, eng, held = cuda_graphs_engine(tiny_model)
     rng = random.Random(f"cuda-{greedy}")
     other_text = "Another request runs beside the streamed one."
     fixed = dict(greedy=greedy, min_frames=24, max_frames=24)

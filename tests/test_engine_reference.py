@@ -65,7 +65,8 @@ def request(model, i: int, text: str, opts: dict) -> SynthesisRequest:
 
 
 def reference(model, req: SynthesisRequest) -> torch.Tensor:
-    same = {name: getattr(req, name) for name in SAME_NAMES}
+    """The reference loop's codes for a request: x-vector, or ICL with the request's reference."""
+    icl = req.icl
     return generate_codes(
         model.talker,
         model.config,
@@ -73,9 +74,11 @@ def reference(model, req: SynthesisRequest) -> torch.Tensor:
         req.text,
         req.xvector,
         non_streaming=req.non_streaming_text,
-        max_frames=MAX_FRAMES,
+        max_frames=req.max_frames,
         min_new_tokens=req.min_frames,
-        **same,
+        ref_codes=None if icl is None else icl.codes,
+        ref_text=None if icl is None else icl.text,
+        **{name: getattr(req, name) for name in SAME_NAMES},
     )
 
 

@@ -96,6 +96,19 @@ def count_held_turns(eng: NativeEngine) -> list[int]:
     return held
 
 
+async def cancel_while_waiting(eng: NativeEngine, h, stream: TextStream) -> None:
+    """Cancel a request that waits in the queue for its stream's text: it ends at once, with no audio and no turn
+    of the loop, and the engine lets go of the stream."""
+    assert (eng.num_waiting, eng.num_running) == (1, 0)
+    steps = eng.timings["steps"]
+    t0 = time.monotonic()
+    eng.cancel(h)
+    audio = await asyncio.wait_for(h.collect(), 2)
+    assert h.stats.finish_reason is FinishReason.CANCELLED and audio.size == 0
+    assert time.monotonic() - t0 < 1.0 and eng.timings["steps"] == steps
+    assert stream._listeners == []
+
+
 async def wait_until(predicate, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -166,14 +179,7 @@ async def test_cancel_while_waiting_for_the_first_token_and_while_held_ends_at_o
         stream = TextStream("Hel")
         h = eng.submit(streamed(tiny_model, stream, 0))
         await asyncio.sleep(0.1)
-        assert (eng.num_waiting, eng.num_running) == (1, 0)
-        steps = eng.timings["steps"]
-        t0 = time.monotonic()
-        eng.cancel(h)
-        audio = await asyncio.wait_for(h.collect(), 2)
-        assert h.stats.finish_reason is FinishReason.CANCELLED and audio.size == 0
-        assert time.monotonic() - t0 < 1.0 and eng.timings["steps"] == steps
-        assert stream._listeners == []  # the engine let go of the stream
+        await cancel_while_waiting(eng, h, stream)
 
         # Held: it ran out of text after a few frames.
         stream = TextStream("Hello there, my friend")
@@ -276,6 +282,14 @@ async def test_streamed_requests_are_checked(tiny_model):
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def cuda_graphs_engine(tiny_model) -> tuple:
+    """(the tiny model on CUDA, an engine on its default path, CUDA graphs captured at start, the held-turn count)."""
+    model = load_model(tiny_model.path, device="cuda")
+    cfg = EngineSettings(model_path=str(model.path), device="cuda", max_slots=4, first_chunk_frames=2, chunk_frames=4)
+    eng = NativeEngine(cfg, model=model)
+    return model, eng, count_held_turns(eng)
+
+
 @needs_cuda
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
 async def test_on_cuda_graphs_streamed_text_is_exact_and_changes_no_other_rows_codes(tiny_model, greedy):
@@ -283,10 +297,7 @@ async def test_on_cuda_graphs_streamed_text_is_exact_and_changes_no_other_rows_c
     for its text is a row left out of a replayed graph; its codes are still those of the whole text, and a request
     decoding beside it gets the codes it gets alone. End-of-speech is masked to the budget (min_frames), which also
     holds on the graphed path."""
-    model = load_model(tiny_model.path, device="cuda")
-    cfg = EngineSettings(model_path=str(model.path), device="cuda", max_slots=4, first_chunk_frames=2, chunk_frames=4)
-    eng = NativeEngine(cfg, model=model)
-    held = count_held_turns(eng)
+    model, eng, held = cuda_graphs_engine(tiny_model)
     rng = random.Random(f"cuda-{greedy}")
     other_text = "Another request runs beside the streamed one."
     fixed = dict(greedy=greedy, min_frames=24, max_frames=24)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference_helpers import assert_prompt_matches, load_reference_fixture, prompt_args
 from torch.testing import assert_close
 
 from qwen_tts.model.icl_prompt import (
@@ -23,9 +24,7 @@ from qwen_tts.model.icl_prompt import (
     ref_text_ids,
     reference_block,
 )
-from qwen_tts.model.random_checkpoint import weights_digest
 from qwen_tts.model.reference_loop import generate_codes
-from qwen_tts.model.tokenizer import ROLE_LEN, TAIL_LEN
 
 FIXTURE = Path(__file__).parent / "reference" / "fixture_icl_tiny.pt"
 REGENERATE = ".venv-ref/bin/python tests/reference/make_icl_fixture.py"
@@ -34,21 +33,12 @@ HOP = 1920
 
 @pytest.fixture(scope="module")
 def ref(tiny_checkpoint: Path) -> dict:
-    fx = torch.load(FIXTURE, weights_only=True)
-    if weights_digest(tiny_checkpoint) != fx["meta"]["weights_digest"]:
-        pytest.fail(
-            f"the tiny checkpoint differs from the one the ICL fixture was recorded on; regenerate: {REGENERATE}"
-        )
-    return fx
+    return load_reference_fixture(FIXTURE, tiny_checkpoint, REGENERATE)
 
 
 def _id(case: dict) -> str:
     mode = "nonstream" if case["non_streaming"] else "stream"
     return f"{case['language']}-{mode}-ref{len(case['ref_codes'])}"
-
-
-def _track(trailing: torch.Tensor, pad: torch.Tensor, steps: int) -> torch.Tensor:
-    return torch.stack([trailing[k] if k < len(trailing) else pad for k in range(steps)])
 
 
 def test_the_fixture_covers_both_text_modes_both_languages_and_both_reference_lengths(ref, tiny_qwen3tts):
@@ -68,22 +58,10 @@ def test_reference_text_ids_match(ref, tiny_qwen3tts):
 def test_icl_prompt_embeddings_match(ref, tiny_qwen3tts):
     m = tiny_qwen3tts
     for case in ref["cases"]:
-        ids = m.tokenizer.chat_ids(case["text"])
         with torch.inference_mode():
-            p = build_icl_prompt(
-                m.config,
-                m.talker,
-                ids[ROLE_LEN:-TAIL_LEN],
-                ids[:ROLE_LEN],
-                ref["xvector"],
-                case["language"],
-                case["non_streaming"],
-                case["ref_ids"],
-                reference_block(m.talker, case["ref_codes"]),
-            )
-        assert_close(p.prefill, case["prefill"], msg=lambda msg, c=case: f"{_id(c)} prefill: {msg}")
-        steps = max(len(case["trailing"]), len(p.trailing)) + 2
-        assert_close(_track(p.trailing, p.pad, steps), _track(case["trailing"], case["pad"], steps))
+            block = reference_block(m.talker, case["ref_codes"])
+            p = build_icl_prompt(*prompt_args(m, case, ref["xvector"]), case["ref_ids"], block)
+        assert_prompt_matches(p, case, _id(case))
 
 
 @pytest.fixture(scope="module")

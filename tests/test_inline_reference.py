@@ -14,6 +14,7 @@ import pytest
 import soundfile as sf
 import torch
 
+from qwen_tts import icl_profile
 from qwen_tts.engines.fake import FakeEngine
 from qwen_tts.model.codec_encoder import load_codec_encoder
 from qwen_tts.model.config import ModelConfig
@@ -105,6 +106,26 @@ async def test_the_cache_keeps_its_bound_dropping_the_least_recently_used(
         # Another transcript for the same clip is another reference.
         assert (await s.client.post("/synthesize", json=body(a, text="Other words."))).status_code == 200
         assert s.runtime.engine.submitted[-1].icl.key not in keys
+
+
+async def test_an_inline_reference_on_a_server_without_the_codec_encoder_names_reference(
+    tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def missing(model_path, device="cpu"):
+        raise ModuleNotFoundError("No module named 'qwen_tts.model.codec_encoder'")
+
+    monkeypatch.setattr(icl_profile, "load_reference_encoder", missing)
+    async with _server(tiny_checkpoint, tmp_path / "voices", inline_reference=True) as s:
+        r = await s.client.post("/synthesize", json=body(clip()))
+        assert r.status_code == 422, r.text
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == ("reference", "icl_unavailable")
+        assert error["message"] == (
+            "reference: this server cannot compute ICL reference codes "
+            "(ModuleNotFoundError: No module named 'qwen_tts.model.codec_encoder')"
+        )
+        assert s.runtime.engine.submitted == [] and len(s.runtime.inline_voices) == 0
+        assert s.runtime.admission.active == 0
 
 
 async def test_bad_inline_references_are_refused_naming_the_field(tiny_checkpoint: Path, tmp_path: Path) -> None:

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference_helpers import assert_prompt_matches, load_reference_fixture, prompt_args, require_recorded_checkpoint
 from torch.testing import assert_close
 
 from qwen_tts.model.loading import load_model
 from qwen_tts.model.mel import mel_spectrogram
 from qwen_tts.model.prompt import build_prompt
-from qwen_tts.model.random_checkpoint import weights_digest, write_random_checkpoint
+from qwen_tts.model.random_checkpoint import write_random_checkpoint
 from qwen_tts.model.reference_loop import generate_codes, teacher_forced_logits
-from qwen_tts.model.tokenizer import ROLE_LEN, TAIL_LEN
 
 FIXTURE = Path(__file__).parent / "reference" / "fixture_tiny.pt"
 REGENERATE = ".venv-ref/bin/python tests/reference/make_fixture.py --out tests/reference/fixture_tiny.pt"
@@ -27,16 +27,7 @@ REGENERATE = ".venv-ref/bin/python tests/reference/make_fixture.py --out tests/r
 
 @pytest.fixture(scope="module")
 def ref(tiny_checkpoint: Path) -> dict:
-    """The recorded official outputs, after checking they belong to the checkpoint the writer produces today."""
-    fx = torch.load(FIXTURE, weights_only=True)
-    meta = fx["meta"]
-    assert (meta["size"], meta["seed"]) == ("tiny", 0), f"fixture is for {meta['size']} seed {meta['seed']}"
-    if weights_digest(tiny_checkpoint) != meta["weights_digest"]:
-        pytest.fail(
-            "the tiny checkpoint the writer produces differs from the one the parity fixture was recorded on "
-            f"(qwen_tts/checkpoint.py changed?). Regenerate the fixture in the reference venv: {REGENERATE}"
-        )
-    return fx
+    return load_reference_fixture(FIXTURE, tiny_checkpoint, REGENERATE)
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +39,10 @@ def model(tiny_qwen3tts, ref):
 def mtp(ref, tmp_path_factory):
     """(our model, recorded outputs) for tiny-mtp: a code predictor behind small_to_mtp_projection, as in 1.7B."""
     path = write_random_checkpoint(tmp_path_factory.mktemp("mtp") / "tiny-mtp", size="tiny-mtp", seed=0)
-    if weights_digest(path) != ref["mtp"]["weights_digest"]:
-        pytest.fail(f"the tiny-mtp checkpoint differs from the recorded one; regenerate the fixture: {REGENERATE}")
+    require_recorded_checkpoint(path, ref["mtp"]["weights_digest"], FIXTURE.name, REGENERATE)
     m = load_model(path)
     assert isinstance(m.talker.code_predictor.small_to_mtp_projection, torch.nn.Linear)
     return m, ref["mtp"]
-
-
-def _track(trailing: torch.Tensor, pad: torch.Tensor, steps: int) -> torch.Tensor:
-    """The text-track rows added to decode steps 0..steps-1: the trailing rows, then tpad."""
-    return torch.stack([trailing[k] if k < len(trailing) else pad for k in range(steps)])
 
 
 def _case_id(case: dict) -> str:
@@ -79,19 +64,8 @@ def test_prompt_embeddings_match(which, request, ref):
     if which == "tiny-mtp":
         model, cases = request.getfixturevalue("mtp")[0], ref["mtp"]["cases"]
     for case in cases:
-        ids = model.tokenizer.chat_ids(case["text"])
-        p = build_prompt(
-            model.config,
-            model.talker,
-            ids[ROLE_LEN:-TAIL_LEN],
-            ids[:ROLE_LEN],
-            case["xvector"],
-            case["language"],
-            case["non_streaming"],
-        )
-        assert_close(p.prefill, case["prefill"], msg=lambda m, c=case: f"{_case_id(c)} prefill: {m}")
-        steps = max(len(case["trailing"]), len(p.trailing)) + 2
-        assert_close(_track(p.trailing, p.pad, steps), _track(case["trailing"], case["pad"], steps))
+        p = build_prompt(*prompt_args(model, case, case["xvector"]))
+        assert_prompt_matches(p, case, _case_id(case))
 
 
 def _assert_greedy_codes(model, cases: list[dict], frames: int) -> None:
@@ -195,8 +169,7 @@ def test_bf16_engine_path_matches_the_official_generation(size, tmp_path_factory
     cache with the unwritten tail masked, as it once did, gave 98.3% top-1 and a 4.3e-3 relative RMS difference."""
     fx = torch.load(BF16_FIXTURE, weights_only=True)[size]
     path = write_random_checkpoint(tmp_path_factory.mktemp(f"bf16-{size}") / size, size=size, seed=0)
-    if weights_digest(path) != fx["weights_digest"]:
-        pytest.fail(f"the {size} checkpoint differs from the one the bf16 fixture was recorded on: {BF16_REGENERATE}")
+    require_recorded_checkpoint(path, fx["weights_digest"], BF16_FIXTURE.name, BF16_REGENERATE)
     model = load_model(path, device="cpu", dtype=torch.bfloat16)
     seq, L, codes = fx["inputs"], fx["prefill_len"], fx["codes"]
     V = fx["talker_logits"].shape[-1]
@@ -230,8 +203,7 @@ def test_bf16_free_running_generation_matches_the_official_generation(size, tmp_
         pytest.fail(f"the bf16 fixture has no free-running case: {BF16_REGENERATE}")
     rec = fx["free_running"]
     path = write_random_checkpoint(tmp_path_factory.mktemp(f"free-{size}") / size, size=size, seed=0)
-    if weights_digest(path) != fx["weights_digest"]:
-        pytest.fail(f"the {size} checkpoint differs from the one the bf16 fixture was recorded on: {BF16_REGENERATE}")
+    require_recorded_checkpoint(path, fx["weights_digest"], BF16_FIXTURE.name, BF16_REGENERATE)
     model = load_model(path, device="cpu", dtype=torch.bfloat16)
     frames = rec["codes"].shape[0]
     inputs: list[torch.Tensor] = []

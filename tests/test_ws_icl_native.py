@@ -14,14 +14,14 @@ import numpy as np
 import torch
 from icl_helpers import write_icl_voice
 
-from qwen_tts.engine_api import FRAME_SAMPLES, EngineSettings, SynthesisRequest
+from qwen_tts.engine_api import EngineSettings, SynthesisRequest
 from qwen_tts.engines.native import NativeEngine
 from qwen_tts.model.config import ModelConfig
 from qwen_tts.model.icl_prompt import decode_icl, icl_prefill_tokens, ref_text_ids
 from qwen_tts.model.model_paths import resolve_model_path
 from server_helpers import in_process
 from tts_server.audio_encoding import to_int16
-from ws_helpers import AsgiWebSocket
+from ws_helpers import AsgiWebSocket, done_pcm, end_paced
 
 CAP = 30  # frames per utterance: short audio keeps it fast on CPU
 PIECES = ["Hel", "lo from", " the IC", "L voice", ", word by wo", "rd, then", " a", " little more", "."]
@@ -63,15 +63,9 @@ async def test_a_streamed_utterance_with_an_icl_voice_on_the_native_engine(tmp_p
         await asyncio.sleep(0.3)
         # Fewer than k target tokens so far: the request waits in the engine's queue for its prompt's text.
         assert (engine.num_running, engine.num_waiting) == (0, 1)
-        for piece in PIECES[3:]:  # an LLM's pace
-            await ws.send_json({"type": "text", "text": piece})
-            await asyncio.sleep(0.03)
-        await ws.send_json({"type": "end"})
-        done, seen = await ws.until("done", timeout=120)
+        done, seen = await end_paced(ws, PIECES[3:], 0.03)
         assert done["voice_mode"] == "icl" and done["finish_reason"] in ("eos", "budget"), done
-        assert 0 < done["frames"] <= CAP and done["samples"] == done["frames"] * FRAME_SAMPLES
-        pcm = np.frombuffer(b"".join(x for x in seen if isinstance(x, bytes)), "<i2")
-        assert pcm.size == done["samples"] and np.abs(pcm).max() > 0
+        pcm = done_pcm(done, seen, CAP)
         await ws.close()
 
         # The same utterance with its whole text (streaming-text mode, the same seed and settings), straight to the

@@ -9,14 +9,12 @@ import contextlib
 import time
 from pathlib import Path
 
-import numpy as np
-
-from qwen_tts.engine_api import FRAME_SAMPLES, EngineSettings
+from qwen_tts.engine_api import EngineSettings
 from qwen_tts.engines.native import NativeEngine
 from qwen_tts.model.model_paths import resolve_model_path
 from qwen_tts.voices import ensure_demo_voice
 from server_helpers import in_process
-from ws_helpers import AsgiWebSocket
+from ws_helpers import AsgiWebSocket, done_pcm, end_paced
 
 CAP = 40  # frames per utterance: short audio keeps it fast on CPU
 PIECES = ["Hello", " from", " the", " demo", " voice", ",", " word", " by", " word", "."]
@@ -43,16 +41,10 @@ async def test_a_streamed_utterance_and_a_barge_in_on_the_native_engine(tmp_path
         # "Hello" may still grow ("Hellos"): no token of it is committed yet, so the request waits in the engine's
         # queue for its first token rather than holding a slot.
         assert (engine.num_running, engine.num_waiting) == (0, 1)
-        for piece in PIECES[1:]:  # an LLM's pace
-            await ws.send_json({"type": "text", "text": piece})
-            await asyncio.sleep(0.05)
-        await ws.send_json({"type": "end"})
-        done, rest = await ws.until("done", timeout=120)
+        done, rest = await end_paced(ws, PIECES[1:], 0.05)
         seen += rest
         assert done["finish_reason"] in ("eos", "budget"), done
-        assert 0 < done["frames"] <= CAP and done["samples"] == done["frames"] * FRAME_SAMPLES
-        pcm = np.frombuffer(b"".join(x for x in seen if isinstance(x, bytes)), "<i2")
-        assert pcm.size == done["samples"] and np.abs(pcm).max() > 0
+        done_pcm(done, seen, CAP)
         assert done["text_chars"] == sum(map(len, PIECES))
 
         # Barge-in while the text is still open: the engine request is cancelled and its row freed.

@@ -7,6 +7,9 @@ import asyncio
 import json
 from typing import Any
 
+import numpy as np
+
+from qwen_tts.engine_api import FRAME_SAMPLES
 from tts_server.realtime import WS_PATH
 
 
@@ -111,3 +114,24 @@ class AsgiWebSocket:
             await self.disconnect()
             self.reading.set()
             await asyncio.wait_for(self.task, 5.0)
+
+
+async def end_paced(
+    ws: AsgiWebSocket, pieces: list[str], pace: float, timeout: float = 120.0
+) -> tuple[dict[str, Any], list[dict[str, Any] | bytes]]:
+    """Send the rest of an utterance's text a piece at a time, `pace` seconds apart (an LLM's pace), end it and
+    wait for its done event: (done, everything before it)."""
+    for piece in pieces:
+        await ws.send_json({"type": "text", "text": piece})
+        await asyncio.sleep(pace)
+    await ws.send_json({"type": "end"})
+    return await ws.until("done", timeout=timeout)
+
+
+def done_pcm(done: dict[str, Any], seen: list[dict[str, Any] | bytes], cap: int) -> np.ndarray:
+    """An utterance's int16 PCM (its binary frames), checked against its done event: 1 to `cap` frames, their
+    samples, and not silent."""
+    assert 0 < done["frames"] <= cap and done["samples"] == done["frames"] * FRAME_SAMPLES, done
+    pcm = np.frombuffer(b"".join(x for x in seen if isinstance(x, bytes)), "<i2")
+    assert pcm.size == done["samples"] and np.abs(pcm).max() > 0
+    return pcm

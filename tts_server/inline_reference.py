@@ -19,10 +19,11 @@ import math
 import anyio
 
 from qwen_tts.icl_profile import MAX_REF_SECONDS, IclDataError, check_ref_text, make_reference
-from qwen_tts.voices import ClipRefused, enroll_clip
+from qwen_tts.voices import enroll_clip
 
+from .enrolment import enrolment_refusals
 from .errors import InvalidField
-from .runtime import ReferenceEncoderUnavailable, Runtime, Voice
+from .runtime import Runtime, Voice
 from .schemas import SynthesisOptions
 from .settings import ServerSettings, upload_bytes_for
 
@@ -82,7 +83,7 @@ async def inline_voice(runtime: Runtime, body: SynthesisOptions) -> Voice | None
 def _enroll(runtime: Runtime, clip: bytes, text: str) -> Voice:
     encoder = runtime.voice_encoder
     assert encoder is not None  # inline_voice checked it
-    try:
+    with enrolment_refusals("reference.audio", "reference.text", "reference"):
         enrolled = enroll_clip(
             encoder,
             io.BytesIO(clip),
@@ -91,16 +92,6 @@ def _enroll(runtime: Runtime, clip: bytes, text: str) -> Voice:
             reference_encoder=runtime.reference_encoder,
             max_seconds=max_clip_seconds(runtime.settings),
         )
-    except ClipRefused as e:
-        raise InvalidField(str(e), param="reference.audio", code="invalid_audio") from None
-    except IclDataError as e:
-        raise InvalidField(f"reference.text: {e}", param="reference.text") from None
-    except ReferenceEncoderUnavailable as e:
-        raise InvalidField(
-            f"reference: this server cannot compute ICL reference codes ({e})",
-            param="reference",
-            code="icl_unavailable",
-        ) from None
     assert enrolled.ref_codes is not None  # a transcript was given: enroll_clip computed them
     x = enrolled.x_vector.to(runtime.voices.device)
     return x, make_reference(enrolled.ref_codes, enrolled.ref_text)

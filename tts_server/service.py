@@ -26,7 +26,6 @@ from qwen_tts.engine_api import RequestFailedError
 
 from .audio_encoding import FORMATS, StreamEncoder, encode, get_format
 from .errors import InvalidField, RequestTimeout, validation_error
-from .inline_reference import inline_voice
 from .middleware import StreamAborted, abort_connection
 from .runtime import Runtime
 from .schemas import SpeechRequest, StreamRequest, SynthesizeRequest, allowed_fields
@@ -48,14 +47,14 @@ async def file(request: Request, runtime: Runtime, body: SynthesizeRequest) -> R
         raise InvalidField(
             f"response_format: {body.response_format!r} is not available in this build", param="response_format"
         )
-    job = submit(runtime, body, _rid(request), voice=await inline_voice(runtime, body))
+    job = await submit(runtime, body, _rid(request))
     return await _whole_file(request, job, body.response_format)
 
 
 async def stream(request: Request, runtime: Runtime, body: StreamRequest) -> Response:
     """POST /synthesize/stream (and /synthesize with `"stream": true`): chunked audio as it is decoded."""
     check_limits(runtime, body)
-    job = submit(runtime, body, _rid(request), voice=await inline_voice(runtime, body))
+    job = await submit(runtime, body, _rid(request))
     first = await _start_stream(request, job)
     if isinstance(first, Response):
         return first
@@ -84,7 +83,7 @@ async def speech(request: Request, runtime: Runtime, body: SpeechRequest) -> Res
             param="response_format",
             code="unsupported_format",
         )
-    job = submit(runtime, body, _rid(request), speaker_field="voice", voice=await inline_voice(runtime, body))
+    job = await submit(runtime, body, _rid(request), speaker_field="voice")
     # FLAC cannot state its length up front and many decoders refuse a FLAC stream without it: sent whole, also as
     # the one delta of an SSE stream. A wav body is the saved file of OpenAI's `speech.create(...).write_to_file`,
     # which needs true RIFF and data sizes (a streamed header says 0xFFFFFFFF: 89,478 s to sox, 2**31-1 frames to

@@ -38,6 +38,7 @@ from qwen_tts.voices import InvalidProfileError, InvalidSpeakerIdError, UnknownS
 
 from . import speed
 from .errors import ApiError, EngineFailure, InvalidField, NotFound, NotReady, Overloaded, RequestTimeout
+from .inline_reference import inline_voice
 from .long_text import PieceChain, needs_split, split_text
 from .runtime import Runtime, Voice
 from .schemas import SynthesisOptions
@@ -261,17 +262,11 @@ class Job:
             )
 
 
-def submit(
-    runtime: Runtime,
-    body: SynthesisOptions,
-    request_id: str,
-    speaker_field: str = "speaker_id",
-    voice: Voice | None = None,
-) -> Job:
+async def submit(runtime: Runtime, body: SynthesisOptions, request_id: str, speaker_field: str = "speaker_id") -> Job:
     """Admit and submit a checked body; every refusal is an ApiError with the right status, naming
-    `speaker_field` (the route's name for the voice: `voice` on /v1/audio/speech). `voice`: the body's inline
-    reference, enrolled (tts_server/inline_reference.py), in place of the stored voice."""
-    request = prepare(runtime, body, request_id, speaker_field, voice)
+    `speaker_field` (the route's name for the voice: `voice` on /v1/audio/speech). A body with an inline reference
+    has it enrolled first (tts_server/inline_reference.py), in place of the stored voice."""
+    request = prepare(runtime, body, request_id, speaker_field, await inline_voice(runtime, body))
     admit(runtime)
     return start_job(runtime, request, body.speed)
 
@@ -414,16 +409,22 @@ async def guarded(job: Job, receive: Receive, awaitable: Awaitable[T]) -> T:
         await asyncio.gather(work, watch, return_exceptions=True)
 
 
-async def collect(job: Job, receive: Receive) -> np.ndarray:
-    """The whole utterance; failures become EngineFailure (500 with the request id)."""
+async def _engine_result(job: Job, receive: Receive, awaitable: Awaitable[T]) -> T:
+    """`guarded`, with a failed synthesis as EngineFailure (500 with the request id) and a refusal by an engine in
+    another process as the error `engine_refusal` gives."""
     try:
-        pcm = await guarded(job, receive, job.source.collect())
+        return await guarded(job, receive, awaitable)
     except RequestFailedError:  # Job.close logs it, with the engine's error
         raise EngineFailure(f"synthesis failed (request id {job.request_id})") from None
     except (EngineError, ValueError) as e:  # refused by an engine in another process
         raise engine_refusal(job.runtime, e) or EngineFailure(
             f"synthesis failed (request id {job.request_id})"
         ) from None
+
+
+async def collect(job: Job, receive: Receive) -> np.ndarray:
+    """The whole utterance; failures become EngineFailure (500 with the request id)."""
+    pcm = await _engine_result(job, receive, job.source.collect())
     job.outcome = Outcome.OK
     return pcm
 
@@ -431,14 +432,7 @@ async def collect(job: Job, receive: Receive) -> np.ndarray:
 async def first_chunk(job: Job, receive: Receive) -> np.ndarray | None:
     """The first audio chunk (None if the utterance is empty); sent before the response headers so that
     early failures still get a proper status code."""
-    try:
-        return await guarded(job, receive, _next_or_none(job.source))
-    except RequestFailedError:  # Job.close logs it, with the engine's error
-        raise EngineFailure(f"synthesis failed (request id {job.request_id})") from None
-    except (EngineError, ValueError) as e:  # refused by an engine in another process
-        raise engine_refusal(job.runtime, e) or EngineFailure(
-            f"synthesis failed (request id {job.request_id})"
-        ) from None
+    return await _engine_result(job, receive, _next_or_none(job.source))
 
 
 async def _next_or_none(source: ChunkSource) -> np.ndarray | None:

@@ -29,9 +29,8 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import Field, File, create_form_parser
 
 from qwen_tts.audio import ACCEPTED_FORMATS, MAX_CHANNELS, MAX_SAMPLE_RATE
-from qwen_tts.icl_profile import MAX_REF_SECONDS, MAX_REF_TEXT_CHARS, IclDataError
+from qwen_tts.icl_profile import MAX_REF_SECONDS, MAX_REF_TEXT_CHARS
 from qwen_tts.voices import (
-    ClipRefused,
     InvalidProfileError,
     InvalidSpeakerIdError,
     SpeakerInfo,
@@ -41,10 +40,11 @@ from qwen_tts.voices import (
     validate_speaker_id,
 )
 
+from .enrolment import enrolment_refusals
 from .errors import BadRequest, Conflict, Forbidden, InvalidField, NotFound
 from .middleware import BodyLimit
 from .routes import openai_models, runtime_of
-from .runtime import ReferenceEncoderUnavailable, Runtime
+from .runtime import Runtime
 from .settings import ServerSettings
 
 router = APIRouter()
@@ -227,7 +227,9 @@ async def upload_voice(request: Request) -> JSONResponse:
     assert encoder is not None  # _require_management
     max_seconds = runtime.settings.voice_upload_max_seconds
     async with runtime.enroll_lock:  # one clip through the encoder at a time; synthesis is not held up by it
-        try:
+        with enrolment_refusals(
+            "audio_sample", "ref_text", "ref_text", "; upload without ref_text for an x-vector voice"
+        ):
             enrolled = await anyio.to_thread.run_sync(
                 lambda: enroll_clip(
                     encoder,
@@ -239,17 +241,6 @@ async def upload_voice(request: Request) -> JSONResponse:
                     filename=upload.filename or None,
                 )
             )
-        except ClipRefused as e:
-            raise InvalidField(str(e), param="audio_sample", code="invalid_audio") from None
-        except IclDataError as e:
-            raise InvalidField(f"ref_text: {e}", param="ref_text") from None
-        except ReferenceEncoderUnavailable as e:
-            raise InvalidField(
-                f"ref_text: this server cannot compute ICL reference codes ({e}); upload without ref_text for an "
-                "x-vector voice",
-                param="ref_text",
-                code="icl_unavailable",
-            ) from None
         levels = enrolled.levels
         profile = VoiceProfile(
             x_vector=enrolled.x_vector,

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import json
 import math
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from encoder_clips import CLIPS, fingerprint, make_clip
-from make_fixture import check_official_state_dicts, import_official, import_ours
+from make_fixture import check_official_state_dicts, import_official, import_ours, save_fixture, tiny_meta, write_tiny
 
 # MimiConfig attributes that `qwen_tts.model.codec_encoder.MimiEncoderConfig` reads under the same names.
 CONFIG_FIELDS = (
@@ -112,8 +110,7 @@ def record_configs(ours, ckpt: Path) -> list[dict]:
 def record(out: Path, seed: int) -> None:
     ours = import_ours(["model.random_checkpoint"])
     off = import_official()
-    work = Path(tempfile.mkdtemp(prefix="qwen_tts_encoder_fixture_"))
-    ckpt = ours.random_checkpoint.write_random_checkpoint(work / "tiny", size="tiny", seed=seed)
+    ckpt = write_tiny(ours, seed, "qwen_tts_encoder_fixture_")
     tts = off.Qwen3TTSModel.from_pretrained(str(ckpt), dtype=torch.float32, device_map="cpu")
     check_official_state_dicts(tts, ckpt)
     tokenizer = tts.model.speech_tokenizer
@@ -153,22 +150,11 @@ def record(out: Path, seed: int) -> None:
     check_codes_are_informative(torch.cat([c["codes"] for c in clips]).long())
 
     fx = {
-        "meta": {
-            "size": "tiny",
-            "seed": seed,
-            "weights_digest": ours.random_checkpoint.weights_digest(ckpt),
-            "qwen_tts": importlib.metadata.version("qwen-tts"),
-            "transformers": importlib.metadata.version("transformers"),
-            "torch": str(torch.__version__),
-            "numpy": np.__version__,
-            "attention": cfg._attn_implementation,
-        },
+        "meta": tiny_meta(ours, ckpt, seed, numpy=np.__version__, attention=cfg._attn_implementation),
         "clips": clips,
         "configs": record_configs(ours, ckpt),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(fx, out)
-    print(f"wrote {out} ({out.stat().st_size / 1e3:.0f} kB), weights digest {fx['meta']['weights_digest'][:16]}")
+    save_fixture(fx, out)
 
 
 def main() -> None:

@@ -176,6 +176,12 @@ def capture_talker(tts, frames: int):
         talker.generate = original
 
 
+def greedy_frames(frames: int) -> dict:
+    """The official generation's arguments for `frames` greedy frames, called under `capture_talker(tts, frames)`
+    (which holds EOS off): one token more, as the last sampled token gets no residual codes."""
+    return {"max_new_tokens": frames + 1, "do_sample": False, "subtalker_dosample": False}
+
+
 def official_ids(tts, text: str) -> list[int]:
     return tts.processor(text=tts._build_assistant_text(text), return_tensors="pt")["input_ids"][0].tolist()
 
@@ -191,9 +197,7 @@ def official_codes(tts, text: str, language: str, non_streaming: bool, xvector: 
             voice_clone_prompt=prompt,
             languages=[language],
             non_streaming_mode=non_streaming,
-            max_new_tokens=frames + 1,  # the last sampled token gets no residual codes
-            do_sample=False,
-            subtalker_dosample=False,
+            **greedy_frames(frames),
         )
     return codes[0].cpu(), seen
 
@@ -247,6 +251,32 @@ def load_official(
     return tts
 
 
+def write_tiny(ours, seed: int, prefix: str) -> Path:
+    """Our writer's tiny checkpoint (`seed`) in a new temporary folder."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    return ours.random_checkpoint.write_random_checkpoint(work / "tiny", size="tiny", seed=seed)
+
+
+def tiny_meta(ours, ckpt: Path, seed: int, **more) -> dict:
+    """What a tiny fixture records of its making: the checkpoint (size, seed, the writer's weights digest, which the
+    tests check first) and the versions, then `more`."""
+    return {
+        "size": "tiny",
+        "seed": seed,
+        "weights_digest": ours.random_checkpoint.weights_digest(ckpt),
+        "qwen_tts": importlib.metadata.version("qwen-tts"),
+        "transformers": importlib.metadata.version("transformers"),
+        "torch": str(torch.__version__),
+        **more,
+    }
+
+
+def save_fixture(fx: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(fx, out)
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB), weights digest {fx['meta']['weights_digest'][:16]}")
+
+
 def last_hidden(tts, prefill: torch.Tensor) -> torch.Tensor:
     talker = tts.model.talker
     return talker.model(inputs_embeds=prefill[None].to(talker.device), use_cache=False).last_hidden_state[0, -1]
@@ -256,23 +286,13 @@ def last_hidden(tts, prefill: torch.Tensor) -> torch.Tensor:
 def record_tiny(out: Path, seed: int, device: str) -> None:
     ours = import_ours(["model.random_checkpoint"])
     off = import_official()
-    work = Path(tempfile.mkdtemp(prefix="qwen_tts_fixture_"))
-    ckpt = ours.random_checkpoint.write_random_checkpoint(work / "tiny", size="tiny", seed=seed)
+    ckpt = write_tiny(ours, seed, "qwen_tts_fixture_")
     tts = load_official(off, ckpt, device)
     model, talker = tts.model, tts.model.talker
     hidden = talker.config.hidden_size
 
     fx: dict = {
-        "meta": {
-            "size": "tiny",
-            "seed": seed,
-            "weights_digest": ours.random_checkpoint.weights_digest(ckpt),
-            "qwen_tts": importlib.metadata.version("qwen-tts"),
-            "transformers": importlib.metadata.version("transformers"),
-            "torch": str(torch.__version__),
-            "device": device,
-            "frames": FRAMES,
-        },
+        "meta": tiny_meta(ours, ckpt, seed, device=device, frames=FRAMES),
         "texts": TEXTS,
         "chat_ids": [official_ids(tts, t) for t in TEXTS],
     }
@@ -312,7 +332,7 @@ def record_tiny(out: Path, seed: int, device: str) -> None:
     fx["code2wav"] = {"codes": codes, "wav": decoder(codes.to(device))[:, 0].float().cpu()}
 
     # tiny-mtp: the code predictor behind a small_to_mtp_projection, as in 1.7B.
-    mtp_ckpt = ours.random_checkpoint.write_random_checkpoint(work / "tiny-mtp", size="tiny-mtp", seed=seed)
+    mtp_ckpt = ours.random_checkpoint.write_random_checkpoint(ckpt.parent / "tiny-mtp", size="tiny-mtp", seed=seed)
     mtp = load_official(off, mtp_ckpt, device)
     mtp_cases = record_cases(mtp, CASES[:2], {"randn": randn, "clip": randn})
     fx["mtp"] = {
@@ -324,9 +344,7 @@ def record_tiny(out: Path, seed: int, device: str) -> None:
         ),
     }
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(fx, out)
-    print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB), weights digest {fx['meta']['weights_digest'][:16]}")
+    save_fixture(fx, out)
 
 
 @torch.inference_mode()

@@ -15,15 +15,22 @@ codes, reference part cut). `tests/test_icl_parity.py` compares our implementati
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_fixture import capture_talker, import_official, import_ours, load_official
+from make_fixture import (
+    capture_talker,
+    greedy_frames,
+    import_official,
+    import_ours,
+    load_official,
+    save_fixture,
+    tiny_meta,
+    write_tiny,
+)
 
 FRAMES = 16  # generated frames per case
 TEXTS = {"en": "Hello world, the quick brown fox.", "zh": "你好，世界。这是一个测试。"}
@@ -50,8 +57,7 @@ def record(out: Path, seed: int) -> None:
     off = import_official()
     from qwen_tts import VoiceClonePromptItem
 
-    work = Path(tempfile.mkdtemp(prefix="qwen_tts_icl_fixture_"))
-    ckpt = ours.random_checkpoint.write_random_checkpoint(work / "tiny", size="tiny", seed=seed)
+    ckpt = write_tiny(ours, seed, "qwen_tts_icl_fixture_")
     tts = load_official(off, ckpt, "cpu")
     hidden = tts.model.talker.config.hidden_size
     xvector = torch.randn(hidden, generator=torch.Generator().manual_seed(7))
@@ -82,9 +88,7 @@ def record(out: Path, seed: int) -> None:
                 language=language,
                 voice_clone_prompt=[item],
                 non_streaming_mode=non_streaming,
-                max_new_tokens=FRAMES + 1,  # the last sampled token gets no residual codes
-                do_sample=False,
-                subtalker_dosample=False,
+                **greedy_frames(FRAMES),
             )
         assert sr == 24000 and returned["codes"].shape == (FRAMES, 16), "EOS was not held off"
         ref_ids = tts._tokenize_texts([tts._build_ref_text(REF_TEXTS[ref_key])])[0][0, 3:-2].tolist()
@@ -104,21 +108,11 @@ def record(out: Path, seed: int) -> None:
         )
         print(f"{language} non_streaming={non_streaming} ref {frames} frames: prefill {tuple(seen['prefill'].shape)}")
     fx = {
-        "meta": {
-            "size": "tiny",
-            "seed": seed,
-            "weights_digest": ours.random_checkpoint.weights_digest(ckpt),
-            "qwen_tts": importlib.metadata.version("qwen-tts"),
-            "transformers": importlib.metadata.version("transformers"),
-            "torch": str(torch.__version__),
-            "frames": FRAMES,
-        },
+        "meta": tiny_meta(ours, ckpt, seed, frames=FRAMES),
         "xvector": xvector,
         "cases": cases,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(fx, out)
-    print(f"wrote {out} ({out.stat().st_size / 1e6:.2f} MB), weights digest {fx['meta']['weights_digest'][:16]}")
+    save_fixture(fx, out)
 
 
 def main() -> None:
