@@ -123,6 +123,29 @@ def _spy_submissions(engine) -> tuple[list[RequestHandle], list[bool]]:
     return handles, overlapped
 
 
+def _next_piece_gate(spied: dict[str, list], pieces: int):
+    """A fault hook (the engine's loop calls it at the top of each busy turn) that keeps the piece the chain is on
+    from finishing before the chain has had the chance to submit the next: once that piece has produced audio and
+    every piece before it has finished (when the chain submits the next), the loop waits until the next is submitted
+    or 5 s pass. The overlap is then the chain's doing, not the event loop's luck on a busy machine; a chain that
+    waited for the piece's end would find it still running after the 5 s and the overlap check fails."""
+
+    def gate() -> None:
+        handles = spied.get("handles") or []
+        k = len(handles) - 1
+        if k < 0 or k + 1 >= pieces:
+            return
+        if handles[k].stats.first_audio_at is None or handles[k].stats.finish_reason is not None:
+            return
+        if any(h.stats.finish_reason is None for h in handles[:k]):
+            return
+        deadline = time.monotonic() + 5.0
+        while len(handles) == k + 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    return gate
+
+
 # Pieces of one length (8 frames: more than one chunk): each piece then ends after the one before it, so the
 # chain's cap of two pieces in the engine never delays a submission past the end of the piece before. An engine
 # capped at 8 frames a request gives each piece exactly 8 with this (max_new_tokens caps the whole request).
@@ -215,15 +238,18 @@ async def test_long_text_on_the_native_engine_joins_without_clicks(
     text_of, language: str, demo_model: Path, tmp_path: Path
 ) -> None:
     ensure_demo_voice(tmp_path, demo_model)
-    engine = NativeEngine(EngineSettings(model_path=str(demo_model), max_slots=4, max_frames=8))
     text = text_of()
+    pieces = split_text(text, language)
+    spied: dict[str, list] = {}
+    gate = _next_piece_gate(spied, len(pieces))
+    engine = NativeEngine(EngineSettings(model_path=str(demo_model), max_slots=4, max_frames=8), fault_hook=gate)
     async with in_process(engine, profiles_dir=tmp_path) as s:
         handles, overlapped = _spy_submissions(engine)  # after the warm-up request
+        spied["handles"] = handles
         body = {"speaker_id": "demo", "text": text, "language": language, "seed": 5, **_EIGHT}
         async with s.client.stream("POST", "/synthesize/stream", json=body) as r:
             assert r.status_code == 200, await r.aread()
             got = np.frombuffer(await r.aread(), "<f4")
-    pieces = split_text(text, language)
     assert [h.request.text for h in handles] == pieces and all(overlapped)
     lengths = [h.stats.samples for h in handles]
     assert all(n > 0 for n in lengths)
