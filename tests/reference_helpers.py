@@ -33,9 +33,8 @@ def load_reference_fixture(path: Path, tiny_checkpoint: Path, regenerate: str) -
 
 
 def prompt_args(model, case: dict, xvector: torch.Tensor) -> tuple:
-    """The arguments both prompt builders begin with (all of `build_prompt`'s, `build_icl_prompt`'s before the
-    reference) for a recorded case: config and talker, the text's chat ids (the text part, the role part), the
-    x-vector, the language and the text mode."""
+    """`build_prompt`'s arguments before the ICL reference for a recorded case: config and talker, the text's chat
+    ids (the text part, the role part), the x-vector, the language and the text mode."""
     ids = model.tokenizer.chat_ids(case["text"])
     text_ids, role_ids = ids[ROLE_LEN:-TAIL_LEN], ids[:ROLE_LEN]
     return model.config, model.talker, text_ids, role_ids, xvector, case["language"], case["non_streaming"]

@@ -16,7 +16,6 @@ from reference_helpers import assert_prompt_matches, load_reference_fixture, pro
 from torch.testing import assert_close
 
 from qwen_tts.model.icl_prompt import (
-    build_icl_prompt,
     decode_icl,
     icl_cut,
     icl_prompt_len,
@@ -24,6 +23,7 @@ from qwen_tts.model.icl_prompt import (
     ref_text_ids,
     reference_block,
 )
+from qwen_tts.model.prompt import IclRows, build_prompt
 from qwen_tts.model.reference_loop import generate_codes
 
 FIXTURE = Path(__file__).parent / "reference" / "fixture_icl_tiny.pt"
@@ -60,7 +60,7 @@ def test_icl_prompt_embeddings_match(ref, tiny_qwen3tts):
     for case in ref["cases"]:
         with torch.inference_mode():
             block = reference_block(m.talker, case["ref_codes"])
-            p = build_icl_prompt(*prompt_args(m, case, ref["xvector"]), case["ref_ids"], block)
+            p = build_prompt(*prompt_args(m, case, ref["xvector"]), IclRows(case["ref_ids"], block))
         assert_prompt_matches(p, case, _id(case))
 
 

@@ -11,7 +11,7 @@ predictor's codec_embedding[q-1] for code q):
     streaming:      T[:T2] + K (T padded with tpad to T2 when T1 <= T2);   trailing = T[T2:] when T1 > T2
 
 In streaming mode T[:T2] and the trailing rows are projected in groups that do not depend on how much text follows
-(`_streaming_icl`), as the x-vector prompt's trailing text is (qwen_tts/model/prompt.py): the prefill then needs only
+(qwen_tts/model/prompt.py, `build_prompt` with `icl`), as the x-vector prompt's trailing text is (qwen_tts/model/prompt.py): the prefill then needs only
 the first `icl_prefill_tokens` target tokens, and text streamed in later gets the rows of the whole text.
 
 The official output is the decode of the reference codes followed by the generated ones, with the first
@@ -26,9 +26,6 @@ import torch
 from torch import Tensor
 
 from qwen_tts.model.codec_decoder import Code2Wav, Code2WavStream
-from qwen_tts.model.config import ModelConfig
-from qwen_tts.model.layers import upload
-from qwen_tts.model.prompt import Prompt, build_head, text_track_rows
 from qwen_tts.model.talker import Talker
 from qwen_tts.model.tokenizer import ROLE_LEN, TextTokenizer
 
@@ -58,55 +55,6 @@ def icl_prompt_len(language: str, ref_ids: int, text_ids: int, frames: int, non_
     or T2 rows (streaming). `language` as `normalize_language` gives it."""
     t1, t2 = ref_ids + text_ids + 1, frames + 1
     return 3 + (5 if language == "auto" else 6) + (t1 + t2 if non_streaming else t2)
-
-
-def build_icl_prompt(
-    cfg: ModelConfig,
-    talker: Talker,
-    text_ids: list[int],
-    role_ids: list[int],
-    xvector: Tensor,
-    language: str,
-    non_streaming: bool,
-    ref_ids: list[int],
-    block: Tensor,
-) -> Prompt:
-    """Prefill embeddings, trailing text track and tpad for one ICL request; `block` from `reference_block`."""
-    if not text_ids:
-        raise ValueError("text_ids is empty: the prompt needs at least one text token")
-    if not ref_ids:
-        raise ValueError("ref_ids is empty: an ICL prompt needs the reference transcript")
-    tc = cfg.talker
-    head = build_head(cfg, talker, role_ids, xvector, language)
-    dev = talker.codec_head.weight.device
-    tpad = head.tpad
-    codec = torch.cat((head.bos_codec, block.to(device=dev, dtype=tpad.dtype)))  # (T2, H)
-    if non_streaming:
-        text = torch.cat((talker.embed_text(upload(ref_ids + text_ids, torch.long, dev)), head.teos[None]))  # (T1, H)
-        pads = talker.embed_codec(upload([tc.codec_pad_id] * text.shape[0], torch.long, dev))
-        icl = torch.cat((text + pads, codec + tpad))
-        trailing = tpad.new_zeros((0, tpad.shape[0]))
-    else:
-        icl, trailing = _streaming_icl(cfg, talker, ref_ids + text_ids, head.teos, tpad, codec)
-    return Prompt(prefill=torch.cat((head.rows, icl)), trailing=trailing, pad=tpad, end=head.teos)
-
-
-def _streaming_icl(
-    cfg: ModelConfig, talker: Talker, ids: list[int], teos: Tensor, tpad: Tensor, codec: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Streaming mode's ICL rows and trailing text track for `ids` = ref_ids ++ text_ids and `codec` = K (T2 rows).
-
-    T[:T2] is projected in one group holding the first T2 ids only, and the trailing ids T[T2:] in the aligned groups
-    of `text_track_rows`: each row's bits depend on the ids up to its own group, not on how much text follows, so a
-    text that arrives token by token (the native engine's text_stream) gets the rows of the whole text."""
-    t2 = codec.shape[0]
-    dev = codec.device
-    if len(ids) >= t2:  # T1 > T2: the text trails, then teos
-        icl = talker.embed_text(upload(ids[:t2], torch.long, dev)) + codec
-        trailing = torch.cat((text_track_rows(talker, ids[t2:], 0, cfg.tts_pad_token_id), teos[None]))
-        return icl, trailing
-    text = torch.cat((talker.embed_text(upload(ids, torch.long, dev)), teos[None], tpad.expand(t2 - len(ids) - 1, -1)))
-    return text + codec, tpad.new_zeros((0, tpad.shape[0]))
 
 
 def icl_prefill_tokens(ref_ids: int, frames: int) -> int:

@@ -1,4 +1,4 @@
-"""Talker prefill for x-vector voice cloning (no ICL), in both text modes.
+"""Talker prefill for voice cloning, in both text modes: x-vector mode, and ICL mode given `IclRows`.
 
 Reimplements the x-vector branch of qwen-tts 0.1.1 MQ `Qwen3TTSForConditionalGeneration.generate` (reference doc 2.3).
 With P = text_projection(text_embedding(.)), C = codec_embedding, codec = C(prefix) ++ xvector ++ C([pad, bos]) where
@@ -19,6 +19,7 @@ count; this way text that arrives token by token (qwen_tts/text_stream.py) gets 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -117,6 +118,14 @@ def build_head(cfg: ModelConfig, talker: Talker, role_ids: list[int], xvector: T
     return PromptHead(torch.cat((role, control)), codec[-1:], tbos, teos, tpad)
 
 
+class IclRows(NamedTuple):
+    """An ICL prompt's reference: the transcript's ids and the code block (frames, H), each frame's 16 code
+    embeddings summed (qwen_tts/model/icl_prompt.py: `ref_text_ids`, `reference_block`)."""
+
+    ref_ids: list[int]
+    block: Tensor
+
+
 def build_prompt(
     cfg: ModelConfig,
     talker: Talker,
@@ -125,11 +134,15 @@ def build_prompt(
     xvector: Tensor,
     language: str,
     non_streaming: bool,
+    icl: IclRows | None = None,
 ) -> Prompt:
-    """Prefill embeddings (L, H), trailing text track and tpad for one request (module dtype and device)."""
+    """Prefill embeddings (L, H), trailing text track and tpad for one request (module dtype and device); with `icl`,
+    the ICL prompt of that reference (qwen_tts/model/icl_prompt.py has its layout)."""
     if not text_ids:
         raise ValueError("text_ids is empty: the prompt needs at least one text token")
     head = build_head(cfg, talker, role_ids, xvector, language)
+    if icl is not None:
+        return _icl_prompt(cfg, talker, head, text_ids, non_streaming, icl)
     tc = cfg.talker
     dev = talker.codec_head.weight.device
     teos, tpad = head.teos, head.tpad
@@ -148,3 +161,42 @@ def build_prompt(
         rest = text_track_rows(talker, text_ids[1:], 0, cfg.tts_pad_token_id)
         trailing = torch.cat((rest, teos[None]))
     return Prompt(prefill=prefill, trailing=trailing, pad=tpad, end=teos)
+
+
+def _icl_prompt(
+    cfg: ModelConfig, talker: Talker, head: PromptHead, text_ids: list[int], non_streaming: bool, icl: IclRows
+) -> Prompt:
+    """The head's rows without its final C(bos), then the ICL block: T = P(ref_text ++ text) ++ teos (T1 rows) and
+    K = C(bos) ++ the code block (T2 rows); non-streaming T + C(pad), then K + tpad; streaming T[:T2] + K."""
+    if not icl.ref_ids:
+        raise ValueError("ref_ids is empty: an ICL prompt needs the reference transcript")
+    dev = talker.codec_head.weight.device
+    tpad = head.tpad
+    codec = torch.cat((head.bos_codec, icl.block.to(device=dev, dtype=tpad.dtype)))  # (T2, H)
+    ids = icl.ref_ids + text_ids
+    if non_streaming:
+        text = torch.cat((talker.embed_text(upload(ids, torch.long, dev)), head.teos[None]))  # (T1, H)
+        pads = talker.embed_codec(upload([cfg.talker.codec_pad_id] * text.shape[0], torch.long, dev))
+        rows = torch.cat((text + pads, codec + tpad))
+        trailing = tpad.new_zeros((0, tpad.shape[0]))
+    else:
+        rows, trailing = _streaming_icl(cfg, talker, ids, head.teos, tpad, codec)
+    return Prompt(prefill=torch.cat((head.rows, rows)), trailing=trailing, pad=tpad, end=head.teos)
+
+
+def _streaming_icl(
+    cfg: ModelConfig, talker: Talker, ids: list[int], teos: Tensor, tpad: Tensor, codec: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Streaming mode's ICL rows and trailing text track for `ids` = ref_ids ++ text_ids and `codec` = K (T2 rows).
+
+    T[:T2] is projected in one group holding the first T2 ids only, and the trailing ids T[T2:] in the aligned groups
+    of `text_track_rows`: each row's bits depend on the ids up to its own group, not on how much text follows, so a
+    text that arrives token by token (the native engine's text_stream) gets the rows of the whole text."""
+    t2 = codec.shape[0]
+    dev = codec.device
+    if len(ids) >= t2:  # T1 > T2: the text trails, then teos
+        rows = talker.embed_text(upload(ids[:t2], torch.long, dev)) + codec
+        trailing = torch.cat((text_track_rows(talker, ids[t2:], 0, cfg.tts_pad_token_id), teos[None]))
+        return rows, trailing
+    text = torch.cat((talker.embed_text(upload(ids, torch.long, dev)), teos[None], tpad.expand(t2 - len(ids) - 1, -1)))
+    return text + codec, tpad.new_zeros((0, tpad.shape[0]))

@@ -19,8 +19,8 @@ import torch
 from torch import LongTensor, Tensor
 
 from qwen_tts.model.config import ModelConfig
-from qwen_tts.model.icl_prompt import build_icl_prompt, ref_text_ids, reference_block
-from qwen_tts.model.prompt import build_prompt
+from qwen_tts.model.icl_prompt import ref_text_ids, reference_block
+from qwen_tts.model.prompt import IclRows, build_prompt
 from qwen_tts.model.sampling import apply_repetition_penalty, mark_seen, mask_eos, sample, suppress, suppress_mask
 from qwen_tts.model.talker import Talker
 from qwen_tts.model.tokenizer import ROLE_LEN, TAIL_LEN, TextTokenizer
@@ -60,22 +60,10 @@ def generate_codes(
     ids = tokenizer.chat_ids(text)
     if (ref_codes is None) != (ref_text is None):
         raise ValueError("ICL needs both ref_codes and ref_text")
-    if ref_codes is None:
-        prompt = build_prompt(
-            cfg, talker, ids[ROLE_LEN:-TAIL_LEN], ids[:ROLE_LEN], xvector, language or "auto", non_streaming
-        )
-    else:
-        prompt = build_icl_prompt(
-            cfg,
-            talker,
-            ids[ROLE_LEN:-TAIL_LEN],
-            ids[:ROLE_LEN],
-            xvector,
-            language or "auto",
-            non_streaming,
-            ref_text_ids(tokenizer, ref_text),
-            reference_block(talker, ref_codes),
-        )
+    icl = None if ref_codes is None else IclRows(ref_text_ids(tokenizer, ref_text), reference_block(talker, ref_codes))
+    prompt = build_prompt(
+        cfg, talker, ids[ROLE_LEN:-TAIL_LEN], ids[:ROLE_LEN], xvector, language or "auto", non_streaming, icl
+    )
     L = prompt.prefill.shape[0]
     n_trailing = prompt.trailing.shape[0]
     cache = talker.new_cache(1, L + max_frames)

@@ -27,10 +27,10 @@ from qwen_tts import fastpath
 from qwen_tts.engine_api import EngineSettings, FinishReason, SynthesisRequest
 from qwen_tts.fastpath.options import FastPath
 from qwen_tts.model.config import ModelConfig
-from qwen_tts.model.icl_prompt import build_icl_prompt, icl_trailing_ids, reference_block
+from qwen_tts.model.icl_prompt import icl_trailing_ids, reference_block
 from qwen_tts.model.layers import upload
 from qwen_tts.model.loading import Qwen3TTS, load_model
-from qwen_tts.model.prompt import Prompt, build_prompt, text_track_rows
+from qwen_tts.model.prompt import IclRows, Prompt, build_prompt, text_track_rows
 from qwen_tts.model.sampling import suppress_mask
 
 from .decoder import DecodeJob, DecodeWorker, SlotDecoder
@@ -273,20 +273,17 @@ class ModelRunner:
         req = lv.request
         x = upload(req.xvector, self.dtype, self.device)
         text_ids = lv.feed.ids if lv.feed is not None else lv.text_ids
+        icl = None
         if req.icl is not None:
             voice = self.icl.voice(req.icl, lv.ref_ids, lambda codes: reference_block(self._talker, codes))
             lv.icl_voice = voice
             if not voice.reference_queued:  # its decoder start, while the request prefills and steps
                 voice.reference_queued = True
                 self._decoder.decode_reference(voice)
-            prompt = build_icl_prompt(
-                self._cfg, self._talker, text_ids, self._role_ids, x, lv.language, req.non_streaming_text,
-                voice.ref_ids, voice.block,
-            )  # fmt: skip
-        else:
-            prompt = build_prompt(
-                self._cfg, self._talker, text_ids, self._role_ids, x, lv.language, req.non_streaming_text
-            )
+            icl = IclRows(voice.ref_ids, voice.block)
+        prompt = build_prompt(
+            self._cfg, self._talker, text_ids, self._role_ids, x, lv.language, req.non_streaming_text, icl
+        )
         if lv.feed is not None:
             lv.text_ids = list(text_ids)
             if not lv.feed.ended:  # the text goes on: its trailing rows so far, end-of-text comes with the end
