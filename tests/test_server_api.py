@@ -285,6 +285,25 @@ async def test_openapi_documents_the_routes_and_bodies(server: InProcess) -> Non
         assert path in spec["paths"], path
     schema = spec["paths"]["/synthesize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert set(schema["properties"]) >= {"speaker_id", "text", "language", "response_format", "seed"}
+    # Every reference resolves from the document's root (what ReDoc and code generators follow): nested models
+    # are components, not `$defs` left inside a body's schema.
+    refs: list[str] = []
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            assert "$defs" not in node, sorted(node)
+            refs.extend([node["$ref"]] if isinstance(node.get("$ref"), str) else [])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(spec)
+    components = spec["components"]["schemas"]
+    assert "InlineReference" in components and "#/components/schemas/InlineReference" in refs
+    for ref in refs:
+        assert ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[1] in components, ref
 
 
 # --- OpenAI-compatible route ------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ class ErrorResponse(BaseModel):
     request_id: str
 
 
+COMPONENT_REF = "#/components/schemas/{model}"  # where a model's schema references the models it nests
 _REQUEST_ID = {"X-Request-Id": {"required": True, "schema": {"type": "string", "minLength": 1}}}
 # Statuses each kind of route can answer with the error shape (docs/api.md, "Errors").
 _COMMON = ("400", "401", "404", "405", "408", "413", "429", "431", "503")
@@ -59,8 +60,12 @@ def _error(description: str) -> dict[str, Any]:
 
 def _document(schema: dict[str, Any]) -> dict[str, Any]:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    components["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    components["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template=COMPONENT_REF)
     components.update(components["ErrorResponse"].pop("$defs", {}))
+    for operations in schema.get("paths", {}).values():  # the models a body nests, as components
+        for operation in operations.values():
+            for media in operation.get("requestBody", {}).get("content", {}).values():
+                components.update(media.get("schema", {}).pop("$defs", {}))
     audio = {
         # With "stream": true, /synthesize answers as /synthesize/stream does (f32le among its formats).
         "/synthesize": _audio_types(["wav", "pcm", "mp3", "flac", "opus", "aac", "f32le"]),

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from . import service
 from .errors import BadRequest, NotReady, validation_error
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .openapi import COMPONENT_REF
 from .runtime import Runtime
 from .schemas import SpeechRequest, StreamRequest, SynthesisOptions, SynthesizeRequest, allowed_fields
 
@@ -47,7 +48,10 @@ def runtime_of(request: Request) -> Runtime:
 
 
 def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+    """A route's JSON body; the models it nests are referenced as components (tts_server/openapi.py moves them there
+    from the schema's `$defs`)."""
+    schema = model.model_json_schema(ref_template=COMPONENT_REF)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
