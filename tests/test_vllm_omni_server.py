@@ -9,6 +9,7 @@ The tests skip when that environment is absent, except in CI (CI=true), where it
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -181,6 +182,90 @@ def test_greedy_codes_equal_the_native_engines(server: ServerProcess, client: ht
         f"{agree}/{frames} frames agree; first difference at frame {int(np.argmax(per_frame >= 1e-4))}"
     )
     assert float(np.abs(ours).max()) > 0.1  # real audio, not two silences
+
+
+def _ws_utterance(server: ServerProcess, start: dict, fragments: list[str]) -> tuple[bytes, list[dict]]:
+    """One utterance over the WebSocket: start, the text fragments, end; the audio and the events."""
+    from websockets.sync.client import connect
+
+    audio, events = b"", []
+    with connect(server.url.replace("http://", "ws://") + "/v1/audio/speech/stream", open_timeout=30) as ws:
+        assert json.loads(ws.recv(timeout=30))["type"] == "session"
+        ws.send(json.dumps({"type": "start", "voice": "alice", "response_format": "pcm", **start}))
+        for fragment in fragments:
+            ws.send(json.dumps({"type": "text", "text": fragment}))
+        ws.send(json.dumps({"type": "end"}))
+        while True:
+            message = ws.recv(timeout=120)
+            if isinstance(message, bytes):
+                audio += message
+                continue
+            events.append(json.loads(message))
+            if events[-1]["type"] in ("done", "error"):
+                return audio, events
+
+
+def test_streamed_text_over_the_websocket_is_spoken_sentence_by_sentence(server: ServerProcess) -> None:
+    """The WebSocket session on vLLM-Omni (the sentence fallback): text arrives in fragments that cut words and
+    sentences; each complete sentence is one pipeline request (streaming-text mode, greedy, its own frame budget),
+    so the session's audio is exactly that of each sentence given whole in a session of its own, in order."""
+    frames = 8
+    options = {"min_new_tokens": frames, "max_new_tokens": frames, "temperature": 0.0}
+    fragments = ["Hello th", "ere. Gen", "eral Ken", "obi."]
+    audio, events = _ws_utterance(server, options, fragments)
+    done = events[-1]
+    assert done["type"] == "done" and done["finish_reason"] == "budget", events  # each sentence ran to its budget
+    assert done["frames"] == 2 * frames and done["samples"] == 2 * frames * FRAME, done
+    assert done["text_chars"] == len("".join(fragments)), done
+    assert [e["type"] for e in events if e["type"] != "audio"][:1] == ["started"], events
+    alone = []
+    for sentence in ("Hello there. ", "General Kenobi."):  # where the segmenter cuts the text
+        one, one_events = _ws_utterance(server, {**options, "text": sentence}, [])
+        assert one_events[-1]["type"] == "done" and one_events[-1]["frames"] == frames, one_events
+        alone.append(pcm16(one))
+    assert int(np.abs(alone[0].astype(np.int32) - alone[1]).max()) > 300  # two sentences, two different audios
+    np.testing.assert_array_equal(pcm16(audio), np.concatenate(alone))
+    server.wait_idle(30)
+
+
+def test_an_icl_voice_gives_the_native_engines_icl_audio(server: ServerProcess, checkpoint: Path) -> None:
+    """An ICL voice (reference codes and transcript in its profile) through vLLM-Omni's in-context request with the
+    codes precomputed (no encoder runs): greedy float32, every frame of its waveform equals the native engine's ICL
+    audio for the same reference, to float rounding, as the x-vector case above."""
+    if server.transport != "tensor":
+        pytest.skip("checked once, on the fast-path server")
+    from icl_helpers import write_icl_voice
+
+    from qwen_tts import icl_profile
+    from qwen_tts.engine_api import EngineSettings, SynthesisRequest
+    from qwen_tts.engines import create_engine
+    from qwen_tts.voices import load_profile
+
+    frames = 24
+    profile = load_profile(write_icl_voice(server.voices, "iris", DIM, frames=30, text="What iris said.", seed=4))
+
+    async def native() -> np.ndarray:
+        engine = create_engine(EngineSettings(model_path=str(checkpoint), device="cpu", dtype="float32", max_slots=1))
+        await engine.start()
+        try:
+            icl = icl_profile.make_reference(profile.ref_codes, profile.ref_text)
+            req = SynthesisRequest(text=TEXT, xvector=profile.x_vector, greedy=True, min_frames=frames,
+                                   max_frames=frames, icl=icl)  # fmt: skip
+            return await engine.submit(req).collect()
+        finally:
+            await engine.stop()
+
+    body = {**_body(frames=frames, response_format="f32le"), "speaker_id": "iris", "voice_mode": "icl"}
+    with httpx.Client(base_url=server.url, timeout=120) as c, c.stream("POST", "/synthesize/stream", json=body) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["x-voice-mode"] == "icl"
+        theirs = np.frombuffer(b"".join(r.iter_raw()), "<f4")
+    ours = asyncio.run(native())
+    assert theirs.size == ours.size == frames * FRAME
+    per_frame = np.abs(theirs - ours).reshape(frames, FRAME).max(axis=1)
+    agree = int((per_frame < 1e-4).sum())
+    assert agree == frames, f"{agree}/{frames} frames agree; first difference at {int(np.argmax(per_frame >= 1e-4))}"
+    assert float(np.abs(ours).max()) > 0.1
 
 
 def _descendants(pid: int) -> list[int]:
