@@ -224,7 +224,11 @@ def test_streamed_text_over_the_websocket_is_spoken_sentence_by_sentence(server:
         assert one_events[-1]["type"] == "done" and one_events[-1]["frames"] == frames, one_events
         alone.append(pcm16(one))
     assert int(np.abs(alone[0].astype(np.int32) - alone[1]).max()) > 300  # two sentences, two different audios
-    np.testing.assert_array_equal(pcm16(audio), np.concatenate(alone))
+    # Same codes, so the same waveform to float rounding: vLLM-Omni's Code2Wav stage batches what is in flight, and
+    # a sum in another batch can round the other way, moving an int16 sample by one. A single differing code would
+    # move the audio by thousands.
+    diff = np.abs(pcm16(audio).astype(np.int32) - np.concatenate(alone))
+    assert int(diff.max()) <= 1, (int(diff.max()), int((diff > 1).sum()))
     server.wait_idle(30)
 
 
