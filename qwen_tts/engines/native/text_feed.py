@@ -34,11 +34,6 @@ class TextFeed:
         self.ended = False  # the stream ended: `ids` are the whole text's
 
     @property
-    def started(self) -> bool:
-        """The request can be prefilled (its first id is known) or finished (its text ended)."""
-        return bool(self.ids) or self.ended
-
-    @property
     def stale(self) -> bool:
         """Text or the end arrived since the last poll."""
         return not self.ended and self.stream.version != self._version
