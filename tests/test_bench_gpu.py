@@ -263,13 +263,10 @@ def test_the_wave_driver_streams_a_second_wave_over_the_same_kept_alive_connecti
 
 def test_engine_variants_combine_with_plus_and_unknown_names_are_refused_up_front():
     assert bench.variant_settings("") == {}
-    assert bench.variant_settings("channels-last+fp32-decoder") == {
-        "decoder_channels_last": True,
-        "decoder_fp16": False,
-    }
+    assert bench.variant_settings("chunk-24+fp32-decoder") == {"chunk_frames": 24, "decoder_fp16": False}
     assert bench.engine_variants("one-stream,chunk-24") == ["one-stream", "chunk-24"]
     with pytest.raises(ValueError, match="unknown engine variant 'fast'"):
-        bench.variant_settings("channels-last+fast")
+        bench.variant_settings("chunk-24+fast")
     with pytest.raises(bench.argparse.ArgumentTypeError, match="unknown engine variant 'fast'"):
         bench.engine_variants("chunk-24,fast")
     # At most ten, and every variant is real EngineSettings and FastPath fields: a preset and its changes combine.
@@ -278,11 +275,9 @@ def test_engine_variants_combine_with_plus_and_unknown_names_are_refused_up_fron
     assert len(bench.VARIANTS) <= 10
     for name in bench.VARIANTS:
         bench.variant_engine(name)
-    settings, fast = bench.variant_engine("one-stream+channels-last", max_slots=2)
-    assert (settings.fast_path, settings.max_slots) == ("one-stream", 2)
-    assert fast == FastPath(
-        cp_stack_kernel="cuda", talker_stack_kernel="cuda", small_m_heads=True, decoder_channels_last=True
-    )
+    settings, fast = bench.variant_engine("one-stream+fp32-decoder", max_slots=2)
+    assert (settings.fast_path, settings.max_slots, settings.decoder_fp16) == ("one-stream", 2, False)
+    assert fast == FastPath(cp_stack_kernel="cuda", talker_stack_kernel="cuda", small_m_heads=True)
 
 
 def test_gpu_variants_script_names_its_stages_and_refuses_unknown_ones_before_installing(tmp_path):

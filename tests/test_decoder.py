@@ -270,16 +270,8 @@ def test_a_failing_chunk_ends_only_its_request(tiny_model, monkeypatch):
         (True, 3, False),
         (False, 3, True),
         (True, 3, True),
-        (True, 3, "channels-last"),
     ],
-    ids=[
-        "fp32",
-        "fp16-decoder",
-        "fp16-polyphase",
-        "fp32-snake-kernel",
-        "fp16-snake-kernel",
-        "fp16-channels-last",
-    ],
+    ids=["fp32", "fp16-decoder", "fp16-polyphase", "fp32-snake-kernel", "fp16-snake-kernel"],
 )
 def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, polyphase, snake):
     import copy
@@ -292,9 +284,7 @@ def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, polyph
         model.set_decoder_dtype(torch.float16)
     model.set_polyphase_dilation(polyphase)
     if snake:
-        model.use_kernels(
-            SimpleNamespace(snake=snake_kernel.snake, snake_beta=None, channels_last=snake == "channels-last")
-        )
+        model.use_kernels(SimpleNamespace(snake=snake_kernel.snake, snake_beta=None))
     try:
         torch.backends.cudnn.allow_tf32 = False
         graphs = SlotDecoder(model, max_slots=5, chunk_lens=[3, 5], mode="graphs")
@@ -395,7 +385,7 @@ def test_compiled_snake_beta_equals_eager_and_code2wav_still_streams_exactly(c2w
         calls.append(1)
         return fused.snake_beta(*args)
 
-    model.use_kernels(SimpleNamespace(snake=None, snake_beta=counted, channels_last=False))
+    model.use_kernels(SimpleNamespace(snake=None, snake_beta=counted))
     codes = random_codes(c2w.cfg, 2, 20, seed=9)
     with torch.inference_mode():
         whole = c2w(codes)

@@ -96,7 +96,6 @@ async def test_stream_equals_whole_decode(tiny_model):
     assert (info["decoder_polyphase_dilation"], info["kernel_sampler"], info["cp_prompt_one_pass"]) == (0, False, False)
     assert not any(getattr(m, "polyphase", False) for m in eng._runner._code2wav.modules())
     assert info["decoder_snake_kernel"] is False and eng._runner._code2wav.kernels is None
-    assert info["decoder_channels_last"] is False
     assert info["cp_input_tables"] is False and info["small_m_heads"] is False
     assert info["cp_fused_feed"] is False and info["stack_exact_rows"] == 0
     try:

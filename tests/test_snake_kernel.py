@@ -66,9 +66,9 @@ def test_snake_sums_pads_and_activates_in_one_pass(dtype) -> None:
                 assert no_sum is None and torch.equal(none, out)
 
 
-def snake_kernels(channels_last: bool) -> SimpleNamespace:
+def snake_kernels() -> SimpleNamespace:
     """Code2Wav's kernels (`DecoderKernels`) with the snake kernel alone."""
-    return SimpleNamespace(snake=snake_kernel.snake, snake_beta=None, channels_last=channels_last)
+    return SimpleNamespace(snake=snake_kernel.snake, snake_beta=None)
 
 
 def test_polynomial_sin_matches_float64_over_the_arguments_snake_sees() -> None:
@@ -92,32 +92,6 @@ def test_polynomial_sin_matches_float64_over_the_arguments_snake_sees() -> None:
         err = (got.double() - want).abs()
         assert (err <= tol).all(), (poly, (err - tol).max().item())
     assert arg.max() > 350  # the large arguments were there
-
-
-@pytest.mark.parametrize("C", [5, 96], ids=["odd-channels", "96-channels"])
-def test_channels_last_snake_writes_the_same_values_in_the_other_layout(C) -> None:
-    """channels_last: the same values as the (B, C, T) kernel, laid out (B, T, C) in memory, from inputs in
-    either layout, with `tail` zeros after the samples; the kept sum channels-last too."""
-    g = torch.Generator().manual_seed(5)
-    B, L, ctx = 2, 300, 12
-    alpha, beta = (0.3 * torch.randn(C, generator=g)).to(DEVICE), (0.3 * torch.randn(C, generator=g)).to(DEVICE)
-    x = torch.randn(B, L, C, generator=g).to(DEVICE).transpose(1, 2)  # channels-last input
-    y = torch.randn(B, C, L, generator=g).to(DEVICE)  # (B, C, L) input
-    bias = torch.randn(C, generator=g).to(DEVICE)
-    hist = torch.randn(B, C, ctx, generator=g).to(DEVICE)
-    want, want_sum = snake_kernel.snake(alpha, beta, x=x, y=y, bias=bias, context=ctx, history=hist, keep_sum=True)
-    for tail in (0, 7):
-        got, kept = snake_kernel.snake(
-            alpha, beta, x=x, y=y, bias=bias, context=ctx, history=hist, keep_sum=True, channels_last=True, tail=tail
-        )
-        total = ctx + L + tail
-        assert got.shape == (B, C, total) and got.stride() == (total * C, 1, C)
-        assert kept.shape == (B, C, L) and kept.stride() == (L * C, 1, C)
-        torch.testing.assert_close(got[..., : ctx + L], want, rtol=0, atol=0)
-        assert torch.equal(got[..., ctx + L :], torch.zeros(B, C, tail, device=DEVICE))
-        torch.testing.assert_close(kept, want_sum, rtol=0, atol=0)
-    with pytest.raises(ValueError, match="tail must be 0"):
-        snake_kernel.snake(alpha, beta, x=x, tail=3)
 
 
 def test_snake_refuses_inputs_that_do_not_line_up() -> None:
@@ -148,30 +122,18 @@ def no_tf32():
 
 
 @pytest.mark.parametrize(
-    ("dtype", "polyphase", "channels_last"),
-    [
-        (torch.float32, 0, False),
-        (torch.float16, 3, False),
-        (torch.float32, 0, True),
-        (torch.float32, 3, True),
-        (torch.float16, 3, True),
-    ],
-    ids=["fp32", "fp16-polyphase", "fp32-cl", "fp32-polyphase-cl", "fp16-polyphase-cl"],
+    ("dtype", "polyphase"), [(torch.float32, 0), (torch.float16, 3)], ids=["fp32", "fp16-polyphase"]
 )
-def test_conv_stack_on_the_kernel_decodes_and_streams_like_the_modules(
-    c2w, no_tf32, dtype, polyphase, channels_last
-) -> None:
+def test_conv_stack_on_the_kernel_decodes_and_streams_like_the_modules(c2w, no_tf32, dtype, polyphase) -> None:
     """The snake kernel (`use_kernels`): every conv of the final stack without its bias, the kernel doing bias, residual sum,
-    SnakeBeta and causal padding between them; with channels_last, every activation and conv in the (B, T, C)
-    layout. Whole decodes and streamed ones (chunks of 1 to 12 frames, so histories longer and shorter than a
-    chunk, and inputs that do and do not divide into whole phases) equal the modules' own decodes to rounding,
-    and the stream's state after the last chunk is the modules' state."""
+    SnakeBeta and causal padding between them. Whole decodes and streamed ones (chunks of 1 to 12 frames, so
+    histories longer and shorter than a chunk) equal the modules' own decodes to rounding, and the stream's state
+    after the last chunk is the modules' state."""
     ref = copy.deepcopy(c2w)
     ref.set_decoder_dtype(dtype)
     ref.set_polyphase_dilation(polyphase)
     fast = copy.deepcopy(ref)
-    fast.use_kernels(snake_kernels(channels_last))
-    assert fast.channels_last is channels_last
+    fast.use_kernels(snake_kernels())
     codes = random_codes(c2w.cfg, 2, 20).to(DEVICE)
     chunks = [1, 3, 12, 4]
     with torch.no_grad():
@@ -201,11 +163,10 @@ def test_conv_stack_on_the_kernel_decodes_and_streams_like_the_modules(
         torch.testing.assert_close(fast(codes), want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("channels_last", [False, True], ids=["bct", "channels-last"])
-def test_slot_decoder_on_the_snake_kernel_matches_the_modules(no_tf32, channels_last) -> None:
+def test_slot_decoder_on_the_snake_kernel_matches_the_modules(no_tf32) -> None:
     """The engine's slot-indexed decoder (gather rows by slot, decode, scatter the state back; padded to its
-    buckets) on the snake kernel's conv stack, either layout: five slots in a batched first chunk, then three
-    rows together and two alone, against the same through the eager modules."""
+    buckets) on the snake kernel's conv stack: five slots in a batched first chunk, then three rows together and
+    two alone, against the same through the eager modules."""
     from qwen_tts.engines.native.decoder import SlotDecoder
 
     cfg = tiny_config()
@@ -221,7 +182,7 @@ def test_slot_decoder_on_the_snake_kernel_matches_the_modules(no_tf32, channels_
         return torch.cat([first, torch.cat(rest)], dim=-1)
 
     fast = copy.deepcopy(base)
-    fast.use_kernels(snake_kernels(channels_last))
+    fast.use_kernels(snake_kernels())
     want, got = run(base), run(fast)
     assert got.shape == want.shape == (5, 9 * base.total_upsample)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

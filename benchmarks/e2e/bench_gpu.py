@@ -87,7 +87,6 @@ VARIANTS: dict[str, dict] = {
     "": {},
     "one-stream": {"fast_path": "one-stream"},  # the one-stream preset: both stack kernels, the few-row heads
     "eager": {"fast_path": "eager"},  # the eager preset: the model's own PyTorch, no CUDA graphs
-    "channels-last": {"decoder_channels_last": True},  # Code2Wav's conv stack in the (B, T, C) layout (pending)
     "fp32-decoder": {"decoder_fp16": False},  # Code2Wav in float32 (TF32 convolutions)
     "no-deterministic": {"fused_deterministic": False},  # reduction configs timed per process, not by rule
     "batch-invariant-decode": {"batch_invariant_decode": True},  # each request's chunks decoded on their own

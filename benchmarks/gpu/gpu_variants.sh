@@ -25,11 +25,11 @@ PY=${PYTHON:-python3}
 WHL=${WHEEL_DIR:-.whl}
 SITE=${SITE_PREFIX:-/tmp/site}
 OUT_DIR=${OUT:-bench_out}/variants
-VARIANTS=${VARIANTS:-channels-last}
+VARIANTS=${VARIANTS:-}
 DEFAULT_STEP=fused-split+small-m+cp-one-pass+kernel-sampler
 STEP_VARIANTS=${STEP_VARIANTS:-$DEFAULT_STEP}
 STEP_SIZES=${STEP_SIZES:-1.7b 0.6b}
-CODEC_VARIANTS=${CODEC_VARIANTS:-fp16+polyphase-9,fp16+polyphase-9+snake-kernel,fp16+polyphase-9+snake-kernel+channels-last}
+CODEC_VARIANTS=${CODEC_VARIANTS:-fp16+polyphase-9,fp16+polyphase-9+snake-kernel}
 
 [ $# -gt 0 ] || { sed -n '2,/^set -euo/p' "$0" | sed '$d' >&2; exit 2; }
 for stage in "$@"; do

@@ -312,7 +312,7 @@ def codec_kernels(dec, codes, stream) -> dict:
 
 def conv_times(dec, codes, stream) -> list:
     """One more chunk with CUDA events around every (transposed) convolution: the slowest six, by module name.
-    The events wrap the modules' conv entry points (`run`, `run_cl`, `run_unbiased`), which the modules' forward
+    The events wrap the modules' conv entry points (`run`, `run_unbiased`), which the modules' forward
     and the snake kernel's conv stack both call, so every decoder path is timed (the convs alone, not the
     padding around them)."""
     from qwen_tts.model.codec_decoder import CausalConv1d, CausalTransConv1d
@@ -334,7 +334,7 @@ def conv_times(dec, codes, stream) -> list:
         if isinstance(m, (CausalConv1d, CausalTransConv1d)):
             c = m.conv
             desc = f"{name} {c.in_channels}->{c.out_channels} k{c.kernel_size[0]} d{c.dilation[0]} s{c.stride[0]}"
-            for entry in ("run", "run_cl", "run_unbiased"):
+            for entry in ("run", "run_unbiased"):
                 if hasattr(m, entry):
                     setattr(m, entry, timed(getattr(m, entry), desc))
                     wrapped.append((m, entry))
@@ -368,7 +368,6 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             ("fp16+polyphase-9", True, "decoder", True),  # and its dilation-9 convs over interleaved phases
             ("fp16+polyphase-9+snake-kernel", True, "decoder", True),  # elementwise work in one pass per activation
             ("fp16+polyphase-9+snake-kernel+poly-sin", True, "decoder", True),  # its sin as a polynomial
-            ("fp16+polyphase-9+snake-kernel+channels-last", True, "decoder", True),  # the (B, T, C) layout
             ("bf16", False, torch.bfloat16, False),
         ):
             if name not in variants:
@@ -386,9 +385,7 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
                 kernel = None
             if snake or kernel is not None:  # Code2Wav's kernels (DecoderKernels): SnakeBeta compiled, the kernel
                 snake_beta = fused.snake_beta if snake else None
-                dec.use_kernels(
-                    SimpleNamespace(snake=kernel, snake_beta=snake_beta, channels_last="+channels-last" in name)
-                )
+                dec.use_kernels(SimpleNamespace(snake=kernel, snake_beta=snake_beta))
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()

@@ -116,9 +116,6 @@ class FastPath:
     decoder_snake_kernel: bool = True
     # The final conv stack's convs of dilation >= this as undilated convs over interleaved phases (0: off).
     decoder_polyphase_dilation: int = 9
-    # With decoder_snake_kernel, that stack in the (batch, samples, channels) layout cuDNN's float16 kernels use.
-    # Off until the engine's figures at many streams are in (docs/performance.md).
-    decoder_channels_last: bool = False
     # Decode on a thread (and CUDA stream) of its own beside the frame steps; False decodes in the engine loop.
     decode_thread: bool = True
     # With graphed frame steps, replay Code2Wav from a CUDA graph per (batch bucket, chunk length).

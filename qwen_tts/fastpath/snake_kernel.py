@@ -109,67 +109,6 @@ if HAVE_TRITON:
         if KEEP_SUM:
             tl.store(sum_ptr + row * L + j, v.to(sum_ptr.dtype.element_ty), mask=new)
 
-    @triton.jit
-    def _snake_kernel_cl(
-        x_ptr,
-        y_ptr,
-        bias_ptr,
-        alpha_ptr,
-        beta_ptr,
-        hist_ptr,
-        out_ptr,
-        sum_ptr,
-        C,
-        L,
-        CTX,
-        TAIL,
-        sxb,
-        sxc,
-        sxl,
-        syb,
-        syc,
-        syl,
-        shb,
-        shc,
-        shl,
-        HAS_X: tl.constexpr,
-        HAS_Y: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        HAS_HIST: tl.constexpr,
-        KEEP_SUM: tl.constexpr,
-        POLY_SIN: tl.constexpr,
-        BLOCK_T: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
-        """`_snake_kernel` writing channels-last buffers ((B, T, C) in memory): one program per (samples, channels)
-        tile of one row, channels fastest, so the stores are contiguous. TAIL zeros follow the samples. The same
-        steps as `_snake_kernel` over a 2-D tile; that kernel's text is kept as it was measured on the H200."""
-        b = tl.program_id(2).to(tl.int64)
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # position in [0, CTX + L + TAIL)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-        total = CTX + L + TAIL
-        channel = c < C
-        inside = (t < total) & channel
-        j = t - CTX  # sample of v
-        new = inside & (j >= 0) & (j < L)
-        v = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        if HAS_X:
-            v += tl.load(x_ptr + b * sxb + c * sxc + j * sxl, mask=new, other=0.0).to(tl.float32)
-        if HAS_Y:
-            v += tl.load(y_ptr + b * syb + c * syc + j * syl, mask=new, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            v += tl.load(bias_ptr + c, mask=channel, other=0.0).to(tl.float32)
-        scale = tl.exp(tl.load(alpha_ptr + c, mask=channel, other=0.0).to(tl.float32))
-        inv = 1.0 / (tl.exp(tl.load(beta_ptr + c, mask=channel, other=0.0).to(tl.float32)) + 1e-9)
-        s = _sin_poly(v * scale) if POLY_SIN else tl.sin(v * scale)
-        a = tl.where(new, v + s * s * inv, 0.0)
-        if HAS_HIST:
-            old = tl.load(hist_ptr + b * shb + c * shc + t * shl, mask=inside & (j < 0), other=0.0).to(tl.float32)
-            a = tl.where(j < 0, old, a)
-        tl.store(out_ptr + b * total * C + t * C + c, a.to(out_ptr.dtype.element_ty), mask=inside)
-        if KEEP_SUM:
-            tl.store(sum_ptr + b * L * C + j * C + c, v.to(sum_ptr.dtype.element_ty), mask=new)
-
 
 BLOCK = 1024
 
@@ -187,8 +126,6 @@ def snake(
     context: int = 0,
     history: Tensor | None = None,
     keep_sum: bool = False,
-    channels_last: bool = False,
-    tail: int = 0,
     poly_sin: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """v = x + y + bias[:, None] (each optional, at least one of x and y given; (B, C, L), any strides) ->
@@ -196,10 +133,6 @@ def snake(
     `CausalConv1d` pads a conv's input (zeros without a history); sum is v itself when `keep_sum`, else None.
     Everything in float32 inside, rounded once to the inputs' dtype. `history` is only read: updating it from the
     padded buffer's tail is the caller's (a program writing it would race the programs reading it).
-
-    channels_last: padded and sum are laid out (B, T, C) in memory (strides (T*C, 1, C)), as cuDNN's float16
-    convolutions read them without a transform, and `tail` zeros follow the samples (padded (B, C, context + L +
-    tail)), which make a dilated conv's input whole phases without a copy.
 
     poly_sin: sin as `_sin_poly` instead of Triton's tl.sin (off by default: the kernel is bound by its bytes, not
     its sines; docs/performance.md)."""
@@ -212,20 +145,13 @@ def snake(
             raise ValueError(f"snake inputs must share their shape: {tuple(t.shape)} != {(B, C, L)}")
     if history is not None and tuple(history.shape) != (B, C, context):
         raise ValueError(f"history must be {(B, C, context)}, got {tuple(history.shape)}")
-    if tail < 0 or (tail and not channels_last):
-        raise ValueError(f"tail must be 0, or >= 0 with channels_last; got {tail}")
-    total = context + L + tail
-
-    def buffer(length: int) -> Tensor:
-        if channels_last:
-            return torch.empty(B, length, C, device=ref.device, dtype=ref.dtype).transpose(1, 2)
-        return torch.empty(B, C, length, device=ref.device, dtype=ref.dtype)
-
-    out = buffer(total)
-    kept = buffer(L) if keep_sum else None
+    total = context + L
+    out = torch.empty(B, C, total, device=ref.device, dtype=ref.dtype)
+    kept = torch.empty(B, C, L, device=ref.device, dtype=ref.dtype) if keep_sum else None
     if B * C == 0 or total == 0:
         return out, kept
-    args = (
+    grid = (B * C, triton.cdiv(total, BLOCK))
+    _snake_kernel[grid](
         x if x is not None else ref,
         y if y is not None else ref,
         bias if bias is not None else alpha,
@@ -237,22 +163,16 @@ def snake(
         C,
         L,
         context,
-    )
-    strides = (*_strides(x), *_strides(y), *_strides(history))
-    flags = dict(
+        *_strides(x),
+        *_strides(y),
+        *_strides(history),
         HAS_X=x is not None,
         HAS_Y=y is not None,
         HAS_BIAS=bias is not None,
         HAS_HIST=history is not None,
         KEEP_SUM=keep_sum,
         POLY_SIN=poly_sin,
+        BLOCK=BLOCK,
+        num_warps=4,
     )
-    if channels_last:
-        block_c = 64 if C % 64 == 0 else 32
-        block_t = 2048 // block_c
-        grid = (triton.cdiv(total, block_t), triton.cdiv(C, block_c), B)
-        _snake_kernel_cl[grid](*args, tail, *strides, **flags, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
-    else:
-        grid = (B * C, triton.cdiv(total, BLOCK))
-        _snake_kernel[grid](*args, *strides, **flags, BLOCK=BLOCK, num_warps=4)
     return out, kept

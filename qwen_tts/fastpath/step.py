@@ -59,12 +59,10 @@ class FastStep:
         self.fused_kernels = bool(o.fused_kernels)
         self.fused_decoder = bool(o.fused_decoder)
         self.decoder_snake_kernel = bool(o.decoder_snake_kernel)
-        self.decoder_channels_last = bool(o.decoder_channels_last)
         self.polyphase = int(o.decoder_polyphase_dilation)
         # DecoderKernels: what Code2Wav runs (`take_decoder`).
         self.snake_beta = None
         self.snake = None
-        self.channels_last = False
         # The stacks taken (`take_talker`): each layer's re-laid weights, and the stacks on the CUDA stack kernel.
         self._fused: dict[DecoderStack, list[fused.FusedWeights]] = {}
         self._kernels: dict[DecoderStack, StackKernel] = {}
@@ -107,7 +105,6 @@ class FastStep:
             self.snake_beta = fused.snake_beta
         if HAVE_TRITON and self.decoder_snake_kernel:
             self.snake = snake_kernel.snake
-            self.channels_last = self.decoder_channels_last
         code2wav.use_kernels(self if self.snake_beta is not None or self.snake is not None else None)
 
     # ------------------------------------------------------------------ StepKernels
@@ -207,5 +204,4 @@ def model_info(talker: Talker, code2wav: Code2Wav, fast: FastStep | None) -> dic
         "stack_exact_rows": step.stack_options.exact_rows if blocks else 0,
         "fused_decoder": dec is not None and dec.snake_beta is not None,
         "decoder_snake_kernel": dec is not None and dec.snake is not None,
-        "decoder_channels_last": code2wav.channels_last,
     }

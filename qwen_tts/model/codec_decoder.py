@@ -37,8 +37,6 @@ class DecoderKernels(Protocol):
     # The elementwise work between two convs (bias, residual, SnakeBeta, padding) as one kernel, with the signature
     # of qwen_tts/fastpath/snake_kernel.snake; None: the modules' own forward.
     snake: Callable[..., tuple[Tensor, Tensor | None]] | None
-    # With `snake`: the activations laid out (B, T, C) in memory and the convs run in that layout.
-    channels_last: bool
 
 
 # Queries per attention call: bounds the (queries x keys) score matrix for long sequences.
@@ -97,19 +95,6 @@ class Code2WavStream:
         ]
 
 
-def _weight_once(module: nn.Module, key, make) -> Tensor:
-    """make(module.conv.weight), kept on the module and made again only when the weight tensor, its dtype, its
-    in-place version or `key` changed (a layout of the weight for `run_cl`, made once, not at every call)."""
-    w = module.conv.weight
-    tag = (w.data_ptr(), w.dtype, w._version, key)
-    cache = getattr(module, "_weight_cache", None)
-    if cache is None or cache[0] != tag:
-        with torch.no_grad():
-            cache = (tag, make(w.detach()))
-        module._weight_cache = cache
-    return cache[1]
-
-
 class CausalConv1d(nn.Module):
     """Conv1d with (k-1)*dilation zeros of left padding: output length == input length (stride 1)."""
 
@@ -134,22 +119,14 @@ class CausalConv1d(nn.Module):
         self.keep_history(x, stream)
         return x
 
-    def padding(self, stream: Code2WavStream | None, length: int = 0, channels_last: bool = False) -> dict:
-        """The left context for `snake_kernel.snake`, which pads the conv's input as `pad` does. channels_last:
-        with `length` input samples, also the zeros that make a polyphase conv's input whole phases (`run_cl`)."""
-        history = stream.conv_history[self.slot] if stream is not None else None
-        pad = {"context": self.context, "history": history}
-        if channels_last:
-            pad["channels_last"] = True
-            pad["tail"] = -(self.context + length) % self.conv.dilation[0] if self.polyphase else 0
-        return pad
+    def padding(self, stream: Code2WavStream | None) -> dict:
+        """The left context for `snake_kernel.snake`, which pads the conv's input as `pad` does."""
+        return {"context": self.context, "history": stream.conv_history[self.slot] if stream is not None else None}
 
-    def keep_history(self, padded: Tensor, stream: Code2WavStream | None, end: int | None = None) -> None:
-        """Store the last `context` samples before `end` (default: the end) of an already padded input as the
-        stream's history for the next chunk."""
+    def keep_history(self, padded: Tensor, stream: Code2WavStream | None) -> None:
+        """Store the tail of an already padded input as the stream's history for the next chunk."""
         if stream is not None and self.context > 0:
-            end = padded.shape[-1] if end is None else end
-            stream.conv_history[self.slot].copy_(padded[..., end - self.context : end])
+            stream.conv_history[self.slot].copy_(padded[..., padded.shape[-1] - self.context :])
 
     def run(self, x: Tensor, bias: bool = True) -> Tensor:
         """The conv over an input that `pad` (or `snake_kernel.snake`) padded; bias=False leaves the bias out
@@ -159,36 +136,6 @@ class CausalConv1d(nn.Module):
         if self.polyphase:
             return self._polyphase_conv(x, b)
         return F.conv1d(x, c.weight, b, c.stride, c.padding, c.dilation, c.groups)
-
-    def run_cl(self, x: Tensor, length: int) -> Tensor:
-        """`run` without the bias over a channels-last input (strides (T*C, 1, C), as `snake_kernel.snake` writes
-        it with channels_last) whose first `length` samples are the padded input (the rest: `padding`'s tail);
-        the output is channels-last too. cuDNN's float16 kernels read and write that layout directly, where for
-        (B, C, L) tensors they transform in and out. A k=1 conv is a matmul over (B, L, C); a polyphase conv takes
-        its input's (B, C, T/d, d) view, free in this layout, as a conv2d's input with a (k, 1) kernel."""
-        c = self.conv
-        B, C, T = x.shape
-        if c.kernel_size[0] == 1:
-            return F.linear(x[..., :length].transpose(1, 2), self._weight_cl()).transpose(1, 2)
-        if self.polyphase:
-            d = c.dilation[0]
-            x4 = x.as_strided((B, C, T // d, d), (T * C, 1, d * C, C))
-            y = F.conv2d(x4, self._weight_cl(), None, groups=c.groups)  # (B, C_out, m, d), channels-last
-            _, c_out, m, _ = y.shape
-            return y.permute(0, 2, 3, 1).reshape(B, m * d, c_out).transpose(1, 2)[..., : length - self.context]
-        x4 = x[..., :length].unsqueeze(2)
-        return F.conv2d(x4, self._weight_cl(), None, (1, c.stride[0]), 0, (1, c.dilation[0]), c.groups).squeeze(2)
-
-    def _weight_cl(self) -> Tensor:
-        """The weight as `run_cl` uses it: a matrix for k=1, otherwise 4-D and channels-last, (C_out, C_in, 1, k),
-        or (C_out, C_in, k, 1) for a polyphase conv."""
-
-        def make(w: Tensor) -> Tensor:
-            if w.shape[-1] == 1:
-                return w[..., 0].contiguous()
-            return (w[..., None] if self.polyphase else w[:, :, None]).contiguous(memory_format=torch.channels_last)
-
-        return _weight_once(self, self.polyphase, make)
 
     def _polyphase_conv(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """The same (unpadded) dilated conv as an undilated one over the input's `d` interleaved phases: output
@@ -220,15 +167,11 @@ class CausalTransConv1d(nn.Module):
     def forward(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
         return self.run_unbiased(x, stream) + self.conv.bias[:, None]
 
-    def run_unbiased(self, x: Tensor, stream: Code2WavStream | None = None, channels_last: bool = False) -> Tensor:
+    def run_unbiased(self, x: Tensor, stream: Code2WavStream | None = None) -> Tensor:
         """The trimmed transposed conv without its bias (`forward` adds it; `snake_kernel.snake` adds it in the
-        pass that reads the output): the pending tail is then the overlap alone. A view (strided). channels_last:
-        x and the output in that layout (`CausalConv1d.run_cl`), as a conv2d's transpose with a (1, k) kernel."""
+        pass that reads the output): the pending tail is then the overlap alone. A view (strided)."""
         c = self.conv
-        if channels_last:
-            y = F.conv_transpose2d(x.unsqueeze(2), self._weight_cl(), None, (1, c.stride[0])).squeeze(2)
-        else:
-            y = F.conv_transpose1d(x, c.weight, None, c.stride, c.padding, c.output_padding, c.groups, c.dilation)
+        y = F.conv_transpose1d(x, c.weight, None, c.stride, c.padding, c.output_padding, c.groups, c.dilation)
         n = x.shape[-1] * self.stride  # y: (B, C, n + overlap)
         if stream is not None and self.overlap > 0:
             pending = stream.tconv_overlap[self.slot]
@@ -236,10 +179,6 @@ class CausalTransConv1d(nn.Module):
             y[..., : self.overlap] += pending
             pending.copy_(y[..., n:])
         return y[..., :n]
-
-    def _weight_cl(self) -> Tensor:
-        """(C_in, C_out, 1, k), channels-last."""
-        return _weight_once(self, None, lambda w: w[:, :, None].contiguous(memory_format=torch.channels_last))
 
 
 class SnakeBeta(nn.Module):
@@ -543,45 +482,27 @@ class Code2Wav(nn.Module):
             for m in self.decoder:
                 h = m(h, stream) if isinstance(m, CausalConv1d) else m(h, stream, fast)
             return h
-        snake, cl = kernels.snake, kernels.channels_last
-        layout = {"channels_last": True} if cl else {}
-
-        def conv(m: CausalConv1d, a: Tensor, n: int) -> Tensor:  # a: m's padded input of n samples
-            return m.run_cl(a, m.context + n) if cl else m.run(a, bias=False)
-
-        def padded(m: CausalConv1d, n: int, **kw) -> tuple[Tensor, Tensor | None]:  # m's input, n samples of v
-            a, kept = snake(**kw, **m.padding(stream, n, cl))
-            m.keep_history(a, stream, m.context + n)
-            return a, kept
-
+        snake = kernels.snake
         first, *blocks, act, last = self.decoder
-        # The next activation's input, the sum of these (x: a residual, y: a conv's unbiased output); the first
-        # conv reads the upsampled latent as it is, and the kernel writes whichever layout the stack runs in.
+        # The next activation's input, the sum of these (x: a residual, y: a conv's unbiased output).
         pending = {"y": first.run(first.pad(h, stream), bias=False), "bias": first.conv.bias}
         for block in blocks:
             act0, tconv, *units = block.block
-            a, _ = snake(act0.alpha, act0.beta, **pending, **layout)
-            pending = {"y": tconv.run_unbiased(a, stream, channels_last=cl), "bias": tconv.conv.bias}
+            a, _ = snake(act0.alpha, act0.beta, **pending)
+            pending = {"y": tconv.run_unbiased(a, stream), "bias": tconv.conv.bias}
             for u in units:
-                n = pending["y"].shape[-1]
-                a, residual = padded(u.conv1, n, alpha=u.act1.alpha, beta=u.act1.beta, keep_sum=True, **pending)
-                g, _ = snake(u.act2.alpha, u.act2.beta, y=conv(u.conv1, a, n), bias=u.conv1.conv.bias, **layout)
-                pending = {"x": residual, "y": conv(u.conv2, g, n), "bias": u.conv2.conv.bias}
-        n = pending["y"].shape[-1]
-        a, _ = padded(last, n, alpha=act.alpha, beta=act.beta, **pending)
-        return conv(last, a, n) + last.conv.bias[:, None]
+                a, residual = snake(u.act1.alpha, u.act1.beta, **pending, **u.conv1.padding(stream), keep_sum=True)
+                u.conv1.keep_history(a, stream)
+                g, _ = snake(u.act2.alpha, u.act2.beta, y=u.conv1.run(a, bias=False), bias=u.conv1.conv.bias)
+                pending = {"x": residual, "y": u.conv2.run(g, bias=False), "bias": u.conv2.conv.bias}
+        a, _ = snake(act.alpha, act.beta, **pending, **last.padding(stream))
+        last.keep_history(a, stream)
+        return last.run(a, bias=False) + last.conv.bias[:, None]
 
     def use_kernels(self, kernels: DecoderKernels | None) -> None:
         """Run the final conv stack's elementwise work through `kernels` (None: the modules' own forward, as on the
-        CPU). With their channels_last, its activations are laid out (B, T, C) in memory from the first activation
-        on and its convs run in that layout (`CausalConv1d.run_cl`); the stream state keeps its layout."""
+        CPU)."""
         self.kernels = kernels
-
-    @property
-    def channels_last(self) -> bool:
-        """Whether the final conv stack runs in the (B, T, C) layout (the kernels' snake with channels_last)."""
-        k = self.kernels
-        return k is not None and k.snake is not None and k.channels_last
 
     def forward(self, codes: Tensor) -> Tensor:
         """Decode whole sequences from frame 0 (same result as streaming them in any chunking)."""
