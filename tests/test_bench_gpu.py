@@ -248,6 +248,7 @@ def test_bench_gpus_http_level_reports_the_servers_first_audio_beside_the_client
     assert [r["wave"] for r in rows] == [1, 2]
     for r in rows:
         assert (r["ok"], r["errors"]) == (3, {})
+        assert r["audio_s"] == pytest.approx(3 * 5 * 0.08)  # every byte of 3 streams of 5 frames counted once
         # 10 ms per frame, a 3-frame first chunk: the server's own clock, inside the client's
         assert 30 <= r["server_ttfa_p50_ms"] <= r["server_ttfa_p95_ms"] <= r["ttfa_max_ms"]
 

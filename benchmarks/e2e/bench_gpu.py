@@ -5,7 +5,7 @@ length (--frames, default 100 = 8 s of audio per request, end-of-speech held off
   engine   closed loop at each --concurrency level (n requests at once): x real time per stream, audio-s/s,
            first audio (TTFA) p50/p95, playback continuity, peak GPU memory, the engine's worker timings per step;
   poisson  open-loop Poisson arrivals at each --poisson-rates rate: TTFA p50/p95 and continuity;
-  http     our server (inference_server.py in a subprocess, uvicorn) with --http-clients streaming httpx clients
+  http     our server (inference_server.py in a subprocess, uvicorn) with --http-clients streaming h11 clients
            on /synthesize/stream: TTFA and continuity measured at the client; once per --api-processes value
            (0,2: in one process, then the engine in its own process and 2 HTTP front-ends);
   icl      (--icl-levels) ICL voices (a --icl-ref-frames reference of random codes and a transcript, 4 voices, each
@@ -54,10 +54,12 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import h11
 import numpy as np
 import torch
 
@@ -776,53 +778,100 @@ class Server:
         self.log.close()
 
 
-async def http_level(url: str, n: int, frames: int, greedy: bool) -> dict:
-    import httpx
+class HttpConn:
+    """One HTTP/1.1 connection over asyncio streams, driven by h11: the HTTP level's client. A streamed response
+    through httpx costs the client several times the CPU (fake engine on 2 cores, 256 streams of 100 frames:
+    benchmarks/e2e/bench_http_waves.py --client httpx against --client h11), enough for one process of 256
+    clients to set the pace instead of the server it measures."""
 
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str):
+        self.reader, self.writer, self.host = reader, writer, host
+        self.conn = h11.Connection(h11.CLIENT)
+
+    @classmethod
+    async def open(cls, url: str) -> HttpConn:
+        host, port = url.split("//", 1)[1].rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        return cls(reader, writer, f"{host}:{port}")
+
+    async def post_stream(self, path: str, payload: dict) -> AsyncIterator[h11.Response | bytes]:
+        """POST `payload` as JSON; yields the response head, then each piece of its body as it arrives.
+        ConnectionError when the server closes the connection first."""
+        if self.conn.our_state is h11.DONE:
+            self.conn.start_next_cycle()
+        data = json.dumps(payload).encode()
+        headers = [("host", self.host), ("content-type", "application/json"), ("content-length", str(len(data)))]
+        self.writer.write(self.conn.send(h11.Request(method="POST", target=path, headers=headers)))
+        self.writer.write(self.conn.send(h11.Data(data=data)) + self.conn.send(h11.EndOfMessage()))
+        await self.writer.drain()
+        while True:
+            try:
+                event = self.conn.next_event()
+            except h11.RemoteProtocolError as e:
+                raise ConnectionError(str(e)) from None
+            if event is h11.NEED_DATA:
+                self.conn.receive_data(await self.reader.read(65536))
+            elif isinstance(event, h11.Response):
+                yield event
+            elif isinstance(event, h11.Data):
+                yield bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                return
+            elif isinstance(event, h11.ConnectionClosed):
+                raise ConnectionError("the server closed the connection")
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def stream_body(i: int, frames: int, greedy: bool, voice: str = "bench") -> dict:
+    """The body of the HTTP level's request `i`: `frames` frames exactly, raw float32 audio."""
+    body = {
+        "speaker_id": voice,
+        "text": TEXT,
+        "max_new_tokens": frames,
+        "min_new_tokens": frames,
+        "seed": i,
+        "response_format": "f32le",
+    }
+    if greedy:
+        body["temperature"] = 0.0
+    return body
+
+
+async def http_level(url: str, n: int, frames: int, greedy: bool) -> dict:
+    """n clients at once, each streaming one request over a connection of its own (opened before the clock
+    starts); the client process's CPU over the level beside the streams' figures."""
     streams = [Stream() for _ in range(n)]
     server_ttfa: list[float] = []  # the server's own submit-to-first-audio (X-Time-To-First-Audio)
-    # One client with a connection per stream, made before the clock starts: an AsyncClient per request spends
-    # ~10-20 ms of this process's CPU on its set-up (its SSL context), which serialises the first bytes of 64
-    # clients (fake engine on 2 cores: TTFA p50 697 -> 104 ms with the client shared). A new client per level,
-    # never one reused from an earlier wave: httpcore 1.0's pool hands a burst of requests the same kept-alive
-    # connection, and all but one retry (ConnectionNotAvailable) pass after pass, so a second wave over kept-alive
-    # connections waits 300-460 ms in the pool before its headers go out (benchmarks/e2e/bench_http_waves.py).
-    client = httpx.AsyncClient(
-        timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=n, max_keepalive_connections=n)
-    )
+    conns = [await HttpConn.open(url) for _ in range(n)]
 
-    async def one(i: int, st: Stream) -> None:
-        body = {
-            "speaker_id": "bench",
-            "text": TEXT,
-            "max_new_tokens": frames,
-            "min_new_tokens": frames,
-            "seed": i,
-            "response_format": "f32le",
-        }
-        if greedy:
-            body["temperature"] = 0.0
+    async def one(i: int, st: Stream, conn: HttpConn) -> None:
         st.sent = time.perf_counter()
         try:
-            async with client.stream("POST", url + "/synthesize/stream", json=body) as resp:
-                st.status = resp.status_code
-                if resp.status_code != 200:
-                    st.error = f"http_{resp.status_code}"
-                    await resp.aread()
-                    return
-                with contextlib.suppress(ValueError):
-                    server_ttfa.append(float(resp.headers.get("x-time-to-first-audio", "")))
-                async for piece in resp.aiter_raw():
+            async for piece in conn.post_stream("/synthesize/stream", stream_body(i, frames, greedy)):
+                if isinstance(piece, bytes):
                     st.chunk(len(piece) / 4 / SAMPLE_RATE)  # f32le mono
-        except httpx.HTTPError as e:
+                    continue
+                st.status = piece.status_code
+                if piece.status_code != 200:
+                    st.error = f"http_{piece.status_code}"
+                    return
+                head = dict(piece.headers)
+                with contextlib.suppress(ValueError):
+                    server_ttfa.append(float(head.get(b"x-time-to-first-audio", b"")))
+        except (ConnectionError, OSError) as e:
             st.error = type(e).__name__
 
-    async with client:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(i, s) for i, s in enumerate(streams)))
-        wall = time.perf_counter() - t0
+    try:
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(one(i, s, c) for i, (s, c) in enumerate(zip(streams, conns, strict=True))))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    finally:
+        for c in conns:
+            c.close()
     server = ms_stats("server_ttfa", server_ttfa, top=False)
-    return {"clients": n, "frames": frames, **stream_stats(streams, wall), **server}
+    return {"clients": n, "frames": frames, **stream_stats(streams, wall), **server, "client_cpu_s": round(cpu, 3)}
 
 
 # ---------------------------------------------------------------------------------------------------- baselines

@@ -31,13 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import h11
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
-from bench_gpu import free_port, http_level, pct  # noqa: E402  (the GPU benchmark's helpers and its HTTP level)
+from bench_gpu import HttpConn, free_port, http_level, pct, stream_body  # noqa: E402  (the GPU benchmark's helpers and its HTTP level)
 
 SAMPLE_RATE = 24000
 TEXT = "A steady voice reads one long sentence so that every stream asks for the same number of frames."
@@ -61,14 +60,7 @@ class Record:
 
 
 def body(i: int, frames: int) -> dict:
-    return {
-        "speaker_id": "demo",
-        "text": TEXT,
-        "max_new_tokens": frames,
-        "min_new_tokens": frames,
-        "seed": i,
-        "response_format": "f32le",
-    }
+    return stream_body(i, frames, greedy=False, voice="demo")
 
 
 class HttpxClient:
@@ -120,10 +112,8 @@ class H11Client:
     """A connection per stream, kept open across waves: h11 over asyncio streams, no pool in between."""
 
     def __init__(self, url: str, n: int):
-        host_port = url.split("//", 1)[1]
-        self.host, port = host_port.rsplit(":", 1)
-        self.port = int(port)
-        self.conns: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter, h11.Connection]] = {}
+        self.url = url
+        self.conns: dict[int, HttpConn] = {}
         self.opened = 0  # connections opened in this wave
 
     async def begin_wave(self) -> None:
@@ -131,44 +121,24 @@ class H11Client:
 
     async def one(self, i: int, frames: int, rec: Record) -> None:
         if i not in self.conns:
-            reader, writer = await asyncio.open_connection(self.host, self.port)
+            self.conns[i] = await HttpConn.open(self.url)
             self.opened += 1
-            self.conns[i] = (reader, writer, h11.Connection(h11.CLIENT))
-        reader, writer, conn = self.conns[i]
-        if conn.our_state is h11.DONE:
-            conn.start_next_cycle()
-        data = json.dumps(body(i, frames)).encode()
-        headers = [("host", f"{self.host}:{self.port}"), ("content-type", "application/json"),
-                   ("content-length", str(len(data)))]  # fmt: skip
         rec.on_wire = time.perf_counter()
-        writer.write(conn.send(h11.Request(method="POST", target="/synthesize/stream", headers=headers)))
-        writer.write(conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage()))
-        await writer.drain()
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                chunk = await reader.read(65536)
-                conn.receive_data(chunk)
-                if not chunk:
-                    rec.error = "closed"
-                    return
-                continue
-            if isinstance(event, h11.Response):
-                if event.status_code != 200:
-                    rec.error = f"http_{event.status_code}"
-                hdrs = {k.decode(): v.decode() for k, v in event.headers}
-                rec.server_ttfa = float(hdrs.get("x-time-to-first-audio", "nan"))
-            elif isinstance(event, h11.Data) and event.data and rec.first_audio is None:
-                rec.first_audio = time.perf_counter()
-            elif isinstance(event, h11.EndOfMessage):
-                return
-            elif isinstance(event, h11.ConnectionClosed):
-                rec.error = "closed"
-                return
+        try:
+            async for piece in self.conns[i].post_stream("/synthesize/stream", body(i, frames)):
+                if isinstance(piece, bytes):
+                    if piece and rec.first_audio is None:
+                        rec.first_audio = time.perf_counter()
+                    continue
+                if piece.status_code != 200:
+                    rec.error = f"http_{piece.status_code}"
+                rec.server_ttfa = float(dict(piece.headers).get(b"x-time-to-first-audio", b"nan"))
+        except ConnectionError:
+            rec.error = "closed"
 
     async def close(self) -> None:
-        for _, writer, _ in self.conns.values():
-            writer.close()
+        for conn in self.conns.values():
+            conn.close()
 
 
 def ms(x: float | None) -> float | None:
@@ -207,7 +177,16 @@ async def run_bench_gpu(a: argparse.Namespace, url: str, server_pid: int) -> lis
     for wave in range(1, a.waves + 1):
         c0, s0, t0 = time.process_time(), cpu_seconds(server_pid), time.perf_counter()
         r = await http_level(url, a.clients, a.frames, greedy=True)
-        keys = ("ok", "errors", "ttfa_p50_ms", "ttfa_p95_ms", "ttfa_max_ms", "server_ttfa_p50_ms", "server_ttfa_p95_ms")
+        keys = (
+            "ok",
+            "errors",
+            "audio_s",
+            "ttfa_p50_ms",
+            "ttfa_p95_ms",
+            "ttfa_max_ms",
+            "server_ttfa_p50_ms",
+            "server_ttfa_p95_ms",
+        )
         row = {"wave": wave, **{k: r[k] for k in keys}, "wall_s": round(time.perf_counter() - t0, 3)}
         row.update(client_cpu_s=round(time.process_time() - c0, 3), server_cpu_s=round(cpu_seconds(server_pid) - s0, 3))
         print(json.dumps({"client": a.client, **row}), flush=True)
