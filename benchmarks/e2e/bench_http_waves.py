@@ -38,9 +38,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
 from bench_gpu import HttpConn, free_port, http_level, pct, stream_body  # noqa: E402  (the GPU benchmark's helpers and its HTTP level)
 
-SAMPLE_RATE = 24000
-TEXT = "A steady voice reads one long sentence so that every stream asks for the same number of frames."
-
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (Linux /proc)."""
