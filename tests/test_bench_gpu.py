@@ -192,6 +192,27 @@ def test_tiny_run_end_to_end(tmp_path):
     assert "| tiny | engine | 2 |" in text
 
 
+@pytest.mark.slow
+def test_the_http_part_streams_closed_levels_then_open_loop_arrivals_through_the_server(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = ["--sizes", "tiny", "--parts", "http", "--http-clients", "2", "--http-poisson-rates", "20"]
+    argv += ["--poisson-count", "3", "--frames", "6", "--workdir", str(tmp_path), "--out", str(out)]
+    results = bench.main(argv)
+    closed, arrivals = results["sizes"]["tiny"]["http"]
+    assert (closed["clients"], closed["ok"], closed["errors"]) == (2, 2, {})
+    assert closed["audio_s"] == pytest.approx(2 * 6 * 0.08)  # every byte of the f32le streams counted once
+    assert closed["client_cpu_s"] > 0
+    assert (arrivals["rate_per_s"], arrivals["requests"], arrivals["ok"], arrivals["errors"]) == (20.0, 3, 3, {})
+    assert arrivals["audio_s"] == pytest.approx(3 * 6 * 0.08)
+    assert arrivals["arrival_span_s"] == round(bench.poisson_offsets(20.0, 3, 0)[-1], 2)
+    assert 1 <= arrivals["max_in_flight"] <= 3
+    # first audio is timed from each client's arrival: the server's own clock runs inside it
+    assert 0 < arrivals["server_ttfa_p50_ms"] <= arrivals["ttfa_p50_ms"]
+    text = bench.report(results)
+    assert "| tiny | http stream | 2 |" in text
+    assert "| tiny | http poisson 20/s | 3 (max " in text
+
+
 def test_the_icl_part_runs_xvector_then_icl_streams_on_one_engine(tmp_path):
     out = tmp_path / "bench.json"
     argv = ["--sizes", "tiny", "--parts", "icl", "--icl-levels", "1,4", "--icl-ref-frames", "20", "--frames", "6"]

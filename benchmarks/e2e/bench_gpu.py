@@ -7,7 +7,8 @@ length (--frames, default 100 = 8 s of audio per request, end-of-speech held off
   poisson  open-loop Poisson arrivals at each --poisson-rates rate: TTFA p50/p95 and continuity;
   http     our server (inference_server.py in a subprocess, uvicorn) with --http-clients streaming h11 clients
            on /synthesize/stream: TTFA and continuity measured at the client; once per --api-processes value
-           (0,2: in one process, then the engine in its own process and 2 HTTP front-ends);
+           (0,2: in one process, then the engine in its own process and 2 HTTP front-ends); then, at each
+           --http-poisson-rates rate, clients arriving open-loop, each connecting when it arrives;
   icl      (--icl-levels) ICL voices (a --icl-ref-frames reference of random codes and a transcript, 4 voices, each
            warmed once so their per-voice cache holds them) against x-vector voices on the same engine, level by
            level: x-vector only, then ICL only at one stream and half ICL, half x-vector beside it;
@@ -323,14 +324,20 @@ async def closed_level(engine, n: int, frames: int, greedy: bool, icl: list[IclR
     return out
 
 
-async def poisson_run(engine, rate: float, count: int, frames: int, greedy: bool, seed: int = 0) -> dict:
-    """Open loop: `count` requests with exponential gaps at `rate` per second, each streamed to the end."""
-    dim = engine.xvector_dim
+def poisson_offsets(rate: float, count: int, seed: int) -> list[float]:
+    """The arrival times (s from the start) of `count` requests with exponential gaps at `rate` per second."""
     rng = random.Random(seed)
     offsets, t = [], 0.0
     for _ in range(count):
         offsets.append(t)
         t += rng.expovariate(rate)
+    return offsets
+
+
+async def poisson_run(engine, rate: float, count: int, frames: int, greedy: bool, seed: int = 0) -> dict:
+    """Open loop: `count` requests with exponential gaps at `rate` per second, each streamed to the end."""
+    dim = engine.xvector_dim
+    offsets = poisson_offsets(rate, count, seed)
     reqs = [make_request(i, frames, dim, greedy, seed_base=1000) for i in range(count)]
     streams = [Stream() for _ in reqs]
     running = [0, 0]  # now, max
@@ -839,39 +846,79 @@ def stream_body(i: int, frames: int, greedy: bool, voice: str = "bench") -> dict
     return body
 
 
+async def stream_over(
+    conn: HttpConn, i: int, frames: int, greedy: bool, st: Stream, server_ttfa: list[float], sent: float | None = None
+) -> None:
+    """Request `i` streamed to its end over `conn`: its chunks' arrivals into `st`, timed from `sent` (default:
+    now), the server's own first-audio time (X-Time-To-First-Audio) into `server_ttfa`."""
+    st.sent = time.perf_counter() if sent is None else sent
+    try:
+        async for piece in conn.post_stream("/synthesize/stream", stream_body(i, frames, greedy)):
+            if isinstance(piece, bytes):
+                st.chunk(len(piece) / 4 / SAMPLE_RATE)  # f32le mono
+                continue
+            st.status = piece.status_code
+            if piece.status_code != 200:
+                st.error = f"http_{piece.status_code}"
+                return
+            with contextlib.suppress(ValueError):
+                server_ttfa.append(float(dict(piece.headers).get(b"x-time-to-first-audio", b"")))
+    except (ConnectionError, OSError) as e:
+        st.error = type(e).__name__
+
+
 async def http_level(url: str, n: int, frames: int, greedy: bool) -> dict:
     """n clients at once, each streaming one request over a connection of its own (opened before the clock
     starts); the client process's CPU over the level beside the streams' figures."""
     streams = [Stream() for _ in range(n)]
-    server_ttfa: list[float] = []  # the server's own submit-to-first-audio (X-Time-To-First-Audio)
+    server_ttfa: list[float] = []
     conns = [await HttpConn.open(url) for _ in range(n)]
-
-    async def one(i: int, st: Stream, conn: HttpConn) -> None:
-        st.sent = time.perf_counter()
-        try:
-            async for piece in conn.post_stream("/synthesize/stream", stream_body(i, frames, greedy)):
-                if isinstance(piece, bytes):
-                    st.chunk(len(piece) / 4 / SAMPLE_RATE)  # f32le mono
-                    continue
-                st.status = piece.status_code
-                if piece.status_code != 200:
-                    st.error = f"http_{piece.status_code}"
-                    return
-                head = dict(piece.headers)
-                with contextlib.suppress(ValueError):
-                    server_ttfa.append(float(head.get(b"x-time-to-first-audio", b"")))
-        except (ConnectionError, OSError) as e:
-            st.error = type(e).__name__
-
     try:
         cpu0, t0 = time.process_time(), time.perf_counter()
-        await asyncio.gather(*(one(i, s, c) for i, (s, c) in enumerate(zip(streams, conns, strict=True))))
+        await asyncio.gather(
+            *(
+                stream_over(c, i, frames, greedy, s, server_ttfa)
+                for i, (s, c) in enumerate(zip(streams, conns, strict=True))
+            )
+        )
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         for c in conns:
             c.close()
     server = ms_stats("server_ttfa", server_ttfa, top=False)
     return {"clients": n, "frames": frames, **stream_stats(streams, wall), **server, "client_cpu_s": round(cpu, 3)}
+
+
+async def http_poisson(url: str, rate: float, count: int, frames: int, greedy: bool, seed: int = 0) -> dict:
+    """Open loop over HTTP: `count` clients arriving with exponential gaps at `rate` per second, each connecting
+    when it arrives (its first audio counts the connection) and streaming its request to the end."""
+    offsets = poisson_offsets(rate, count, seed)
+    streams = [Stream() for _ in offsets]
+    server_ttfa: list[float] = []
+    running = [0, 0]  # now, max
+
+    async def one(i: int, off: float, st: Stream) -> None:
+        await asyncio.sleep(max(0.0, t0 + off - time.perf_counter()))
+        st.sent = time.perf_counter()
+        running[0] += 1
+        running[1] = max(running[1], running[0])
+        conn = None
+        try:  # timed from the arrival, the connection included
+            conn = await HttpConn.open(url)
+            await stream_over(conn, 1000 + i, frames, greedy, st, server_ttfa, sent=st.sent)
+        except OSError as e:
+            st.error = type(e).__name__
+        finally:
+            if conn is not None:
+                conn.close()
+            running[0] -= 1
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(one(i, o, s) for i, (o, s) in enumerate(zip(offsets, streams, strict=True))))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    out = {"rate_per_s": rate, "frames": frames, **stream_stats(streams, wall)}
+    out.update(arrival_span_s=round(offsets[-1], 2), max_in_flight=running[1], client_cpu_s=round(cpu, 3))
+    return {**out, **ms_stats("server_ttfa", server_ttfa, top=False)}
 
 
 # ---------------------------------------------------------------------------------------------------- baselines
@@ -946,8 +993,10 @@ def table(results: dict) -> str:
             if "error" in r and "clients" not in r:
                 rows.append([size, "http", "-", "error", "-", "-", "-", "-", "-", "-"])
                 continue
-            run = f"http stream (TTS_API_PROCESSES={r['api_processes']})" if r.get("api_processes") else "http stream"
-            rows.append([size, run, r["clients"], fmt(r["xrt_per_stream_median"], 2),
+            run = f"http poisson {r['rate_per_s']:g}/s" if "rate_per_s" in r else "http stream"
+            run += f" (TTS_API_PROCESSES={r['api_processes']})" if r.get("api_processes") else ""
+            n = f"{r['requests']} (max {r['max_in_flight']})" if "rate_per_s" in r else r["clients"]
+            rows.append([size, run, n, fmt(r["xrt_per_stream_median"], 2),
                          fmt(r["audio_s_per_s"]), "-", pair(r["ttfa_p50_ms"], r["ttfa_p95_ms"]),
                          fmt(r["stall_p95_ms"], 0), share(r["zero_stall_share"]), "-"])  # fmt: skip
     rows += baseline_rows(results)
@@ -1305,7 +1354,7 @@ class Run:
 
     async def _http(self, ckpt: Path, workdir: Path, processes: int) -> list[dict]:
         a = self.a
-        server = Server(ckpt, workdir, max(a.http_clients), a.frames, a, processes)
+        server = Server(ckpt, workdir, max(a.http_clients, default=256), a.frames, a, processes)
         out = []
         try:
             ready_s = await server.wait_ready(a.server_timeout)
@@ -1314,6 +1363,16 @@ class Run:
                 await http_level(server.url, n, min(a.frames, 8), not a.sampling)  # warm
                 r = await http_level(server.url, n, a.frames, not a.sampling)
                 r["server_ready_s"] = round(ready_s, 1)
+                r["api_processes"] = processes
+                emit({"part": "http", **r})
+                out.append(r)
+                if r["errors"]:
+                    log("bench: server log tail:", server.tail())
+            for rate in a.http_poisson_rates:
+                if not self.time_left(f"http poisson {rate}"):
+                    break
+                count = a.poisson_count or max(1, round(rate * a.poisson_duration))
+                r = await http_poisson(server.url, rate, count, a.frames, not a.sampling)
                 r["api_processes"] = processes
                 emit({"part": "http", **r})
                 out.append(r)
@@ -1467,6 +1526,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--poisson-duration", type=float, default=20.0, help="seconds of arrivals per rate")
     ap.add_argument("--poisson-count", type=int, default=0, help="requests per rate (overrides the duration)")
     ap.add_argument("--http-clients", type=ints, default=[1, 64])
+    ap.add_argument("--http-poisson-rates", type=floats, default=[],
+                    help="the http part's open-loop levels: clients arriving at these rates (--poisson-duration); "
+                         "the server's max_slots is the largest --http-clients (256 without)")  # fmt: skip
     ap.add_argument("--icl-levels", type=ints, default=[1, 64], help="the icl part's levels")
     ap.add_argument("--icl-ref-frames", type=int, default=125, help="ICL reference length (12.5 frames a second)")
     ap.add_argument("--api-processes", type=ints, default=[0],
