@@ -55,7 +55,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -334,32 +334,39 @@ def poisson_offsets(rate: float, count: int, seed: int) -> list[float]:
     return offsets
 
 
-async def poisson_run(engine, rate: float, count: int, frames: int, greedy: bool, seed: int = 0) -> dict:
-    """Open loop: `count` requests with exponential gaps at `rate` per second, each streamed to the end."""
-    dim = engine.xvector_dim
-    offsets = poisson_offsets(rate, count, seed)
-    reqs = [make_request(i, frames, dim, greedy, seed_base=1000) for i in range(count)]
-    streams = [Stream() for _ in reqs]
+async def open_loop(
+    offsets: list[float], serve: Callable[[int, Stream], Awaitable[None]]
+) -> tuple[list[Stream], float, dict]:
+    """Arrival i at offsets[i] s from now, its stream timed from the arrival and run by serve(i, stream); returns
+    the streams, the wall time and the arrivals' span and most in flight at once."""
+    streams = [Stream() for _ in offsets]
     running = [0, 0]  # now, max
 
-    async def one(off: float, req: SynthesisRequest, st: Stream) -> None:
+    async def one(i: int, off: float, st: Stream) -> None:
         await asyncio.sleep(max(0.0, t0 + off - time.perf_counter()))
         st.sent = time.perf_counter()
         running[0] += 1
         running[1] = max(running[1], running[0])
         try:
-            await consume(engine, req, st)
+            await serve(i, st)
         finally:
             running[0] -= 1
 
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i, o, s) for i, (o, s) in enumerate(zip(offsets, streams, strict=True))))
+    wall = time.perf_counter() - t0
+    return streams, wall, {"arrival_span_s": round(offsets[-1], 2), "max_in_flight": running[1]}
+
+
+async def poisson_run(engine, rate: float, count: int, frames: int, greedy: bool, seed: int = 0) -> dict:
+    """Open loop: `count` requests with exponential gaps at `rate` per second, each streamed to the end."""
+    reqs = [make_request(i, frames, engine.xvector_dim, greedy, seed_base=1000) for i in range(count)]
     reset_peak()
     before = dict(engine.timings)
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(o, r, s) for o, r, s in zip(offsets, reqs, streams, strict=True)))
-    wall = time.perf_counter() - t0
-    out = {"rate_per_s": rate, "frames": frames, **stream_stats(streams, wall)}
-    out["arrival_span_s"] = round(offsets[-1], 2)
-    out["max_in_flight"] = running[1]
+    streams, wall, arrivals = await open_loop(
+        poisson_offsets(rate, count, seed), lambda i, st: consume(engine, reqs[i], st)
+    )
+    out = {"rate_per_s": rate, "frames": frames, **stream_stats(streams, wall), **arrivals}
     out.update(timing_delta(before, engine.timings, count))
     out.update(peak_memory())
     return out
@@ -863,7 +870,7 @@ async def stream_over(
                 return
             with contextlib.suppress(ValueError):
                 server_ttfa.append(float(dict(piece.headers).get(b"x-time-to-first-audio", b"")))
-    except (ConnectionError, OSError) as e:
+    except OSError as e:  # ConnectionError among them
         st.error = type(e).__name__
 
 
@@ -892,32 +899,23 @@ async def http_level(url: str, n: int, frames: int, greedy: bool) -> dict:
 async def http_poisson(url: str, rate: float, count: int, frames: int, greedy: bool, seed: int = 0) -> dict:
     """Open loop over HTTP: `count` clients arriving with exponential gaps at `rate` per second, each connecting
     when it arrives (its first audio counts the connection) and streaming its request to the end."""
-    offsets = poisson_offsets(rate, count, seed)
-    streams = [Stream() for _ in offsets]
     server_ttfa: list[float] = []
-    running = [0, 0]  # now, max
 
-    async def one(i: int, off: float, st: Stream) -> None:
-        await asyncio.sleep(max(0.0, t0 + off - time.perf_counter()))
-        st.sent = time.perf_counter()
-        running[0] += 1
-        running[1] = max(running[1], running[0])
-        conn = None
-        try:  # timed from the arrival, the connection included
+    async def serve(i: int, st: Stream) -> None:
+        try:
             conn = await HttpConn.open(url)
-            await stream_over(conn, 1000 + i, frames, greedy, st, server_ttfa, sent=st.sent)
         except OSError as e:
             st.error = type(e).__name__
+            return
+        try:
+            await stream_over(conn, 1000 + i, frames, greedy, st, server_ttfa, sent=st.sent)
         finally:
-            if conn is not None:
-                conn.close()
-            running[0] -= 1
+            conn.close()
 
-    cpu0, t0 = time.process_time(), time.perf_counter()
-    await asyncio.gather(*(one(i, o, s) for i, (o, s) in enumerate(zip(offsets, streams, strict=True))))
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    out = {"rate_per_s": rate, "frames": frames, **stream_stats(streams, wall)}
-    out.update(arrival_span_s=round(offsets[-1], 2), max_in_flight=running[1], client_cpu_s=round(cpu, 3))
+    cpu0 = time.process_time()
+    streams, wall, arrivals = await open_loop(poisson_offsets(rate, count, seed), serve)
+    out = {"rate_per_s": rate, "frames": frames, **stream_stats(streams, wall), **arrivals}
+    out["client_cpu_s"] = round(time.process_time() - cpu0, 3)
     return {**out, **ms_stats("server_ttfa", server_ttfa, top=False)}
 
 
