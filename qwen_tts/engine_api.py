@@ -114,8 +114,9 @@ class EngineSettings:
     decode_lookahead: int = 2
     # Most rows in one Code2Wav call (and its largest graph bucket); larger buckets only add graph memory.
     decode_max_batch: int = 64
-    # TF32 cuDNN convolutions in the float32 Code2Wav: much faster, the audio within a small distance of the exact
-    # decode. False: exact streaming (a stream equals the whole decode).
+    # TF32 in the float32 Code2Wav: cuDNN's convolutions, and the pre-transformer's matmuls in its CUDA graphs; much
+    # faster, the audio within a small distance of the exact decode. False: exact streaming (a stream equals the
+    # whole decode).
     decoder_tf32: bool = True
     # Code2Wav's final conv stack in float16 (every op accumulating in float32) instead of float32 with TF32: half
     # the bytes, the audio about as close to the exact decode.

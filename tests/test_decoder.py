@@ -309,6 +309,26 @@ def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, polyph
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tf32_matmuls_are_captured_into_the_graphs_only(c2w):
+    """tf32_matmul: the graphs' float32 matmuls run in TF32 (their audio moves, a little, from the float32 graphs'),
+    while cuBLAS's process-wide switch is back off once they are captured."""
+    import copy
+
+    model = copy.deepcopy(c2w).to("cuda")
+    codes = random_codes(c2w.cfg, 2, 5, seed=3)
+    out = {}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for tf32 in (False, True):
+        dec = SlotDecoder(model, max_slots=2, chunk_lens=[5], mode="graphs", tf32_matmul=tf32)
+        with torch.inference_mode():
+            dec.capture_all()
+            assert torch.backends.cuda.matmul.allow_tf32 is False
+            out[tf32] = dec.decode([0, 1], [True, True], codes)
+    diff = (out[True] - out[False]).abs().max().item()
+    assert 0 < diff < 2e-2 * out[False].abs().max().item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graphed_decode_through_pinned_buffers_returns_the_graphs_audio_in_chunks_of_their_own(c2w):
     """The pinned host buffers serve every call: each chunk returned must be its own tensor (the next call refills
     the buffers), the graph's inputs are the call's, and the audio is the graph's output bit for bit."""

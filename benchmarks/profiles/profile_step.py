@@ -367,13 +367,14 @@ def codec_variants(path: Path, batches: list[int], chunk: int, chunks: int, vari
             ("fp16-decoder", True, "decoder", True),  # the engine's decoder_fp16: the final conv stack in fp16
             ("fp16+polyphase-9", True, "decoder", True),  # and its dilation-9 convs over interleaved phases
             ("fp16+polyphase-9+snake-kernel", True, "decoder", True),  # elementwise work in one pass per activation
+            ("fp16+polyphase-9+snake-kernel+fp32-matmul", True, "decoder", True),  # its matmuls in full float32
             ("fp16+polyphase-9+snake-kernel+poly-sin", True, "decoder", True),  # its sin as a polynomial
             ("bf16", False, torch.bfloat16, False),
         ):
             if name not in variants:
                 continue
             torch.backends.cudnn.allow_tf32 = tf32
-            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.backends.cuda.matmul.allow_tf32 = tf32 and not name.endswith("+fp32-matmul")
             if dtype == "decoder":
                 dec = copy.deepcopy(c2w)
                 dec.set_decoder_dtype(torch.float16)

@@ -41,6 +41,17 @@ log = logging.getLogger("qwen_tts.decoder")
 DecodeMode = str  # "exact" | "padded" | "graphs"
 
 
+@contextlib.contextmanager
+def _tf32_matmuls(on: bool):
+    """cuBLAS's float32 matmuls in TF32 inside the block (when `on`), as they were after it."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = before or on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
 def _state_tensors(s: Code2WavStream) -> list[Tensor]:
     return [s.position, *s.conv_history, *s.tconv_overlap, *s.keys, *s.values]
 
@@ -62,14 +73,26 @@ class SlotDecoder:
     mode "exact": eager at each chunk's own shape (the CPU default). "padded": eager, padded to the (batch, chunk
     length) buckets (tests the padding on CPU). "graphs": the padded chunk replayed from a CUDA graph per bucket.
     `chunk_lens` are the chunk lengths the engine asks for; a shorter chunk is padded to the next one. A call
-    decodes at most `max_batch` rows (default: max_slots).
+    decodes at most `max_batch` rows (default: max_slots). `tf32_matmul`: the graphs' float32 matmuls (the
+    pre-transformer's) run in TF32, as the convolutions do with cuDNN's TF32; cuBLAS's switch is process-wide, so
+    it is on only while a graph is captured (the graph keeps the kernels it captured), never for the talker's or an
+    encoder's matmuls.
     """
 
-    def __init__(self, code2wav: Code2Wav, max_slots: int, chunk_lens: list[int], mode: DecodeMode, max_batch: int = 0):
+    def __init__(
+        self,
+        code2wav: Code2Wav,
+        max_slots: int,
+        chunk_lens: list[int],
+        mode: DecodeMode,
+        max_batch: int = 0,
+        tf32_matmul: bool = False,
+    ):
         if mode not in ("exact", "padded", "graphs"):
             raise ValueError(f"decode mode must be exact, padded or graphs, not {mode!r}")
         self.c2w = code2wav
         self.mode = mode
+        self.tf32_matmul = tf32_matmul
         self.scratch = max_slots
         self.device = next(code2wav.parameters()).device
         self.num_quantizers = code2wav.cfg.num_quantizers
@@ -178,9 +201,10 @@ class SlotDecoder:
             "codes": torch.zeros(B, self.num_quantizers, T, dtype=torch.long, device=dev),
         }
         # Two warm-up calls (cuDNN plans, lazy init) touch the scratch row only.
-        graph, buf["wav"] = capture_graph(
-            lambda: self._chunk(buf["idx"], buf["fresh"], buf["codes"]), self._side, self._pool, dev, warmups=2
-        )
+        with _tf32_matmuls(self.tf32_matmul):
+            graph, buf["wav"] = capture_graph(
+                lambda: self._chunk(buf["idx"], buf["fresh"], buf["codes"]), self._side, self._pool, dev, warmups=2
+            )
         self._graphs[(B, T)] = (graph, buf)
         return graph, buf
 

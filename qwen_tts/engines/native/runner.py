@@ -211,6 +211,7 @@ class ModelRunner:
                 self._chunk_sizes,
                 mode,
                 max_batch=self._decode_batch,
+                tf32_matmul=self.config.decoder_tf32,
             )
             if self.config.warmup:
                 slot_decoder.capture_all()
