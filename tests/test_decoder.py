@@ -412,3 +412,84 @@ def test_compiled_snake_beta_equals_eager_and_code2wav_still_streams_exactly(c2w
         streamed = stream_decode(model, codes, [3, 5, 12])
     torch.testing.assert_close(streamed, whole, rtol=1e-5, atol=1e-5)
     assert len(calls) == 3 * len(snakes) > 0  # every SnakeBeta of each of the three chunks by the compiled kernel
+
+
+def test_exact_pieces_decode_any_length_unpadded_and_stream_exactly(c2w):
+    cfg = c2w.cfg
+    dec = SlotDecoder(c2w, max_slots=3, chunk_lens=[3, 6, 12], mode="padded", exact_pieces=True)
+    assert dec.chunk_lens == [1, 2, 3, 6, 12]
+    assert [dec.pieces(t) for t in (1, 4, 5, 7, 11, 12)] == [[1], [3, 1], [3, 2], [6, 1], [6, 3, 2], [12]]
+    assert SlotDecoder(c2w, max_slots=3, chunk_lens=[3, 6], mode="exact").pieces(5) == [5]
+    with pytest.raises(ValueError, match="fit no chunk length"):
+        SlotDecoder(c2w, max_slots=3, chunk_lens=[3, 6], mode="padded").pieces(4)
+    lengths = {"a": [3, 6, 11, 12, 5], "b": [3, 6, 1, 12, 7]}  # two rows, each chunk decoded in pieces
+    codes = {n: random_codes(cfg, 1, sum(ls), seed=20 + i)[0] for i, (n, ls) in enumerate(lengths.items())}
+    audio = {n: [] for n in lengths}
+    with torch.inference_mode():
+        for k in range(5):
+            for slot, (name, ls) in enumerate(lengths.items()):
+                start, t = sum(ls[:k]), ls[k]
+                wav = dec.decode_exact([slot], [k == 0], codes[name][None, :, start : start + t])
+                assert wav.shape == (1, t * c2w.total_upsample)
+                audio[name].append(wav[0])
+        for name, c in codes.items():
+            torch.testing.assert_close(torch.cat(audio[name]), c2w(c[None])[0], msg=f"request {name}")
+
+
+@pytest.mark.parametrize("frame_step", ["eager", "padded"])
+def test_decode_ticks_batch_staggered_rows_later_chunks_together_and_stream_exactly(
+    tiny_model, frame_step, monkeypatch
+):
+    """With decode_ticks, rows that started on different steps hand over their later chunks on the same steps (every
+    chunk_frames reads), so the decoder gets them in one job; the audio is still the whole decode of the codes."""
+    jobs = []
+    orig = DecodeWorker.submit
+
+    def spy(self, job):
+        jobs.append(job)
+        orig(self, job)
+
+    monkeypatch.setattr(DecodeWorker, "submit", spy)
+    reqs = [
+        SynthesisRequest(
+            text=f"Staggered request {i}.",
+            xvector=torch.randn(tiny_model.config.xvector_dim, generator=torch.Generator().manual_seed(i)),
+            seed=i,
+            min_frames=40,
+            max_frames=40,
+            return_codes=True,
+        )
+        for i in range(3)
+    ]
+
+    async def serve():
+        fast = FastPath(frame_step=frame_step, decode_ticks=True, decode_thread=False)
+        cfg = EngineSettings(model_path=str(tiny_model.path), device="cpu", warmup=False, max_slots=4)
+        engine = NativeEngine(cfg, model=tiny_model, fast_path=fast)
+        await engine.start()
+        try:
+            handles = []
+            for r in reqs:  # each starts once the one before has audio: on a later step
+                handles.append(engine.submit(r))
+                while handles[-1].stats.first_audio_at is None:
+                    await asyncio.sleep(0.001)
+            audio = await asyncio.gather(*(h.collect() for h in handles))
+            return handles, audio
+        finally:
+            await engine.stop()
+
+    handles, audio = asyncio.run(serve())
+    for h, a in zip(handles, audio, strict=True):
+        assert h.stats.finish_reason == FinishReason.BUDGET and a.shape == (40 * 1920,)
+        with torch.inference_mode():
+            whole = tiny_model.code2wav(torch.cat(h.codes).T[None])[0].numpy()
+        np.testing.assert_allclose(a, whole, atol=2e-5, rtol=0)
+    exact = [j for j in jobs if j.exact]
+    assert exact and all(not j.first for j in exact)
+    # Past the growing chunks (3 + 6 frames) every row's chunks go out in exact jobs, and some job holds all three.
+    assert max(len(j.rows) for j in exact) == 3
+    for i, h in enumerate(handles):
+        mine = [j for j in jobs if any(lv.handle is h for lv in j.rows)]
+        sizes = [j.lengths[[lv.handle for lv in j.rows].index(h)] for j in mine]
+        assert sizes[:2] == [3, 6] and sum(sizes) == 40, (i, sizes)
+        assert all(j.exact for j in mine[2:-1]), (i, sizes)

@@ -91,6 +91,7 @@ VARIANTS: dict[str, dict] = {
     "one-stream": {"fast_path": "one-stream"},  # the one-stream preset: both stack kernels, the few-row heads
     "eager": {"fast_path": "eager"},  # the eager preset: the model's own PyTorch, no CUDA graphs
     "fp32-decoder": {"decoder_fp16": False},  # Code2Wav in float32 (TF32 convolutions)
+    "ticks": {"decode_ticks": True},  # later chunks of all rows due together every chunk_frames steps (experiment)
     "no-deterministic": {"fused_deterministic": False},  # reduction configs timed per process, not by rule
     "batch-invariant-decode": {"batch_invariant_decode": True},  # each request's chunks decoded on their own
     "admission-64ms": {"admission_step_budget_ms": 64.0},  # queue new requests while steps exceed 64 ms
@@ -976,8 +977,11 @@ def table(results: dict) -> str:
                          step, pair(r["ttfa_p50_ms"], r["ttfa_p95_ms"]), fmt(r["stall_p95_ms"], 0),
                          share(r["zero_stall_share"]), pair(r["peak_alloc_gib"], r["peak_reserved_gib"], 1)])  # fmt: skip
         for r in res.get("poisson", []):
-            rows.append([size, f"poisson {r['rate_per_s']:g}/s", f"{r['requests']} (max {r['max_in_flight']})",
-                         fmt(r["xrt_per_stream_median"], 2), fmt(r["audio_s_per_s"]), "-",
+            gen, dec = r.get("step_ms_per_step"), r.get("decode_ms_per_step")
+            step = f"{fmt(gen)}+{fmt(dec)}" if gen is not None else "-"
+            run = " ".join(filter(None, ("poisson", r.get("variant"), f"{r['rate_per_s']:g}/s")))
+            rows.append([size, run, f"{r['requests']} (max {r['max_in_flight']})",
+                         fmt(r["xrt_per_stream_median"], 2), fmt(r["audio_s_per_s"]), step,
                          pair(r["ttfa_p50_ms"], r["ttfa_p95_ms"]), fmt(r["stall_p95_ms"], 0),
                          share(r["zero_stall_share"]), pair(r["peak_alloc_gib"], r["peak_reserved_gib"], 1)])  # fmt: skip
         for r in res.get("icl", []):
@@ -1209,6 +1213,20 @@ class Run:
         await closed_level(engine, n, min(self.a.frames, 8), greedy)  # warm this batch size
         self._last_level = await closed_level(engine, n, self.a.frames, greedy)
 
+    async def poisson_levels(self, engine, size: str, out: list, variant: str = "") -> None:
+        """The --poisson-rates levels on `engine` (open-loop arrivals), each appended to `out`."""
+        a = self.a
+        for rate in a.poisson_rates:
+            if not self.time_left(" ".join(filter(None, (size, "poisson", variant, f"{rate}/s")))):
+                break
+            count = a.poisson_count or max(1, round(rate * a.poisson_duration))
+            r = await poisson_run(engine, rate, count, a.frames, not a.sampling)
+            if variant:
+                r = {"variant": variant, **r}
+            emit({"size": size, "part": "poisson", **r})
+            out.append(r)
+            self.save()
+
     async def engine_levels(self, engine, size: str, levels: list[int], out: list, variant: str = "") -> None:
         """The closed-loop levels on one engine, each warmed first; rows appended to `out` as they end."""
         greedy = not self.a.sampling
@@ -1272,7 +1290,6 @@ class Run:
         t0 = time.perf_counter()
         ckpt = write_random_checkpoint(root / size, size=size, seed=0, tokenizer_dir=a.tokenizer_dir)
         res["write_s"] = round(time.perf_counter() - t0, 1)
-        greedy = not a.sampling
         if "engine" in parts:
             res["engine"] = []
         # The default engine; --concurrency "" with --engine-variants runs the variants only.
@@ -1287,14 +1304,7 @@ class Run:
                     await self.engine_levels(engine, size, a.concurrency, res["engine"])
                 if "poisson" in parts:
                     res["poisson"] = []
-                    for rate in a.poisson_rates:
-                        if not self.time_left(f"{size} poisson {rate}"):
-                            break
-                        count = a.poisson_count or max(1, round(rate * a.poisson_duration))
-                        r = await poisson_run(engine, rate, count, a.frames, greedy)
-                        emit({"size": size, "part": "poisson", **r})
-                        res["poisson"].append(r)
-                        self.save()
+                    await self.poisson_levels(engine, size, res["poisson"])
                 if profile_default:
                     res["profile"] = []
                     await self.profile_levels(engine, size, res["profile"], timed=True)
@@ -1302,17 +1312,19 @@ class Run:
                 await engine.stop()
                 del engine
                 free_memory()
-        for variant in a.engine_variants if "engine" in parts else []:
+        for variant in a.engine_variants if "engine" in parts or "poisson" in parts else []:
             if not self.time_left(f"{size} engine {variant}"):
                 break
-            levels = a.variant_concurrency or a.concurrency
+            levels = (a.variant_concurrency or a.concurrency) if "engine" in parts else []
             profiled = a.profile_batches if a.variant_profile and "profile" in parts else []
             engine, load_s = await self.start_engine(
                 self.engine_config(ckpt, max([*levels, *profiled]), variant=variant)
             )
             res.setdefault("variant_info", {})[variant] = {"load_s": load_s, **engine.model_info}
             try:
-                await self.engine_levels(engine, size, levels, res["engine"], variant)
+                await self.engine_levels(engine, size, levels, res.setdefault("engine", []), variant)
+                if "poisson" in parts:
+                    await self.poisson_levels(engine, size, res.setdefault("poisson", []), variant)
                 if profiled:
                     res.setdefault("variant_profile", {})[variant] = out = []
                     await self.profile_levels(engine, f"{size} {variant}", out, timed=True)
