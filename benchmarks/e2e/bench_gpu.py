@@ -91,7 +91,6 @@ VARIANTS: dict[str, dict] = {
     "one-stream": {"fast_path": "one-stream"},  # the one-stream preset: both stack kernels, the few-row heads
     "eager": {"fast_path": "eager"},  # the eager preset: the model's own PyTorch, no CUDA graphs
     "fp32-decoder": {"decoder_fp16": False},  # Code2Wav in float32 (TF32 convolutions)
-    "ticks": {"decode_ticks": True},  # later chunks of all rows due together every chunk_frames steps (experiment)
     "no-deterministic": {"fused_deterministic": False},  # reduction configs timed per process, not by rule
     "batch-invariant-decode": {"batch_invariant_decode": True},  # each request's chunks decoded on their own
     "admission-64ms": {"admission_step_budget_ms": 64.0},  # queue new requests while steps exceed 64 ms

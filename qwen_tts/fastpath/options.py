@@ -120,9 +120,6 @@ class FastPath:
     decode_thread: bool = True
     # With graphed frame steps, replay Code2Wav from a CUDA graph per (batch bucket, chunk length).
     decode_graphs: bool = True
-    # Past its growing chunks, a row's chunks fall due at global ticks (every chunk_frames steps), all rows at once,
-    # instead of each on a step of its own: fuller Code2Wav batches under staggered arrivals. An experiment.
-    decode_ticks: bool = False
 
     def __post_init__(self) -> None:
         if self.frame_step not in ("auto", "eager", "padded", "graphs"):

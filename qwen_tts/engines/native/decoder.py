@@ -76,8 +76,7 @@ class SlotDecoder:
     decodes at most `max_batch` rows (default: max_slots). `tf32_matmul`: the graphs' float32 matmuls (the
     pre-transformer's) run in TF32, as the convolutions do with cuDNN's TF32; cuBLAS's switch is process-wide, so
     it is on only while a graph is captured (the graph keeps the kernels it captured), never for the talker's or an
-    encoder's matmuls. `exact_pieces`: lengths 1 and 2 as well, so that `decode_exact` takes
-    any length unpadded in at most a few pieces.
+    encoder's matmuls.
     """
 
     def __init__(
@@ -88,12 +87,9 @@ class SlotDecoder:
         mode: DecodeMode,
         max_batch: int = 0,
         tf32_matmul: bool = False,
-        exact_pieces: bool = False,
     ):
         if mode not in ("exact", "padded", "graphs"):
             raise ValueError(f"decode mode must be exact, padded or graphs, not {mode!r}")
-        if exact_pieces:
-            chunk_lens = [*chunk_lens, 1, 2]
         self.c2w = code2wav
         self.mode = mode
         self.tf32_matmul = tf32_matmul
@@ -126,31 +122,6 @@ class SlotDecoder:
     def padded_len(self, t: int) -> int:
         """The chunk length a chunk of t frames is decoded at."""
         return t if self.mode == "exact" else bucket(t, self.chunk_lens)
-
-    def pieces(self, t: int) -> list[int]:
-        """t frames as consecutive chunks each decoded at its own length (no padding enters the state): t itself in
-        exact mode, else the longest chunk length that fits, then the same for the rest (chunk_lens hold 1)."""
-        if self.mode == "exact":
-            return [t]
-        out = []
-        while t:
-            fits = [c for c in self.chunk_lens if c <= t]
-            if not fits:
-                raise ValueError(f"{t} frames fit no chunk length of {self.chunk_lens}")
-            out.append(fits[-1])
-            t -= out[-1]
-        return out
-
-    def decode_exact(self, slots: list[int], fresh: list[bool], codes: Tensor) -> Tensor:
-        """As `decode`, but every one of the T frames is decoded unpadded, in the chunks `pieces(T)`: the rows'
-        state after it is that of T frames, so it suits a chunk that is not a request's last."""
-        T = codes.shape[2]
-        out, start = [], 0
-        for t in self.pieces(T):
-            out.append(self.decode(slots, fresh, codes[:, :, start : start + t]))
-            fresh = [False] * len(slots)
-            start += t
-        return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
     def decode_reference(self, voice: Any) -> None:
         """Decode `voice`'s reference codes (an `icl_cache.IclVoice`) once, keeping Code2Wav's state after them on
@@ -269,7 +240,6 @@ class DecodeJob:
     # from instead of zero; None otherwise (or no list: none).
     starts: list[Any] | None = None
     reference: Any = None  # a job with no rows that decodes this ICL voice's reference ahead of its first chunk
-    exact: bool = False  # every frame decoded unpadded (`SlotDecoder.decode_exact`): a chunk of any length
 
 
 class DecodeWorker:
@@ -407,17 +377,17 @@ class DecodeWorker:
         live = [(job, i) for job, i in live if self._start(job, i)]
         if live:
             codes = torch.cat([job.codes[i : i + 1] for job, i in live])
-            # Jobs of one batch share their key, so their exactness (the key holds it).
-            decode = self.decoder.decode_exact if jobs[0].exact else self.decoder.decode
             try:
                 with torch.inference_mode(), self._gpu_guard:
-                    wav = decode([job.slots[i] for job, i in live], [job.fresh[i] for job, i in live], codes)
+                    wav = self.decoder.decode(
+                        [job.slots[i] for job, i in live], [job.fresh[i] for job, i in live], codes
+                    )
             except Exception:
                 log.exception("batched decode failed; retrying rows one by one")
                 for job, i in live:
                     try:
                         with torch.inference_mode(), self._gpu_guard:
-                            wav = decode([job.slots[i]], [job.fresh[i]], job.codes[i : i + 1])
+                            wav = self.decoder.decode([job.slots[i]], [job.fresh[i]], job.codes[i : i + 1])
                     except Exception as e:
                         self._fail(job.rows[i], f"decode failed: {type(e).__name__}")
                     else:

@@ -104,8 +104,6 @@ class ModelRunner:
         self._frame_step: EagerFrameStep | FrameStepRunner | None = None
         # The launched frame step whose codes are not read yet (overlap_steps): its rows and codes.
         self._ahead: tuple[list[RequestState], StepCodes] | None = None
-        self._reads = 0  # frame steps whose codes were read: the decoder's ticks count them (decode_due)
-        self._last_tick = -1
         self._decoder: DecodeWorker | None = None
         self.icl = IclCache()  # ICL voices' code blocks and decoder starts (engine loop; icl_cache.py)
 
@@ -214,7 +212,6 @@ class ModelRunner:
                 mode,
                 max_batch=self._decode_batch,
                 tf32_matmul=self.config.decoder_tf32,
-                exact_pieces=self.fast.decode_ticks,
             )
             if self.config.warmup:
                 slot_decoder.capture_all()
@@ -447,7 +444,6 @@ class ModelRunner:
         launched ahead of this one) was stepped for nothing: its codes are dropped."""
         with self._capture_guard:  # (a sync: not while the decoder thread captures a graph lazily)
             codes = step.result()  # (n, 16), host
-        self._reads += 1
         bad = self._out_of_codebook(codes)
         for i, (lv, cb0, frame) in enumerate(zip(rows, codes[:, 0].tolist(), codes, strict=True)):
             if lv.done is not None:
@@ -503,15 +499,6 @@ class ModelRunner:
         """Hand the decoder the pending frames of rows whose next chunk is due (or that finished), one job per
         chunk shape; a finished row that still holds more than a chunk gets several jobs, in order."""
         cfg, dec = self.config, self._decoder.decoder
-        steady = self._chunk_sizes[-1]
-        growth = sum(self._chunk_sizes[:-1])
-        # decode_ticks: past its growing chunks, a row's chunks fall due together with every other row's, once
-        # every `steady` frame steps (a tick), holding whatever it has (decoded unpadded), so a tick's chunks share
-        # one batch instead of each row's falling due on a step of its own.
-        ticks = self.fast.decode_ticks
-        tick = ticks and self._reads % steady == 0 and self._reads != self._last_tick
-        if tick:
-            self._last_tick = self._reads
         while True:
             groups: dict[tuple, list[tuple[RequestState, int]]] = collections.defaultdict(list)
             for lv in live.values():
@@ -519,18 +506,13 @@ class ModelRunner:
                     continue
                 first = lv.queued == 0
                 target = self._next_chunk(lv.queued)
-                alone = lv.slot if cfg.batch_invariant_decode else -1  # a group of its own
-                if ticks and lv.queued >= growth and lv.done is None and not lv.held:
-                    if tick or len(lv.pending) >= steady:
-                        t = min(len(lv.pending), steady)
-                        groups[(t, False, alone, "exact")].append((lv, t))
-                    continue
                 if len(lv.pending) >= target or lv.done is not None or lv.held:  # held: its audio so far goes out
                     t = min(len(lv.pending), target)
                     if lv.done is None and t < target:  # held, its request goes on: a chunk the decoder takes
                         t = self._unpadded(t)  # unpadded (padding frames would enter the row's stream state)
                         if not t:
                             continue
+                    alone = lv.slot if cfg.batch_invariant_decode else -1  # a group of its own
                     groups[(dec.padded_len(t), first, alone)].append((lv, t))
             if not groups:
                 return
@@ -557,6 +539,5 @@ class ModelRunner:
                         fresh=[key[1]] * len(rows),
                         key=key,
                         starts=[lv.icl_voice for lv in rows] if key[1] else None,
-                        exact=key[-1] == "exact",
                     )
                 )
