@@ -192,6 +192,31 @@ def test_tiny_run_end_to_end(tmp_path):
     assert "| tiny | engine | 2 |" in text
 
 
+def test_engine_variants_run_the_poisson_rates_asked_of_them(tmp_path):
+    argv = ["--sizes", "tiny", "--parts", "engine,poisson", "--concurrency", "1", "--frames", "6"]
+    argv += [
+        "--poisson-rates",
+        "50",
+        "--poisson-count",
+        "2",
+        "--workdir",
+        str(tmp_path),
+        "--out",
+        str(tmp_path / "b.json"),
+    ]
+    argv += ["--engine-variants", "first-chunk-2", "--variant-concurrency", "2", "--variant-poisson-rates", "40"]
+    results = bench.main(argv)
+    res = results["sizes"]["tiny"]
+    assert [(r.get("variant"), r["concurrency"]) for r in res["engine"]] == [(None, 1), ("first-chunk-2", 2)]
+    assert [(p.get("variant"), p["rate_per_s"], p["ok"]) for p in res["poisson"]] == [
+        (None, 50.0, 2),
+        ("first-chunk-2", 40.0, 2),
+    ]
+    # The variant's first chunk is 2 frames (0.16 s), the default's 3.
+    assert [r["first_stream_chunks"][0][1] for r in res["engine"]] == [pytest.approx(0.24), pytest.approx(0.16)]
+    assert "| tiny | poisson first-chunk-2 40/s | 2 " in bench.report(results)
+
+
 @pytest.mark.slow
 def test_the_http_part_streams_closed_levels_then_open_loop_arrivals_through_the_server(tmp_path):
     out = tmp_path / "bench.json"

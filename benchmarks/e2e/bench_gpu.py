@@ -95,6 +95,7 @@ VARIANTS: dict[str, dict] = {
     "batch-invariant-decode": {"batch_invariant_decode": True},  # each request's chunks decoded on their own
     "admission-64ms": {"admission_step_budget_ms": 64.0},  # queue new requests while steps exceed 64 ms
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
+    "first-chunk-2": {"first_chunk_frames": 2},  # a first chunk of 2 frames (2, 4, 8, 12, 12, ...)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile", "icl"}  # the parts that need our checkpoints
 
@@ -1213,9 +1214,10 @@ class Run:
         self._last_level = await closed_level(engine, n, self.a.frames, greedy)
 
     async def poisson_levels(self, engine, size: str, out: list, variant: str = "") -> None:
-        """The --poisson-rates levels on `engine` (open-loop arrivals), each appended to `out`."""
+        """The --poisson-rates levels on `engine` (open-loop arrivals; a variant's: --variant-poisson-rates), each
+        appended to `out`."""
         a = self.a
-        for rate in a.poisson_rates:
+        for rate in a.variant_poisson_rates if variant else a.poisson_rates:
             if not self.time_left(" ".join(filter(None, (size, "poisson", variant, f"{rate}/s")))):
                 break
             count = a.poisson_count or max(1, round(rate * a.poisson_duration))
@@ -1311,7 +1313,7 @@ class Run:
                 await engine.stop()
                 del engine
                 free_memory()
-        for variant in a.engine_variants if "engine" in parts or "poisson" in parts else []:
+        for variant in a.engine_variants if "engine" in parts or a.variant_poisson_rates else []:
             if not self.time_left(f"{size} engine {variant}"):
                 break
             levels = (a.variant_concurrency or a.concurrency) if "engine" in parts else []
@@ -1322,7 +1324,7 @@ class Run:
             res.setdefault("variant_info", {})[variant] = {"load_s": load_s, **engine.model_info}
             try:
                 await self.engine_levels(engine, size, levels, res.setdefault("engine", []), variant)
-                if "poisson" in parts:
+                if a.variant_poisson_rates:
                     await self.poisson_levels(engine, size, res.setdefault("poisson", []), variant)
                 if profiled:
                     res.setdefault("variant_profile", {})[variant] = out = []
@@ -1529,6 +1531,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{', '.join(VARIANTS)[2:]}",
     )
     ap.add_argument("--variant-concurrency", type=ints, default=None, help="the variants' levels (default: all)")
+    ap.add_argument("--variant-poisson-rates", type=floats, default=[],
+                    help="Poisson rates (requests/s) run on each --engine-variants engine too (default: none)")  # fmt: skip
     ap.add_argument("--sampling", action="store_true", help="sample (default: greedy, as the baselines' figures)")
     ap.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64, 128, 256])
     ap.add_argument("--poisson-rates", type=floats, default=[5.0, 20.0])
