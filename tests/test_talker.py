@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from qwen_tts.model.config import ModelConfig
 from qwen_tts.model.layers import DecoderStack, apply_rope
-from qwen_tts.model.prompt import build_prompt, normalize_language
+from qwen_tts.model.prompt import HeadCache, IclRows, build_prompt, normalize_language
 from qwen_tts.model.random_checkpoint import CODEC_IDS, OFFICIAL_SPECIAL_IDS, layer_stack, token_id_keys
 from qwen_tts.model.reference_loop import generate_codes
 from qwen_tts.model.talker import Talker
@@ -393,6 +393,25 @@ def test_non_streaming_prompt_puts_the_whole_text_in_the_prefill(cfg: ModelConfi
     expected += [tpad + C(i) for i in (2154, 2156, 2050, 2157)] + [tpad + xv, tbos + C(2148)]
     expected += [_embed_text(talker, i) + C(2148) for i in TEXT] + [teos + C(2148), tpad + C(2149)]
     torch.testing.assert_close(p.prefill, torch.stack(expected), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("non_streaming", [False, True])
+def test_cached_heads_give_every_prompt_the_bits_of_one_built_afresh(cfg: ModelConfig, talker: Talker, non_streaming):
+    """HeadCache builds each language's head once and fills in the x-vector row: prompts of several languages and
+    voices, x-vector and ICL, are those build_prompt builds without it, bit for bit."""
+    heads = HeadCache()
+    g = torch.Generator().manual_seed(5)
+    icl = IclRows([300, 301, 302], torch.randn(4, cfg.talker.hidden_size, generator=g))
+    for language in ("English", "auto", "german", "english", "AUTO"):
+        for ref in (None, icl):
+            xv = torch.randn(cfg.talker.hidden_size, generator=g)
+            a = build_prompt(cfg, talker, TEXT, ROLE, xv, language, non_streaming, ref, heads)
+            b = build_prompt(cfg, talker, TEXT, ROLE, xv, language, non_streaming, ref)
+            for name in ("prefill", "trailing", "pad", "end"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), (language, ref is None, name)
+    assert len(heads._heads) == 3  # english, auto, german
+    with pytest.raises(ValueError, match="x-vector must have shape"):
+        heads.head(cfg, talker, ROLE, torch.zeros(3), "auto")
 
 
 def test_streaming_auto_prompt_feeds_the_rest_of_the_text_as_trailing(cfg: ModelConfig, talker: Talker) -> None:

@@ -101,10 +101,7 @@ def build_head(cfg: ModelConfig, talker: Talker, role_ids: list[int], xvector: T
     if xvector.shape != (tc.hidden_size,):
         raise ValueError(f"x-vector must have shape ({tc.hidden_size},), got {tuple(xvector.shape)}")
     tbos, teos, tpad = talker.embed_text(ids([cfg.tts_bos_token_id, cfg.tts_eos_token_id, cfg.tts_pad_token_id]))
-    if language == "auto":
-        prefix = [tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id]
-    else:
-        prefix = [tc.codec_think_id, tc.codec_think_bos_id, tc.codec_language_id[language], tc.codec_think_eos_id]
+    prefix = _codec_prefix(cfg, language)
     codec = torch.cat(
         (
             talker.embed_codec(ids(prefix)),
@@ -116,6 +113,38 @@ def build_head(cfg: ModelConfig, talker: Talker, role_ids: list[int], xvector: T
     control = torch.cat((tpad.expand(n - 2, -1), tbos[None])) + codec[:-1]
     role = talker.embed_text(ids(role_ids))
     return PromptHead(torch.cat((role, control)), codec[-1:], tbos, teos, tpad)
+
+
+def _codec_prefix(cfg: ModelConfig, language: str) -> list[int]:
+    """The codec ids before the x-vector: [think, think_bos, lang, think_eos], or for "auto" [nothink, think_bos,
+    think_eos]."""
+    tc = cfg.talker
+    if language == "auto":
+        return [tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id]
+    return [tc.codec_think_id, tc.codec_think_bos_id, tc.codec_language_id[language], tc.codec_think_eos_id]
+
+
+class HeadCache:
+    """`build_head` once per language and role, its x-vector row filled per request: a request's head is then a
+    copy and one add, with the bits build_head gives it, where build_head runs a dozen embeddings and projections
+    (host time at admission, on CUDA a launch each). For one talker."""
+
+    def __init__(self) -> None:
+        self._heads: dict[tuple[str, tuple[int, ...]], PromptHead] = {}
+
+    def head(self, cfg: ModelConfig, talker: Talker, role_ids: list[int], xvector: Tensor, language: str) -> PromptHead:
+        language = normalize_language(cfg, language)
+        if xvector.shape != (cfg.talker.hidden_size,):
+            raise ValueError(f"x-vector must have shape ({cfg.talker.hidden_size},), got {tuple(xvector.shape)}")
+        w = talker.codec_head.weight
+        key = (language, tuple(role_ids))
+        base = self._heads.get(key)
+        if base is None:
+            base = self._heads[key] = build_head(cfg, talker, role_ids, xvector.new_zeros(xvector.shape), language)
+        rows = base.rows.clone()
+        # The x-vector's control row: tpad + x (3 role rows, then the codec prefix's control rows).
+        rows[3 + len(_codec_prefix(cfg, language))] = base.tpad + upload(xvector, w.dtype, w.device)
+        return PromptHead(rows, base.bos_codec, base.tbos, base.teos, base.tpad)
 
 
 class IclRows(NamedTuple):
@@ -135,12 +164,17 @@ def build_prompt(
     language: str,
     non_streaming: bool,
     icl: IclRows | None = None,
+    heads: HeadCache | None = None,
 ) -> Prompt:
     """Prefill embeddings (L, H), trailing text track and tpad for one request (module dtype and device); with `icl`,
-    the ICL prompt of that reference (qwen_tts/model/icl_prompt.py has its layout)."""
+    the ICL prompt of that reference (qwen_tts/model/icl_prompt.py has its layout). `heads`: the role and control
+    rows from that cache (the same bits) instead of built afresh."""
     if not text_ids:
         raise ValueError("text_ids is empty: the prompt needs at least one text token")
-    head = build_head(cfg, talker, role_ids, xvector, language)
+    if heads is not None:
+        head = heads.head(cfg, talker, role_ids, xvector, language)
+    else:
+        head = build_head(cfg, talker, role_ids, xvector, language)
     if icl is not None:
         return _icl_prompt(cfg, talker, head, text_ids, non_streaming, icl)
     tc = cfg.talker

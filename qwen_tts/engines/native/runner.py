@@ -30,7 +30,7 @@ from qwen_tts.model.config import ModelConfig
 from qwen_tts.model.icl_prompt import icl_trailing_ids, reference_block
 from qwen_tts.model.layers import upload
 from qwen_tts.model.loading import Qwen3TTS, load_model
-from qwen_tts.model.prompt import IclRows, Prompt, build_prompt, text_track_rows
+from qwen_tts.model.prompt import HeadCache, IclRows, Prompt, build_prompt, text_track_rows
 from qwen_tts.model.sampling import suppress_mask
 
 from .decoder import DecodeJob, DecodeWorker, SlotDecoder
@@ -106,6 +106,7 @@ class ModelRunner:
         self._ahead: tuple[list[RequestState], StepCodes] | None = None
         self._decoder: DecodeWorker | None = None
         self.icl = IclCache()  # ICL voices' code blocks and decoder starts (engine loop; icl_cache.py)
+        self._heads = HeadCache()  # the prompts' role and control rows per language (engine loop)
 
     @property
     def _uses_graphs(self) -> bool:
@@ -283,7 +284,7 @@ class ModelRunner:
                 self._decoder.decode_reference(voice)
             icl = IclRows(voice.ref_ids, voice.block)
         prompt = build_prompt(
-            self._cfg, self._talker, text_ids, self._role_ids, x, lv.language, req.non_streaming_text, icl
+            self._cfg, self._talker, text_ids, self._role_ids, x, lv.language, req.non_streaming_text, icl, self._heads
         )
         if lv.feed is not None:
             lv.text_ids = list(text_ids)
