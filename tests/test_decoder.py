@@ -309,23 +309,32 @@ def test_graphed_decode_equals_the_eager_padded_decode_on_cuda(c2w, fp16, polyph
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_tf32_matmuls_are_captured_into_the_graphs_only(c2w):
-    """tf32_matmul: the graphs' float32 matmuls run in TF32 (their audio moves, a little, from the float32 graphs'),
-    while cuBLAS's process-wide switch is back off once they are captured."""
+def test_tf32_matmuls_are_captured_into_the_graphs_only(c2w, monkeypatch):
+    """tf32_matmul: cuBLAS's TF32 switch is on while the graphs are captured (they keep the kernels captured), and
+    back off once they are; the graphs' audio stays near the float32 graphs'."""
     import copy
 
+    captured = []
+    orig = decoder_mod.capture_graph
+
+    def spy(*a, **k):
+        captured.append(torch.backends.cuda.matmul.allow_tf32)
+        return orig(*a, **k)
+
+    monkeypatch.setattr(decoder_mod, "capture_graph", spy)
     model = copy.deepcopy(c2w).to("cuda")
     codes = random_codes(c2w.cfg, 2, 5, seed=3)
     out = {}
     torch.backends.cuda.matmul.allow_tf32 = False
     for tf32 in (False, True):
+        captured.clear()
         dec = SlotDecoder(model, max_slots=2, chunk_lens=[5], mode="graphs", tf32_matmul=tf32)
         with torch.inference_mode():
             dec.capture_all()
+            assert captured == [tf32] * dec.num_graphs and dec.num_graphs == 2
             assert torch.backends.cuda.matmul.allow_tf32 is False
             out[tf32] = dec.decode([0, 1], [True, True], codes)
-    diff = (out[True] - out[False]).abs().max().item()
-    assert 0 < diff < 2e-2 * out[False].abs().max().item()
+    torch.testing.assert_close(out[True], out[False], atol=2e-2 * out[False].abs().max().item(), rtol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
