@@ -192,6 +192,25 @@ def test_tiny_run_end_to_end(tmp_path):
     assert "| tiny | engine | 2 |" in text
 
 
+def test_loop_lag_reads_the_servers_probe_between_two_metrics_pages():
+    def page(counts):  # cumulative counts per bucket bound, as prometheus_client writes them
+        bounds = ["0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "+Inf"]
+        return "\n".join(
+            f'tts_event_loop_lag_seconds_bucket{{le="{b}"}} {c}' for b, c in zip(bounds, counts, strict=True)
+        )
+
+    before = page([5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5])
+    # 100 probes more: 90 within 1 ms, 8 within 10 ms, 1 within 50 ms, 1 within 250 ms
+    after = page([95, 97, 100, 103, 103, 104, 104, 105, 105, 105, 105])
+    assert bench.loop_lag(before, after) == {
+        "probes": 100,
+        "late_10ms_share": 0.02,
+        "p99_ms_at_most": 50.0,
+        "max_ms_at_most": 250.0,
+    }
+    assert bench.loop_lag("", "") == {"probes": 0}  # a server without the probe
+
+
 def test_engine_variants_run_the_poisson_rates_asked_of_them(tmp_path):
     argv = ["--sizes", "tiny", "--parts", "engine,poisson", "--concurrency", "1", "--frames", "6"]
     argv += [
@@ -227,6 +246,8 @@ def test_the_http_part_streams_closed_levels_then_open_loop_arrivals_through_the
     assert (closed["clients"], closed["ok"], closed["errors"]) == (2, 2, {})
     assert closed["audio_s"] == pytest.approx(2 * 6 * 0.08)  # every byte of the f32le streams counted once
     assert closed["client_cpu_s"] > 0
+    lag = closed["server_loop_lag"]  # the server's event-loop probe ran through the level
+    assert lag["probes"] >= 1 and 0.0 <= lag["late_10ms_share"] <= 1.0 and lag["max_ms_at_most"] >= 1.0
     assert (arrivals["rate_per_s"], arrivals["requests"], arrivals["ok"], arrivals["errors"]) == (20.0, 3, 3, {})
     assert arrivals["audio_s"] == pytest.approx(3 * 6 * 0.08)
     assert arrivals["arrival_span_s"] == round(bench.poisson_offsets(20.0, 3, 0)[-1], 2)

@@ -3,6 +3,7 @@ request id within a request), for the server's loggers and uvicorn's alike."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -98,3 +99,25 @@ async def test_records_logged_within_a_request_carry_its_id(tmp_path: Path) -> N
     assert by_path["GET /speakers"]["request_id"] == "req-42"
     assert by_path["GET /health"]["request_id"] == generated  # the id the server made up and answered with
     assert logs.request_id.get() is None  # reset once the request is done
+
+
+async def test_metrics_report_how_late_the_event_loop_ran(tmp_path: Path) -> None:
+    """tts_event_loop_lag_seconds: a probe every 50 ms observes how late the loop woke it; a loop held for 0.5 s
+    (as a long GIL hold or a blocking call would) shows as one probe more than 0.25 s late, the others on time."""
+    import time
+
+    from server_helpers import metric
+    from tts_server.runtime import LOOP_LAG_INTERVAL_S
+
+    async with in_process(FakeEngine(xvector_dim=8), profiles_dir=tmp_path) as s:
+        await asyncio.sleep(4 * LOOP_LAG_INTERVAL_S)
+        time.sleep(0.5)  # the loop is held: nothing else runs
+        await asyncio.sleep(4 * LOOP_LAG_INTERVAL_S)
+        text = (await s.client.get("/metrics")).text
+        probe = s.runtime._lag_probe
+    count = metric(text, "tts_event_loop_lag_seconds_count")
+    on_time = metric(text, 'tts_event_loop_lag_seconds_bucket{le="0.25"}')
+    assert count >= 4 and on_time >= 3
+    assert count - on_time == 1  # the probe that slept through the hold, late by 0.45-0.5 s
+    assert 0.45 <= metric(text, "tts_event_loop_lag_seconds_sum") < 0.5 + 0.25 * on_time
+    assert probe.done()  # the runtime's stop ended the probe

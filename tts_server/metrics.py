@@ -10,6 +10,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 # Latency buckets from 10 ms (a warm GPU's first chunk) to 2 minutes (a long whole file on CPU).
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _RTF = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
+# How late the event loop runs a timer: from 1 ms (a busy loop) to 1 s (a stalled one).
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -61,6 +63,12 @@ class Metrics:
             "tts_ws_time_to_first_audio_seconds",
             "WebSocket utterances: first text fragment received to first audio sent",
             buckets=_LATENCY,
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "tts_event_loop_lag_seconds",
+            "How late this process's event loop ran a timer due every 50 ms: time no HTTP client was served",
+            buckets=LOOP_LAG_BUCKETS,
             registry=r,
         )
         Gauge("tts_requests_running", "Requests decoding in the engine", registry=r).set_function(running)

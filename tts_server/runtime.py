@@ -8,6 +8,7 @@ the factory (`qwen_tts.engines.create_engine`) and is used only through `qwen_tt
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -91,6 +92,9 @@ class Admission:
         self.active = max(0, self.active - 1)
 
 
+LOOP_LAG_INTERVAL_S = 0.05  # the event-loop lag probe's period (Runtime._probe_loop_lag)
+
+
 class Runtime:
     def __init__(self, settings: ServerSettings, engine: Engine, voices: VoiceRegistry):
         self.settings = settings
@@ -119,6 +123,7 @@ class Runtime:
         self._reference_encoder_lock = threading.Lock()
         self.inline_voices = InlineVoices(settings.inline_reference_cache)
         self.profile_watcher: ProfileWatcher | None = None
+        self._lag_probe: asyncio.Task | None = None
 
     def reference_encoder(self) -> icl_profile.ReferenceEncoder:
         """The served checkpoint's codec encoder, loaded once on first use (blocking: call it from a worker thread).
@@ -197,10 +202,21 @@ class Runtime:
         runtime.voice_encoder = encoder
         runtime.profile_watcher = ProfileWatcher(voices)
         runtime.profile_watcher.start()
+        runtime._lag_probe = asyncio.create_task(runtime._probe_loop_lag(), name="tts-loop-lag")
         if built:
             runtime.engine_factory = lambda: _create_engine(settings, fault_hook)
         logger.info("Ready with %d speakers", len(voices))
         return runtime
+
+    async def _probe_loop_lag(self) -> None:
+        """Every LOOP_LAG_INTERVAL_S, how much later than due this event loop woke (/metrics'
+        tts_event_loop_lag_seconds): what the engine thread's hold of the GIL, encoding and socket writes cost every
+        client of this process at once."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LOOP_LAG_INTERVAL_S
+            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+            self.metrics.loop_lag.observe(max(0.0, loop.time() - due))
 
     async def stop(self, drain_timeout: float = 0.0) -> None:
         if self._stopped:
@@ -209,6 +225,11 @@ class Runtime:
         self._stopped = True
         if self.profile_watcher is not None:
             await self.profile_watcher.stop()
+        if self._lag_probe is not None:
+            self._lag_probe.cancel()
+            if self._lag_probe.get_loop() is asyncio.get_running_loop():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._lag_probe
         await self.engine.stop(drain_timeout=drain_timeout)
         logger.info("engine stopped")
 

@@ -778,6 +778,16 @@ class Server:
                 await asyncio.sleep(0.25)
         raise RuntimeError(f"server not ready after {timeout:.0f} s: {self.tail()}")
 
+    async def metrics(self) -> str:
+        """The server's /metrics page ("" if it does not answer); under TTS_API_PROCESSES, one front-end's."""
+        import httpx
+
+        try:
+            async with httpx.AsyncClient(timeout=10) as c:
+                return (await c.get(self.url + "/metrics")).text
+        except httpx.HTTPError:
+            return ""
+
     def tail(self, n: int = 1500) -> str:
         self.log.flush()
         return self.log_path.read_bytes()[-n:].decode(errors="replace")
@@ -791,6 +801,38 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+LOOP_LAG = "tts_event_loop_lag_seconds"
+
+
+def _lag_buckets(text: str) -> dict[float, float]:
+    """The event-loop lag histogram's cumulative buckets in a /metrics page: upper bound (s) -> count."""
+    out = {}
+    for m in re.finditer(LOOP_LAG + r'_bucket\{le="([^"]+)"\} (\S+)', text):
+        out[float(m.group(1))] = float(m.group(2))
+    return out
+
+
+def loop_lag(before: str, after: str) -> dict:
+    """How late the server's event loop ran its 50 ms probe between two /metrics pages: the probes, the share late
+    by more than 10 ms, and the bucket bounds (ms) that hold the 99th percentile and the latest probe."""
+    b, a = _lag_buckets(before), _lag_buckets(after)
+    bounds = sorted(k for k in a if k != math.inf)
+    delta = {k: a[k] - b.get(k, 0.0) for k in a}
+    n = delta.get(math.inf, 0.0)
+    if not n:
+        return {"probes": 0}
+
+    def bound(q: float) -> float | None:  # the smallest bucket bound holding share q of the probes (None: beyond)
+        return next((k * 1e3 for k in bounds if delta[k] >= q * n), None)
+
+    return {
+        "probes": int(n),
+        "late_10ms_share": round(1 - delta.get(0.01, 0.0) / n, 3),
+        "p99_ms_at_most": bound(0.99),
+        "max_ms_at_most": bound(1.0),
+    }
 
 
 class HttpConn:
@@ -1372,7 +1414,9 @@ class Run:
             log(f"bench: server ready in {ready_s:.1f} s (TTS_API_PROCESSES={processes})")
             for n in a.http_clients:
                 await http_level(server.url, n, min(a.frames, 8), not a.sampling)  # warm
+                before = await server.metrics()
                 r = await http_level(server.url, n, a.frames, not a.sampling)
+                r["server_loop_lag"] = loop_lag(before, await server.metrics())
                 r["server_ready_s"] = round(ready_s, 1)
                 r["api_processes"] = processes
                 emit({"part": "http", **r})
@@ -1383,7 +1427,9 @@ class Run:
                 if not self.time_left(f"http poisson {rate}"):
                     break
                 count = a.poisson_count or max(1, round(rate * a.poisson_duration))
+                before = await server.metrics()
                 r = await http_poisson(server.url, rate, count, a.frames, not a.sampling)
+                r["server_loop_lag"] = loop_lag(before, await server.metrics())
                 r["api_processes"] = processes
                 emit({"part": "http", **r})
                 out.append(r)
