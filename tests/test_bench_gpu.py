@@ -653,3 +653,30 @@ def test_trace_analysis_finds_a_frame_held_up_and_the_thread_that_made_no_call()
     assert threads["decoder"]["longest_without_a_call_us"] == 5.0
     with pytest.raises(ValueError, match="no CUDA graph launch"):
         tr.analyze([e for e in events if e.get("name") != "cudaGraphLaunch"])
+
+
+def test_timing_delta_gives_admission_per_request_and_the_rest_per_step():
+    before = {
+        "steps": 10,
+        "step_s": 1.0,
+        "prefill_s": 0.5,
+        "prefill_prompt_s": 0.1,
+        "decode_chunks": 2,
+        "decode_rows": 8,
+    }
+    after = {
+        "steps": 30,
+        "step_s": 1.4,
+        "prefill_s": 0.9,
+        "prefill_prompt_s": 0.3,
+        "decode_chunks": 6,
+        "decode_rows": 40,
+    }
+    out = bench.timing_delta(before, after, 4)
+    assert out == {
+        "engine_steps": 20,
+        "step_ms_per_step": 20.0,
+        "prefill_ms_per_req": 100.0,
+        "prefill_prompt_ms_per_req": 50.0,
+        "decode_rows_per_chunk": 8.0,
+    }

@@ -222,6 +222,9 @@ def test_engine_audio_is_the_same_with_the_decoder_on_its_own_thread(tiny_model,
             whole = tiny_model.code2wav(codes)[0].numpy()
         np.testing.assert_allclose(a, whole, atol=2e-5, rtol=0)
     assert timings["decode_chunks"] >= 1 and timings["decode_rows"] >= timings["decode_chunks"]
+    # Admission's host time in its parts: each part ran, and together they are within the whole.
+    parts = [timings[f"prefill_{k}_s"] for k in ("prompt", "talker", "slots")]
+    assert min(parts) > 0 and sum(parts) <= timings["prefill_s"]
 
 
 def test_a_failing_chunk_ends_only_its_request(tiny_model, monkeypatch):

@@ -294,8 +294,9 @@ def timing_delta(before: dict, after: dict, n: int) -> dict:
     for k, v in d.items():
         if k.endswith("_s"):
             name = k[:-2]
-            out[f"{name}_ms_per_req" if name == "prefill" else f"{name}_ms_per_step"] = round(
-                1000 * v / (n if name == "prefill" else steps), 2
+            per_req = name.startswith("prefill")  # admission's timings: per request
+            out[f"{name}_ms_per_req" if per_req else f"{name}_ms_per_step"] = round(
+                1000 * v / (n if per_req else steps), 2
             )
     if d.get("decode_chunks"):
         out["decode_rows_per_chunk"] = round(d["decode_rows"] / d["decode_chunks"], 1)

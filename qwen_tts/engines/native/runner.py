@@ -258,6 +258,8 @@ class ModelRunner:
                 ready.append(lv)
             except Exception as e:
                 self._fail_admission(lv, e)
+        t1 = time.perf_counter()
+        self._timings["prefill_prompt_s"] += t1 - t0
         # Short prompts first, in groups of bounded padded size.
         ready.sort(key=lambda lv: lv.prompt.prefill.shape[0])
         group: list[RequestState] = []
@@ -326,12 +328,16 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 lens = [lv.prompt.prefill.shape[0] for lv in group]
+                t0 = time.perf_counter()
                 with record_function("prefill.talker"), self._capture_guard:
                     last = self._prefiller.run([lv.prompt.prefill for lv in group], [lv.slot for lv in group])
+                t1 = time.perf_counter()
                 slots = upload([lv.slot for lv in group], torch.long, self.device)
                 self._state.h[slots] = last
                 with record_function("prefill.slots"):
                     self._set_slot_params(slots, [lv.request for lv in group])
+                self._timings["prefill_talker_s"] += t1 - t0
+                self._timings["prefill_slots_s"] += time.perf_counter() - t1
         except Exception as e:
             if len(group) > 1:  # find the culprit: prefill each request on its own
                 for lv in group:
