@@ -138,11 +138,10 @@ class NativeEngine(CheckpointEngine):
         self._timings = {
             "steps": 0,
             "step_s": 0.0,
-            "prefill_s": 0.0,  # admission: building prompts (prefill_prompt_s), the talker's prefill forwards
-            # (prefill_talker_s, host time of their launches) and the slots' settings (prefill_slots_s)
-            "prefill_prompt_s": 0.0,
-            "prefill_talker_s": 0.0,
-            "prefill_slots_s": 0.0,
+            "prefill_s": 0.0,  # admission, of which:
+            "prefill_prompt_s": 0.0,  # building the prompts
+            "prefill_talker_s": 0.0,  # the talker's prefill forwards (the host time of their launches)
+            "prefill_slots_s": 0.0,  # the slots' sampling settings
             "decode_s": 0.0,
             "decode_chunks": 0,
             "decode_rows": 0,
