@@ -193,7 +193,8 @@ class ServerProcess:
             time.sleep(0.05)
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # kill and stop close it (a startup retry reads the log after its kill)
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def terminate(self, timeout: float = 60.0) -> int:

@@ -528,3 +528,20 @@ def test_an_open_bind_address_without_keys_is_warned_about(tmp_path: Path) -> No
         assert "listening on 0.0.0.0 with no API keys" in srv.log()
     with server_process({**env, "TTS_API_KEYS": KEY}, tmp_path / "server-keys.log") as srv:
         assert "with no API keys" not in srv.log()
+
+
+def test_a_port_taken_before_the_server_binds_it_is_retried_on_another(tmp_path: Path, monkeypatch) -> None:
+    """The helper's startup retry: the first port it picks is held by another socket, the server exits "in use",
+    and the helper reads that log (after its kill closed it) and starts the server on the next port."""
+    import server_helpers
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        ports = iter([taken])
+        real = server_helpers.free_port
+        monkeypatch.setattr(server_helpers, "free_port", lambda: next(ports, None) or real())
+        with server_process(demo_env(tmp_path), tmp_path / "server.log") as srv:
+            assert srv.port != taken
+            assert httpx.get(srv.url + "/health", timeout=10).json()["ready"] is True
