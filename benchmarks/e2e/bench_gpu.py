@@ -809,10 +809,14 @@ LOOP_LAG = "tts_event_loop_lag_seconds"
 
 def _lag_buckets(text: str) -> dict[float, float]:
     """The event-loop lag histogram's cumulative buckets in a /metrics page: upper bound (s) -> count."""
-    out = {}
-    for m in re.finditer(LOOP_LAG + r'_bucket\{le="([^"]+)"\} (\S+)', text):
-        out[float(m.group(1))] = float(m.group(2))
-    return out
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        float(s.labels["le"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == LOOP_LAG + "_bucket"
+    }
 
 
 def loop_lag(before: str, after: str) -> dict:

@@ -258,8 +258,7 @@ class ModelRunner:
                 ready.append(lv)
             except Exception as e:
                 self._fail_admission(lv, e)
-        t1 = time.perf_counter()
-        self._timings["prefill_prompt_s"] += t1 - t0
+        self._timings["prefill_prompt_s"] += time.perf_counter() - t0
         # Short prompts first, in groups of bounded padded size.
         ready.sort(key=lambda lv: lv.prompt.prefill.shape[0])
         group: list[RequestState] = []
