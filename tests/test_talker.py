@@ -8,7 +8,14 @@ import torch.nn.functional as F
 
 from qwen_tts.model.config import ModelConfig
 from qwen_tts.model.layers import DecoderStack, apply_rope
-from qwen_tts.model.prompt import HeadCache, IclRows, build_prompt, normalize_language
+from qwen_tts.model.prompt import (
+    TEXT_TRACK_GROUP,
+    HeadCache,
+    IclRows,
+    TextTable,
+    build_prompt,
+    normalize_language,
+)
 from qwen_tts.model.random_checkpoint import CODEC_IDS, OFFICIAL_SPECIAL_IDS, layer_stack, token_id_keys
 from qwen_tts.model.reference_loop import generate_codes
 from qwen_tts.model.talker import Talker
@@ -422,6 +429,63 @@ def test_streaming_auto_prompt_feeds_the_rest_of_the_text_as_trailing(cfg: Model
     torch.testing.assert_close(p.prefill, torch.stack(expected), atol=1e-5, rtol=1e-5)
     trailing = torch.stack([_embed_text(talker, i) for i in TEXT[1:]] + [teos])
     torch.testing.assert_close(p.trailing, trailing, atol=1e-5, rtol=1e-5)
+
+
+def _group_row(talker: Talker, token: int, pad: int) -> torch.Tensor:
+    """P(token) projected as the first row of a pad-filled group of TEXT_TRACK_GROUP rows."""
+    return talker.embed_text(torch.tensor([token] + [pad] * (TEXT_TRACK_GROUP - 1)))[0]
+
+
+def test_a_text_table_row_is_its_token_projected_in_a_group_whatever_came_before(cfg: ModelConfig) -> None:
+    """Rows are the group projection of their token bit for bit: across growth past the first storage, across
+    tokens first seen together or apart, and after the table starts over at its limit."""
+    talker = random_talker(cfg, seed=3)
+    pad = cfg.tts_pad_token_id
+    g = torch.Generator().manual_seed(11)
+    table = TextTable(talker, pad, limit=40)
+    seen: list[int] = []
+    with torch.inference_mode():
+        for n in (5, 1, 17, 3, 30, 8):  # 40 rows: the table starts over partway
+            ids = torch.randint(0, 150000, (n,), generator=g).tolist() + seen[-2:]
+            got = table.rows(ids)
+            assert got.shape == (len(ids), cfg.talker.hidden_size)
+            for k, t in enumerate(ids):
+                assert torch.equal(got[k], _group_row(talker, t, pad)), (n, k)
+            assert len(table) <= table.limit
+            seen += ids
+        wide = list(range(1000, 1050))  # more distinct tokens than the table holds: projected, not kept
+        got = table.rows(wide + wide[:3])
+        assert torch.equal(got[50:], got[:3])
+        assert all(torch.equal(got[k], _group_row(talker, t, pad)) for k, t in enumerate(wide[:20]))
+        assert table.rows([]).shape == (0, cfg.talker.hidden_size)
+    with pytest.raises(ValueError, match="limit must be at least"):
+        TextTable(talker, pad, limit=4)
+
+
+@pytest.mark.parametrize("non_streaming", [False, True])
+def test_prompts_from_a_text_table_are_the_grouped_prompts_within_rounding(cfg: ModelConfig, non_streaming) -> None:
+    """x-vector and ICL prompts (texts longer and shorter than the reference block) built with a text table have
+    the layout and values of the ones without, and a token's text row is the same bits in every prompt."""
+    talker = random_talker(cfg, seed=4)
+    table = TextTable(talker, cfg.tts_pad_token_id)
+    g = torch.Generator().manual_seed(6)
+    xv = torch.randn(cfg.talker.hidden_size, generator=g)
+    icl = IclRows([300, 301, 302], torch.randn(6, cfg.talker.hidden_size, generator=g))
+    long_text = torch.randint(0, 150000, (37,), generator=g).tolist()
+    with torch.inference_mode():
+        for text in (TEXT, long_text, long_text[:2]):
+            for ref in (None, icl):
+                a = build_prompt(cfg, talker, text, ROLE, xv, "english", non_streaming, ref, table=table)
+                b = build_prompt(cfg, talker, text, ROLE, xv, "english", non_streaming, ref)
+                for name in ("prefill", "trailing", "pad", "end"):
+                    x, y = getattr(a, name), getattr(b, name)
+                    assert x.shape == y.shape, (len(text), ref is None, name)
+                    torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+        # streaming x-vector: the trailing track is the table's rows of text[1:], then teos
+        if not non_streaming:
+            p = build_prompt(cfg, talker, long_text, ROLE, xv, "english", False, table=table)
+            assert torch.equal(p.trailing[:-1], table.rows(long_text[1:]))
+            assert torch.equal(p.trailing[:-1][5], _group_row(talker, long_text[6], cfg.tts_pad_token_id))
 
 
 def test_normalize_language_is_case_insensitive_and_names_the_allowed_list(cfg: ModelConfig) -> None:

@@ -75,6 +75,71 @@ def text_track_rows(talker: Talker, track_ids: list[int], start: int, pad_id: in
     return torch.cat(out)
 
 
+TEXT_TABLE_ROWS = 16384  # rows a TextTable holds before it starts over
+
+
+class TextTable:
+    """P(token) rows projected once and kept: a prompt's text rows are then one gather, where `text_track_rows`
+    runs the projection's matmuls per group at every admission (host time and a launch each on CUDA).
+
+    A token first seen is projected in a group of TEXT_TRACK_GROUP rows filled with `pad_id`, as `text_track_rows`
+    projects, so its row is the same bits whichever tokens shared its group: the row a token gets depends on the
+    token alone, in any text, in any prompt and across the table starting over. At `limit` rows the table starts
+    over (bounded memory: a row is hidden_size values of the talker's dtype). For one talker, on its device."""
+
+    def __init__(self, talker: Talker, pad_id: int, limit: int = TEXT_TABLE_ROWS) -> None:
+        if limit < TEXT_TRACK_GROUP:
+            raise ValueError(f"limit must be at least {TEXT_TRACK_GROUP} rows, not {limit}")
+        self._talker = talker
+        self._pad_id = pad_id
+        self.limit = limit
+        self._slot: dict[int, int] = {}  # token -> its row in _rows
+        w = talker.codec_head.weight
+        self._rows = w.new_empty((min(1024, limit), w.shape[1]))
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def rows(self, ids: list[int]) -> Tensor:
+        """P(ids) as (len(ids), H), each row the table's row of its token."""
+        missing = [t for t in dict.fromkeys(ids) if t not in self._slot]
+        if missing:
+            if len(self._slot) + len(missing) > self.limit:
+                self._slot.clear()
+                missing = list(dict.fromkeys(ids))
+            if len(missing) > self.limit:  # more distinct tokens than the table holds: these rows are not kept
+                return self._projected(missing)[upload([missing.index(t) for t in ids], torch.long, self._device)]
+            self._add(missing)
+        if not ids:
+            return self._rows[:0]
+        return self._rows.index_select(0, upload([self._slot[t] for t in ids], torch.long, self._device))
+
+    @property
+    def _device(self) -> torch.device:
+        return self._rows.device
+
+    def _projected(self, tokens: list[int]) -> Tensor:
+        """P(tokens), each group of TEXT_TRACK_GROUP tokens projected padded to that size."""
+        group = TEXT_TRACK_GROUP
+        out = []
+        for i in range(0, len(tokens), group):
+            part = tokens[i : i + group]
+            out.append(self._talker.embed_text(upload(part + [self._pad_id] * (group - len(part)), torch.long,
+                                                      self._device))[: len(part)])  # fmt: skip
+        return torch.cat(out)
+
+    def _add(self, tokens: list[int]) -> None:
+        first = len(self._slot)
+        need = first + len(tokens)
+        if need > self._rows.shape[0]:
+            grown = self._rows.new_empty((min(self.limit, max(need, 2 * self._rows.shape[0])), self._rows.shape[1]))
+            grown[:first] = self._rows[:first]
+            self._rows = grown
+        self._rows[first:need] = self._projected(tokens)
+        for i, t in enumerate(tokens):
+            self._slot[t] = first + i
+
+
 @dataclass
 class PromptHead:
     """What both prompt kinds share: the role and control rows, and the tts bos/eos/pad text rows."""
@@ -165,10 +230,12 @@ def build_prompt(
     non_streaming: bool,
     icl: IclRows | None = None,
     heads: HeadCache | None = None,
+    table: TextTable | None = None,
 ) -> Prompt:
     """Prefill embeddings (L, H), trailing text track and tpad for one request (module dtype and device); with `icl`,
     the ICL prompt of that reference (qwen_tts/model/icl_prompt.py has its layout). `heads`: the role and control
-    rows from that cache (the same bits) instead of built afresh."""
+    rows from that cache (the same bits) instead of built afresh. `table`: the text's rows from that table (within
+    rounding of the grouped projections: a token's row there is the same bits in any text)."""
     if not text_ids:
         raise ValueError("text_ids is empty: the prompt needs at least one text token")
     if heads is not None:
@@ -176,7 +243,7 @@ def build_prompt(
     else:
         head = build_head(cfg, talker, role_ids, xvector, language)
     if icl is not None:
-        return _icl_prompt(cfg, talker, head, text_ids, non_streaming, icl)
+        return _icl_prompt(cfg, talker, head, text_ids, non_streaming, icl, table)
     tc = cfg.talker
     dev = talker.codec_head.weight.device
     teos, tpad = head.teos, head.tpad
@@ -186,10 +253,14 @@ def build_prompt(
 
     if non_streaming:
         m = len(text_ids)
-        text = torch.cat((talker.embed_text(ids(text_ids)), teos[None]))  # (m+1, H)
+        text = torch.cat((_text_rows(talker, table, text_ids), teos[None]))  # (m+1, H)
         text = text + talker.embed_codec(ids([tc.codec_pad_id] * (m + 1)))
         prefill = torch.cat((head.rows, text, tpad[None] + head.bos_codec))
         trailing = tpad.new_zeros((0, tpad.shape[0]))
+    elif table is not None:
+        text = table.rows(text_ids)
+        prefill = torch.cat((head.rows, text[:1] + head.bos_codec))
+        trailing = torch.cat((text[1:], teos[None]))
     else:
         prefill = torch.cat((head.rows, talker.embed_text(ids(text_ids[:1])) + head.bos_codec))
         rest = text_track_rows(talker, text_ids[1:], 0, cfg.tts_pad_token_id)
@@ -197,8 +268,21 @@ def build_prompt(
     return Prompt(prefill=prefill, trailing=trailing, pad=tpad, end=teos)
 
 
+def _text_rows(talker: Talker, table: TextTable | None, ids: list[int]) -> Tensor:
+    """P(ids): from `table`, else projected in one group (the official code's rounding)."""
+    if table is not None:
+        return table.rows(ids)
+    return talker.embed_text(upload(ids, torch.long, talker.codec_head.weight.device))
+
+
 def _icl_prompt(
-    cfg: ModelConfig, talker: Talker, head: PromptHead, text_ids: list[int], non_streaming: bool, icl: IclRows
+    cfg: ModelConfig,
+    talker: Talker,
+    head: PromptHead,
+    text_ids: list[int],
+    non_streaming: bool,
+    icl: IclRows,
+    table: TextTable | None = None,
 ) -> Prompt:
     """The head's rows without its final C(bos), then the ICL block: T = P(ref_text ++ text) ++ teos (T1 rows) and
     K = C(bos) ++ the code block (T2 rows); non-streaming T + C(pad), then K + tpad; streaming T[:T2] + K."""
@@ -209,25 +293,38 @@ def _icl_prompt(
     codec = torch.cat((head.bos_codec, icl.block.to(device=dev, dtype=tpad.dtype)))  # (T2, H)
     ids = icl.ref_ids + text_ids
     if non_streaming:
-        text = torch.cat((talker.embed_text(upload(ids, torch.long, dev)), head.teos[None]))  # (T1, H)
+        text = torch.cat((_text_rows(talker, table, ids), head.teos[None]))  # (T1, H)
         pads = talker.embed_codec(upload([cfg.talker.codec_pad_id] * text.shape[0], torch.long, dev))
         rows = torch.cat((text + pads, codec + tpad))
         trailing = tpad.new_zeros((0, tpad.shape[0]))
     else:
-        rows, trailing = _streaming_icl(cfg, talker, ids, head.teos, tpad, codec)
+        rows, trailing = _streaming_icl(cfg, talker, ids, head.teos, tpad, codec, table)
     return Prompt(prefill=torch.cat((head.rows, rows)), trailing=trailing, pad=tpad, end=head.teos)
 
 
 def _streaming_icl(
-    cfg: ModelConfig, talker: Talker, ids: list[int], teos: Tensor, tpad: Tensor, codec: Tensor
+    cfg: ModelConfig,
+    talker: Talker,
+    ids: list[int],
+    teos: Tensor,
+    tpad: Tensor,
+    codec: Tensor,
+    table: TextTable | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Streaming mode's ICL rows and trailing text track for `ids` = ref_ids ++ text_ids and `codec` = K (T2 rows).
 
     T[:T2] is projected in one group holding the first T2 ids only, and the trailing ids T[T2:] in the aligned groups
     of `text_track_rows`: each row's bits depend on the ids up to its own group, not on how much text follows, so a
-    text that arrives token by token (the native engine's text_stream) gets the rows of the whole text."""
+    text that arrives token by token (the native engine's text_stream) gets the rows of the whole text. With `table`
+    every row is the table's row of its token."""
     t2 = codec.shape[0]
     dev = codec.device
+    if table is not None:
+        text = table.rows(ids)
+        if len(ids) >= t2:
+            return text[:t2] + codec, torch.cat((text[t2:], teos[None]))
+        text = torch.cat((text, teos[None], tpad.expand(t2 - len(ids) - 1, -1)))
+        return text + codec, tpad.new_zeros((0, tpad.shape[0]))
     if len(ids) >= t2:  # T1 > T2: the text trails, then teos
         rows = talker.embed_text(upload(ids[:t2], torch.long, dev)) + codec
         trailing = torch.cat((text_track_rows(talker, ids[t2:], 0, cfg.tts_pad_token_id), teos[None]))

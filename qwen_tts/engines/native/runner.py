@@ -30,7 +30,7 @@ from qwen_tts.model.config import ModelConfig
 from qwen_tts.model.icl_prompt import icl_trailing_ids, reference_block
 from qwen_tts.model.layers import upload
 from qwen_tts.model.loading import Qwen3TTS, load_model
-from qwen_tts.model.prompt import HeadCache, IclRows, Prompt, build_prompt, text_track_rows
+from qwen_tts.model.prompt import HeadCache, IclRows, Prompt, TextTable, build_prompt, text_track_rows
 from qwen_tts.model.sampling import suppress_mask
 
 from .decoder import DecodeJob, DecodeWorker, SlotDecoder
@@ -150,6 +150,8 @@ class ModelRunner:
         self._tokenizer = m.tokenizer
         self._role_ids = self._tokenizer.chat_ids("")[:3]
         self._pad_id = cfg.tts_pad_token_id
+        # The prompts' text rows by token (engine loop), or None: projected per prompt.
+        self._text = TextTable(self._talker, self._pad_id) if self.fast.text_table else None
         self._max_len = talker_cache_len(self.config)
         S = self.config.max_slots
         # One slot more than requests: the scratch slot (index S) that padding rows of a graphed step write to.
@@ -285,7 +287,8 @@ class ModelRunner:
                 self._decoder.decode_reference(voice)
             icl = IclRows(voice.ref_ids, voice.block)
         prompt = build_prompt(
-            self._cfg, self._talker, text_ids, self._role_ids, x, lv.language, req.non_streaming_text, icl, self._heads
+            self._cfg, self._talker, text_ids, self._role_ids, x, lv.language, req.non_streaming_text, icl, self._heads,
+            self._text,
         )
         if lv.feed is not None:
             lv.text_ids = list(text_ids)
@@ -314,7 +317,11 @@ class ModelRunner:
             ids = lv.feed.ids
             with torch.inference_mode():
                 track = self._track_ids(lv, ids)
-                parts = [lv.prompt.trailing, text_track_rows(self._talker, track, lv.text_rows, self._pad_id)]
+                if self._text is not None:
+                    new = self._text.rows(track[lv.text_rows :])
+                else:
+                    new = text_track_rows(self._talker, track, lv.text_rows, self._pad_id)
+                parts = [lv.prompt.trailing, new]
                 if lv.feed.ended:
                     parts.append(lv.prompt.end[None])
                 lv.prompt.trailing = torch.cat(parts)
