@@ -287,7 +287,15 @@ class ModelRunner:
                 self._decoder.decode_reference(voice)
             icl = IclRows(voice.ref_ids, voice.block)
         prompt = build_prompt(
-            self._cfg, self._talker, text_ids, self._role_ids, x, lv.language, req.non_streaming_text, icl, self._heads,
+            self._cfg,
+            self._talker,
+            text_ids,
+            self._role_ids,
+            x,
+            lv.language,
+            req.non_streaming_text,
+            icl,
+            self._heads,
             self._text,
         )
         if lv.feed is not None:
