@@ -43,7 +43,6 @@ SETUPS = {
     "in-turn": dict(),
     # The fixed-shape step and padded decode that CUDA graphs replay, run eagerly, each step launched one turn ahead.
     "padded-overlapped": dict(frame_step="padded", overlap_steps=True),
-    "text-table": dict(text_table=True),
 }
 
 

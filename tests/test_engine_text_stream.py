@@ -25,8 +25,6 @@ SETUPS = {
     "overlapped": dict(overlap_steps=True),
     # The fixed-shape step that CUDA graphs replay, run eagerly: held rows are rows left out of its batch.
     "padded": dict(frame_step="padded", overlap_steps=True),
-    # Text rows from the engine's table of projected tokens (prompt.TextTable), the streamed rows too.
-    "text-table": dict(text_table=True, overlap_steps=True),
 }
 
 

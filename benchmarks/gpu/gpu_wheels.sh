@@ -24,7 +24,7 @@ PYV=${PY_VERSION:-3.12}  # the GPU machine's Python
 SERVER_PACKAGES=(
   fastapi starlette annotated-doc opentelemetry-api
   pydantic pydantic-core pydantic-settings python-dotenv typing-inspection annotated-types typing-extensions
-  uvicorn h11 click anyio idna
+  uvicorn h11 click anyio idna websockets httptools
   soundfile cffi pycparser soxr
   tokenizers prometheus-client tqdm watchfiles python-multipart sentencex fastapi-offline
 )

@@ -121,11 +121,6 @@ class FastPath:
     # With graphed frame steps, replay Code2Wav from a CUDA graph per (batch bucket, chunk length).
     decode_graphs: bool = True
 
-    # --- admission ---------------------------------------------------------------------------------------------
-    # Prompts' text rows gathered from a table of tokens projected once (prompt.TextTable) instead of projected at
-    # every admission.
-    text_table: bool = False
-
     def __post_init__(self) -> None:
         if self.frame_step not in ("auto", "eager", "padded", "graphs"):
             raise FastPathError(

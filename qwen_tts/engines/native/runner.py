@@ -30,7 +30,7 @@ from qwen_tts.model.config import ModelConfig
 from qwen_tts.model.icl_prompt import icl_trailing_ids, reference_block
 from qwen_tts.model.layers import upload
 from qwen_tts.model.loading import Qwen3TTS, load_model
-from qwen_tts.model.prompt import HeadCache, IclRows, Prompt, TextTable, build_prompt, text_track_rows
+from qwen_tts.model.prompt import HeadCache, IclRows, Prompt, TextTable, build_prompt
 from qwen_tts.model.sampling import suppress_mask
 
 from .decoder import DecodeJob, DecodeWorker, SlotDecoder
@@ -150,8 +150,8 @@ class ModelRunner:
         self._tokenizer = m.tokenizer
         self._role_ids = self._tokenizer.chat_ids("")[:3]
         self._pad_id = cfg.tts_pad_token_id
-        # The prompts' text rows by token (engine loop), or None: projected per prompt.
-        self._text = TextTable(self._talker, self._pad_id) if self.fast.text_table else None
+        # The prompts' text rows by token, each projected once (engine loop): a prompt's text is one gather.
+        self._text = TextTable(self._talker, self._pad_id)
         self._max_len = talker_cache_len(self.config)
         S = self.config.max_slots
         # One slot more than requests: the scratch slot (index S) that padding rows of a graphed step write to.
@@ -318,18 +318,14 @@ class ModelRunner:
 
     def extend_text(self, rows: list[RequestState]) -> None:
         """Streamed rows with newly committed text ids (or the end of their text): their trailing text track grows
-        by the new tokens' rows (the rows the whole text's prompt has: `text_track_rows`), then end-of-text."""
+        by the new tokens' rows (the text table's, as the whole text's prompt has them), then end-of-text."""
         for lv in rows:
             if lv.prompt is None or lv.text_rows is None:
                 continue
             ids = lv.feed.ids
             with torch.inference_mode():
                 track = self._track_ids(lv, ids)
-                if self._text is not None:
-                    new = self._text.rows(track[lv.text_rows :])
-                else:
-                    new = text_track_rows(self._talker, track, lv.text_rows, self._pad_id)
-                parts = [lv.prompt.trailing, new]
+                parts = [lv.prompt.trailing, self._text.rows(track[lv.text_rows :])]
                 if lv.feed.ended:
                     parts.append(lv.prompt.end[None])
                 lv.prompt.trailing = torch.cat(parts)
