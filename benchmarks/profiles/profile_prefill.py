@@ -24,6 +24,7 @@ from bench_engine import TEXT
 
 from qwen_tts.engine_api import EngineSettings, SynthesisRequest
 from qwen_tts.engines import create_engine
+from qwen_tts.model.layers import upload
 from qwen_tts.model.prompt import build_prompt
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
@@ -52,10 +53,10 @@ def parts(engine, n: int, repeats: int) -> dict[str, float]:
     text_ids = r._tokenizer.text_ids(TEXT)
     xs = [torch.randn(engine.xvector_dim, generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
-    def prompts():
+    def prompts():  # as the engine builds them by default: the text in the prefill, its cached heads and text table
         return [
-            build_prompt(r._cfg, r._talker, text_ids, r._role_ids, x.to(engine.device, engine.dtype),
-                         "auto", True)
+            build_prompt(r._cfg, r._talker, text_ids, r._role_ids, upload(x, engine.dtype, engine.device),
+                         "auto", True, None, r._heads, r._text)
             for x in xs
         ]  # fmt: skip
 
