@@ -18,7 +18,6 @@ count; this way text that arrives token by token (qwen_tts/text_stream.py) gets 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -145,24 +144,11 @@ class TextTable:
 class PromptHead:
     """What both prompt kinds share: the role and control rows, and the tts bos/eos/pad text rows."""
 
-    rows: Tensor  # (3 + n - 1, H) role rows, then control rows (n = len(codec)); never written to
+    rows: Tensor  # (3 + n - 1, H) role rows, then control rows (n = len(codec))
     bos_codec: Tensor  # (1, H) C(codec_bos), the codec track of the row after the control rows
     tbos: Tensor  # (H,)
     teos: Tensor  # (H,)
     tpad: Tensor  # (H,)
-    pad_codec: Tensor  # (1, H) C(codec_pad), the codec track of the text rows in the prefill (non-streaming)
-    end_rows: Tensor  # (2, H) teos + C(codec_pad), tpad + C(codec_bos): the non-streaming prefill's last rows
-    # With `xvector`, `rows` hold tpad at the x-vector's control row and `prefill` adds the x-vector there (a
-    # HeadCache's shared rows); None: `rows` hold it already.
-    xvector: Tensor | None = None
-    x_row: int = 0
-
-    def prefill(self, *parts: Tensor) -> Tensor:
-        """The prefill: these rows, then `parts`, in one new tensor."""
-        out = torch.cat((self.rows, *parts))
-        if self.xvector is not None:
-            out[self.x_row].add_(self.xvector)
-        return out
 
 
 def build_head(cfg: ModelConfig, talker: Talker, role_ids: list[int], xvector: Tensor, language: str) -> PromptHead:
@@ -191,8 +177,7 @@ def build_head(cfg: ModelConfig, talker: Talker, role_ids: list[int], xvector: T
     n = codec.shape[0]
     control = torch.cat((tpad.expand(n - 2, -1), tbos[None])) + codec[:-1]
     role = talker.embed_text(ids(role_ids))
-    end_rows = torch.stack((teos + codec[-2], tpad + codec[-1]))
-    return PromptHead(torch.cat((role, control)), codec[-1:], tbos, teos, tpad, codec[-2:-1], end_rows)
+    return PromptHead(torch.cat((role, control)), codec[-1:], tbos, teos, tpad)
 
 
 def _codec_prefix(cfg: ModelConfig, language: str) -> list[int]:
@@ -205,9 +190,9 @@ def _codec_prefix(cfg: ModelConfig, language: str) -> list[int]:
 
 
 class HeadCache:
-    """`build_head` once per language and role, its x-vector added to the prefill per request: a request's head
-    costs one add in its prefill, with the bits build_head gives it, where build_head runs a dozen embeddings and
-    projections (host time at admission, on CUDA a launch each). For one talker."""
+    """`build_head` once per language and role, its x-vector row filled per request: a request's head is then a
+    copy and one add, with the bits build_head gives it, where build_head runs a dozen embeddings and projections
+    (host time at admission, on CUDA a launch each). For one talker."""
 
     def __init__(self) -> None:
         self._heads: dict[tuple[str, tuple[int, ...]], PromptHead] = {}
@@ -221,9 +206,10 @@ class HeadCache:
         base = self._heads.get(key)
         if base is None:
             base = self._heads[key] = build_head(cfg, talker, role_ids, xvector.new_zeros(xvector.shape), language)
-        # The x-vector's control row, tpad + x: after 3 role rows and the codec prefix's control rows.
-        x_row = 3 + len(_codec_prefix(cfg, language))
-        return dataclasses.replace(base, xvector=upload(xvector, w.dtype, w.device), x_row=x_row)
+        rows = base.rows.clone()
+        # The x-vector's control row: tpad + x (3 role rows, then the codec prefix's control rows).
+        rows[3 + len(_codec_prefix(cfg, language))] = base.tpad + upload(xvector, w.dtype, w.device)
+        return PromptHead(rows, base.bos_codec, base.tbos, base.teos, base.tpad)
 
 
 class IclRows(NamedTuple):
@@ -258,6 +244,7 @@ def build_prompt(
         head = build_head(cfg, talker, role_ids, xvector, language)
     if icl is not None:
         return _icl_prompt(cfg, talker, head, text_ids, non_streaming, icl, table)
+    tc = cfg.talker
     dev = talker.codec_head.weight.device
     teos, tpad = head.teos, head.tpad
 
@@ -265,14 +252,17 @@ def build_prompt(
         return upload(values, torch.long, dev)
 
     if non_streaming:
-        prefill = head.prefill(_text_rows(talker, table, text_ids) + head.pad_codec, head.end_rows)
+        m = len(text_ids)
+        text = torch.cat((_text_rows(talker, table, text_ids), teos[None]))  # (m+1, H)
+        text = text + talker.embed_codec(ids([tc.codec_pad_id] * (m + 1)))
+        prefill = torch.cat((head.rows, text, tpad[None] + head.bos_codec))
         trailing = tpad.new_zeros((0, tpad.shape[0]))
     elif table is not None:
         text = table.rows(text_ids)
-        prefill = head.prefill(text[:1] + head.bos_codec)
+        prefill = torch.cat((head.rows, text[:1] + head.bos_codec))
         trailing = torch.cat((text[1:], teos[None]))
     else:
-        prefill = head.prefill(talker.embed_text(ids(text_ids[:1])) + head.bos_codec)
+        prefill = torch.cat((head.rows, talker.embed_text(ids(text_ids[:1])) + head.bos_codec))
         rest = text_track_rows(talker, text_ids[1:], 0, cfg.tts_pad_token_id)
         trailing = torch.cat((rest, teos[None]))
     return Prompt(prefill=prefill, trailing=trailing, pad=tpad, end=teos)
@@ -304,11 +294,12 @@ def _icl_prompt(
     ids = icl.ref_ids + text_ids
     if non_streaming:
         text = torch.cat((_text_rows(talker, table, ids), head.teos[None]))  # (T1, H)
-        rows = torch.cat((text + head.pad_codec, codec + tpad))
+        pads = talker.embed_codec(upload([cfg.talker.codec_pad_id] * text.shape[0], torch.long, dev))
+        rows = torch.cat((text + pads, codec + tpad))
         trailing = tpad.new_zeros((0, tpad.shape[0]))
     else:
         rows, trailing = _streaming_icl(cfg, talker, ids, head.teos, tpad, codec, table)
-    return Prompt(prefill=head.prefill(rows), trailing=trailing, pad=tpad, end=head.teos)
+    return Prompt(prefill=torch.cat((head.rows, rows)), trailing=trailing, pad=tpad, end=head.teos)
 
 
 def _streaming_icl(
