@@ -24,7 +24,7 @@ from qwen_tts.engine_api import (
 from qwen_tts.engines.native import frame_step as cuda_graph
 from qwen_tts.engines.native import runner as runner_mod
 from qwen_tts.engines.native import scheduler as scheduler_mod
-from qwen_tts.engines.native.engine import NativeEngine
+from qwen_tts.engines.native.engine import FiniteCheck, NativeEngine
 from qwen_tts.fastpath.options import FastPath, FastPathError
 from qwen_tts.model.loading import load_model
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
@@ -416,6 +416,44 @@ async def test_bad_requests_are_rejected(tiny_model):
             eng.submit(req(tiny_model, "   "))
         with pytest.raises(ValueError, match="limit is 16"):
             eng.submit(req(tiny_model, "word " * 100))
+
+
+def test_finite_check_remembers_a_tensor_until_it_is_written_to(monkeypatch):
+    """A finite tensor is checked once while it lives unwritten; a write, a new tensor or an inference tensor is
+    checked again (the count of torch.isfinite calls)."""
+    check, calls = FiniteCheck(), []
+    real = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: calls.append(1) or real(t))
+    x = torch.randn(16)
+    assert check(x) and check(x) and check(x)
+    assert len(calls) == 1
+    x[3] = float("nan")  # in place: a new version
+    assert not check(x) and not check(x)
+    assert len(calls) == 3
+    x[3] = 0.0
+    assert check(x) and check(x)
+    assert len(calls) == 4
+    assert not check(torch.full((16,), float("inf")))
+    y = torch.randn(16)
+    assert check(y) and len(calls) == 6
+    with torch.inference_mode():
+        z = torch.randn(16)
+    assert check(z) and check(z) and len(calls) == 8
+    check.LIMIT = 2  # a full memory starts over, still right
+    for _ in range(5):
+        assert check(torch.randn(4))
+    assert len(check._seen) <= 2 and check(y)
+
+
+async def test_an_accepted_xvector_written_with_nan_is_refused(tiny_model):
+    eng = make_engine(tiny_model)
+    async with started(eng):
+        x = xvec(tiny_model, 3)
+        h = eng.submit(SynthesisRequest(text="hi", xvector=x, max_frames=2))
+        await h.collect()
+        x[0] = float("nan")
+        with pytest.raises(ValueError, match="NaN"):
+            eng.submit(SynthesisRequest(text="hi", xvector=x, max_frames=2))
 
 
 @OVERLAP

@@ -51,6 +51,7 @@ import asyncio
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -82,6 +83,31 @@ log = logging.getLogger("qwen_tts.engine")
 
 # talker_cache_len is importable from here too (benchmarks, tests/reference/make_fixture.py).
 __all__ = ["NativeEngine", "talker_cache_len"]
+
+
+class FiniteCheck:
+    """Whether a tensor holds only finite values, remembered per tensor object while it lives and is not written to:
+    a voice's x-vector is the one tensor of its profile, checked on its first request, not on every one. On the
+    event loop every torch call hands the GIL to the engine's threads and waits for it back, so three calls a
+    request stall the loop behind the engine's work (the burst's admission) where a lookup does not."""
+
+    LIMIT = 4096  # tensors remembered before starting over
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[weakref.ref, int]] = {}  # id -> (the tensor, its version when found finite)
+
+    def __call__(self, x: torch.Tensor) -> bool:
+        if x.is_inference():  # no version counter to tell a later write by: checked every time
+            return bool(torch.isfinite(x).all())
+        seen = self._seen.get(id(x))
+        if seen is not None and seen[0]() is x and seen[1] == x._version:
+            return True
+        if not torch.isfinite(x).all():
+            return False
+        if len(self._seen) >= self.LIMIT:
+            self._seen.clear()
+        self._seen[id(x)] = (weakref.ref(x), x._version)
+        return True
 
 
 class NativeEngine(CheckpointEngine):
@@ -131,6 +157,7 @@ class NativeEngine(CheckpointEngine):
             max_frames=settings.max_frames,
         )
         self._cv = self._scheduler.cv
+        self._finite = FiniteCheck()  # x-vectors found finite (submit)
         self._live = self._scheduler.running  # slot -> state of the admitted requests (worker thread only)
         self._thread: threading.Thread | None = None
         # Worker-thread wall time by phase (host clock; the step and decode end in a host sync, prefill does not).
@@ -244,7 +271,7 @@ class NativeEngine(CheckpointEngine):
         x = request.xvector
         if x.dim() != 1 or x.shape[0] != self.xvector_dim:
             raise ValueError(f"xvector must have shape ({self.xvector_dim},), got {tuple(x.shape)}")
-        if not torch.isfinite(x).all():
+        if not self._finite(x):
             raise ValueError("xvector contains NaN or Inf")
         stream, feed = request.text_stream, None
         if stream is not None:
