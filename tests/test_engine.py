@@ -21,10 +21,11 @@ from qwen_tts.engine_api import (
     RequestFailedError,
     SynthesisRequest,
 )
+from qwen_tts.engines.checkpoint import FiniteCheck
 from qwen_tts.engines.native import frame_step as cuda_graph
 from qwen_tts.engines.native import runner as runner_mod
 from qwen_tts.engines.native import scheduler as scheduler_mod
-from qwen_tts.engines.native.engine import FiniteCheck, NativeEngine
+from qwen_tts.engines.native.engine import NativeEngine
 from qwen_tts.fastpath.options import FastPath, FastPathError
 from qwen_tts.model.loading import load_model
 from qwen_tts.model.random_checkpoint import write_random_checkpoint

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from qwen_tts.engine_api import FRAME_SAMPLES, FinishReason, SynthesisRequest
+from qwen_tts.engines.checkpoint import FiniteCheck
 from qwen_tts.engines.vllm_omni.requests import (
     AudioTail,
     additional_information,
@@ -38,6 +39,24 @@ from server_helpers import REPO_ROOT, VO_PYTHON, needs_vllm_omni
 def test_bad_speaker_vectors_are_refused_before_submit(x, message) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate_xvector(x, 32)
+
+
+def test_a_finite_check_passed_in_is_the_one_used() -> None:
+    """The engine hands its FiniteCheck: a vector it passed is not checked again until written to."""
+    calls: list[torch.Tensor] = []
+    check = FiniteCheck()
+
+    def counted(t: torch.Tensor) -> bool:
+        calls.append(t)
+        return check(t)
+
+    x = torch.randn(32)
+    assert torch.equal(validate_xvector(x, 32, counted), x)
+    assert torch.equal(validate_xvector(x, 32, counted), x)
+    assert len(calls) == 2 and len(check._seen) == 1
+    x[5] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        validate_xvector(x, 32, counted)
 
 
 def test_a_good_vector_becomes_contiguous_float32_on_the_host() -> None:
@@ -132,6 +151,7 @@ def test_an_icl_request_is_vllm_omnis_in_context_prompt_with_precomputed_codes()
 _VO_CHECK = """
 import json, sys, torch
 from qwen_tts.engine_api import SynthesisRequest
+from qwen_tts.engines.checkpoint import FiniteCheck
 from qwen_tts.icl import IclReference
 from qwen_tts.engines.vllm_omni.requests import additional_information
 from vllm_omni.data_entry_keys import deserialize_payload, serialize_payload

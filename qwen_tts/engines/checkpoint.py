@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
+
+import torch
 
 from qwen_tts.engine_api import Engine
 from qwen_tts.model.config import ModelConfig
@@ -26,3 +29,28 @@ class CheckpointEngine(Engine):
     @property
     def model_info(self) -> dict[str, Any]:
         return dict(self._model_info)
+
+
+class FiniteCheck:
+    """Whether a tensor holds only finite values, remembered per tensor object while it lives and is not written to:
+    a voice's x-vector is the one tensor of its profile, checked on its first request, not on every one. On the
+    event loop every torch call hands the GIL to the engine's threads and waits for it back, so three calls a
+    request stall the loop behind the engine's work (the burst's admission) where a lookup does not."""
+
+    LIMIT = 4096  # tensors remembered before starting over
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[weakref.ref, int]] = {}  # id -> (the tensor, its version when found finite)
+
+    def __call__(self, x: torch.Tensor) -> bool:
+        if x.is_inference():  # no version counter to tell a later write by: checked every time
+            return bool(torch.isfinite(x).all())
+        seen = self._seen.get(id(x))
+        if seen is not None and seen[0]() is x and seen[1] == x._version:
+            return True
+        if not torch.isfinite(x).all():
+            return False
+        if len(self._seen) >= self.LIMIT:
+            self._seen.clear()
+        self._seen[id(x)] = (weakref.ref(x), x._version)
+        return True

@@ -36,7 +36,7 @@ from qwen_tts.engine_api import (
     SynthesisRequest,
     draw_seed,
 )
-from qwen_tts.engines.checkpoint import CheckpointEngine
+from qwen_tts.engines.checkpoint import CheckpointEngine, FiniteCheck
 from qwen_tts.model.config import ConfigError, ModelConfig
 from qwen_tts.model.model_paths import DEMO, ModelPathError, resolve_model_path
 from qwen_tts.model.prompt import normalize_language
@@ -132,6 +132,7 @@ class VllmOmniEngine(CheckpointEngine):
                 "(CPU: scripts/setup_vllm_omni.sh; GPU: pip install '.[vllm]' ./vllm-omni-myfi)"
             )
         self.config = config
+        self._finite = FiniteCheck()  # x-vectors found finite (submit)
         # config.json and the tokenizer are read here, so width, languages and model info are known before start().
         path = Path(config.model_path)
         try:
@@ -304,7 +305,7 @@ class VllmOmniEngine(CheckpointEngine):
         if not self._accepting or self._dead is not None or self._omni is None:
             raise EngineNotReadyError(self._dead or "engine is not accepting requests")
         language = normalize_language(self._cfg, request.language)
-        xvector = validate_xvector(request.xvector, self.xvector_dim)
+        xvector = validate_xvector(request.xvector, self.xvector_dim, self._finite)
         if request.text_stream is not None:
             return self._submit_stream(request, language)
         if not request.text.strip():

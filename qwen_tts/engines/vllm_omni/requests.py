@@ -4,6 +4,7 @@ payload, the sampling settings, and the cumulative-audio-to-chunk bookkeeping. T
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,15 +27,17 @@ PRECOMPUTED_REF_CODES = "precomputed_ref"
 NOT_PER_REQUEST = ("cp_temperature", "cp_top_k", "cp_top_p")
 
 
-def validate_xvector(x: Any, dim: int) -> torch.Tensor:
-    """A finite float tensor of shape (dim,), or ValueError. A bad vector would kill the talker's engine core."""
+def validate_xvector(x: Any, dim: int, finite: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
+    """A finite float tensor of shape (dim,), or ValueError. A bad vector would kill the talker's engine core.
+    `finite`: the finiteness check (an engine's `FiniteCheck`, which remembers the tensors it passed); None: checked
+    here."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"xvector must be a torch.Tensor, got {type(x).__name__}")
     if not (x.dtype.is_floating_point):
         raise ValueError(f"xvector must be floating point, got {x.dtype}")
     if x.dim() != 1 or x.shape[0] != dim:
         raise ValueError(f"xvector must have shape ({dim},), got {tuple(x.shape)}")
-    if not torch.isfinite(x).all():
+    if not (finite(x) if finite is not None else bool(torch.isfinite(x).all())):
         raise ValueError("xvector contains NaN or Inf")
     return x.detach().to(device="cpu", dtype=torch.float32).contiguous()
 
