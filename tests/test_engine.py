@@ -841,6 +841,55 @@ async def test_batched_prefill_matches_prefill_alone(tiny_model, monkeypatch):
         assert torch.equal(a, codes_of(h))
 
 
+def burst_requests(model) -> list[SynthesisRequest]:
+    """Requests admitted together: x-vector voices with their text in the prefill, in three languages, greedy and
+    sampled, and one with its text fed a token a step (not built with the others)."""
+    languages = ["english", "auto", "german", "english", "auto"]
+    rs = [
+        req(model, TEXTS[i], seed=i, greedy=i % 2 == 0, max_frames=10, language=languages[i])
+        for i in range(len(languages))
+    ]
+    return [*rs, req(model, TEXTS[6], seed=9, max_frames=10, non_streaming_text=False)]
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [{}, {"overlap_steps": True}, {"frame_step": "padded", "overlap_steps": True}],
+    ids=["in-turn", "overlapped", "padded"],
+)
+async def test_batched_admission_gives_the_codes_of_prompts_built_one_by_one(tiny_model, monkeypatch, setup):
+    """With batched_admission the burst's x-vector prompts are built in one call and each prefill group's input in
+    one copy: the same codes and audio as prompts built and copied one by one; the streamed-text request is built on
+    its own. If the batched build fails, each request's prompt is built alone and nothing fails."""
+    calls: list[int] = []
+    real = runner_mod.build_text_prompts
+
+    def counted(cfg, talker, texts, *rest):
+        calls.append(len(texts))
+        return real(cfg, talker, texts, *rest)
+
+    monkeypatch.setattr(runner_mod, "build_text_prompts", counted)
+    out = {}
+    for name, batched in (("one by one", False), ("batched", True), ("failing", True)):
+        if name == "failing":
+            monkeypatch.setattr(runner_mod, "build_text_prompts", lambda *a: 1 / 0)
+        eng = make_engine(tiny_model, max_slots=8, batched_admission=batched, **setup)
+        async with started(eng):
+            with eng._cv:  # one admission for the whole burst
+                hs = [eng.submit(r) for r in burst_requests(tiny_model)]
+            audio = await asyncio.gather(*(h.collect() for h in hs))
+        reasons = [h.stats.finish_reason for h in hs]
+        assert set(reasons) <= {FinishReason.EOS, FinishReason.BUDGET}, (name, reasons)
+        out[name] = ([codes_of(h) for h in hs], audio, reasons)
+    assert calls == [5]
+    for name in ("batched", "failing"):
+        assert out[name][2] == out["one by one"][2], name
+        for a, b in zip(out["one by one"][0], out[name][0], strict=True):
+            assert torch.equal(a, b), name
+        for a, b in zip(out["one by one"][1], out[name][1], strict=True):
+            assert np.array_equal(a, b), name
+
+
 @pytest.mark.parametrize(
     "device",
     ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],

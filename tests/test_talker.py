@@ -14,6 +14,7 @@ from qwen_tts.model.prompt import (
     IclRows,
     TextTable,
     build_prompt,
+    build_text_prompts,
     normalize_language,
 )
 from qwen_tts.model.random_checkpoint import CODEC_IDS, OFFICIAL_SPECIAL_IDS, layer_stack, token_id_keys
@@ -486,6 +487,28 @@ def test_prompts_from_a_text_table_are_the_grouped_prompts_within_rounding(cfg: 
             p = build_prompt(cfg, talker, long_text, ROLE, xv, "english", False, table=table)
             assert torch.equal(p.trailing[:-1], table.rows(long_text[1:]))
             assert torch.equal(p.trailing[:-1][5], _group_row(talker, long_text[6], cfg.tts_pad_token_id))
+
+
+def test_prompts_built_together_are_the_bits_of_prompts_built_one_by_one(cfg: ModelConfig) -> None:
+    """build_text_prompts over texts of several lengths and languages (tokens first seen in the batch among them)
+    gives each request the prefill, trailing, pad and end build_prompt gives it with the same heads and table."""
+    talker = random_talker(cfg, seed=7)
+    heads, table = HeadCache(), TextTable(talker, cfg.tts_pad_token_id)
+    g = torch.Generator().manual_seed(8)
+    texts = [TEXT, torch.randint(0, 150000, (23,), generator=g).tolist(), [5], [*TEXT, 9, 9, 9]]
+    languages = ["English", "auto", "german", "english"]
+    xs = [torch.randn(cfg.talker.hidden_size, generator=g) for _ in texts]
+    with torch.inference_mode():
+        together = build_text_prompts(cfg, talker, texts, ROLE, xs, languages, heads, table)
+        for text, x, language, got in zip(texts, xs, languages, together, strict=True):
+            want = build_prompt(cfg, talker, text, ROLE, x, language, True, None, heads, table)
+            for name in ("prefill", "trailing", "pad", "end"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), (len(text), language, name)
+        assert build_text_prompts(cfg, talker, [], ROLE, [], [], heads, table) == []
+        with pytest.raises(ValueError, match="text_ids is empty"):
+            build_text_prompts(cfg, talker, [TEXT, []], ROLE, xs[:2], languages[:2], heads, table)
+        with pytest.raises(ValueError, match="x-vector must have shape"):
+            build_text_prompts(cfg, talker, [TEXT], ROLE, [torch.zeros(3)], ["auto"], heads, table)
 
 
 def test_normalize_language_is_case_insensitive_and_names_the_allowed_list(cfg: ModelConfig) -> None:

@@ -202,14 +202,84 @@ class HeadCache:
         if xvector.shape != (cfg.talker.hidden_size,):
             raise ValueError(f"x-vector must have shape ({cfg.talker.hidden_size},), got {tuple(xvector.shape)}")
         w = talker.codec_head.weight
+        base, x_row = self.base(cfg, talker, role_ids, language)
+        rows = base.rows.clone()
+        rows[x_row] = base.tpad + upload(xvector, w.dtype, w.device)
+        return PromptHead(rows, base.bos_codec, base.tbos, base.teos, base.tpad)
+
+    def base(self, cfg: ModelConfig, talker: Talker, role_ids: list[int], language: str) -> tuple[PromptHead, int]:
+        """The language's head built with a zero x-vector, and the index of the x-vector's control row (tpad + x:
+        after 3 role rows and the codec prefix's control rows). `language` normalised."""
         key = (language, tuple(role_ids))
         base = self._heads.get(key)
         if base is None:
-            base = self._heads[key] = build_head(cfg, talker, role_ids, xvector.new_zeros(xvector.shape), language)
-        rows = base.rows.clone()
-        # The x-vector's control row: tpad + x (3 role rows, then the codec prefix's control rows).
-        rows[3 + len(_codec_prefix(cfg, language))] = base.tpad + upload(xvector, w.dtype, w.device)
-        return PromptHead(rows, base.bos_codec, base.tbos, base.teos, base.tpad)
+            zero = talker.codec_head.weight.new_zeros(cfg.talker.hidden_size)
+            base = self._heads[key] = build_head(cfg, talker, role_ids, zero, language)
+        return base, 3 + len(_codec_prefix(cfg, language))
+
+
+def build_text_prompts(
+    cfg: ModelConfig,
+    talker: Talker,
+    texts: list[list[int]],
+    role_ids: list[int],
+    xvectors: list[Tensor],
+    languages: list[str],
+    heads: HeadCache,
+    table: TextTable,
+) -> list[Prompt]:
+    """The prompts `build_prompt` builds with `heads` and `table` for x-vector requests with their whole text in the
+    prefill (non-streaming), the same bits, in a fixed number of launches for any number of requests: every row of
+    every prefill is one gather from the rows they are made of (the heads, the x-vector rows tpad + x, the text rows
+    + C(pad), the end rows), and each prompt's prefill is a view of that one tensor."""
+    if not texts:
+        return []
+    if any(not t for t in texts):
+        raise ValueError("text_ids is empty: the prompt needs at least one text token")
+    hidden = cfg.talker.hidden_size
+    for x in xvectors:
+        if x.shape != (hidden,):
+            raise ValueError(f"x-vector must have shape ({hidden},), got {tuple(x.shape)}")
+    languages = [normalize_language(cfg, language) for language in languages]
+    w = talker.codec_head.weight
+    tc = cfg.talker
+    bases = {}  # language -> (head, x row, offset of its rows in the sources)
+    sources: list[Tensor] = []
+    offset = 0
+    for language in dict.fromkeys(languages):
+        base, x_row = heads.base(cfg, talker, role_ids, language)
+        bases[language] = (base, x_row, offset)
+        sources.append(base.rows)
+        offset += base.rows.shape[0]
+    any_head = next(iter(bases.values()))[0]
+    pads = talker.embed_codec(upload([tc.codec_pad_id, tc.codec_bos_id], torch.long, w.device))  # C(pad), C(bos)
+    end = torch.stack((any_head.teos + pads[0], any_head.tpad + pads[1]))  # teos + C(pad), tpad + C(bos)
+    xs = torch.stack([x.to(device="cpu") for x in xvectors])
+    xrows = any_head.tpad + upload(xs, w.dtype, w.device)  # (n, H) tpad + x
+    text = table.rows([t for ids in texts for t in ids]) + pads[0]  # (sum of lengths, H) P(t) + C(pad)
+    end_at, x_at = offset, offset + 2
+    text_at = x_at + len(texts)
+    sources += [end, xrows, text]
+    index: list[int] = []
+    lengths: list[int] = []
+    first_text = text_at
+    for i, (ids, language) in enumerate(zip(texts, languages, strict=True)):
+        base, x_row, at = bases[language]
+        rows = list(range(at, at + base.rows.shape[0]))
+        rows[x_row] = x_at + i
+        rows += range(first_text, first_text + len(ids))
+        rows += (end_at, end_at + 1)
+        first_text += len(ids)
+        index += rows
+        lengths.append(len(rows))
+    flat = torch.cat(sources).index_select(0, upload(index, torch.long, w.device))
+    empty = flat.new_zeros((0, hidden))
+    prompts = []
+    start = 0
+    for n in lengths:
+        prompts.append(Prompt(prefill=flat[start : start + n], trailing=empty, pad=any_head.tpad, end=any_head.teos))
+        start += n
+    return prompts
 
 
 class IclRows(NamedTuple):

@@ -30,7 +30,7 @@ from qwen_tts.model.config import ModelConfig
 from qwen_tts.model.icl_prompt import icl_trailing_ids, reference_block
 from qwen_tts.model.layers import upload
 from qwen_tts.model.loading import Qwen3TTS, load_model
-from qwen_tts.model.prompt import HeadCache, IclRows, Prompt, TextTable, build_prompt
+from qwen_tts.model.prompt import HeadCache, IclRows, Prompt, TextTable, build_prompt, build_text_prompts
 from qwen_tts.model.sampling import suppress_mask
 
 from .decoder import DecodeJob, DecodeWorker, SlotDecoder
@@ -196,6 +196,7 @@ class ModelRunner:
                 max_len=max_prompt_len(self.config),
                 max_tokens=PREFILL_TOKENS_PER_BATCH,
                 mode=prefill_mode,
+                one_copy=self.fast.batched_admission,
             )
             if self.config.warmup:
                 self._prefiller.capture_all()
@@ -249,17 +250,31 @@ class ModelRunner:
         prefilled request starts (`start`); one cancelled meanwhile, or whose prompt or prefill fails, finishes."""
         t0 = time.perf_counter()
         ready: list[RequestState] = []
+        batch: list[RequestState] = []  # built together (batched_admission)
         for lv in admitted:
             lv.handle.stats.started_at = time.monotonic()
             if lv.cancelled:
                 self._finish(lv, FinishReason.CANCELLED, None)
                 continue
+            if self.fast.batched_admission and self._batchable(lv):
+                batch.append(lv)
+                continue
+            self._prompt_or_fail(lv, ready)
+        if len(batch) > 1:
             try:
                 with torch.inference_mode(), record_function("prefill.prompt"):
-                    lv.prompt = self._build_prompt(lv)
-                ready.append(lv)
-            except Exception as e:
-                self._fail_admission(lv, e)
+                    prompts = build_text_prompts(
+                        self._cfg, self._talker, [lv.text_ids for lv in batch], self._role_ids,
+                        [lv.request.xvector for lv in batch], [lv.language for lv in batch], self._heads, self._text,
+                    )  # fmt: skip
+                for lv, prompt in zip(batch, prompts, strict=True):
+                    lv.prompt = prompt
+                ready += batch
+                batch = []
+            except Exception as e:  # find the culprit: each request's prompt on its own
+                log.warning("batched prompts failed (%r); building them one by one", e)
+        for lv in batch:
+            self._prompt_or_fail(lv, ready)
         self._timings["prefill_prompt_s"] += time.perf_counter() - t0
         # Short prompts first, in groups of bounded padded size.
         ready.sort(key=lambda lv: lv.prompt.prefill.shape[0])
@@ -273,6 +288,20 @@ class ModelRunner:
         if group:
             self._prefill(group)
         self._timings["prefill_s"] += time.perf_counter() - t0
+
+    def _prompt_or_fail(self, lv: RequestState, ready: list[RequestState]) -> None:
+        try:
+            with torch.inference_mode(), record_function("prefill.prompt"):
+                lv.prompt = self._build_prompt(lv)
+            ready.append(lv)
+        except Exception as e:
+            self._fail_admission(lv, e)
+
+    @staticmethod
+    def _batchable(lv: RequestState) -> bool:
+        """Whether `build_text_prompts` builds this request's prompt: an x-vector voice, its whole text known and
+        in the prefill."""
+        return lv.request.icl is None and lv.feed is None and lv.request.non_streaming_text
 
     def _build_prompt(self, lv: RequestState) -> Prompt:
         req = lv.request
