@@ -25,7 +25,7 @@ from bench_engine import TEXT
 from qwen_tts.engine_api import EngineSettings, SynthesisRequest
 from qwen_tts.engines import create_engine
 from qwen_tts.model.layers import upload
-from qwen_tts.model.prompt import build_prompt
+from qwen_tts.model.prompt import build_prompt, build_text_prompts
 from qwen_tts.model.random_checkpoint import write_random_checkpoint
 
 
@@ -60,9 +60,13 @@ def parts(engine, n: int, repeats: int) -> dict[str, float]:
             for x in xs
         ]  # fmt: skip
 
+    def together():  # the same prompts in one call (batched_admission)
+        return build_text_prompts(r._cfg, r._talker, [text_ids] * n, r._role_ids, xs, ["auto"] * n, r._heads, r._text)
+
     out = {}
     with torch.inference_mode():
         out["prompt_ms"], ps = timed(engine, prompts, repeats)
+        out["prompts_together_ms"], _ = timed(engine, together, repeats)
         T = max(p.prefill.shape[0] for p in ps)
         embeds = torch.zeros(n, T, ps[0].prefill.shape[1], device=engine.device, dtype=engine.dtype)
         for i, p in enumerate(ps):
@@ -80,7 +84,8 @@ async def main(a) -> None:
     tmp = tempfile.TemporaryDirectory()
     t0 = time.perf_counter()
     ckpt = write_random_checkpoint(Path(tmp.name) / a.size, size=a.size, seed=0, tokenizer_dir=a.tokenizer_dir)
-    engine = create_engine(EngineSettings(model_path=str(ckpt), device=a.device, max_slots=max(a.groups)))
+    settings = EngineSettings(model_path=str(ckpt), device=a.device, max_slots=max(a.groups), warmup=a.warmup)
+    engine = create_engine(settings)
     await engine.start()
     print(f"[prefill] checkpoint + start {time.perf_counter() - t0:.1f} s", flush=True)
     try:
@@ -108,4 +113,6 @@ if __name__ == "__main__":
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--tokenizer-dir")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="start the engine without its warm-up and graph capture (the prompts need neither)")  # fmt: skip
     asyncio.run(main(ap.parse_args()))
