@@ -372,14 +372,21 @@ async def test_failure_in_one_request_leaves_others_intact(tiny_model, overlap, 
 async def test_prefill_failure_is_isolated(tiny_model, monkeypatch):
     eng = make_engine(tiny_model, max_slots=2)
     await eng.start()
-    real = runner_mod.build_prompt
+    real, real_together = runner_mod.build_prompt, runner_mod.build_text_prompts
+    boom = len(tiny_model.tokenizer.text_ids("boom boom boom"))
 
     def bad_prompt(cfg, talker, text_ids, *a, **k):
-        if len(text_ids) == len(tiny_model.tokenizer.text_ids("boom boom boom")):
+        if len(text_ids) == boom:
             raise RuntimeError("injected")
         return real(cfg, talker, text_ids, *a, **k)
 
+    def bad_together(cfg, talker, texts, *a):  # the burst's build fails; then each is built alone
+        if any(len(t) == boom for t in texts):
+            raise RuntimeError("injected")
+        return real_together(cfg, talker, texts, *a)
+
     monkeypatch.setattr(runner_mod, "build_prompt", bad_prompt)
+    monkeypatch.setattr(runner_mod, "build_text_prompts", bad_together)
     try:
         hs = [
             eng.submit(req(tiny_model, "boom boom boom", max_frames=5)),
@@ -857,10 +864,9 @@ def burst_requests(model) -> list[SynthesisRequest]:
     [{}, {"overlap_steps": True}, {"frame_step": "padded", "overlap_steps": True}],
     ids=["in-turn", "overlapped", "padded"],
 )
-async def test_batched_admission_gives_the_codes_of_prompts_built_one_by_one(tiny_model, monkeypatch, setup):
-    """With batched_admission the burst's x-vector prompts are built in one call and each prefill group's input in
-    one copy: the same codes and audio as prompts built and copied one by one; the streamed-text request is built on
-    its own. If the batched build fails, each request's prompt is built alone and nothing fails."""
+async def test_prompts_built_together_give_the_codes_of_prompts_built_one_by_one(tiny_model, monkeypatch, setup):
+    """A burst's x-vector prompts are built in one call: the same codes and audio as when that call fails and each
+    request's prompt is built alone (the fallback); the streamed-text request is built on its own either way."""
     calls: list[int] = []
     real = runner_mod.build_text_prompts
 
@@ -868,12 +874,10 @@ async def test_batched_admission_gives_the_codes_of_prompts_built_one_by_one(tin
         calls.append(len(texts))
         return real(cfg, talker, texts, *rest)
 
-    monkeypatch.setattr(runner_mod, "build_text_prompts", counted)
     out = {}
-    for name, batched in (("one by one", False), ("batched", True), ("failing", True)):
-        if name == "failing":
-            monkeypatch.setattr(runner_mod, "build_text_prompts", lambda *a: 1 / 0)
-        eng = make_engine(tiny_model, max_slots=8, batched_admission=batched, **setup)
+    for name, builder in (("together", counted), ("one by one", lambda *a: 1 / 0)):
+        monkeypatch.setattr(runner_mod, "build_text_prompts", builder)
+        eng = make_engine(tiny_model, max_slots=8, **setup)
         async with started(eng):
             with eng._cv:  # one admission for the whole burst
                 hs = [eng.submit(r) for r in burst_requests(tiny_model)]
@@ -882,12 +886,11 @@ async def test_batched_admission_gives_the_codes_of_prompts_built_one_by_one(tin
         assert set(reasons) <= {FinishReason.EOS, FinishReason.BUDGET}, (name, reasons)
         out[name] = ([codes_of(h) for h in hs], audio, reasons)
     assert calls == [5]
-    for name in ("batched", "failing"):
-        assert out[name][2] == out["one by one"][2], name
-        for a, b in zip(out["one by one"][0], out[name][0], strict=True):
-            assert torch.equal(a, b), name
-        for a, b in zip(out["one by one"][1], out[name][1], strict=True):
-            assert np.array_equal(a, b), name
+    assert out["together"][2] == out["one by one"][2]
+    for a, b in zip(out["together"][0], out["one by one"][0], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(out["together"][1], out["one by one"][1], strict=True):
+        assert np.array_equal(a, b)
 
 
 @pytest.mark.parametrize(

@@ -84,7 +84,9 @@ async def main(a) -> None:
     tmp = tempfile.TemporaryDirectory()
     t0 = time.perf_counter()
     ckpt = write_random_checkpoint(Path(tmp.name) / a.size, size=a.size, seed=0, tokenizer_dir=a.tokenizer_dir)
-    settings = EngineSettings(model_path=str(ckpt), device=a.device, max_slots=max(a.groups), warmup=a.warmup)
+    settings = EngineSettings(
+        model_path=str(ckpt), device=a.device, max_slots=max(a.groups), max_frames=100, warmup=a.warmup
+    )
     engine = create_engine(settings)
     await engine.start()
     print(f"[prefill] checkpoint + start {time.perf_counter() - t0:.1f} s", flush=True)

@@ -121,12 +121,6 @@ class FastPath:
     # With graphed frame steps, replay Code2Wav from a CUDA graph per (batch bucket, chunk length).
     decode_graphs: bool = True
 
-    # --- admission ---------------------------------------------------------------------------------------------
-    # The prompts of the requests admitted together (x-vector voices, text in the prefill) built in one gather, and
-    # each prefill group's prompts copied into its input in one: a fixed number of launches a burst, not a dozen a
-    # request (prompt.build_text_prompts).
-    batched_admission: bool = False
-
     def __post_init__(self) -> None:
         if self.frame_step not in ("auto", "eager", "padded", "graphs"):
             raise FastPathError(

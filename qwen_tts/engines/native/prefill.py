@@ -50,12 +50,10 @@ class PrefillRunner:
         max_len: int,
         max_tokens: int,
         mode: str,
-        one_copy: bool = False,
     ):
         if mode not in ("exact", "padded", "graphs"):
             raise ValueError(f"prefill mode must be exact, padded or graphs, not {mode!r}")
         self.talker, self.cache, self.scratch, self.mode = talker, cache, scratch, mode
-        self.one_copy = one_copy  # a group's prompts copied into its input in one launch, not one each
         self.max_tokens = max_tokens
         self.len_buckets = len_buckets(min(max_len, cache.max_len))
         self.batch_buckets = batch_buckets(max_batch)
@@ -100,7 +98,7 @@ class PrefillRunner:
             embeds.zero_()
         else:
             embeds = torch.zeros(B, T, self.hidden, device=self.device, dtype=self.dtype)
-        if self.one_copy and n > 1:
+        if n > 1:  # the group's prompts copied into its input in one launch, not one each
             rows = [i * T + t for i, n_ in enumerate(lens) for t in range(n_)]
             embeds.view(B * T, -1).index_copy_(0, upload(rows, torch.long, self.device), torch.cat(prompts))
         else:

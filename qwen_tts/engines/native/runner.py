@@ -196,7 +196,6 @@ class ModelRunner:
                 max_len=max_prompt_len(self.config),
                 max_tokens=PREFILL_TOKENS_PER_BATCH,
                 mode=prefill_mode,
-                one_copy=self.fast.batched_admission,
             )
             if self.config.warmup:
                 self._prefiller.capture_all()
@@ -246,17 +245,19 @@ class ModelRunner:
         log.debug("engine initialised: %s", self._model_info)  # model_info in full: for debugging
 
     def admit(self, admitted: list[RequestState]) -> None:
-        """Build prompts and prefill newly admitted requests, batched (padded at the end) to spare launches. Each
-        prefilled request starts (`start`); one cancelled meanwhile, or whose prompt or prefill fails, finishes."""
+        """Build prompts and prefill newly admitted requests, batched (padded at the end) to spare launches: the
+        x-vector prompts with their text in the prefill are built together in a fixed number of launches
+        (`build_text_prompts`), the others one by one. Each prefilled request starts (`start`); one cancelled
+        meanwhile, or whose prompt or prefill fails, finishes."""
         t0 = time.perf_counter()
         ready: list[RequestState] = []
-        batch: list[RequestState] = []  # built together (batched_admission)
+        batch: list[RequestState] = []  # built together (build_text_prompts)
         for lv in admitted:
             lv.handle.stats.started_at = time.monotonic()
             if lv.cancelled:
                 self._finish(lv, FinishReason.CANCELLED, None)
                 continue
-            if self.fast.batched_admission and self._batchable(lv):
+            if self._batchable(lv):
                 batch.append(lv)
                 continue
             self._prompt_or_fail(lv, ready)
