@@ -33,9 +33,9 @@ class CheckpointEngine(Engine):
 
 class FiniteCheck:
     """Whether a tensor holds only finite values, remembered per tensor object while it lives and is not written to:
-    a voice's x-vector is the one tensor of its profile, checked on its first request, not on every one. On the
-    event loop every torch call hands the GIL to the engine's threads and waits for it back, so three calls a
-    request stall the loop behind the engine's work (the burst's admission) where a lookup does not."""
+    a voice's x-vector is the one tensor of its profile, checked on its first request, not on every one. A torch
+    call on the event loop releases the GIL and must win it back from the engine's threads; in a profile of the
+    server under a burst this check was the largest item of the loop's request handling, where a lookup is not."""
 
     LIMIT = 4096  # tensors remembered before starting over
 

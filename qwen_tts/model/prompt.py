@@ -14,6 +14,10 @@ text, the whole text in non-streaming mode) so the float rounding of each row ma
 trailing text: its rows are projected in aligned groups of TEXT_TRACK_GROUP rows (`text_track_rows`), so a row's
 bits depend on its token and its index alone, not on how much text follows. A matmul's rounding depends on its row
 count; this way text that arrives token by token (qwen_tts/text_stream.py) gets the rows the whole text gets.
+
+The native engine takes every text row from a `TextTable` instead: each token projected once, in such a group, and
+kept, so a prompt's text is one gather and a token's row is the same bits in every text. `build_text_prompts` builds
+the prompts of a burst (x-vector voices, text in the prefill) in a fixed number of launches, with those bits.
 """
 
 from __future__ import annotations
@@ -108,7 +112,8 @@ class TextTable:
                 self._slot.clear()
                 missing = list(dict.fromkeys(ids))
             if len(missing) > self.limit:  # more distinct tokens than the table holds: these rows are not kept
-                return self._projected(missing)[upload([missing.index(t) for t in ids], torch.long, self._device)]
+                at = {t: i for i, t in enumerate(missing)}
+                return self._projected(missing)[upload([at[t] for t in ids], torch.long, self._device)]
             self._add(missing)
         if not ids:
             return self._rows[:0]
