@@ -71,12 +71,16 @@ def text_track_rows(talker: Talker, track_ids: list[int], start: int, pad_id: in
     group = TEXT_TRACK_GROUP
     out = []
     for first in range(start - start % group, len(track_ids), group):
-        ids = track_ids[first : first + group]
-        rows = talker.embed_text(upload(ids + [pad_id] * (group - len(ids)), torch.long, w.device))
-        out.append(rows[max(start, first) - first : len(ids)])
+        out.append(project_group(talker, track_ids[first : first + group], pad_id)[max(start, first) - first :])
     if not out:
         return w.new_zeros((0, w.shape[1]))
     return torch.cat(out)
+
+
+def project_group(talker: Talker, ids: list[int], pad_id: int) -> Tensor:
+    """P(ids) for at most TEXT_TRACK_GROUP ids, projected as one group of that size filled with `pad_id`."""
+    group = ids + [pad_id] * (TEXT_TRACK_GROUP - len(ids))
+    return talker.embed_text(upload(group, torch.long, talker.codec_head.weight.device))[: len(ids)]
 
 
 TEXT_TABLE_ROWS = 16384  # rows a TextTable holds before it starts over
@@ -126,12 +130,8 @@ class TextTable:
     def _projected(self, tokens: list[int]) -> Tensor:
         """P(tokens), each group of TEXT_TRACK_GROUP tokens projected padded to that size."""
         group = TEXT_TRACK_GROUP
-        out = []
-        for i in range(0, len(tokens), group):
-            part = tokens[i : i + group]
-            out.append(self._talker.embed_text(upload(part + [self._pad_id] * (group - len(part)), torch.long,
-                                                      self._device))[: len(part)])  # fmt: skip
-        return torch.cat(out)
+        return torch.cat([project_group(self._talker, tokens[i : i + group], self._pad_id)
+                          for i in range(0, len(tokens), group)])  # fmt: skip
 
     def _add(self, tokens: list[int]) -> None:
         first = len(self._slot)
