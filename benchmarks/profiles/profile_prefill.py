@@ -53,14 +53,14 @@ def parts(engine, n: int, repeats: int) -> dict[str, float]:
     text_ids = r._tokenizer.text_ids(TEXT)
     xs = [torch.randn(engine.xvector_dim, generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
-    def prompts():  # as the engine builds them by default: the text in the prefill, its cached heads and text table
+    def prompts():  # one by one, as the engine builds a lone request's: text in the prefill, its heads and table
         return [
             build_prompt(r._cfg, r._talker, text_ids, r._role_ids, upload(x, engine.dtype, engine.device),
                          "auto", True, None, r._heads, r._text)
             for x in xs
         ]  # fmt: skip
 
-    def together():  # the same prompts in one call (batched_admission)
+    def together():  # the same prompts in one call, as the engine builds a burst's
         return build_text_prompts(r._cfg, r._talker, [text_ids] * n, r._role_ids, xs, ["auto"] * n, r._heads, r._text)
 
     out = {}

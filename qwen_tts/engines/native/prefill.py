@@ -102,8 +102,7 @@ class PrefillRunner:
             rows = [i * T + t for i, n_ in enumerate(lens) for t in range(n_)]
             embeds.view(B * T, -1).index_copy_(0, upload(rows, torch.long, self.device), torch.cat(prompts))
         else:
-            for i, p in enumerate(prompts):
-                embeds[i, : lens[i]] = p
+            embeds[0, : lens[0]] = prompts[0]
         slot_t = upload(slots + [self.scratch] * (B - n), torch.long, self.device)
         last_t = upload([n_ - 1 for n_ in lens] + [0] * (B - n), torch.long, self.device)
         if key in self._graphs:
