@@ -112,8 +112,9 @@ class EngineSettings:
     admission_step_budget_ms: float = 0.0
     # Chunks of one request that may wait in or for the decoder before that request's generation pauses.
     decode_lookahead: int = 2
-    # Most rows in one Code2Wav call (and its largest graph bucket); larger buckets only add graph memory.
-    decode_max_batch: int = 64
+    # Most rows in one Code2Wav call (and its largest graph bucket, so graph memory): at many streams a larger call
+    # decodes the same chunks in less GPU time (docs/performance.md); it never exceeds max_slots.
+    decode_max_batch: int = 128
     # TF32 in the float32 Code2Wav: cuDNN's convolutions, and the pre-transformer's matmuls in its CUDA graphs; much
     # faster, the audio within a small distance of the exact decode. False: exact streaming (a stream equals the
     # whole decode).

@@ -97,7 +97,7 @@ VARIANTS: dict[str, dict] = {
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
     "first-chunk-2": {"first_chunk_frames": 2},  # a first chunk of 2 frames (2, 4, 8, 12, 12, ...)
     "first-chunk-1": {"first_chunk_frames": 1},  # a first chunk of 1 frame (1, 2, 4, 8, 12, ...)
-    "decode-batch-128": {"decode_max_batch": 128},  # Code2Wav calls of up to 128 rows (default 64)
+    "decode-batch-64": {"decode_max_batch": 64},  # Code2Wav calls of up to 64 rows (the default before 128)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile", "icl"}  # the parts that need our checkpoints
 
