@@ -96,7 +96,6 @@ VARIANTS: dict[str, dict] = {
     "admission-64ms": {"admission_step_budget_ms": 64.0},  # queue new requests while steps exceed 64 ms
     "chunk-24": {"chunk_frames": 24},  # later chunks up to 24 frames (3, 6, 12, 24, 24, ...)
     "first-chunk-2": {"first_chunk_frames": 2},  # a first chunk of 2 frames (2, 4, 8, 12, 12, ...)
-    "first-chunk-1": {"first_chunk_frames": 1},  # a first chunk of 1 frame (1, 2, 4, 8, 12, ...)
     "decode-batch-64": {"decode_max_batch": 64},  # Code2Wav calls of up to 64 rows (the default before 128)
 }
 SIZE_PARTS = {"engine", "poisson", "http", "profile", "icl"}  # the parts that need our checkpoints
