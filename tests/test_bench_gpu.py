@@ -211,6 +211,24 @@ def test_loop_lag_reads_the_servers_probe_between_two_metrics_pages():
     assert bench.loop_lag("", "") == {"probes": 0}  # a server without the probe
 
 
+def test_time_to_engine_reads_the_servers_histogram_between_two_metrics_pages():
+    def page(counts):
+        bounds = ["0.0005", "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1.0", "+Inf"]
+        lines = [f'tts_time_to_engine_seconds_bucket{{le="{b}"}} {c}' for b, c in zip(bounds, counts, strict=True)]
+        return "\n".join([*lines, 'tts_event_loop_lag_seconds_bucket{le="+Inf"} 7'])  # another histogram, ignored
+
+    before = page([0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    # 20 requests more: 8 within 1 ms, 4 within 2.5 ms, 6 within 25 ms, 2 within 100 ms
+    after = page([0, 10, 14, 14, 14, 20, 20, 22, 22, 22, 22, 22])
+    assert bench.time_to_engine(before, after) == {
+        "requests": 20,
+        "p50_ms_at_most": 2.5,
+        "p95_ms_at_most": 100.0,
+        "max_ms_at_most": 100.0,
+    }
+    assert bench.time_to_engine(before, before) == {"requests": 0}
+
+
 def test_engine_variants_run_the_poisson_rates_asked_of_them(tmp_path):
     argv = ["--sizes", "tiny", "--parts", "engine,poisson", "--concurrency", "1", "--frames", "6"]
     argv += [
@@ -248,6 +266,9 @@ def test_the_http_part_streams_closed_levels_then_open_loop_arrivals_through_the
     assert closed["client_cpu_s"] > 0
     lag = closed["server_loop_lag"]  # the server's event-loop probe ran through the level
     assert lag["probes"] >= 1 and 0.0 <= lag["late_10ms_share"] <= 1.0 and lag["max_ms_at_most"] >= 1.0
+    # every request of the level reached the engine, counted by the server from its arrival
+    assert closed["server_time_to_engine"]["requests"] == 2 and closed["server_time_to_engine"]["max_ms_at_most"] > 0
+    assert arrivals["server_time_to_engine"]["requests"] == 3
     assert (arrivals["rate_per_s"], arrivals["requests"], arrivals["ok"], arrivals["errors"]) == (20.0, 3, 3, {})
     assert arrivals["audio_s"] == pytest.approx(3 * 6 * 0.08)
     assert arrivals["arrival_span_s"] == round(bench.poisson_offsets(20.0, 3, 0)[-1], 2)

@@ -353,3 +353,32 @@ def test_upload_bytes_in_flight_are_bounded_with_429(tmp_path: Path) -> None:
         assert assert_response_error(r, 400)["error"]["code"] == "invalid_multipart"
         time.sleep(0.2)
         assert "python_multipart" not in srv.log()
+
+
+# --- the server's own time before the engine ---------------------------------------------------------------------
+def _time_to_engine(server: ServerProcess) -> tuple[float, float]:
+    """(count, sum in s) of tts_time_to_engine_seconds on the server's /metrics page."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        for field in ("_count", "_sum"):
+            if line.startswith(f"tts_time_to_engine_seconds{field} "):
+                values[field] = float(line.split()[-1])
+    return values["_count"], values["_sum"]
+
+
+def test_time_to_engine_runs_from_the_arrival_of_the_headers_through_a_slow_body(server: ServerProcess) -> None:
+    """The metric starts when the read that completed a request's headers arrived (the app's own clock starts only
+    when its task first runs): a body sent 0.5 s after the headers is inside it, and the request is counted once."""
+    server.wait_idle(30)
+    count0, sum0 = _time_to_engine(server)
+    raw = json.dumps({"speaker_id": "demo", "text": "Hello there.", "max_new_tokens": 3}).encode()
+    with contextlib.closing(connect(server)) as s:
+        s.sendall(post_head("/synthesize", len(raw)))
+        time.sleep(0.5)
+        s.sendall(raw)
+        status, _, body = read_response(s, timeout=60)
+    assert status == 200 and body[:4] == b"RIFF"
+    count1, sum1 = _time_to_engine(server)
+    assert count1 - count0 == 1
+    assert 0.5 <= sum1 - sum0 < 5.0

@@ -273,7 +273,12 @@ async def test_metrics_count_requests_and_latencies(server: InProcess) -> None:
     text = (await server.client.get("/metrics")).text
     assert 'tts_http_requests_total{route="/synthesize",status="200"}' in text
     assert 'tts_syntheses_total{outcome="ok"}' in text
-    for name in ("tts_time_to_first_audio_seconds_count", "tts_queue_time_seconds_count", "tts_real_time_factor_count"):
+    for name in (
+        "tts_time_to_first_audio_seconds_count",
+        "tts_queue_time_seconds_count",
+        "tts_real_time_factor_count",
+        "tts_time_to_engine_seconds_count",
+    ):
         line = next(x for x in text.splitlines() if x.startswith(name))
         assert float(line.split()[-1]) >= 1, line
     assert "tts_requests_running 0.0" in text and "tts_requests_waiting 0.0" in text

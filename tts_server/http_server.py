@@ -59,6 +59,8 @@ FRESH_GRACE_S = 1.0
 # Longest a connection lingers after its last response when its client is still sending (an unread body, a refusal).
 LINGER_S = 2.0
 CONNECTION_EXTENSION = "tts.connection"
+# scope["state"] key: time.monotonic() when the request's headers arrived (the read that completed them).
+ARRIVED_AT = "arrived_at"
 
 
 @dataclass(frozen=True)
@@ -353,7 +355,12 @@ class HygienicH11Protocol(H11Protocol):
             self.real_transport.write(self._too_large())
             self.linger()  # the client is likely still sending its headers: let it read the 431
             return
+        arrived, cycle = time.monotonic(), self.cycle
         super().data_received(data)
+        if self.cycle is not cycle and self.cycle is not None:
+            # This read completed a request's headers. Its task has not run yet (the app's own clock starts when it
+            # does, which in a burst can be much later): the request's arrival is now.
+            self.cycle.scope.setdefault("state", {})[ARRIVED_AT] = arrived
         if self._header_timer is not None and self.conn.their_state is not h11.IDLE:
             self._cancel_header_timer()  # headers are complete; the body has its own timeout (TTS_BODY_TIMEOUT)
 

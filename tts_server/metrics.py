@@ -13,6 +13,9 @@ _RTF = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
 # How late the event loop runs a timer: from 1 ms (a busy loop) to 1 s (a stalled one).
 LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
+# From half a millisecond (one request on an idle server) to 1 s (a burst waiting its turn on a busy loop).
+TIME_TO_ENGINE_BUCKETS = (0.0005, *LOOP_LAG_BUCKETS)
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -31,6 +34,13 @@ class Metrics:
         self.disconnects = Counter("tts_client_disconnects", "Clients gone before their audio was complete", registry=r)
         self.ttfa = Histogram(
             "tts_time_to_first_audio_seconds", "Submit to first audio chunk", buckets=_LATENCY, registry=r
+        )
+        self.time_to_engine = Histogram(
+            "tts_time_to_engine_seconds",
+            "Request headers received to submission to the engine: the server's own share of first audio (waiting for "
+            "the event loop, reading and checking the body, finding the voice)",
+            buckets=TIME_TO_ENGINE_BUCKETS,
+            registry=r,
         )
         self.queue_time = Histogram(
             "tts_queue_time_seconds", "Submit to start of prefill", buckets=_LATENCY, registry=r

@@ -26,6 +26,7 @@ from qwen_tts.engine_api import RequestFailedError
 
 from .audio_encoding import FORMATS, StreamEncoder, encode, get_format
 from .errors import InvalidField, RequestTimeout, validation_error
+from .http_server import ARRIVED_AT
 from .middleware import StreamAborted, abort_connection
 from .runtime import Runtime
 from .schemas import SpeechRequest, StreamRequest, SynthesizeRequest, allowed_fields
@@ -48,6 +49,7 @@ async def file(request: Request, runtime: Runtime, body: SynthesizeRequest) -> R
             f"response_format: {body.response_format!r} is not available in this build", param="response_format"
         )
     job = await submit(runtime, body, _rid(request))
+    _submitted(request, job)
     return await _whole_file(request, job, body.response_format)
 
 
@@ -55,6 +57,7 @@ async def stream(request: Request, runtime: Runtime, body: StreamRequest) -> Res
     """POST /synthesize/stream (and /synthesize with `"stream": true`): chunked audio as it is decoded."""
     check_limits(runtime, body)
     job = await submit(runtime, body, _rid(request))
+    _submitted(request, job)
     first = await _start_stream(request, job)
     if isinstance(first, Response):
         return first
@@ -84,6 +87,7 @@ async def speech(request: Request, runtime: Runtime, body: SpeechRequest) -> Res
             code="unsupported_format",
         )
     job = await submit(runtime, body, _rid(request), speaker_field="voice")
+    _submitted(request, job)
     # FLAC cannot state its length up front and many decoders refuse a FLAC stream without it: sent whole, also as
     # the one delta of an SSE stream. A wav body is the saved file of OpenAI's `speech.create(...).write_to_file`,
     # which needs true RIFF and data sizes (a streamed header says 0xFFFFFFFF: 89,478 s to sox, 2**31-1 frames to
@@ -121,6 +125,15 @@ def as_stream_request(body: SynthesizeRequest) -> StreamRequest:
 # --- responses that own their job ------------------------------------------------------------------------------
 def _rid(request: Request) -> str:
     return request.state.request_id
+
+
+def _submitted(request: Request, job: Job) -> None:
+    """Count the time from the request's arrival (its headers read: tts_server/http_server.py; where the server is not
+    ours, the middleware's first look at it) to the engine's submission."""
+    state = request.scope.get("state", {})
+    arrived = state.get(ARRIVED_AT, state.get("received_at"))
+    if arrived is not None:
+        job.runtime.metrics.time_to_engine.observe(max(0.0, job.source.stats.submitted_at - arrived))
 
 
 def _audio_headers(job: Job, request: Request, pcm: np.ndarray) -> dict[str, str]:

@@ -806,37 +806,59 @@ class Server:
 
 
 LOOP_LAG = "tts_event_loop_lag_seconds"
+TIME_TO_ENGINE = "tts_time_to_engine_seconds"
 
 
-def _lag_buckets(text: str) -> dict[float, float]:
-    """The event-loop lag histogram's cumulative buckets in a /metrics page: upper bound (s) -> count."""
+def _buckets(text: str, name: str) -> dict[float, float]:
+    """A histogram's cumulative buckets in a /metrics page: upper bound (s) -> count."""
     from prometheus_client.parser import text_string_to_metric_families
 
     return {
         float(s.labels["le"]): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name == LOOP_LAG + "_bucket"
+        if s.name == name + "_bucket"
     }
+
+
+def _histogram_delta(before: str, after: str, name: str) -> tuple[float, dict[float, float], Callable]:
+    """A histogram's observations between two /metrics pages: their count, the cumulative bucket counts, and
+    bound(q): the smallest bucket bound (ms) holding share q of them (None: beyond the last)."""
+    b, a = _buckets(before, name), _buckets(after, name)
+    bounds = sorted(k for k in a if k != math.inf)
+    delta = {k: a[k] - b.get(k, 0.0) for k in a}
+    n = delta.get(math.inf, 0.0)
+
+    def bound(q: float) -> float | None:
+        return next((k * 1e3 for k in bounds if delta[k] >= q * n), None)
+
+    return n, delta, bound
 
 
 def loop_lag(before: str, after: str) -> dict:
     """How late the server's event loop ran its 50 ms probe between two /metrics pages: the probes, the share late
     by more than 10 ms, and the bucket bounds (ms) that hold the 99th percentile and the latest probe."""
-    b, a = _lag_buckets(before), _lag_buckets(after)
-    bounds = sorted(k for k in a if k != math.inf)
-    delta = {k: a[k] - b.get(k, 0.0) for k in a}
-    n = delta.get(math.inf, 0.0)
+    n, delta, bound = _histogram_delta(before, after, LOOP_LAG)
     if not n:
         return {"probes": 0}
-
-    def bound(q: float) -> float | None:  # the smallest bucket bound holding share q of the probes (None: beyond)
-        return next((k * 1e3 for k in bounds if delta[k] >= q * n), None)
-
     return {
         "probes": int(n),
         "late_10ms_share": round(1 - delta.get(0.01, 0.0) / n, 3),
         "p99_ms_at_most": bound(0.99),
+        "max_ms_at_most": bound(1.0),
+    }
+
+
+def time_to_engine(before: str, after: str) -> dict:
+    """The server's own time from a request's arrival to the engine's submission, between two /metrics pages: the
+    requests, and the bucket bounds (ms) that hold their median, 95th percentile and latest."""
+    n, _, bound = _histogram_delta(before, after, TIME_TO_ENGINE)
+    if not n:
+        return {"requests": 0}
+    return {
+        "requests": int(n),
+        "p50_ms_at_most": bound(0.5),
+        "p95_ms_at_most": bound(0.95),
         "max_ms_at_most": bound(1.0),
     }
 
@@ -1422,7 +1444,9 @@ class Run:
                 await http_level(server.url, n, min(a.frames, 8), not a.sampling)  # warm
                 before = await server.metrics()
                 r = await http_level(server.url, n, a.frames, not a.sampling)
-                r["server_loop_lag"] = loop_lag(before, await server.metrics())
+                after = await server.metrics()
+                r["server_loop_lag"] = loop_lag(before, after)
+                r["server_time_to_engine"] = time_to_engine(before, after)
                 r["server_ready_s"] = round(ready_s, 1)
                 r["api_processes"] = processes
                 emit({"part": "http", **r})
@@ -1435,7 +1459,9 @@ class Run:
                 count = a.poisson_count or max(1, round(rate * a.poisson_duration))
                 before = await server.metrics()
                 r = await http_poisson(server.url, rate, count, a.frames, not a.sampling)
-                r["server_loop_lag"] = loop_lag(before, await server.metrics())
+                after = await server.metrics()
+                r["server_loop_lag"] = loop_lag(before, after)
+                r["server_time_to_engine"] = time_to_engine(before, after)
                 r["api_processes"] = processes
                 emit({"part": "http", **r})
                 out.append(r)
