@@ -339,6 +339,7 @@ def test_bench_gpus_http_level_reports_the_servers_first_audio_beside_the_client
         assert r["audio_s"] == pytest.approx(3 * 5 * 0.08)  # every byte of 3 streams of 5 frames counted once
         # 10 ms per frame, a 3-frame first chunk: the server's own clock, inside the client's
         assert 30 <= r["server_ttfa_p50_ms"] <= r["server_ttfa_p95_ms"] <= r["ttfa_max_ms"]
+        assert r["server_time_to_engine"]["requests"] == 3
 
 
 @pytest.mark.slow
@@ -348,6 +349,9 @@ def test_the_wave_driver_streams_a_second_wave_over_the_same_kept_alive_connecti
     for r in rows:
         assert (r["ok"], r["errors"]) == (3, {})
         assert 30 <= r["server_ttfa_p50_ms"] <= r["ttfa_p50_ms"]
+        # each wave's three requests reached the engine, timed by the server from their arrival
+        assert r["server_time_to_engine"]["requests"] == 3
+        assert 0 < r["server_time_to_engine"]["p50_ms_at_most"] <= r["ttfa_p50_ms"]
 
 
 def test_engine_variants_combine_with_plus_and_unknown_names_are_refused_up_front():

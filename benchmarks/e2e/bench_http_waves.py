@@ -5,7 +5,8 @@ sends `--waves` waves of `--clients` concurrent POST /synthesize/stream requests
 reports per wave the time to first audio (TTFA) p50/p95/max at the client and where it went: `pool` is the time
 from the call to the request's headers going onto the wire (httpx: its connection pool, connecting included;
 h11: connecting, in the first wave), `server` the engine's submit-to-first-audio that the server reports
-(X-Time-To-First-Audio), plus the CPU seconds the client and the server spent in the wave.
+(X-Time-To-First-Audio), `server_time_to_engine` the server's own time from each request's arrival to its submission
+(tts_time_to_engine_seconds, as bucket bounds), plus the CPU seconds the client and the server spent in the wave.
 
     python benchmarks/e2e/bench_http_waves.py                         # httpx, one client shared by both waves
     python benchmarks/e2e/bench_http_waves.py --client httpx-fresh    # a new httpx client per wave
@@ -36,7 +37,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "e2e"))
-from bench_gpu import HttpConn, free_port, http_level, pct, stream_body  # noqa: E402  (the GPU benchmark's helpers and its HTTP level)
+from bench_gpu import HttpConn, free_port, http_level, pct, stream_body, time_to_engine  # noqa: E402  (the GPU benchmark's helpers and its HTTP level)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -168,10 +169,16 @@ def summary(wave: int, recs: list[Record], wall: float, client_cpu: float, serve
     }
 
 
+async def metrics_page(url: str) -> str:
+    async with httpx.AsyncClient(timeout=10) as c:
+        return (await c.get(url + "/metrics")).text
+
+
 async def run_bench_gpu(a: argparse.Namespace, url: str, server_pid: int) -> list[dict]:
     """bench_gpu.py's own HTTP level (a new client per call), as its HTTP part runs it, once per wave."""
     out = []
     for wave in range(1, a.waves + 1):
+        page = await metrics_page(url)
         c0, s0, t0 = time.process_time(), cpu_seconds(server_pid), time.perf_counter()
         r = await http_level(url, a.clients, a.frames, greedy=True)
         keys = (
@@ -186,6 +193,7 @@ async def run_bench_gpu(a: argparse.Namespace, url: str, server_pid: int) -> lis
         )
         row = {"wave": wave, **{k: r[k] for k in keys}, "wall_s": round(time.perf_counter() - t0, 3)}
         row.update(client_cpu_s=round(time.process_time() - c0, 3), server_cpu_s=round(cpu_seconds(server_pid) - s0, 3))
+        row["server_time_to_engine"] = time_to_engine(page, await metrics_page(url))
         print(json.dumps({"client": a.client, **row}), flush=True)
         out.append(row)
         await asyncio.sleep(a.pause)
@@ -203,6 +211,7 @@ async def run(a: argparse.Namespace, url: str, server_pid: int) -> list[dict]:
     try:
         for wave in range(1, a.waves + 1):
             await client.begin_wave()
+            page = await metrics_page(url)
             recs = [Record() for _ in range(a.clients)]
             c0, s0, t0 = time.process_time(), cpu_seconds(server_pid), time.perf_counter()
             for r in recs:
@@ -210,6 +219,8 @@ async def run(a: argparse.Namespace, url: str, server_pid: int) -> list[dict]:
             await asyncio.gather(*(client.one(i, a.frames, r) for i, r in enumerate(recs)))
             wall = time.perf_counter() - t0
             row = summary(wave, recs, wall, time.process_time() - c0, cpu_seconds(server_pid) - s0)
+            # the server's own time from each request's arrival to the engine (its clock: 0.5 ms buckets and up)
+            row["server_time_to_engine"] = time_to_engine(page, await metrics_page(url))
             if isinstance(client, H11Client):
                 row["connections_opened"] = client.opened
             print(json.dumps({"client": a.client, "started": round(time.time() - wall, 3), **row}), flush=True)
