@@ -269,8 +269,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             TTS_PORT=str(port),
             TTS_MAX_CONCURRENT=str(a.clients),
             TTS_MAX_QUEUE=str(a.clients),
-            # Every client comes from 127.0.0.1: the per-client cap must not be what a wave measures.
-            TTS_MAX_CONNECTIONS_PER_CLIENT=str(max(a.clients, 64)),
+            # Every client comes from 127.0.0.1: the per-client cap must not be what a wave measures. Room for the
+            # /metrics reads between waves too: at the cap the server evicts a wave's idle kept-alive connection.
+            TTS_MAX_CONNECTIONS_PER_CLIENT=str(max(a.clients + 8, 64)),
             TTS_LOG_LEVEL="warning",
         )
         env.update(kv.split("=", 1) for kv in a.server_env)
