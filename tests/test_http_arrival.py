@@ -37,7 +37,8 @@ def server() -> Iterator[tuple[int, dict[str, tuple[float | None, float]]]]:
         max_connections_per_client=16, retry_after=1,
     )  # fmt: skip
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning",
+    # log_config=None: uvicorn leaves the process's logging as it is (its own config would outlive the test).
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_config=None,
                             **uvicorn_options(limits))  # fmt: skip
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
